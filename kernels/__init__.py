@@ -1,0 +1,8 @@
+"""Triton kernels for segmented multi-LoRA and their thin launchers (imports torch and triton only).
+
+Installed as ``fast_multilora.kernels``.
+"""
+
+from .segments import AdapterTable, Segments, segments_from_token_slots
+
+__all__ = ["AdapterTable", "Segments", "segments_from_token_slots"]

@@ -1,0 +1,92 @@
+"""Plain data the kernels take: how tokens map to adapter slots, and one layer's per-slot adapter tables.
+
+Only torch is imported here, so both the Triton launchers and the pure-PyTorch reference can share these types.
+
+Conventions (every op follows them):
+
+* ``S`` tokens, rows of a 2-D activation ``x[S, K]``. A *slot* is a model-wide adapter index ``0 .. n_slots-1``.
+  Tokens that use no adapter (``"__base__"``) have slot ``-1``: kernels skip them (``dx`` rows are zero).
+* ``Segments`` lists runs of tokens that share a slot. ``indptr[i] .. indptr[i+1]`` are *logical* positions of
+  segment ``i``; the physical row of logical position ``j`` is ``perm[j]`` (``perm is None`` means identity, i.e.
+  the segments are contiguous runs of rows: the SGEMM family; with a permutation the segments are one per slot and
+  rows are gathered: the chunked SGMV family).
+* ``AdapterTable`` holds per-slot ``ranks`` (0 when the slot's adapter is absent from this layer: a no-op), the
+  first rank-row ``offsets`` of the slot in the concatenated weights, fp32 ``scales`` and dropout ``p``.
+* Concatenated weights of one layer: ``A_cat[stack_num * R_total, K]`` where slot ``a`` owns rows
+  ``stack_num*offsets[a] .. stack_num*(offsets[a]+ranks[a])`` (slice ``s`` of a stacked q/k/v group at
+  ``stack_num*offsets[a] + s*ranks[a]``); ``B_cat[N, R_total]`` (one per slice) where slot ``a`` owns columns
+  ``offsets[a] .. offsets[a]+ranks[a]``.
+* The shrink output ``h[S, stack_num * max_rank]`` is float32; a token of slot ``a`` uses columns
+  ``0 .. stack_num*ranks[a]`` (slice ``s`` at ``s*ranks[a]``). Columns beyond are don't-care.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+
+class Segments(NamedTuple):
+    indptr: torch.Tensor  # int32 [n_seg + 1], logical token boundaries
+    slot: torch.Tensor  # int32 [n_seg], adapter slot of each segment
+    perm: Optional[torch.Tensor]  # int32 [S] logical -> physical row, or None for identity
+    max_len: int  # longest segment (host int, sizes grids)
+    num_tokens: int  # S, rows of the activations
+    cache: dict  # launcher-side derived tables (chunk lists per block size), filled lazily
+
+    @property
+    def num_segments(self) -> int:
+        return self.slot.numel()
+
+
+class AdapterTable(NamedTuple):
+    ranks: torch.Tensor  # int32 [n_slots]
+    offsets: torch.Tensor  # int32 [n_slots], first rank-row of each slot in A_cat / column in B_cat
+    scales: torch.Tensor  # float32 [n_slots]
+    dropout: torch.Tensor  # float32 [n_slots]
+    max_rank: int  # max over ranks (host int)
+    total_rank: int  # sum of ranks (host int)
+    has_dropout: bool  # any dropout p > 0 (host bool)
+
+
+def segments_from_token_slots(token_slots: torch.Tensor, grouped: bool, device=None) -> Segments:
+    """Build ``Segments`` from host (CPU) per-token slots (``-1`` = no adapter); one small host->device copy.
+
+    ``grouped=False`` (SGEMM family): tokens stay in place, one segment per run of equal slots, covering all ``S``
+    tokens; runs of base tokens are segments with slot ``-1``, which every kernel skips (or, for ``dx``, zeroes).
+    ``grouped=True`` (chunked SGMV family): adapter tokens stable-sorted by slot, one segment per used slot; ``perm``
+    lists only adapter tokens, so base tokens are in no segment.
+    """
+    token_slots = token_slots.to("cpu", torch.int64).reshape(-1)
+    S = token_slots.numel()
+    device = torch.device(device) if device is not None else token_slots.device
+    perm = None
+    keys = token_slots
+    if grouped:
+        order = torch.sort(token_slots, stable=True).indices
+        order = order[token_slots[order] >= 0]
+        keys = token_slots[order]
+        perm = order.to(torch.int32)
+    n = keys.numel()
+    if n == 0:
+        starts = torch.zeros(0, dtype=torch.int64)
+    else:
+        change = torch.ones(n, dtype=torch.bool)
+        change[1:] = keys[1:] != keys[:-1]
+        starts = torch.nonzero(change).reshape(-1)
+    indptr = torch.cat([starts, torch.tensor([n], dtype=torch.int64)])
+    slots = keys[starts]
+    lens = indptr[1:] - indptr[:-1]
+    live = slots >= 0
+    host = torch.cat([indptr, slots] + ([perm.to(torch.int64)] if perm is not None else [])).to(torch.int32)
+    dev = host.to(device, non_blocking=True) if device.type != "cpu" else host
+    n_seg = slots.numel()
+    return Segments(
+        indptr=dev[: n_seg + 1],
+        slot=dev[n_seg + 1 : 2 * n_seg + 1],
+        perm=dev[2 * n_seg + 1 :] if perm is not None else None,
+        max_len=int(lens[live].max()) if bool(live.any()) else 0,
+        num_tokens=S,
+        cache={},
+    )
