@@ -1,7 +1,37 @@
+"""Test set-up: device choice, the Triton interpreter on CPU, NaN-poisoned outputs.
+
+By default tests run on the CPU with ``TRITON_INTERPRET=1`` (set here, before triton is imported), so Triton
+kernels run on CPU tensors. ``FML_TEST_DEVICE=cuda`` (the GPU script sets it) runs the same tests on the GPU with
+compiled kernels and enables the tests marked ``gpu``.
+"""
+
 import os
 import sys
 
-# Triton kernels run on CPU tensors through the interpreter; it must be set before triton is imported.
-if not os.environ.get("CUDA_VISIBLE_DEVICES_FOR_TESTS_GPU"):
+import pytest
+
+DEVICE = os.environ.get("FML_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if DEVICE == "cuda" and torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (FML_TEST_DEVICE=cuda)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -57,3 +57,13 @@ def dense_lora(x, token_slots, As, Bs, scales, keep=None, ps=None):
             xt = xt * keep[t].double() / (1 - ps[a])
         out[t] = scales[a] * (xt @ As[a].double().T) @ Bs[a].double().T
     return out
+
+
+DEVICE = __import__("os").environ.get("FML_TEST_DEVICE", "cpu")
+# The Triton interpreter multiplies raw bits for bfloat16 tl.dot (triton-lang/triton#11584), so bf16 runs on GPU only.
+KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def poisoned(*shape, dtype=torch.float32, device="cpu"):
+    """An output buffer full of NaN, so rows or columns a kernel fails to write fail the test."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
