@@ -1,0 +1,175 @@
+"""The autograd Function of one layer's LoRA delta over a mixed batch, and the two backends it runs on.
+
+``y = base(x) + sum over segments of scale_a * dropout_a(x_seg) @ A_a^T @ B_a^T`` -- the base layer stays opaque
+(it may be quantized); only the delta is ours. The delta is added in place into the base output ``y`` (the expand's
+fused add), so ``y`` is marked dirty and its gradient passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import reference
+from .kernels.segments import AdapterTable, Segments
+
+
+class TorchBackend:
+    """Pure-PyTorch segmented ops (``fast_multilora.reference``); dropout masks drawn from the seed on the device."""
+
+    name = "torch"
+
+    @staticmethod
+    def _keep(x, segs, table, seed):
+        if seed is None or not table.has_dropout:
+            return None
+        g = torch.Generator(device=x.device)
+        g.manual_seed(seed)
+        p = reference.token_slots(segs)
+        p = torch.where(p >= 0, table.dropout[p.clamp(min=0)], torch.zeros((), device=x.device))
+        return torch.rand(x.shape, generator=g, device=x.device) >= p[:, None]
+
+    def shrink(self, x, A_cat, segs, table, stack_num, seed):
+        return reference.lora_shrink(x, A_cat, segs, table, stack_num=stack_num, keep=self._keep(x, segs, table, seed))
+
+    def expand(self, h, B_cat, segs, table, y, stack_num, slice_idx):
+        return reference.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx)
+
+    def expand_bwd(self, dy, h, B_cat, segs, table, stack_num, slice_idx, dh=None):
+        return reference.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx, dh=dh)
+
+    def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx):
+        keep = self._keep(x, segs, table, seed)
+        return reference.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, keep=keep, need_dx=need_dx)
+
+
+class TritonBackend:
+    """Triton kernels (``fast_multilora.kernels``); on CPU tensors they need ``TRITON_INTERPRET=1``."""
+
+    name = "triton"
+
+    def __init__(self):
+        from . import kernels as K
+
+        self.k = K
+
+    def shrink(self, x, A_cat, segs, table, stack_num, seed):
+        return self.k.lora_shrink(x, A_cat, segs, table, stack_num=stack_num, seed=seed)
+
+    def expand(self, h, B_cat, segs, table, y, stack_num, slice_idx):
+        return self.k.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx)
+
+    def expand_bwd(self, dy, h, B_cat, segs, table, stack_num, slice_idx, dh=None):
+        return self.k.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx, dh=dh)
+
+    def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx):
+        return self.k.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed, need_dx=need_dx)
+
+
+_BACKENDS: dict = {}
+
+
+def get_backend(name: str, device: torch.device):
+    """Resolve ``"auto" | "torch" | "triton"`` for tensors on ``device``."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "backend='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 before triton is "
+            "imported, or use backend='torch' (or 'auto') on CPU"
+        )
+    if name not in ("torch", "triton"):
+        raise ValueError(f"unknown backend {name!r}; expected 'auto', 'torch' or 'triton'")
+    if name not in _BACKENDS:
+        _BACKENDS[name] = TorchBackend() if name == "torch" else TritonBackend()
+    return _BACKENDS[name]
+
+
+@dataclass
+class DeltaSpec:
+    """Everything but tensors that one layer call needs (kept on ``ctx`` for backward)."""
+
+    segs: Segments
+    table: AdapterTable
+    backend: object
+    seed: Optional[int]  # dropout seed, None when no dropout this call
+    num_adapters: int  # adapters present in the layer (their A and B weights follow x, y in apply())
+    ranks: tuple  # host ranks of those adapters, in slot order
+    has_bias: bool  # lora_bias: one bias per adapter follows the B weights
+    bias_slots: Optional[torch.Tensor] = None  # [S] slot-table row per token for the bias gather
+
+
+class LoraDelta(torch.autograd.Function):
+    """``y += delta(x)`` for a mixed batch; inputs ``x[S, K]``, ``y[S, N]`` then every present adapter's ``A``
+    (``[r, K]``), ``B`` (``[N, r]``) and, with ``lora_bias``, bias (``[N]``)."""
+
+    @staticmethod
+    def forward(ctx, x_in, y_in, spec: DeltaSpec, *weights):
+        n = spec.num_adapters
+        x = x_in.reshape(-1, x_in.shape[-1])
+        if not x.is_contiguous():
+            x = x.contiguous()
+        y = y_in.view(-1, y_in.shape[-1])  # the caller passes a contiguous base output
+        A_cat = torch.cat(weights[:n]) if n else x.new_zeros(0, x.shape[1])
+        B_cat = torch.cat(weights[n : 2 * n], 1) if n else y.new_zeros(y.shape[1], 0)
+        be = spec.backend
+        h = be.shrink(x, A_cat, spec.segs, spec.table, 1, spec.seed)
+        be.expand(h, B_cat, spec.segs, spec.table, y, 1, 0)
+        if spec.has_bias:
+            _add_bias(y, weights[2 * n :], spec)
+        ctx.mark_dirty(y_in)
+        ctx.save_for_backward(x, h, A_cat, B_cat, *weights)
+        ctx.spec = spec
+        ctx.x_shape = x_in.shape
+        return y_in
+
+    @staticmethod
+    def backward(ctx, dy_in):
+        spec: DeltaSpec = ctx.spec
+        x, h, A_cat, B_cat, *weights = ctx.saved_tensors
+        n = spec.num_adapters
+        needs = ctx.needs_input_grad
+        need_dx = needs[0]
+        need_w = any(needs[3:])
+        dx, grads = None, [None] * len(weights)
+        dy = dy_in.reshape(-1, dy_in.shape[-1])
+        if (need_dx or need_w) and n:
+            dy = dy.contiguous()
+            be = spec.backend
+            dh, dB = be.expand_bwd(dy, h, B_cat, spec.segs, spec.table, 1, 0)
+            dx, dA = be.shrink_bwd(dh, x, A_cat, spec.segs, spec.table, 1, spec.seed, need_dx)
+            for i, (ga, gb) in enumerate(zip(dA.split(spec.ranks), dB.split(spec.ranks, dim=1))):
+                grads[i] = ga.to(weights[i].dtype)
+                grads[n + i] = gb.to(weights[n + i].dtype)
+            if spec.has_bias:
+                for i, gbias in enumerate(_bias_grad(dy, spec)):
+                    grads[2 * n + i] = gbias.to(weights[2 * n + i].dtype)
+        elif need_dx:
+            dx = torch.zeros_like(x)
+        if dx is not None:
+            dx = dx.view(ctx.x_shape)
+        return (dx, dy_in, None, *grads)
+
+
+def _onehot(spec: DeltaSpec, dtype) -> torch.Tensor:
+    """[num_adapters, S] one-hot of each token's present-adapter row (zeros for base/absent): a deterministic
+    segment-sum by matmul, used only for ``lora_bias``."""
+    idx = spec.bias_slots
+    oh = torch.zeros(spec.num_adapters + 1, idx.numel(), dtype=dtype, device=idx.device)
+    oh[idx, torch.arange(idx.numel(), device=idx.device)] = 1
+    return oh[:-1]
+
+
+def _add_bias(y, biases, spec: DeltaSpec) -> None:
+    scales = spec.table.scales[spec.table.ranks > 0].to(torch.float32)  # present adapters, slot order
+    bias = torch.stack([b.float() for b in biases]) * scales[:, None]  # [n, N]
+    y += (_onehot(spec, torch.float32).T @ bias).to(y.dtype)
+
+
+def _bias_grad(dy, spec: DeltaSpec):
+    scales = spec.table.scales[spec.table.ranks > 0].to(torch.float32)
+    g = _onehot(spec, torch.float32) @ dy.float()  # [n, N]
+    return list(g * scales[:, None])

@@ -1,0 +1,66 @@
+"""Per-adapter loss: the sum over adapters of each adapter's mean token loss.
+
+Why: with a plain mean over all tokens of a mixed batch, an adapter's gradient is scaled by its share of the batch's
+tokens, so its effective learning rate would change with the mix. Summing per-adapter means gives every adapter
+exactly the gradient of training it alone on its own samples (mean over its tokens), whatever the mix. ``__base__``
+rows are left out (they train nothing).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .plan import BASE
+
+
+def per_adapter_mean(values: torch.Tensor, token_adapter: torch.Tensor, num_adapters: int,
+                     valid: Optional[torch.Tensor] = None):
+    """Mean of ``values`` per adapter over its valid tokens.
+
+    ``token_adapter``: same shape as ``values``, ints in ``[0, num_adapters)`` or ``-1`` (ignored). Returns
+    ``(means[num_adapters], counts[num_adapters])``; adapters without tokens get mean 0. Deterministic (a one-hot
+    matmul, not an atomic scatter).
+    """
+    v = values.reshape(-1).float()
+    ids = token_adapter.reshape(-1).to(v.device)
+    keep = ids >= 0
+    if valid is not None:
+        keep = keep & valid.reshape(-1).to(v.device)
+    onehot = (ids[None, :] == torch.arange(num_adapters, device=v.device)[:, None]) & keep[None, :]
+    onehot = onehot.to(v.dtype)
+    counts = onehot.sum(1)
+    sums = onehot @ torch.where(keep, v, torch.zeros_like(v))
+    return sums / counts.clamp(min=1), counts
+
+
+def per_adapter_loss(logits: torch.Tensor, labels: torch.Tensor, adapter_names: Sequence[str], *,
+                     adapter_ids: Optional[torch.Tensor] = None, ignore_index: int = -100, shift: bool = True,
+                     return_dict: bool = False):
+    """Causal-LM loss summed over adapters of each adapter's mean token cross-entropy.
+
+    ``logits[B, T, V]``, ``labels[B, T]``; ``adapter_names`` one per row (or, with packed rows, the vocabulary that
+    ``adapter_ids[B, T]`` indexes, -1 = base). ``shift=True`` predicts token ``t+1`` from ``t`` as HF models do.
+    With ``return_dict=True`` returns ``(loss, {adapter: mean loss})`` (detached floats, adapters present only).
+    """
+    names = list(adapter_names)
+    uniq = sorted({n for n in names if n != BASE})
+    index = {n: i for i, n in enumerate(uniq)}
+    vocab = torch.tensor([index.get(n, -1) for n in names] + [-1], device=logits.device)
+    if adapter_ids is None:
+        if len(names) != logits.shape[0]:
+            raise ValueError(f"got {len(names)} adapter names for a batch of {logits.shape[0]} rows")
+        tok = vocab[:-1][:, None].expand(labels.shape)
+    else:
+        tok = vocab[adapter_ids.to(logits.device).long()]
+    if shift:
+        logits, labels, tok = logits[:, :-1], labels[:, 1:], tok[:, 1:]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                         ignore_index=ignore_index, reduction="none")
+    means, counts = per_adapter_mean(ce, tok, len(uniq), valid=labels.reshape(-1) != ignore_index)
+    loss = means.sum()
+    if return_dict:
+        return loss, {n: float(means[i]) for n, i in index.items() if counts[i] > 0}
+    return loss

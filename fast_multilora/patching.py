@@ -1,0 +1,342 @@
+"""``patch`` / ``unpatch``: run a PEFT model's LoRA Linear layers through the mixed-batch Function.
+
+Patching swaps each LoRA layer's class for a subclass of the same name (so ``repr``, ``isinstance`` and every PEFT
+method behave as before) whose ``forward`` routes mixed batches. Parameters, buffers and module objects are not
+touched, so ``state_dict``, optimizers, ``save_pretrained`` and ``PeftModel.from_pretrained`` are unaffected.
+
+* ``peft.tuners.lora.Linear`` (vanilla LoRA adapters, incl. rsLoRA, ``lora_bias``, ``fan_in_fan_out`` Conv1D bases):
+  the delta runs on our backends.
+* Every other LoRA layer (Embedding, Conv, quantized layers, ...) and PEFT's auxiliary wrappers
+  (``modules_to_save``, trainable tokens): PEFT's own per-sample mixed-batch loop, which we call in training too.
+  Listed in the report's ``fallback``.
+* Adapters with a LoRA variant (DoRA, aLoRA, ...): a mixed batch that names them raises (PEFT does not mix DoRA
+  adapters in a batch either); without ``adapter_names`` PEFT's forward runs as usual.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from peft.tuners.lora import LoraLayer
+from peft.tuners.lora import Linear as LoraLinear
+
+from .function import DeltaSpec, LoraDelta, get_backend
+from .kernels.segments import AdapterTable
+from .plan import BASE, Router
+
+_ROUTER_ATTR = "_fml_router"
+_HOOKS_ATTR = "_fml_hooks"
+
+
+@dataclass
+class PatchReport:
+    """What :func:`patch` did: modules on our kernels, modules left on PEFT's path and why."""
+
+    backend: str
+    patched: list = field(default_factory=list)
+    fallback: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"fast_multilora: {len(self.patched)} LoRA Linear module(s) patched (backend={self.backend!r})"]
+        if self.fallback:
+            lines.append(f"{len(self.fallback)} module(s) run PEFT's own mixed-batch path:")
+            lines += [f"  {name}: {why}" for name, why in self.fallback.items()]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# layer mixins
+
+
+def _routing(module, kwargs):
+    """The active routing for this call: PEFT's injected ``adapter_names`` kwarg first, else the model's router."""
+    router: Router = module.__dict__.get(_ROUTER_ATTR)
+    names = kwargs.pop("adapter_names", None)
+    if router is None:
+        return None, names
+    if names is not None:
+        return router.routing_for_names(names), None
+    return router.current, None
+
+
+class _FastLinearMixin:
+    """Mixed-batch forward for ``peft.tuners.lora.Linear``."""
+
+    def forward(self, x, *args, **kwargs):
+        routing, names = _routing(self, kwargs)
+        if routing is None:
+            if names is not None:
+                kwargs["adapter_names"] = names
+            return super().forward(x, *args, **kwargs)
+        if self.disable_adapters:  # PEFT: disabled adapters ignore adapter_names
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        if self.merged:
+            raise ValueError(
+                "Cannot pass `adapter_names` when there are merged adapters, please call `unmerge_adapter` first."
+            )
+        router: Router = self.__dict__[_ROUTER_ATTR]
+        plan = router.plan_for(routing, x)
+        result = self.base_layer(x, *args, **kwargs)
+        table, present, bias_row = _layer_table(self, plan, x.device)
+        if not present:
+            return result
+        return _apply_delta(self, x, result, plan, table, present, bias_row, router)
+
+
+def _layer_table(layer, plan, device):
+    """Per-slot ranks/offsets/scales/dropout for this layer, cached until the layer's adapters change."""
+    used = [plan.slot_names[s] for s in sorted(plan.used_slots)]
+    for name in used:
+        if name in layer.lora_variant:
+            kind = type(layer.lora_variant[name]).__name__
+            raise ValueError(
+                f"adapter {name!r} uses a LoRA variant ({kind}) in module {type(layer.base_layer).__name__}; "
+                "mixed batches run vanilla LoRA adapters only (PEFT does not mix DoRA adapters in a batch either)"
+            )
+    sig = (
+        plan.slot_names,
+        device,
+        layer.training,
+        tuple((n, layer.r[n], layer.scaling[n], getattr(layer.lora_dropout[n], "p", 0.0), layer.lora_bias[n])
+              for n in layer.lora_A.keys()),
+        tuple(not layer.lora_dropout[n].training for n in layer.lora_A.keys()),
+    )
+    cache = layer.__dict__.get("_fml_table")
+    if cache is not None and cache[0] == sig:
+        return cache[1], cache[2], cache[3]
+    ranks, scales, ps, present = [], [], [], []
+    for name in plan.slot_names:
+        if name in layer.lora_A and name not in layer.lora_variant:
+            drop = layer.lora_dropout[name]
+            ranks.append(layer.r[name])
+            scales.append(float(layer.scaling[name]))
+            ps.append(float(drop.p) if isinstance(drop, torch.nn.Dropout) and drop.training else 0.0)
+            present.append(name)
+        else:
+            ranks.append(0)
+            scales.append(0.0)
+            ps.append(0.0)
+    offsets, acc = [], 0
+    for r in ranks:
+        offsets.append(acc)
+        acc += r
+    host = torch.tensor([ranks, offsets], dtype=torch.int32)
+    fl = torch.tensor([scales, ps], dtype=torch.float32)
+    table = AdapterTable(
+        ranks=host[0].to(device), offsets=host[1].to(device), scales=fl[0].to(device), dropout=fl[1].to(device),
+        max_rank=max(ranks, default=0), total_rank=acc, has_dropout=any(p > 0 for p in ps),
+    )
+    # row of each slot among present adapters (for lora_bias), last row = none
+    row = {n: i for i, n in enumerate(present)}
+    bias_row = torch.tensor([row.get(n, len(present)) for n in plan.slot_names] + [len(present)], dtype=torch.int64)
+    layer.__dict__["_fml_table"] = (sig, table, present, bias_row)
+    return table, present, bias_row
+
+
+def _apply_delta(layer, x, result, plan, table, present, bias_row, router):
+    if not result.is_contiguous() or result._base is not None:
+        # the delta is added in place; a view (GPT-2's Conv1D returns one) gets its own storage first
+        result = result.contiguous() if not result.is_contiguous() else result.clone()
+    lora_dtype = layer.lora_A[present[0]].weight.dtype
+    if x.dtype == torch.float32 and lora_dtype in (torch.float16, torch.bfloat16):
+        x = x.to(lora_dtype)  # PEFT casts the input to the adapter dtype
+    backend = get_backend(router.backend, x.device)
+    seed = None
+    if table.has_dropout:
+        seed = int(torch.randint(0, 2**31 - 1, (1,)))  # CPU RNG: no device sync; restored by checkpoint recompute
+    has_bias = any(layer.lora_bias[n] for n in present)
+    weights = [layer.lora_A[n].weight for n in present] + [layer.lora_B[n].weight for n in present]
+    bias_slots = None
+    if has_bias:
+        for n in present:
+            if layer.lora_B[n].bias is None:
+                raise ValueError(f"adapter {n!r}: mixed lora_bias settings in one layer are not supported")
+        weights += [layer.lora_B[n].bias for n in present]
+        ts = plan.token_slots
+        bias_slots = bias_row[torch.where(ts >= 0, ts, torch.full_like(ts, -1))].to(x.device)
+    spec = DeltaSpec(
+        segs=plan.segments, table=table, backend=backend, seed=seed, num_adapters=len(present),
+        ranks=tuple(layer.r[n] for n in present), has_bias=has_bias, bias_slots=bias_slots,
+    )
+    return LoraDelta.apply(x, result, spec, *weights)
+
+
+class _FallbackMixin:
+    """PEFT's own per-sample mixed-batch loop for layers we do not run (it works in training at layer level)."""
+
+    def forward(self, *args, **kwargs):
+        routing, names = _routing(self, kwargs)
+        if routing is not None:
+            x = args[0] if args else next(iter(kwargs.values()))
+            names = routing.row_names(x)
+        if names is not None:
+            kwargs["adapter_names"] = names
+        return super().forward(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# class swapping
+
+_SUBCLASSES: dict = {}
+
+
+def _patched_class(cls, mixin):
+    key = (cls, mixin)
+    sub = _SUBCLASSES.get(key)
+    if sub is None:
+        attr = f"_Fast_{cls.__module__.replace('.', '_')}_{cls.__qualname__.replace('.', '_')}"
+        # same __name__ as PEFT's class so repr() is unchanged; importable __qualname__ so pickling works
+        sub = type(cls.__name__, (mixin, cls), {"__module__": __name__, "__qualname__": attr, "_fml_base": cls})
+        setattr(sys.modules[__name__], attr, sub)
+        _SUBCLASSES[key] = sub
+    return sub
+
+
+def _is_patched(module) -> bool:
+    return "_fml_base" in type(module).__dict__
+
+
+def _fallback_reason(module):
+    """``None`` when our Function runs this LoRA layer, else why PEFT's path does."""
+    if type(module) is not LoraLinear:
+        return f"{type(module).__module__}.{type(module).__qualname__} is not peft.tuners.lora.Linear"
+    base = module.get_base_layer()
+    if not isinstance(base, torch.nn.Linear) and type(base).__name__ != "Conv1D":
+        return f"base layer {type(base).__name__} is not nn.Linear/Conv1D"
+    return None
+
+
+def _aux_wrapper_types():
+    try:
+        from peft.utils.other import AuxiliaryTrainingWrapper
+    except ImportError:  # pragma: no cover - older PEFT
+        return ()
+    return (AuxiliaryTrainingWrapper,)
+
+
+def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto") -> PatchReport:
+    """Run ``model``'s PEFT LoRA Linear layers through fast_multilora; returns a :class:`PatchReport`.
+
+    ``model``: a ``PeftModel``, a ``LoraModel`` or any module tree holding PEFT LoRA layers. After patching,
+    ``model(**batch, adapter_names=[...])`` (one name per sample, ``"__base__"`` for none) works in training and
+    eval; packed rows pass ``adapter_ids`` (``[batch, seq]`` indices into ``adapter_names``, -1 = base).
+    ``backend``: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton for CUDA tensors, torch otherwise).
+    ``family``: kernel family, ``"sgemm"``, ``"chunked"`` or ``"auto"`` (by batch layout). Patching twice updates
+    the settings and patches layers added since.
+    """
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'triton'")
+    if family not in ("auto", "sgemm", "chunked"):
+        raise ValueError(f"unknown family {family!r}; expected 'auto', 'sgemm' or 'chunked'")
+    router = model.__dict__.get(_ROUTER_ATTR)
+    if router is None:
+        router = Router(model)
+        model.__dict__[_ROUTER_ATTR] = router
+        pre = model.register_forward_pre_hook(_model_pre_hook, with_kwargs=True)
+        model.__dict__[_HOOKS_ATTR] = [pre]
+    router.backend = backend
+    router.family = family
+    report = PatchReport(backend=backend)
+    aux = _aux_wrapper_types()
+    variant_warned = []
+    for name, module in model.named_modules():
+        if module is model:
+            continue
+        if isinstance(module, LoraLayer):
+            reason = _fallback_reason(module if not _is_patched(module) else _unpatched_view(module))
+            if reason is None:
+                _swap(module, _FastLinearMixin, router)
+                report.patched.append(name)
+                variants = sorted(module.lora_variant)
+                if variants:
+                    variant_warned.append(f"{name}: {variants}")
+            else:
+                _swap(module, _FallbackMixin, router)
+                report.fallback[name] = reason
+        elif aux and isinstance(module, aux):
+            _swap(module, _FallbackMixin, router)
+            report.fallback[name] = f"{type(module).__name__}: PEFT's per-sample loop"
+    if report.fallback:
+        warnings.warn(
+            f"fast_multilora.patch: {len(report.fallback)} module(s) run PEFT's per-sample mixed-batch loop instead "
+            f"of our kernels (see the returned report), e.g. {next(iter(report.fallback.items()))}",
+            stacklevel=2,
+        )
+    if variant_warned:
+        warnings.warn(
+            "fast_multilora.patch: adapters with LoRA variants (e.g. DoRA) cannot be mixed in a batch; naming them "
+            f"in adapter_names raises: {variant_warned[:3]}",
+            stacklevel=2,
+        )
+    return report
+
+
+class _unpatched_view:
+    """Lets ``_fallback_reason`` judge an already patched module by its original class."""
+
+    def __init__(self, module):
+        self._m = module
+
+    def __getattr__(self, item):
+        return getattr(self._m, item)
+
+    @property
+    def __class__(self):  # noqa: D401 - isinstance/type checks see the original class
+        return type(self._m)._fml_base
+
+
+def _swap(module, mixin, router):
+    base_cls = type(module)._fml_base if _is_patched(module) else type(module)
+    module.__class__ = _patched_class(base_cls, mixin)
+    module.__dict__[_ROUTER_ATTR] = router
+    module.__dict__.pop("_fml_table", None)
+
+
+def unpatch(model: torch.nn.Module) -> None:
+    """Restore stock PEFT behaviour: original classes, no hooks, no routing state."""
+    for module in model.modules():
+        if _is_patched(module):
+            module.__class__ = type(module)._fml_base
+        module.__dict__.pop(_ROUTER_ATTR, None)
+        module.__dict__.pop("_fml_table", None)
+    for h in model.__dict__.pop(_HOOKS_ATTR, []):
+        h.remove()
+    model.__dict__.pop(_ROUTER_ATTR, None)
+
+
+def _model_pre_hook(model, args, kwargs):
+    router: Router = model.__dict__[_ROUTER_ATTR]
+    names = kwargs.pop("adapter_names", None)
+    ids = kwargs.pop("adapter_ids", None)
+    router.begin(names, ids)
+    return args, kwargs
+
+
+class route:
+    """Context manager routing calls that bypass the patched model's own forward (e.g. calling a submodule)::
+
+        with fast_multilora.route(model, adapter_names):
+            out = model.base_model.model(input_ids)
+    """
+
+    def __init__(self, model, adapter_names, adapter_ids=None):
+        self.router: Router = model.__dict__.get(_ROUTER_ATTR)
+        if self.router is None:
+            raise ValueError("fast_multilora.route: the model is not patched; call fast_multilora.patch(model) first")
+        self.names, self.ids = adapter_names, adapter_ids
+
+    def __enter__(self):
+        self.router.begin(self.names, self.ids)
+        return self
+
+    def __exit__(self, *exc):
+        self.router.begin(None)
+        return False
+
+
+__all__ = ["PatchReport", "patch", "unpatch", "route", "BASE"]

@@ -1,0 +1,61 @@
+"""Tiny models with several PEFT adapters (B != 0) for parity tests."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from peft import LoraConfig, get_peft_model
+
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def tiny_llama(seed=0, dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=97, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+def tiny_gpt2(seed=0, dtype=torch.float32):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=97, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg).to(dtype)
+
+
+def adapter_configs(arch, dropout=0.0):
+    """Three adapters: different ranks, alphas and targets, one with rsLoRA; B != 0 (init_lora_weights=False)."""
+    if arch == "gpt2":
+        t0, t1, t2 = ["c_attn"], ["c_attn", "c_proj", "c_fc"], ["c_fc", "c_attn"]
+        extra = {"fan_in_fan_out": True}
+    else:
+        t0, t1, t2 = ["q_proj", "v_proj"], LLAMA_TARGETS, ["gate_proj", "up_proj", "down_proj", "q_proj"]
+        extra = {}
+    common = dict(init_lora_weights=False, lora_dropout=dropout, **extra)
+    return {
+        "a0": LoraConfig(r=4, lora_alpha=8, target_modules=t0, **common),
+        "a1": LoraConfig(r=8, lora_alpha=4, target_modules=t1, use_rslora=True, **common),
+        "a2": LoraConfig(r=1, lora_alpha=3, target_modules=t2, **common),
+    }
+
+
+def peft_model(arch="llama", dropout=0.0, dtype=torch.float32, seed=0, configs=None):
+    base = tiny_llama(seed, dtype) if arch == "llama" else tiny_gpt2(seed, dtype)
+    configs = configs or adapter_configs(arch, dropout)
+    names = list(configs)
+    torch.manual_seed(seed + 1)
+    model = get_peft_model(base, configs[names[0]], adapter_name=names[0])
+    for n in names[1:]:
+        model.add_adapter(n, configs[n])
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora_" in n)
+    return model
+
+
+def twin(model):
+    return copy.deepcopy(model)
