@@ -141,7 +141,7 @@ class LoraDelta(torch.autograd.Function):
             be = spec.backend
             dh, dB = be.expand_bwd(dy, h, B_cat, spec.segs, spec.table, 1, 0)
             dx, dA = be.shrink_bwd(dh, x, A_cat, spec.segs, spec.table, 1, spec.seed, need_dx)
-            for i, (ga, gb) in enumerate(zip(dA.split(spec.ranks), dB.split(spec.ranks, dim=1))):
+            for i, (ga, gb) in enumerate(zip(dA.split(spec.ranks), dB.split(spec.ranks, dim=1), strict=True)):
                 grads[i] = ga.to(weights[i].dtype)
                 grads[n + i] = gb.to(weights[n + i].dtype)
             if spec.has_bias:

@@ -20,8 +20,8 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
-from peft.tuners.lora import LoraLayer
 from peft.tuners.lora import Linear as LoraLinear
+from peft.tuners.lora import LoraLayer
 
 from .function import DeltaSpec, LoraDelta, get_backend
 from .kernels.segments import AdapterTable
@@ -201,10 +201,15 @@ def _is_patched(module) -> bool:
     return "_fml_base" in type(module).__dict__
 
 
+def _original_class(module):
+    return type(module)._fml_base if _is_patched(module) else type(module)
+
+
 def _fallback_reason(module):
     """``None`` when our Function runs this LoRA layer, else why PEFT's path does."""
-    if type(module) is not LoraLinear:
-        return f"{type(module).__module__}.{type(module).__qualname__} is not peft.tuners.lora.Linear"
+    cls = _original_class(module)
+    if cls is not LoraLinear:
+        return f"{cls.__module__}.{cls.__qualname__} is not peft.tuners.lora.Linear"
     base = module.get_base_layer()
     if not isinstance(base, torch.nn.Linear) and type(base).__name__ != "Conv1D":
         return f"base layer {type(base).__name__} is not nn.Linear/Conv1D"
@@ -248,7 +253,7 @@ def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto") -
         if module is model:
             continue
         if isinstance(module, LoraLayer):
-            reason = _fallback_reason(module if not _is_patched(module) else _unpatched_view(module))
+            reason = _fallback_reason(module)
             if reason is None:
                 _swap(module, _FastLinearMixin, router)
                 report.patched.append(name)
@@ -276,23 +281,8 @@ def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto") -
     return report
 
 
-class _unpatched_view:
-    """Lets ``_fallback_reason`` judge an already patched module by its original class."""
-
-    def __init__(self, module):
-        self._m = module
-
-    def __getattr__(self, item):
-        return getattr(self._m, item)
-
-    @property
-    def __class__(self):  # noqa: D401 - isinstance/type checks see the original class
-        return type(self._m)._fml_base
-
-
 def _swap(module, mixin, router):
-    base_cls = type(module)._fml_base if _is_patched(module) else type(module)
-    module.__class__ = _patched_class(base_cls, mixin)
+    module.__class__ = _patched_class(_original_class(module), mixin)
     module.__dict__[_ROUTER_ATTR] = router
     module.__dict__.pop("_fml_table", None)
 

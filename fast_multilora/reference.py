@@ -2,7 +2,8 @@
 
 Signatures match ``fast_multilora.kernels`` (the Triton launchers) except for dropout, which the reference takes as
 an explicit boolean ``keep`` mask (``[S, K]``) where the kernels take a Philox ``seed``; see ``kernels/segments.py``
-for the layout of ``Segments``, ``AdapterTable``, ``A_cat``, ``B_cat`` and ``h``. All arithmetic is float32 (float64 for float64 inputs, so gradcheck can run through them).
+for the layout of ``Segments``, ``AdapterTable``, ``A_cat``, ``B_cat`` and ``h``. All arithmetic is float32
+(float64 for float64 inputs, so gradcheck can run through them).
 
 Math, for a token ``t`` of slot ``a`` with rank ``r``, scale ``c`` and dropout ``p`` (slice ``s`` of a stack)::
 
@@ -58,7 +59,8 @@ def _dropped(x_rows: torch.Tensor, keep: Optional[torch.Tensor], rows: torch.Ten
 
 
 def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1, keep=None) -> torch.Tensor:
-    """``h[S, stack_num*max_rank]`` (float32; float64 for float64 ``x``): ``h[t] = dropout(x[t]) @ A_a^T`` for every token of an adapter."""
+    """``h[S, stack_num*max_rank]`` (float32; float64 for float64 ``x``): ``h[t] = dropout(x[t]) @ A_a^T`` for
+    every token of an adapter; rows of base tokens are zero."""
     acc = _acc_dtype(x)
     h = torch.zeros(x.shape[0], stack_num * table.max_rank, dtype=acc, device=x.device)
     for _, rows, r, off, _, p in _slot_rows(segs, table):

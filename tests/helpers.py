@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from fast_multilora.kernels.segments import AdapterTable, segments_from_token_slots
 
 

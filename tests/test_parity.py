@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from models import peft_model, twin
 
 import fast_multilora
-from models import peft_model, twin
 
 NAMES = ["a1", "__base__", "a0", "a2", "a0", "a1", "a2"]  # unsorted, repeated, with a base row
 
@@ -50,6 +50,6 @@ def test_mixed_batch_matches_peft(arch, train, backend):
     torch.testing.assert_close(out.detach(), want_out, rtol=1e-4, atol=1e-5)
     assert set(got) == {n for n, p in model.named_parameters() if "lora_" in n}  # every adapter gets a gradient
     for n, gw in want.items():
-        torch.testing.assert_close(got[n], gw, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(got[n], gw, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
     for n in set(got) - set(want):  # adapters with no tokens in this layer's batch
         assert torch.count_nonzero(got[n]) == 0, n

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from helpers import dense_lora, make_segments, make_table, random_token_slots
 
 from fast_multilora import reference as ref
-from helpers import dense_lora, make_segments, make_table, random_token_slots
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
@@ -59,7 +59,7 @@ def test_backward_matches_autograd(grouped):
 
 def test_stacked_slices_match_separate():
     g = torch.Generator().manual_seed(2)
-    S, K, N, ranks, stack = 17, 9, 7, [2, 3], 3
+    S, K, ranks, stack = 17, 9, [2, 3], 3
     ts = random_token_slots(S, len(ranks), g)
     table = make_table(ranks)
     segs = make_segments(ts, True)

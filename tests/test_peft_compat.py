@@ -1,0 +1,207 @@
+"""Patched models behave like stock PEFT: saving, loading, unpatch, merge, disable, set/add/delete adapter, errors."""
+
+import filecmp
+import os
+import warnings
+
+import pytest
+import torch
+from models import peft_model, tiny_llama, twin
+from peft import LoraConfig, PeftModel
+
+import fast_multilora
+
+NAMES = ["a2", "a0", "__base__", "a1"]
+
+
+def _ids(rows=4, T=7, seed=0):
+    return torch.randint(0, 97, (rows, T), generator=torch.Generator().manual_seed(seed))
+
+
+def test_save_pretrained_files_identical_and_loadable(tmp_path):
+    model = peft_model()
+    plain = twin(model)
+    fast_multilora.patch(model)
+    model.save_pretrained(tmp_path / "patched")
+    plain.save_pretrained(tmp_path / "plain")
+    for root, _, files in os.walk(tmp_path / "plain"):
+        for f in files:
+            a = os.path.join(root, f)
+            b = a.replace(str(tmp_path / "plain"), str(tmp_path / "patched"))
+            assert filecmp.cmp(a, b, shallow=False), f
+    # PEFT saves every non-"default" adapter in a subfolder named after it
+    loaded = PeftModel.from_pretrained(tiny_llama(), str(tmp_path / "patched" / "a0"), adapter_name="a0")
+    for n in ("a1", "a2"):
+        loaded.load_adapter(str(tmp_path / "patched" / n), adapter_name=n)
+    loaded.eval()
+    model.eval()
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids, adapter_names=NAMES).logits,
+                                   model(input_ids=ids, adapter_names=NAMES).logits)
+
+
+def test_unpatch_is_bit_identical():
+    model = peft_model()
+    never = twin(model)
+    fast_multilora.patch(model)
+    model(input_ids=_ids(), adapter_names=NAMES)  # use it once
+    fast_multilora.unpatch(model)
+    assert repr(model) == repr(never)
+    for m in model.modules():
+        assert not type(m).__name__.startswith("_Fast") and type(m).__module__ != "fast_multilora.patching"
+    model.eval()
+    never.eval()
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, never(input_ids=ids).logits)
+        assert torch.equal(model(input_ids=ids, adapter_names=NAMES).logits,
+                           never(input_ids=ids, adapter_names=NAMES).logits)
+
+
+def test_repr_layer_status_and_patch_twice():
+    model = peft_model()
+    plain = twin(model)
+    r1 = fast_multilora.patch(model)
+    r2 = fast_multilora.patch(model)
+    assert r1.patched == r2.patched and len(r1.patched) > 0
+    assert repr(model) == repr(plain)
+    assert [s.__dict__ for s in model.get_layer_status()] == [s.__dict__ for s in plain.get_layer_status()]
+    assert "patched" in str(r1)
+
+
+def test_without_names_behaves_like_peft():
+    model = peft_model()
+    plain = twin(model)
+    fast_multilora.patch(model)
+    ids = _ids()
+    for m in (model, plain):
+        m.set_adapter("a1")
+    torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=0, atol=0)
+    with model.disable_adapter(), plain.disable_adapter():
+        assert torch.equal(model(input_ids=ids).logits, plain(input_ids=ids).logits)
+        # PEFT ignores adapter_names while adapters are disabled: so do we
+        assert torch.equal(model(input_ids=ids, adapter_names=NAMES).logits, plain(input_ids=ids).logits)
+
+
+def test_merge_unmerge_and_merged_error():
+    model = peft_model()
+    plain = twin(model)
+    fast_multilora.patch(model)
+    model.eval()
+    plain.eval()
+    ids = _ids()
+    for m in (model, plain):
+        m.set_adapter("a0")
+        m.merge_adapter()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits)
+    with pytest.raises(ValueError, match="merged adapters"):
+        model(input_ids=ids, adapter_names=NAMES)
+    model.unmerge_adapter()
+    plain.unmerge_adapter()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, adapter_names=NAMES).logits,
+                                   plain(input_ids=ids, adapter_names=NAMES).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_unknown_and_wrong_number_of_names():
+    model = peft_model()
+    fast_multilora.patch(model)
+    with pytest.raises(ValueError, match=r"unknown adapter name\(s\) \['nope'\].*\['a0', 'a1', 'a2'\]"):
+        model(input_ids=_ids(), adapter_names=["a0", "nope", "a1", "a2"])
+    with pytest.raises(ValueError, match="Length of `adapter_names`.*3 and 4"):
+        model(input_ids=_ids(), adapter_names=["a0", "a1", "a2"])
+    with pytest.raises(TypeError, match="list of adapter names"):
+        model(input_ids=_ids(), adapter_names="a0")
+
+
+def test_add_and_delete_adapter_after_patch():
+    model = peft_model()
+    plain = twin(model)
+    fast_multilora.patch(model)
+    model.train()
+    ids = _ids()
+    model(input_ids=ids, adapter_names=NAMES)
+    cfg = LoraConfig(r=3, lora_alpha=5, target_modules=["k_proj", "o_proj"], init_lora_weights=False)
+    for m in (model, plain):
+        torch.manual_seed(9)
+        m.add_adapter("new", cfg)
+        m.delete_adapter("a2")
+        m.eval()
+    names = ["new", "a0", "__base__", "new"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, adapter_names=names).logits,
+                                   plain(input_ids=ids, adapter_names=names).logits, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="unknown adapter"):
+        model(input_ids=ids, adapter_names=["a2", "a0", "a0", "a0"])
+
+
+def test_dora_adapter_in_mixed_batch_raises():
+    model = peft_model()
+    model.add_adapter("dora", LoraConfig(r=2, target_modules=["q_proj"], use_dora=True, init_lora_weights=False))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        fast_multilora.patch(model)
+    assert any("DoRA" in str(x.message) or "variant" in str(x.message) for x in w)
+    with pytest.raises(ValueError, match="'dora' uses a LoRA variant"):
+        model(input_ids=_ids(), adapter_names=["dora", "a0", "a1", "a2"])
+    model(input_ids=_ids(), adapter_names=NAMES)  # the others still run
+
+
+def test_lora_bias_parity():
+    configs = {
+        "b0": LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"], lora_bias=True,
+                         init_lora_weights=False),
+        "b1": LoraConfig(r=3, lora_alpha=2, target_modules=["q_proj"], lora_bias=True, init_lora_weights=False),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT warns that Llama's projections have no bias to merge into
+        model = peft_model(configs=configs)
+    for n, p in model.named_parameters():
+        if "lora_B" in n and n.endswith("bias"):
+            torch.nn.init.normal_(p)
+    plain = twin(model)
+    fast_multilora.patch(model)
+    ids = _ids()
+    names = ["b1", "b0", "__base__", "b0"]
+    out = model(input_ids=ids, adapter_names=names).logits
+    out.square().sum().backward()
+    for i, name in enumerate(names):
+        if name == "__base__":
+            continue
+        plain.set_adapter(name)
+        o = plain(input_ids=ids[i : i + 1]).logits
+        torch.testing.assert_close(out[i : i + 1].detach(), o.detach(), rtol=1e-4, atol=1e-5)
+        o.square().sum().backward()
+    got = dict(model.named_parameters())
+    for n, p in plain.named_parameters():
+        if "lora_" in n and p.grad is not None:
+            torch.testing.assert_close(got[n].grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_generate_with_adapter_names_after_patch():
+    model = peft_model()
+    plain = twin(model)
+    fast_multilora.patch(model)
+    model.eval()
+    plain.eval()
+    ids = _ids(T=5)
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    a = model.generate(input_ids=ids, adapter_names=NAMES, **kw)
+    b = plain.generate(input_ids=ids, adapter_names=NAMES, **kw)
+    assert torch.equal(a, b)
+
+
+def test_route_context_and_unpatched_model_error():
+    model = peft_model()
+    with pytest.raises(ValueError, match="not patched"):
+        fast_multilora.route(model, NAMES)
+    fast_multilora.patch(model)
+    model.eval()
+    ids = _ids()
+    with torch.no_grad():
+        want = model(input_ids=ids, adapter_names=NAMES).logits
+        with fast_multilora.route(model, NAMES):
+            got = model.base_model.model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
