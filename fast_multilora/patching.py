@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import sys
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from peft.tuners.lora import Linear as LoraLinear
@@ -242,8 +244,14 @@ def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto") -
     if router is None:
         router = Router(model)
         model.__dict__[_ROUTER_ATTR] = router
-        pre = model.register_forward_pre_hook(_model_pre_hook, with_kwargs=True)
-        model.__dict__[_HOOKS_ATTR] = [pre]
+        hooks = [model.register_forward_pre_hook(_model_pre_hook, with_kwargs=True)]
+        tuner = _lora_tuner(model)
+        if tuner is not None:
+            # PeftModel.forward/generate hand adapter_names to the tuner's _enable_peft_forward_hooks, which raises
+            # in training mode; ours routes them instead (shadowing the method on this instance only)
+            tuner.__dict__["_enable_peft_forward_hooks"] = partial(_enable_routing, router)
+            hooks.append(_InstanceAttr(tuner, "_enable_peft_forward_hooks"))
+        model.__dict__[_HOOKS_ATTR] = hooks
     router.backend = backend
     router.family = family
     report = PatchReport(backend=backend)
@@ -299,12 +307,57 @@ def unpatch(model: torch.nn.Module) -> None:
     model.__dict__.pop(_ROUTER_ATTR, None)
 
 
+class _InstanceAttr:
+    """A removable instance attribute (so ``unpatch`` can treat it like a hook handle)."""
+
+    def __init__(self, obj, name):
+        self.obj, self.name = obj, name
+
+    def remove(self):
+        self.obj.__dict__.pop(self.name, None)
+
+
+def _lora_tuner(model):
+    """The PEFT tuner (``LoraModel``) of a ``PeftModel`` or the model itself, else ``None``."""
+    from peft.tuners.tuners_utils import BaseTuner
+
+    if isinstance(model, BaseTuner):
+        return model
+    base = getattr(model, "base_model", None)
+    return base if isinstance(base, BaseTuner) else None
+
+
+def _is_peft_model(model) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
 def _model_pre_hook(model, args, kwargs):
     router: Router = model.__dict__[_ROUTER_ATTR]
+    ids = kwargs.pop("adapter_ids", None)
+    if _is_peft_model(model):
+        # PeftModel.forward passes adapter_names on to the tuner's hook context (ours, see patch()); it skips that
+        # context while adapters are disabled, so start from "no routing" here
+        router.begin(None)
+        if ids is not None and kwargs.get("adapter_names") is None:
+            raise ValueError("`adapter_ids` needs `adapter_names` (the names its values index)")
+        router.pending_ids = ids
+        return args, kwargs
+    router.begin(kwargs.pop("adapter_names", None), ids)
+    return args, kwargs
+
+
+@contextmanager
+def _enable_routing(router: Router, *args, **kwargs):
     names = kwargs.pop("adapter_names", None)
     ids = kwargs.pop("adapter_ids", None)
+    if ids is None:
+        ids, router.pending_ids = router.pending_ids, None
+    if kwargs.get("alora_offsets") is not None:
+        raise ValueError("fast_multilora does not route aLoRA (`alora_offsets`); unpatch the model to use it")
     router.begin(names, ids)
-    return args, kwargs
+    yield
 
 
 class route:

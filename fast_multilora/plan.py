@@ -91,6 +91,7 @@ class Router:
         self._by_names: dict = {}  # routings for names that PEFT's own hooks pass to layers (generate())
         self.family = "auto"
         self.backend = "auto"
+        self.pending_ids: Optional[torch.Tensor] = None  # adapter_ids popped by a PeftModel's pre-hook
 
     # -- adapters known to the model ------------------------------------------------------------------------------
     def known_adapters(self) -> list:

@@ -3,6 +3,7 @@
 Installed as ``fast_multilora.kernels``.
 """
 
+from .forward import lora_expand, lora_shrink
 from .segments import AdapterTable, Segments, segments_from_token_slots
 
-__all__ = ["AdapterTable", "Segments", "segments_from_token_slots"]
+__all__ = ["AdapterTable", "Segments", "segments_from_token_slots", "lora_expand", "lora_shrink"]

@@ -211,3 +211,35 @@ def test_route_context_and_unpatched_model_error():
         with fast_multilora.route(model, NAMES):
             got = model.base_model.model(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_patch_lora_model_and_fallback_layers_in_training():
+    """patch() on a LoraModel; an Embedding LoRA layer runs PEFT's own loop (reported), in training too."""
+    configs = {
+        "e0": LoraConfig(r=2, target_modules=["embed_tokens", "q_proj"], init_lora_weights=False),
+        "e1": LoraConfig(r=3, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    }
+    model = peft_model(configs=configs)
+    plain = twin(model)
+    with pytest.warns(UserWarning, match="PEFT's per-sample mixed-batch loop"):
+        report = fast_multilora.patch(model.base_model)
+    assert any("embed_tokens" in n for n in report.fallback) and report.patched
+    model.train()
+    ids = _ids(3)
+    names = ["e1", "e0", "__base__"]
+    out = model(input_ids=ids, adapter_names=names).logits
+    out.square().mean().backward()
+    for i, name in enumerate(names):
+        if name == "__base__":
+            with plain.disable_adapter():
+                o = plain(input_ids=ids[i : i + 1]).logits
+            torch.testing.assert_close(out[i : i + 1].detach(), o, rtol=1e-5, atol=1e-6)
+            continue
+        plain.set_adapter(name)
+        o = plain(input_ids=ids[i : i + 1]).logits
+        torch.testing.assert_close(out[i : i + 1].detach(), o.detach(), rtol=1e-5, atol=1e-6)
+        (o.square().sum() / out.numel()).backward()
+    got = dict(model.named_parameters())
+    for n, p in plain.named_parameters():
+        if "lora_" in n and p.grad is not None:
+            torch.testing.assert_close(got[n].grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")

@@ -1,0 +1,233 @@
+"""Forward launchers: ``lora_shrink`` (x -> h) and ``lora_expand`` (y += scale * h @ B^T), both segment families.
+
+Same signatures and semantics as ``fast_multilora.reference`` except dropout: the reference takes a ``keep=`` mask,
+these take a Philox ``seed`` (``None`` = no dropout; the mask is ``kernels.dropout.keep_block`` on physical rows, so
+backward kernels regenerate it). ``segs.perm is None`` picks the SGEMM family (``sgemm.py``), otherwise the chunked
+SGMV family (``sgmv.py``).
+
+Block sizes are data, not autotuned: the tables below, one row per size bucket, first row whose bound covers the
+op's ``N`` wins, then two fixed rules (4-byte activations halve ``BLOCK_K``; stages, then ``BLOCK_K``, shrink until
+the pipelined tiles fit ``SMEM_BUDGET``). GPU rows target Hopper (H100/H200: 228 KB shared memory, 132 SMs):
+
+* shrink, memory-bound: ``BLOCK_N`` covers the whole ``stack*rank`` up to 128 so x is read once; ``BLOCK_S=64`` rows
+  x ``BLOCK_K=256`` (32 KB bf16 per stage) with 3 stages keeps ~96 KB of x in flight per SM; at S=8192, 8 segments
+  of 1024 rows this is 128 programs, one wave on 132 SMs. Wider ranks take ``BLOCK_K=128`` so the weight tile fits.
+* expand: K is the rank (one ``BLOCK_R`` step up to 64), ``BLOCK_N=128``: y tiles of 64x128 (16 KB bf16) read,
+  added to in fp32 and written; many small programs, several resident per SM hide the latency.
+* interpreter (``TRITON_INTERPRET=1``, CPU tests): small blocks so ragged edges, several K steps, N-tiles and rank
+  steps are all exercised while the Python-level interpreter stays fast.
+* rows per program shrink below ``BLOCK_S`` (to >= 16, tl.dot's minimum) when segments are short: SGEMM by the
+  longest segment, chunked SGMV by the mean segment length (host ints only, no sync).
+
+h is float32 ``[S, stack_num*max_rank]`` (float64 for float64 x). Only the entries the contract defines are
+written (rows of adapter tokens, columns ``< stack*rank``); when ``out`` is not given, the rest is uninitialised.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+
+from .segments import AdapterTable, Segments
+from .sgemm import sgemm_expand_kernel, sgemm_shrink_kernel
+from .sgmv import chunk_table, sgmv_expand_kernel, sgmv_shrink_kernel
+
+_INF = math.inf
+
+# (bound on N = stack*max_rank, BLOCK_S, BLOCK_N cap, BLOCK_K, num_warps, num_stages), for 2-byte activations
+SHRINK_BLOCKS = {
+    "gpu": [
+        (32, 64, 32, 256, 4, 3),  # r <= 32: per stage x 32 KB + A <= 16 KB (bf16)
+        (64, 64, 64, 128, 4, 4),  # per stage x 16 KB + A 16 KB
+        (_INF, 64, 128, 128, 4, 3),  # per stage x 16 KB + A 32 KB; stack*rank > 128 takes several N-tiles
+    ],
+    "interpreter": [(_INF, 16, 32, 32, 1, 1)],
+}
+# (bound on N = output dim, BLOCK_S, BLOCK_N cap, BLOCK_R cap, num_warps, num_stages)
+EXPAND_BLOCKS = {
+    "gpu": [(_INF, 64, 128, 64, 4, 1)],
+    "interpreter": [(_INF, 16, 512, 16, 1, 1)],
+}
+SMEM_BUDGET = 144 * 1024  # bytes of pipelined shrink tiles; leaves headroom under Hopper's 228 KB (A100: 164 KB)
+_ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _target() -> str:
+    return "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "gpu"
+
+
+def _pick(rows, n):
+    return next(row[1:] for row in rows if n <= row[0])
+
+
+def _pow2_clamp(n: int, lo: int, hi: int) -> int:
+    """``next_power_of_2(n)`` clamped to ``[lo, hi]`` (tl.dot needs every dim >= 16)."""
+    return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))
+
+
+def _rows_block(segs: Segments, cap: int) -> int:
+    """Rows per program: the table's ``cap``, smaller when segments are short (decode-like batches)."""
+    if segs.perm is None:
+        typical = segs.max_len
+    else:
+        typical = triton.cdiv(segs.perm.numel(), max(segs.num_segments, 1))
+    return _pow2_clamp(typical, 16, cap)
+
+
+def _shrink_blocks(segs: Segments, width: int, x: torch.Tensor, A_cat: torch.Tensor):
+    """``(BLOCK_S, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for the shrink, from ``SHRINK_BLOCKS`` and the rules."""
+    target = _target()
+    S_BLK, N_CAP, BLOCK_K, num_warps, num_stages = _pick(SHRINK_BLOCKS[target], width)
+    BLOCK_N = _pow2_clamp(width, 16, N_CAP)
+    BLOCK_S = _rows_block(segs, S_BLK)
+    if target == "gpu":
+        BLOCK_K = max(16, BLOCK_K * 2 // x.element_size())  # same bytes of x per stage
+        w_size = A_cat.element_size()  # weight tiles are staged in their own dtype, cast after the load
+        while num_stages * BLOCK_K * (BLOCK_S * x.element_size() + BLOCK_N * w_size) > SMEM_BUDGET:
+            if num_stages > 2:
+                num_stages -= 1
+            elif BLOCK_K > 16:
+                BLOCK_K //= 2
+            else:
+                break
+    return BLOCK_S, BLOCK_N, BLOCK_K, num_warps, num_stages
+
+
+def _dot_precision(dtype: torch.dtype):
+    # fp32/fp64: ieee, so results match the reference (tf32 would not); 16-bit: the default (tensor cores)
+    return "ieee" if dtype in (torch.float32, torch.float64) else None
+
+
+def _check_2d(name: str, t, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} (the activations' device)")
+    if not t.dtype.is_floating_point:
+        raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
+
+
+def _check_layout(segs: Segments, table: AdapterTable, S: int, device, stack_num: int) -> None:
+    if not isinstance(stack_num, int) or stack_num < 1:
+        raise ValueError(f"stack_num must be a positive int, got {stack_num!r}")
+    if segs.num_tokens != S:
+        raise ValueError(f"segs covers {segs.num_tokens} tokens but the activations have {S} rows")
+    tensors = {"segs.indptr": segs.indptr, "segs.slot": segs.slot, "table.ranks": table.ranks,
+               "table.offsets": table.offsets}
+    if segs.perm is not None:
+        tensors["segs.perm"] = segs.perm
+    for name, t in tensors.items():
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device} (the activations' device)")
+    for name, t in (("table.scales", table.scales), ("table.dropout", table.dropout)):
+        if t.dtype != torch.float32 or t.device != device:
+            raise ValueError(f"{name} must be float32 on {device}, got {t.dtype} on {t.device}")
+
+
+def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1, seed: Optional[int] = None,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``h[S, stack_num*max_rank]`` (float32; float64 for float64 ``x``): ``h[t] = dropout(x[t]) @ A_a^T``.
+
+    Dropout runs when ``seed`` is an int and ``table.has_dropout``; ``out`` (same shape and dtype) is filled in place.
+    Only rows of adapter tokens and their columns ``< stack_num*rank`` are written.
+    """
+    _check_2d("x", x, getattr(x, "device", None))
+    device = x.device
+    _check_2d("A_cat", A_cat, device)
+    if x.dtype not in _ACTIVATION_DTYPES:
+        raise ValueError(f"x must be one of {_ACTIVATION_DTYPES}, got {x.dtype}")
+    S, K = x.shape
+    _check_layout(segs, table, S, device, stack_num)
+    if A_cat.shape != (stack_num * table.total_rank, K):
+        raise ValueError(f"A_cat must be [stack_num*total_rank, K] = [{stack_num * table.total_rank}, {K}], "
+                         f"got {list(A_cat.shape)}")
+    if seed is not None and not isinstance(seed, int):
+        raise ValueError(f"seed must be an int or None, got {type(seed).__name__}")
+    h_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    width = stack_num * table.max_rank
+    if out is None:
+        out = torch.empty(S, width, dtype=h_dtype, device=device)
+    else:
+        _check_2d("out", out, device)
+        if out.shape != (S, width) or out.dtype != h_dtype:
+            raise ValueError(f"out must be {h_dtype} [{S}, {width}], got {out.dtype} {list(out.shape)}")
+    if S == 0 or width == 0 or segs.num_segments == 0 or segs.max_len == 0:
+        return out
+
+    has_dropout = seed is not None and table.has_dropout
+    BLOCK_S, BLOCK_N, BLOCK_K, num_warps, num_stages = _shrink_blocks(segs, width, x, A_cat)
+    common = (A_cat.stride(0), A_cat.stride(1), out.stride(0), out.stride(1))
+    meta = dict(STACK=stack_num, HAS_DROPOUT=has_dropout, DOT_PRECISION=_dot_precision(x.dtype),
+                BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages)
+    seed = seed if has_dropout else 0
+    if segs.perm is None:
+        grid = (segs.num_segments, triton.cdiv(segs.max_len, BLOCK_S), triton.cdiv(width, BLOCK_N))
+        sgemm_shrink_kernel[grid](
+            x, A_cat, out, segs.indptr, segs.slot, table.ranks, table.offsets, table.dropout, seed, K,
+            x.stride(0), x.stride(1), *common, BLOCK_S=BLOCK_S, **meta,
+        )
+    else:
+        chunks = chunk_table(segs, BLOCK_S)
+        grid = (chunks.shape[1], triton.cdiv(width, BLOCK_N))
+        sgmv_shrink_kernel[grid](
+            x, A_cat, out, chunks, segs.indptr, segs.slot, segs.perm, table.ranks, table.offsets, table.dropout,
+            seed, chunks.shape[1], x.stride(0), x.stride(1), *common, K=K, N=width, BLOCK_M=BLOCK_S, **meta,
+        )
+    return out
+
+
+def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: int = 1, slice_idx: int = 0):
+    """In place ``y[t] += scale_a * h[t, slice] @ B_a^T``; returns ``y``. Rows of base tokens are untouched.
+
+    The scale is applied and the sum taken in fp32 (fp64 when ``y`` or ``h`` is float64); y keeps its dtype.
+    """
+    _check_2d("y", y, getattr(y, "device", None))
+    device = y.device
+    _check_2d("h", h, device)
+    _check_2d("B_cat", B_cat, device)
+    if y.dtype not in _ACTIVATION_DTYPES:
+        raise ValueError(f"y must be one of {_ACTIVATION_DTYPES}, got {y.dtype}")
+    S, N = y.shape
+    _check_layout(segs, table, S, device, stack_num)
+    if not isinstance(slice_idx, int) or not 0 <= slice_idx < stack_num:
+        raise ValueError(f"slice_idx must be an int in [0, stack_num={stack_num}), got {slice_idx!r}")
+    if h.shape != (S, stack_num * table.max_rank):
+        raise ValueError(f"h must be [S, stack_num*max_rank] = [{S}, {stack_num * table.max_rank}], "
+                         f"got {list(h.shape)}")
+    if B_cat.shape != (N, table.total_rank):
+        raise ValueError(f"B_cat must be [N, total_rank] = [{N}, {table.total_rank}], got {list(B_cat.shape)}")
+    if S == 0 or N == 0 or table.max_rank == 0 or segs.num_segments == 0 or segs.max_len == 0:
+        return y
+
+    fp64 = torch.float64 in (y.dtype, h.dtype)
+    S_BLK, N_CAP, R_CAP, num_warps, num_stages = _pick(EXPAND_BLOCKS[_target()], N)
+    BLOCK_N = _pow2_clamp(N, 16, N_CAP)
+    BLOCK_R = _pow2_clamp(table.max_rank, 16, R_CAP)
+    BLOCK_S = _rows_block(segs, S_BLK)
+    common = (h.stride(0), h.stride(1), B_cat.stride(0), B_cat.stride(1), y.stride(0), y.stride(1))
+    meta = dict(FP64=fp64, DOT_PRECISION=_dot_precision(torch.float64 if fp64 else y.dtype),
+                BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, num_warps=num_warps, num_stages=num_stages)
+    if segs.perm is None:
+        grid = (segs.num_segments, triton.cdiv(segs.max_len, BLOCK_S), triton.cdiv(N, BLOCK_N))
+        sgemm_expand_kernel[grid](
+            h, B_cat, y, segs.indptr, segs.slot, table.ranks, table.offsets, table.scales, slice_idx, N,
+            *common, BLOCK_S=BLOCK_S, **meta,
+        )
+    else:
+        chunks = chunk_table(segs, BLOCK_S)
+        grid = (chunks.shape[1], triton.cdiv(N, BLOCK_N))
+        sgmv_expand_kernel[grid](
+            h, B_cat, y, chunks, segs.indptr, segs.slot, segs.perm, table.ranks, table.offsets, table.scales,
+            slice_idx, chunks.shape[1], *common, N=N, MAX_RANK=table.max_rank, BLOCK_M=BLOCK_S, **meta,
+        )
+    return y

@@ -1,0 +1,157 @@
+"""SGEMM family (``segs.perm is None``): each segment is a contiguous run of rows sharing one adapter slot.
+
+Grid ``(num_segments, cdiv(max_len, BLOCK_S), N-tiles)``: every axis stays inside CUDA's limits (axis 0 takes up to
+2**31-1 segments, an interleaved batch can have one per token). Programs of base segments (slot -1), rank-0 slots,
+tiles past the segment's end and N-tiles past the adapter's ``stack*rank`` return at once.
+
+Performance notes (targets: S=8192, K=N=4096, r=16, bf16 on H200; block sizes live in ``forward.py``):
+
+* shrink (memory-bound, reads x once): one program owns ``BLOCK_S`` rows and the whole ``stack*rank`` output
+  (``BLOCK_N`` >= it up to 128), so x is streamed exactly once; the K loop runs in ``BLOCK_K`` steps, pipelined over
+  ``num_stages`` shared-memory buffers. Dropout zeroes ``x`` in its own dtype and scales the fp32 accumulator once by
+  ``1/(1-p)`` at the end.
+* expand (reads and writes y): K is the rank, one step of ``BLOCK_R``; the y tile is loaded before the dot so its
+  latency overlaps the small matmul; scale and add happen in fp32 and y is stored in its own dtype.
+
+The tile bodies (``shrink_tile``, ``expand_tile``) take the *physical* rows of the tile, so the chunked SGMV family
+(``sgmv.py``) reuses them with rows gathered through ``perm``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .dropout import keep_block
+
+
+@triton.jit
+def shrink_tile(
+    x, A, h, o_s, m_s, i_n, w_row0, n_a, K, seed, p,
+    stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn,
+    HAS_DROPOUT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """h[o_s, n] = (x[o_s] * keep / (1-p)) . A[w_row0 + n] for the columns n < n_a of N-tile ``i_n``."""
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    m_n = o_n < n_a
+    p_x = x + o_s[:, None] * stride_xs + o_k[None, :] * stride_xk  # [BLOCK_S, BLOCK_K]
+    p_a = A + (w_row0 + o_n)[None, :] * stride_an + o_k[:, None] * stride_ak  # [BLOCK_K, BLOCK_N]
+    b_acc = tl.zeros([BLOCK_S, BLOCK_N], dtype=h.dtype.element_ty)  # fp32 (fp64 for fp64 x)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            b_x = tl.load(p_x, mask=m_s[:, None], other=0.0)
+            b_a = tl.load(p_a, mask=m_n[None, :], other=0.0)
+        else:
+            m_k = o_k < K - k0
+            b_x = tl.load(p_x, mask=m_s[:, None] & m_k[None, :], other=0.0)
+            b_a = tl.load(p_a, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        if HAS_DROPOUT:
+            b_x = tl.where(keep_block(seed, o_s, k0 + o_k, K, p), b_x, 0.0)
+        # weights may be fp32 under 16-bit activations: the dot runs in the activation dtype, accumulates fp32
+        b_acc = tl.dot(b_x, b_a.to(b_x.dtype), b_acc, input_precision=DOT_PRECISION)
+        p_x += BLOCK_K * stride_xk
+        p_a += BLOCK_K * stride_ak
+    if HAS_DROPOUT:
+        b_acc = b_acc / (1.0 - p.to(b_acc.dtype))
+    p_h = h + o_s[:, None] * stride_hs + o_n[None, :] * stride_hn  # [BLOCK_S, BLOCK_N]
+    tl.store(p_h, b_acc.to(h.dtype.element_ty), mask=m_s[:, None] & m_n[None, :])
+
+
+@triton.jit
+def expand_tile(
+    h, B, y, o_s, m_s, i_n, h_col0, b_col0, rank, scale, N,
+    stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
+    FP64: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """y[o_s, n] += scale * h[o_s, h_col0 : h_col0+rank] . B[n, b_col0 : b_col0+rank] for the N-tile ``i_n``."""
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_r = tl.arange(0, BLOCK_R)
+    m_n = o_n < N
+    m_y = m_s[:, None] & m_n[None, :]
+    p_y = y + o_s[:, None] * stride_ys + o_n[None, :] * stride_yn  # [BLOCK_S, BLOCK_N]
+    b_y = tl.load(p_y, mask=m_y, other=0.0)  # issued first: its latency overlaps the small dot
+    if FP64:
+        b_acc = tl.zeros([BLOCK_S, BLOCK_N], dtype=tl.float64)
+    else:
+        b_acc = tl.zeros([BLOCK_S, BLOCK_N], dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        m_r = o_r < rank - r0
+        p_h = h + o_s[:, None] * stride_hs + (h_col0 + r0 + o_r)[None, :] * stride_hn  # [BLOCK_S, BLOCK_R]
+        p_b = B + o_n[None, :] * stride_bn + (b_col0 + r0 + o_r)[:, None] * stride_br  # [BLOCK_R, BLOCK_N]
+        b_h = tl.load(p_h, mask=m_s[:, None] & m_r[None, :], other=0.0)
+        b_b = tl.load(p_b, mask=m_r[:, None] & m_n[None, :], other=0.0)
+        if FP64:
+            b_acc = tl.dot(b_h.to(tl.float64), b_b.to(tl.float64), b_acc, input_precision=DOT_PRECISION)
+        else:
+            # h is fp32: 16-bit y runs the dot in y's dtype (tensor cores), fp32 y in ieee fp32
+            b_acc = tl.dot(b_h.to(y.dtype.element_ty), b_b.to(y.dtype.element_ty), b_acc,
+                           input_precision=DOT_PRECISION)
+    b_out = b_y.to(b_acc.dtype) + scale.to(b_acc.dtype) * b_acc
+    tl.store(p_y, b_out.to(y.dtype.element_ty), mask=m_y)
+
+
+@triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
+@triton.jit
+def sgemm_shrink_kernel(
+    x, A, h, indptr, seg_slot, ranks, offsets, dropout, seed, K,
+    stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn,
+    STACK: tl.constexpr, HAS_DROPOUT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """h[t, :STACK*r] = dropout(x[t]) @ A_cat[STACK*off : STACK*(off+r)]^T for the rows t of segment ``i_g``."""
+    i_g = tl.program_id(0)
+    i_s = tl.program_id(1).to(tl.int64)
+    i_n = tl.program_id(2)
+    slot = tl.load(seg_slot + i_g)
+    if slot < 0:
+        return
+    rank = tl.load(ranks + slot)
+    n_a = STACK * rank
+    if i_n * BLOCK_N >= n_a:  # also rank 0
+        return
+    bos = tl.load(indptr + i_g).to(tl.int64)
+    eos = tl.load(indptr + i_g + 1).to(tl.int64)
+    if bos + i_s * BLOCK_S >= eos:
+        return
+    o_s = bos + i_s * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] physical rows
+    p = 0.0
+    if HAS_DROPOUT:
+        p = tl.load(dropout + slot)
+    w_row0 = STACK * tl.load(offsets + slot).to(tl.int64)
+    shrink_tile(
+        x, A, h, o_s, o_s < eos, i_n, w_row0, n_a, K, seed, p,
+        stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn,
+        HAS_DROPOUT, EVEN_K, DOT_PRECISION, BLOCK_S, BLOCK_N, BLOCK_K,
+    )
+
+
+@triton.jit
+def sgemm_expand_kernel(
+    h, B, y, indptr, seg_slot, ranks, offsets, scales, slice_idx, N,
+    stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
+    FP64: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """y[t] += scale_a * h[t, slice*r : (slice+1)*r] @ B_cat[:, off : off+r]^T for the rows t of segment ``i_g``."""
+    i_g = tl.program_id(0)
+    i_s = tl.program_id(1).to(tl.int64)
+    i_n = tl.program_id(2)
+    slot = tl.load(seg_slot + i_g)
+    if slot < 0:
+        return
+    rank = tl.load(ranks + slot)
+    if rank == 0:
+        return
+    bos = tl.load(indptr + i_g).to(tl.int64)
+    eos = tl.load(indptr + i_g + 1).to(tl.int64)
+    if bos + i_s * BLOCK_S >= eos:
+        return
+    o_s = bos + i_s * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] physical rows
+    expand_tile(
+        h, B, y, o_s, o_s < eos, i_n, slice_idx * rank, tl.load(offsets + slot), rank, tl.load(scales + slot), N,
+        stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
+        FP64, DOT_PRECISION, BLOCK_S, BLOCK_N, BLOCK_R,
+    )

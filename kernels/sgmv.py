@@ -1,0 +1,110 @@
+"""Chunked SGMV family (``segs.perm`` given): one segment per slot, its rows gathered through ``perm``.
+
+Segments are cut into fixed ``BLOCK_M`` chunks, so one giant segment spreads over many programs instead of
+serialising. The chunk table (chunk -> segment, first logical position) is built on the device from ``segs.indptr``
+with a few torch ops and no device->host sync; the grid is sized to the capacity ``cdiv(len(perm), BLOCK_M) +
+num_segments`` (an upper bound on the chunk count) and spare programs return at once. Activations are not moved:
+each program loads ``perm[chunk]`` and reads/writes those physical rows. The tile bodies are the SGEMM ones
+(``sgemm.shrink_tile``/``expand_tile``), so both families share one implementation of the math.
+
+``K``, ``N`` (``STACK*max_rank`` for the shrink, the output dim for the expand), ``MAX_RANK`` and ``STACK`` are
+``tl.constexpr``: a model has few distinct values and the kernels get fully specialised loops and masks.
+Performance notes are in ``sgemm.py``; the gathered rows stay contiguous along K/N, so loads still coalesce.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .segments import Segments
+from .sgemm import expand_tile, shrink_tile
+
+
+def chunk_table(segs: Segments, block_m: int) -> torch.Tensor:
+    """int32 ``[2, capacity]``: segment index (-1 past the last chunk) and first logical position of each chunk.
+
+    Cached in ``segs.cache`` per ``block_m``; built with device ops only (no ``.item()``), so no host sync.
+    """
+    key = ("sgmv_chunks", block_m)
+    table = segs.cache.get(key)
+    if table is not None:
+        return table
+    n_seg = segs.num_segments
+    capacity = triton.cdiv(segs.perm.numel(), block_m) + n_seg
+    indptr = segs.indptr.long()
+    n_chunks = (indptr[1:] - indptr[:-1] + block_m - 1) // block_m  # [n_seg]
+    last = torch.cumsum(n_chunks, 0)  # chunks of segments 0..i, inclusive
+    i_c = torch.arange(capacity, device=indptr.device)
+    seg = torch.searchsorted(last, i_c, right=True)  # == n_seg past the last chunk
+    seg_c = seg.clamp(max=n_seg - 1)
+    start = indptr[seg_c] + (i_c - (last - n_chunks)[seg_c]) * block_m
+    table = torch.stack([torch.where(seg < n_seg, seg, -1), start]).to(torch.int32)
+    segs.cache[key] = table
+    return table
+
+
+@triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
+@triton.jit
+def sgmv_shrink_kernel(
+    x, A, h, chunks, indptr, seg_slot, perm, ranks, offsets, dropout, seed, capacity,
+    stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn,
+    K: tl.constexpr, N: tl.constexpr, STACK: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """h[perm[j], :STACK*r] = dropout(x[perm[j]]) @ A_cat[STACK*off : STACK*(off+r)]^T for the chunk's positions j."""
+    i_c = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_g = tl.load(chunks + i_c)
+    if i_g < 0:
+        return
+    slot = tl.load(seg_slot + i_g)
+    if slot < 0:
+        return
+    n_a = tl.minimum(N, STACK * tl.load(ranks + slot))
+    if i_n * BLOCK_N >= n_a:  # also rank 0
+        return
+    o_m = tl.load(chunks + capacity + i_c) + tl.arange(0, BLOCK_M)  # [BLOCK_M] logical positions
+    m_s = o_m < tl.load(indptr + i_g + 1)
+    o_s = tl.load(perm + o_m, mask=m_s, other=0).to(tl.int64)  # [BLOCK_M] physical rows
+    p = 0.0
+    if HAS_DROPOUT:
+        p = tl.load(dropout + slot)
+    w_row0 = STACK * tl.load(offsets + slot).to(tl.int64)
+    shrink_tile(
+        x, A, h, o_s, m_s, i_n, w_row0, n_a, K, seed, p,
+        stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn,
+        HAS_DROPOUT, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )
+
+
+@triton.jit
+def sgmv_expand_kernel(
+    h, B, y, chunks, indptr, seg_slot, perm, ranks, offsets, scales, slice_idx, capacity,
+    stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
+    N: tl.constexpr, MAX_RANK: tl.constexpr,
+    FP64: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """y[perm[j]] += scale_a * h[perm[j], slice*r : (slice+1)*r] @ B_cat[:, off : off+r]^T for the chunk's j."""
+    i_c = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_g = tl.load(chunks + i_c)
+    if i_g < 0:
+        return
+    slot = tl.load(seg_slot + i_g)
+    if slot < 0:
+        return
+    rank = tl.minimum(MAX_RANK, tl.load(ranks + slot))
+    if rank == 0:
+        return
+    o_m = tl.load(chunks + capacity + i_c) + tl.arange(0, BLOCK_M)  # [BLOCK_M] logical positions
+    m_s = o_m < tl.load(indptr + i_g + 1)
+    o_s = tl.load(perm + o_m, mask=m_s, other=0).to(tl.int64)  # [BLOCK_M] physical rows
+    expand_tile(
+        h, B, y, o_s, m_s, i_n, slice_idx * rank, tl.load(offsets + slot), rank, tl.load(scales + slot), N,
+        stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
+        FP64, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R,
+    )

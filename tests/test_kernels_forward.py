@@ -1,0 +1,227 @@
+"""Forward Triton launchers (``kernels/forward.py``) against the pure-PyTorch reference, both segment families.
+
+CPU runs use the Triton interpreter (tests/conftest.py), so shapes stay small; the ``gpu`` tests at the benchmark
+shape run with ``FML_TEST_DEVICE=cuda``. Outputs are NaN-poisoned: ``h`` entries the contract leaves undefined must
+stay NaN (the kernel writes nothing outside its tiles), ``h`` fed to the expand has NaN in every don't-care entry
+(the kernel must mask them), and ``y`` rows of tokens without a live adapter are NaN and must stay NaN.
+
+Tolerances:
+* fp32 (and fp64): rtol 1e-5 (1e-12), atol the same times max|ref|, against the fp64 reference: the kernel's
+  fp32 dot products of <= 123 terms are a few ulp of the largest term off (observed ~1e-7 of max|ref|).
+* fp16/bf16 (flash-attention's rule): the kernel's max error against an fp64 reference is at most twice the error
+  of torch's own low-precision computation (the reference run on low-precision operands, its result rounded to
+  the activation dtype), plus 1e-6 of max|ref| so an exact baseline cannot make the bound zero.
+"""
+
+import pytest
+import torch
+from fast_multilora.kernels.dropout import dropout_keep_mask
+from fast_multilora.kernels.forward import lora_expand, lora_shrink
+from fast_multilora.kernels.sgmv import chunk_table
+from helpers import DEVICE, KERNEL_DTYPES, make_segments, make_table, poisoned, random_token_slots
+
+from fast_multilora import reference as ref
+
+FAMILIES = [pytest.param(False, id="sgemm"), pytest.param(True, id="chunked")]
+DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
+DTYPES = [pytest.param(dt, id=DTYPE_IDS[dt]) for dt in KERNEL_DTYPES]
+
+_g = torch.Generator().manual_seed(70)
+RANKS_70 = [int(r) if i % 9 else 0 for i, r in enumerate(torch.randint(1, 9, (70,), generator=_g))]
+
+# S, K, N, ranks, stack_num, layout, dropout p per slot (None: no dropout), weights in the activation dtype
+CASES = [
+    pytest.param(63, 123, 2049, [1] * 8, 1, "random", None, False, id="S63-K123-N2049-R1-A8"),
+    pytest.param(48, 123, 77, [1, 5, 16, 0, 33, 64, 7, 2], 1, "runs", None, True, id="S48-K123-R1to64-A8-runs"),
+    pytest.param(40, 123, 77, RANKS_70, 1, "random", None, False, id="S40-K123-R0to8-A70"),
+    pytest.param(60, 64, 40, [4, 16, 3], 1, "skewed", None, True, id="S60-K64-R16-A3-skewed"),
+    pytest.param(37, 123, 77, [2, 0, 13, 5], 2, "random", None, False, id="S37-K123-R13-A4-stack2"),
+    pytest.param(37, 123, 77, [3, 17, 1], 3, "runs", [0.1, 0.5, 0.0], False, id="S37-K123-R17-A3-stack3-drop"),
+    pytest.param(50, 123, 77, [8, 0, 33], 1, "skewed", [0.2, 0.3, 0.25], True, id="S50-K123-R33-A3-skewed-drop"),
+]
+
+
+def _defined(token_slots, ranks, stack):
+    """Mask of the ``h`` entries the contract defines: rows of tokens of live adapters, columns < stack*rank."""
+    r_tok = torch.tensor([ranks[a] if a >= 0 else 0 for a in token_slots.tolist()])
+    return torch.arange(stack * max(ranks))[None, :] < (stack * r_tok)[:, None]
+
+
+def _live_rows(token_slots, ranks):
+    return torch.tensor([a >= 0 and ranks[a] > 0 for a in token_slots.tolist()], dtype=torch.bool)
+
+
+def _check_close(got, want64, lowp_baseline, dtype, what):
+    """Per-dtype tolerance (module docstring); ``got``/``want64``/``lowp_baseline`` are same-shape tensors."""
+    scale = want64.abs().max().item() if want64.numel() else 0.0
+    if dtype in (torch.float32, torch.float64):
+        tol = 1e-5 if dtype == torch.float32 else 1e-12
+        torch.testing.assert_close(got.double(), want64, rtol=tol, atol=tol * scale, msg=lambda m: f"{what}: {m}")
+        return
+    err = (got.double() - want64).abs().max().item() if got.numel() else 0.0
+    base = (lowp_baseline.double() - want64).abs().max().item() if got.numel() else 0.0
+    assert err <= 2 * base + 1e-6 * scale, f"{what}: kernel error {err:.3e} > 2 x torch {dtype} error {base:.3e}"
+
+
+def _run_case(S, K, N, ranks, stack, layout, ps, w_lowp, grouped, dtype, device, seed=1234):
+    g = torch.Generator().manual_seed(S * 1000 + K + len(ranks))
+    ts = random_token_slots(S, len(ranks), g, layout=layout)
+    table = make_table(ranks, dropout=ps, device=device)
+    segs = make_segments(ts, grouped, device=device)
+    w_dtype = dtype if w_lowp else torch.float32
+    R = sum(ranks)
+    x = torch.randn(S, K, generator=g).to(device, dtype)
+    A = (torch.randn(stack * R, K, generator=g) / K**0.5).to(device, w_dtype)
+    B = (torch.randn(N, R, generator=g) / 4).to(device, w_dtype)
+    y0 = torch.randn(S, N, generator=g).to(device, dtype)
+    width = stack * max(ranks)
+    defined = _defined(ts, ranks, stack).to(device)
+    live = _live_rows(ts, ranks).to(device)
+    keep = dropout_keep_mask(seed, segs, table, K) if ps is not None else None
+    hi = torch.float64
+
+    # shrink
+    h_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    h = lora_shrink(x, A, segs, table, stack_num=stack, seed=seed if ps is not None else None,
+                    out=poisoned(S, width, dtype=h_dtype, device=device))
+    assert torch.isnan(h[~defined]).all(), "shrink wrote outside the rows/columns it owns"
+    h64 = ref.lora_shrink(x.to(hi), A.to(hi), segs, table, stack_num=stack, keep=keep)
+    h_lowp = ref.lora_shrink(x, A.to(dtype), segs, table, stack_num=stack, keep=keep).to(dtype)
+    _check_close(h[defined], h64[defined], h_lowp[defined], dtype, "shrink")
+
+    # expand, every slice, from the fp64 reference h rounded to h's dtype with every don't-care entry NaN
+    h_in = torch.where(defined, h64, torch.nan).to(h_dtype)
+    y_in = torch.where(live[:, None], y0, torch.nan)
+    for s in range(stack):
+        y = lora_expand(h_in, B, segs, table, y_in.clone(), stack_num=stack, slice_idx=s)
+        assert torch.isnan(y[~live]).all(), "expand wrote rows of base tokens / rank-0 slots"
+        y64 = ref.lora_expand(h_in.to(hi), B.to(hi), segs, table, y_in.to(hi), stack_num=stack, slice_idx=s)
+        y_lowp = ref.lora_expand(h_in.to(dtype), B.to(dtype), segs, table, y_in.clone(), stack_num=stack,
+                                 slice_idx=s)
+        _check_close(y[live], y64[live], y_lowp[live], dtype, f"expand slice {s}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("grouped", FAMILIES)
+@pytest.mark.parametrize("S, K, N, ranks, stack, layout, ps, w_lowp", CASES)
+def test_forward_matches_reference(S, K, N, ranks, stack, layout, ps, w_lowp, grouped, dtype, device):
+    _run_case(S, K, N, ranks, stack, layout, ps, w_lowp, grouped, dtype, device)
+
+
+@pytest.mark.parametrize("grouped", FAMILIES)
+def test_float64(grouped, device):
+    _run_case(29, 41, 33, [2, 0, 7], 2, "random", [0.0, 0.3, 0.5], False, grouped, torch.float64, device)
+
+
+@pytest.mark.parametrize("grouped", FAMILIES)
+@pytest.mark.parametrize("what", ["no-tokens", "all-base", "all-rank0"])
+def test_empty_inputs(what, grouped, device):
+    S, K, N = {"no-tokens": 0}.get(what, 9), 16, 24
+    ranks = [0, 0] if what == "all-rank0" else [4, 2]
+    ts = torch.full((S,), -1) if what == "all-base" else torch.arange(S) % 2
+    table = make_table(ranks, device=device)
+    segs = make_segments(ts, grouped, device=device)
+    x = torch.randn(S, K, device=device)
+    h = lora_shrink(x, torch.randn(sum(ranks), K, device=device), segs, table)
+    assert h.shape == (S, max(ranks)) and h.dtype == torch.float32
+    y0 = torch.randn(S, N, device=device)
+    y = lora_expand(torch.zeros(S, max(ranks), device=device), torch.randn(N, sum(ranks), device=device), segs,
+                    table, y0.clone())
+    assert torch.equal(y, y0)
+
+
+def test_chunk_table_covers_every_position_once():
+    ts = torch.tensor([0] * 50 + [1] + [2] * 16 + [-1] * 3 + [3] * 17)[torch.randperm(87)]
+    segs = make_segments(ts, grouped=True)
+    table = chunk_table(segs, 16)
+    assert chunk_table(segs, 16) is table  # cached per block size
+    seen = []
+    indptr = segs.indptr.tolist()
+    for seg, start in table.T.tolist():
+        if seg < 0:
+            continue
+        assert indptr[seg] <= start < indptr[seg + 1]
+        seen += range(start, min(start + 16, indptr[seg + 1]))
+    assert sorted(seen) == list(range(segs.perm.numel()))
+
+
+def test_validation_errors(device):
+    table = make_table([2, 3], device=device)
+    segs = make_segments(torch.tensor([0, 0, 1, -1]), grouped=False, device=device)
+    x, A = torch.randn(4, 8, device=device), torch.randn(5, 8, device=device)
+    h, B, y = torch.zeros(4, 3, device=device), torch.randn(6, 5, device=device), torch.zeros(4, 6, device=device)
+    bad_shrink = {
+        "must be 2-D": dict(x=x[None]),
+        "contiguous in its last dim": dict(x=torch.randn(8, 4, device=device).T),
+        "A_cat must be": dict(A=A[:4]),
+        "segs covers": dict(x=x[:3]),
+        "floating tensor": dict(x=x.to(torch.int32)),
+        "seed must be": dict(seed=1.5),
+        "out must be": dict(out=torch.zeros(4, 2, device=device)),
+        "stack_num must be": dict(stack_num=0),
+    }
+    for msg, kw in bad_shrink.items():
+        args = dict(x=x, A=A, seed=None, out=None, stack_num=1) | kw
+        with pytest.raises(ValueError, match=msg):
+            lora_shrink(args["x"], args["A"], segs, table, stack_num=args["stack_num"], seed=args["seed"],
+                        out=args["out"])
+    bad_expand = {
+        "h must be": dict(h=h[:, :2]),
+        "B_cat must be": dict(B=B[:, :4]),
+        "slice_idx must be": dict(slice_idx=1),
+        "segs covers": dict(h=h[:3], y=y[:3]),
+    }
+    for msg, kw in bad_expand.items():
+        args = dict(h=h, B=B, y=y, slice_idx=0) | kw
+        with pytest.raises(ValueError, match=msg):
+            lora_expand(args["h"], args["B"], segs, table, args["y"], slice_idx=args["slice_idx"])
+    if DEVICE == "cuda":
+        with pytest.raises(ValueError, match="expected cuda"):
+            lora_shrink(x, A.cpu(), segs, table)
+
+
+# --- GPU: the benchmark shape (S=8192, K=N=4096, r=16, 8 adapters) and determinism -------------------------------
+
+def _big_problem(grouped, dtype, ps=None):
+    g = torch.Generator().manual_seed(8192)
+    S, K, N, ranks = 8192, 4096, 4096, [16] * 8
+    ts = torch.arange(8).repeat_interleave(S // 8)
+    if grouped:
+        ts = ts[torch.randperm(S, generator=g)]  # interleaved tokens: the chunked family gathers them
+    ts[torch.rand(S, generator=g) < 0.05] = -1
+    table = make_table(ranks, scales=[2.0] * 8, dropout=ps, device="cuda")
+    segs = make_segments(ts, grouped, device="cuda")
+    x = torch.randn(S, K, generator=g).to("cuda", dtype)
+    A = (torch.randn(16 * 8, K, generator=g) / K**0.5).cuda()
+    B = (torch.randn(N, 16 * 8, generator=g) / 4).cuda()
+    y0 = torch.randn(S, N, generator=g).to("cuda", dtype)
+    return ts, table, segs, x, A, B, y0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("grouped", FAMILIES)
+def test_gpu_benchmark_shape(grouped, dtype):
+    ts, table, segs, x, A, B, y0 = _big_problem(grouped, dtype)
+    live = (ts >= 0).cuda()
+    h = lora_shrink(x, A, segs, table)
+    h64 = ref.lora_shrink(x.double(), A.double(), segs, table)
+    h_lowp = ref.lora_shrink(x, A.to(dtype), segs, table).to(dtype)
+    _check_close(h[live], h64[live], h_lowp[live], dtype, "shrink")
+    y = lora_expand(h, B, segs, table, y0.clone())
+    y64 = ref.lora_expand(h.double(), B.double(), segs, table, y0.double())
+    y_lowp = ref.lora_expand(h.to(dtype), B.to(dtype), segs, table, y0.clone())
+    _check_close(y[live], y64[live], y_lowp[live], dtype, "expand")
+    assert torch.equal(y[~live], y0[~live])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grouped", FAMILIES)
+def test_gpu_deterministic(grouped):
+    ts, table, segs, x, A, B, y0 = _big_problem(grouped, torch.bfloat16, ps=[0.1] * 4 + [0.0] * 4)
+    live = (ts >= 0).cuda()
+    runs = []
+    for _ in range(2):
+        h = lora_shrink(x, A, segs, table, seed=7)
+        runs.append((h[live], lora_expand(h, B, segs, table, y0.clone())))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
