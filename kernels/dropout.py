@@ -1,4 +1,4 @@
-"""Dropout drawn inside the kernels: a keep-mask from Philox ``tl.rand(seed, row * K + col)``.
+"""Dropout drawn inside the kernels: a keep-mask from Philox-4x32 counters of ``(row, col // 4)``.
 
 Every kernel that reads ``x~`` (the shrink forward, the ``dx``/``dA`` backward) calls :func:`keep_block` with the
 *physical* row index, so the mask is regenerated in backward and never stored. ``dropout_keep_mask`` materialises
@@ -16,9 +16,24 @@ from .segments import AdapterTable, Segments
 
 @triton.jit
 def keep_block(seed, o_rows, o_cols, K, p):
-    """Boolean keep-mask of the block ``[rows, cols]``; ``rows`` physical token rows (int64), ``p`` the drop rate."""
-    offs = o_rows.to(tl.int64)[:, None] * K + o_cols.to(tl.int64)[None, :]
-    return tl.rand(seed, offs) >= p
+    """Boolean keep-mask of the block ``[rows, cols]``: element ``(t, k)`` is word ``k % 4`` of the Philox-4x32
+    draw at counter ``t * cdiv(K, 4) + k // 4``, kept when that word ``>= p * 2^32``.
+
+    One Philox call serves four columns (a quarter of ``tl.rand``'s cost per element). ``o_cols`` must be a
+    contiguous block starting at a multiple of 4 whose length is a multiple of 4; ``p`` broadcasts to the block.
+    """
+    BLOCK_R: tl.constexpr = o_rows.shape[0]
+    BLOCK_C: tl.constexpr = o_cols.shape[0]
+    tl.static_assert(BLOCK_C % 4 == 0)
+    o_grp = tl.max(tl.reshape(o_cols, (BLOCK_C // 4, 4)), axis=1) // 4  # [BLOCK_C // 4] column groups
+    n_grp = (K + 3) // 4
+    ctr = o_rows.to(tl.int64)[:, None] * n_grp + o_grp.to(tl.int64)[None, :]  # [BLOCK_R, BLOCK_C // 4]
+    # 32-bit counters select Philox-4x32 (64-bit ones would select 4x64); they wrap only past 2^34 elements
+    r0, r1, r2, r3 = tl.randint4x(seed, ctr.to(tl.uint32))
+    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [BLOCK_R, BLOCK_C // 4, 2, 2]: order r0 r1 r2 r3
+    words = tl.reshape(words, (BLOCK_R, BLOCK_C))  # uint32
+    thresh = (p * 4294967296.0).to(tl.uint32)  # p < 1
+    return words >= thresh
 
 
 @triton.jit
@@ -33,8 +48,7 @@ def _keep_mask_kernel(
     o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
     m_s = o_s < S
     b_p = tl.load(token_p + o_s, mask=m_s, other=0.0)  # [BLOCK_S]
-    offs = o_s[:, None] * K + o_k[None, :]
-    b_keep = tl.rand(seed, offs) >= b_p[:, None]  # same draw as keep_block
+    b_keep = keep_block(seed, o_s, o_k, K, b_p[:, None])  # [BLOCK_S, BLOCK_K], the kernels' own draw
     m = m_s[:, None] & (o_k[None, :] < K)
     tl.store(keep + o_s[:, None] * stride_ks + o_k[None, :] * stride_kk, b_keep.to(tl.int8), mask=m)
 
