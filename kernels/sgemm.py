@@ -94,7 +94,7 @@ def expand_tile(
 
 
 @triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a fresh seed per call must not pick new variants
 def sgemm_shrink_kernel(
     x, A, h, indptr, seg_slot, ranks, offsets, dropout, seed, K,
     stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn,

@@ -46,7 +46,7 @@ def chunk_table(segs: Segments, block_m: int) -> torch.Tensor:
 
 
 @triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a fresh seed per call must not pick new variants
 def sgmv_shrink_kernel(
     x, A, h, chunks, indptr, seg_slot, perm, ranks, offsets, dropout, seed, capacity,
     stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn,
