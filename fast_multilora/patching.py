@@ -254,6 +254,10 @@ def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto") -
         model.__dict__[_HOOKS_ATTR] = hooks
     router.backend = backend
     router.family = family
+    router.tuner = _lora_tuner(model)
+    router.config_key = tuple(sorted(getattr(router.tuner, "peft_config", {}).keys()))
+    router.repatch = partial(_repatch, model)
+    router.layers = []
     report = PatchReport(backend=backend)
     aux = _aux_wrapper_types()
     variant_warned = []
@@ -261,6 +265,7 @@ def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto") -
         if module is model:
             continue
         if isinstance(module, LoraLayer):
+            router.layers.append(module)
             reason = _fallback_reason(module)
             if reason is None:
                 _swap(module, _FastLinearMixin, router)
@@ -315,6 +320,13 @@ class _InstanceAttr:
 
     def remove(self):
         self.obj.__dict__.pop(self.name, None)
+
+
+def _repatch(model):
+    router: Router = model.__dict__[_ROUTER_ATTR]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the first patch() already warned about fallbacks
+        patch(model, backend=router.backend, family=router.family)
 
 
 def _lora_tuner(model):

@@ -60,6 +60,7 @@ class Routing:
     """What one forward call asked for: per-row names, or a vocabulary plus per-token ids (packed rows)."""
 
     names: tuple
+    slot_names: tuple  # the model's adapters when the routing began: the slot order of its plans
     ids: Optional[torch.Tensor] = None  # [rows, T] indices into names, -1 = base
     plans: dict = field(default_factory=dict)
 
@@ -92,18 +93,31 @@ class Router:
         self.family = "auto"
         self.backend = "auto"
         self.pending_ids: Optional[torch.Tensor] = None  # adapter_ids popped by a PeftModel's pre-hook
+        self.layers: list = []  # every LoRA layer of the model (ours and the fallback ones), set by patch()
+        self.tuner = None  # the PEFT tuner whose peft_config keys we watch
+        self.config_key: tuple = ()
+        self.repatch = None  # callable re-running patch() with the same settings
 
     # -- adapters known to the model ------------------------------------------------------------------------------
     def known_adapters(self) -> list:
+        """Sorted names of the adapters held by the model's LoRA layers (the model-wide slot order)."""
+        self._refresh()
         known = set()
-        for m in self.root.modules():
-            a = getattr(m, "lora_A", None)
-            if isinstance(a, torch.nn.ModuleDict):
-                known.update(a.keys())
+        for m in self.layers:
+            known.update(m.lora_A.keys())
             e = getattr(m, "lora_embedding_A", None)
-            if isinstance(e, torch.nn.ParameterDict):
+            if e is not None:
                 known.update(e.keys())
         return sorted(known)
+
+    def _refresh(self) -> None:
+        """Re-patch when the PEFT config changed (``add_adapter`` may have created new LoRA layers)."""
+        tuner = self.tuner
+        if tuner is None or self.repatch is None:
+            return
+        key = tuple(sorted(getattr(tuner, "peft_config", {}).keys()))
+        if key != self.config_key:
+            self.repatch()
 
     def _check_names(self, names: Sequence[str], known: list) -> None:
         unknown = sorted({n for n in names if n != BASE and n not in known})
@@ -120,7 +134,8 @@ class Router:
         for n in names:
             if not isinstance(n, str):
                 raise TypeError(f"`adapter_names` must hold strings, got {type(n).__name__}: {n!r}")
-        self._check_names(names, self.known_adapters())
+        known = self.known_adapters()
+        self._check_names(names, known)
         if adapter_ids is not None:
             if not torch.is_tensor(adapter_ids) or adapter_ids.dtype.is_floating_point:
                 raise TypeError("`adapter_ids` must be an integer tensor [batch, seq] indexing `adapter_names`")
@@ -129,7 +144,7 @@ class Router:
                     f"`adapter_ids` values must lie in [-1, {len(names) - 1}] (indices into `adapter_names`, "
                     f"-1 = base), got [{int(adapter_ids.min())}, {int(adapter_ids.max())}]"
                 )
-        return Routing(names=names, ids=adapter_ids)
+        return Routing(names=names, slot_names=tuple(known), ids=adapter_ids)
 
     def begin(self, adapter_names=None, adapter_ids=None) -> None:
         """Start routing a forward call; ``adapter_names=None`` turns routing off (stock PEFT behaviour)."""
@@ -162,7 +177,7 @@ class Router:
         return plan
 
     def _build_plan(self, routing: Routing, lead: tuple, device) -> BatchPlan:
-        slot_names = tuple(self.known_adapters())
+        slot_names = routing.slot_names
         index = {n: i for i, n in enumerate(slot_names)}
         vocab = torch.tensor([index.get(n, -1) for n in routing.names] + [-1], dtype=torch.int64)  # [-1] for id -1
         if routing.per_row:

@@ -243,3 +243,22 @@ def test_patch_lora_model_and_fallback_layers_in_training():
     for n, p in plain.named_parameters():
         if "lora_" in n and p.grad is not None:
             torch.testing.assert_close(got[n].grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_adapter_on_new_modules_after_patch_is_patched_too():
+    """add_adapter() that targets modules without LoRA layers creates new layers: they get routed as well."""
+    model = peft_model()
+    plain = twin(model)
+    report = fast_multilora.patch(model)
+    cfg = LoraConfig(r=2, lora_alpha=2, target_modules=["lm_head"], init_lora_weights=False)
+    for m in (model, plain):
+        torch.manual_seed(5)
+        m.add_adapter("head", cfg)
+        m.eval()
+    ids = _ids()
+    names = ["head", "a0", "__base__", "head"]
+    with torch.no_grad():
+        got = model(input_ids=ids, adapter_names=names).logits
+        want = plain(input_ids=ids, adapter_names=names).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert len(fast_multilora.patch(model).patched) == len(report.patched) + 1
