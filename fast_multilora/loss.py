@@ -21,8 +21,8 @@ def per_adapter_mean(values: torch.Tensor, token_adapter: torch.Tensor, num_adap
     """Mean of ``values`` per adapter over its valid tokens.
 
     ``token_adapter``: same shape as ``values``, ints in ``[0, num_adapters)`` or ``-1`` (ignored). Returns
-    ``(means[num_adapters], counts[num_adapters])``; adapters without tokens get mean 0. Deterministic (a one-hot
-    matmul, not an atomic scatter).
+    ``(means[num_adapters], counts[num_adapters])``; adapters without tokens get mean 0. Deterministic (a masked
+    sum per adapter, not an atomic scatter); a NaN/Inf value stays in its own adapter's mean (no ``0 * NaN``).
     """
     v = values.reshape(-1).float()
     ids = token_adapter.reshape(-1).to(v.device)
@@ -30,9 +30,8 @@ def per_adapter_mean(values: torch.Tensor, token_adapter: torch.Tensor, num_adap
     if valid is not None:
         keep = keep & valid.reshape(-1).to(v.device)
     onehot = (ids[None, :] == torch.arange(num_adapters, device=v.device)[:, None]) & keep[None, :]
-    onehot = onehot.to(v.dtype)
-    counts = onehot.sum(1)
-    sums = onehot @ torch.where(keep, v, torch.zeros_like(v))
+    counts = onehot.sum(1).to(v.dtype)
+    sums = torch.where(onehot, v[None, :], torch.zeros((), dtype=v.dtype, device=v.device)).sum(1)
     return sums / counts.clamp(min=1), counts
 
 

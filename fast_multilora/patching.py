@@ -89,6 +89,12 @@ class _FastLinearMixin:
             return result
         return _apply_delta(self, x, result, plan, table, present, bias_row, router)
 
+    def delete_adapter(self, adapter_name):
+        super().delete_adapter(adapter_name)
+        router = self.__dict__.get(_ROUTER_ATTR)
+        if router is not None:  # routings cached per name tuple must not outlive an adapter they name
+            router._by_names.clear()
+
 
 def _layer_table(layer, plan, device):
     """Per-slot ranks/offsets/scales/dropout for this layer, cached until the layer's adapters change."""
@@ -144,9 +150,18 @@ def _apply_delta(layer, x, result, plan, table, present, bias_row, router):
     if not result.is_contiguous() or result._base is not None:
         # the delta is added in place; a view (GPT-2's Conv1D returns one) gets its own storage first
         result = result.contiguous() if not result.is_contiguous() else result.clone()
-    lora_dtype = layer.lora_A[present[0]].weight.dtype
+    lora_w = layer.lora_A[present[0]].weight
+    if x.device != lora_w.device:
+        raise ValueError(
+            f"input is on {x.device} but the LoRA weights of this layer are on {lora_w.device}; move the batch to "
+            "the model's device"
+        )
+    lora_dtype = lora_w.dtype
     if x.dtype == torch.float32 and lora_dtype in (torch.float16, torch.bfloat16):
-        x = x.to(lora_dtype)  # PEFT casts the input to the adapter dtype
+        # PEFT casts the input to the adapter dtype; with adapters of several dtypes in the layer keep fp32 (the
+        # weights are concatenated in the promoted dtype), so fp32 adapters are not fed a 16-bit input
+        if all(layer.lora_A[n].weight.dtype == lora_dtype for n in present):
+            x = x.to(lora_dtype)
     backend = get_backend(router.backend, x.device)
     seed = None
     if table.has_dropout:
