@@ -1,0 +1,407 @@
+"""Backward Triton kernels (kernels/backward.py) against the pure-PyTorch reference, both segment families.
+
+On CPU the kernels run under the Triton interpreter with the small interpreter block table, so these shapes reach
+every path: N-splits, multi-chunk slots, rank tiles, the unfused (large-rank) expand mode, base and rank-0 rows.
+Outputs are NaN-poisoned buffers; don't-care inputs (base rows of x/dy, h/dh columns past a slot's rank) are NaN
+too, so a kernel that reads or leaves anything it should not fails here.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+import torch
+from fast_multilora.kernels.backward import lora_expand_bwd, lora_shrink_bwd
+from fast_multilora.kernels.dropout import dropout_keep_mask
+from helpers import KERNEL_DTYPES, make_segments, make_table, poisoned, random_token_slots
+
+from fast_multilora import reference as ref
+
+# Max error relative to the reference's largest magnitude.
+TOL = {
+    torch.float64: 1e-12,  # fp64 everywhere: only summation order differs
+    torch.float32: 2e-5,  # ieee fp32 dots: only summation order differs (~K * 2^-24 worst case for K <= 2049)
+    torch.float16: 4e-3,  # one fp16 rounding (2^-11) of h / dh / fp32 weights before each dot, fp32 accumulate
+    torch.bfloat16: 3e-2,  # one bf16 rounding (2^-8) of h / dh / fp32 weights before each dot, fp32 accumulate
+}
+DT_NAME = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@dataclass
+class Case:
+    S: int
+    K: int
+    N: int
+    ranks: list
+    layout: str = "random"  # helpers.random_token_slots: random (interleaved), runs, skewed
+    stack: int = 1
+    dropout: Optional[list] = None  # per-slot p; a seed is used when given
+    base_frac: float = 0.1
+    empty_slots: tuple = ()  # slots whose tokens are moved to slot 0 (adapters without tokens)
+    weights: str = "act"  # "act": weights in the activation dtype; "fp32": fp32 weights
+    views: bool = False  # x / dy as column slices of wider tensors (row stride != width)
+
+    def id(self, dtype):
+        return f"S{self.S}-K{self.K}-N{self.N}-R{max(self.ranks)}-A{len(self.ranks)}-x{self.stack}-{self.layout}" + (
+            "-drop" if self.dropout else "") + (f"-w{self.weights}" if self.weights != "act" else "") + (
+            "-views" if self.views else "") + f"-{DT_NAME[dtype]}"
+
+
+CASES = [
+    # large N (finish tiles, N-splits, ragged N), ranks 1..64: 64 puts the expand in its unfused mode
+    Case(63, 123, 2049, [1, 5, 16, 0, 33, 64, 7, 2], empty_slots=(6,)),
+    # rank 1 everywhere, one-token segments (interleaved), fp32 weights
+    Case(37, 123, 45, [1, 1, 1, 1], weights="fp32"),
+    # 70 slots, most without tokens, some rank 0
+    Case(40, 37, 29, [(i * 7) % 6 for i in range(70)]),
+    # stacked q/k/v: stack*rank = 192 > the interpreter's rank tile (several rank tiles), skewed layout
+    Case(33, 123, 77, [64, 1, 20], layout="skewed", stack=3),
+    # gate/up pair, runs layout, ranks not multiples of the block, dropout from a seed
+    Case(50, 70, 66, [9, 3, 17, 0], layout="runs", stack=2, dropout=[0.25, 0.0, 0.5, 0.1]),
+    # dropout, interleaved, strided views, ranks <= 32 (fused expand)
+    Case(45, 96, 64, [8, 32, 3], dropout=[0.3, 0.3, 0.0], views=True, base_frac=0.3),
+]
+SEED = 1234
+
+
+def _params(cases, dtypes):
+    return [pytest.param(c, dt, id=c.id(dt)) for c in cases for dt in dtypes]
+
+
+def build(case: Case, dtype, grouped: bool, device, gen):
+    """Random inputs for one case: activations with NaN in rows LoRA must not read, poisoned h/dh don't-care cells."""
+    n = len(case.ranks)
+    ts = random_token_slots(case.S, n, gen, base_frac=case.base_frac, layout=case.layout)
+    for a in case.empty_slots:
+        ts[ts == a] = 0
+    table = make_table(case.ranks, dropout=case.dropout, device=device)
+    segs = make_segments(ts, grouped, device=device)
+    ranks = torch.tensor(case.ranks)
+    live = (ts >= 0) & (ranks[ts.clamp(min=0)] > 0)  # rows LoRA touches
+    R, R_tot, st = max(case.ranks), sum(case.ranks), case.stack
+    wdt = torch.float32 if case.weights == "fp32" else dtype
+
+    def act(cols):
+        t = torch.randn(case.S, cols + (5 if case.views else 0), generator=gen).to(dtype)
+        t[~live] = float("nan")
+        return (t[:, :cols] if case.views else t).to(device)
+
+    def rank_cols(width_per_rank):  # fp32 [S, stack*R]: valid cells random, the rest NaN
+        t = torch.full((case.S, st * R), float("nan"))
+        for i in torch.nonzero(live).reshape(-1).tolist():
+            r = case.ranks[int(ts[i])]
+            t[i, : st * r] = torch.randn(st * r, generator=gen) * width_per_rank
+        return t.to(torch.float64 if dtype == torch.float64 else torch.float32).to(device)
+
+    x, dy = act(case.K), act(case.N)
+    A = (torch.randn(st * R_tot, case.K, generator=gen) / case.K**0.5).to(wdt).to(device)
+    B = (torch.randn(case.N, R_tot, generator=gen) / 4).to(wdt).to(device)
+    h, dh_in = rank_cols(1.0), rank_cols(1.0)
+    seed = SEED if case.dropout else None
+    keep = dropout_keep_mask(seed, segs, table, case.K) if seed is not None else None
+    return dict(ts=ts, live=live, table=table, segs=segs, x=x, dy=dy, A=A, B=B, h=h, dh_in=dh_in, seed=seed,
+                keep=keep)
+
+
+def assert_close(got, want, dtype, what):
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if got.numel() == 0:
+        return
+    assert torch.isfinite(got).all(), f"{what}: {int((~torch.isfinite(got)).sum())} non-finite (unwritten?) entries"
+    err = (got.double() - want.double()).abs().max().item()
+    scale = max(want.double().abs().max().item(), 1e-6)
+    assert err <= TOL[dtype] * scale, f"{what}: max err {err:.3e} > tol {TOL[dtype]:.1e} * max|ref| {scale:.3e}"
+
+
+def slot_cols(case, a, stack=1):  # columns (dB) or rows (dA, with stack) of slot a in the concatenated weights
+    off = sum(case.ranks[:a])
+    return slice(stack * off, stack * (off + case.ranks[a]))
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
+@pytest.mark.parametrize("case,dtype", _params(CASES, KERNEL_DTYPES))
+def test_expand_bwd_matches_reference(case, dtype, grouped, device):
+    gen = torch.Generator().manual_seed(0)
+    d = build(case, dtype, grouped, device, gen)
+    S, st, R, R_tot = case.S, case.stack, max(case.ranks), sum(case.ranks)
+    dh = poisoned(S, st * R, dtype=d["h"].dtype, device=device)  # one buffer for all slices, as autograd uses it
+    dh_ref = torch.full_like(dh, float("nan"))
+    for s in range(st):
+        dB = poisoned(case.N, R_tot, dtype=d["h"].dtype, device=device)
+        out_dh, out_dB = lora_expand_bwd(d["dy"], d["h"], d["B"], d["segs"], d["table"], stack_num=st, slice_idx=s,
+                                         dh=dh, dB_out=dB)
+        assert out_dh is dh and out_dB is dB
+        want_dh, want_dB = ref.lora_expand_bwd(d["dy"], d["h"], d["B"], d["segs"], d["table"], stack_num=st,
+                                               slice_idx=s, dh=dh_ref)
+        assert_close(dB, want_dB, dtype, f"dB slice {s}")
+        for a in range(len(case.ranks)):
+            if not bool((d["ts"] == a).any()):
+                assert torch.equal(dB[:, slot_cols(case, a)], torch.zeros_like(dB[:, slot_cols(case, a)])), \
+                    f"dB of slot {a} (no tokens) not zero"
+    written = ~torch.isnan(dh_ref)  # adapter rows x their stack*rank columns
+    expect = torch.zeros_like(written)
+    for i in torch.nonzero(d["live"]).reshape(-1).tolist():
+        expect[i, : st * case.ranks[int(d["ts"][i])]] = True
+    assert torch.equal(written.cpu(), expect.cpu())
+    assert_close(dh[written], dh_ref[written], dtype, "dh (adapter cells)")
+    assert torch.isnan(dh[~written]).all(), "dh written outside the adapter rows / columns"
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
+@pytest.mark.parametrize("case,dtype", _params(CASES, KERNEL_DTYPES))
+def test_shrink_bwd_matches_reference(case, dtype, grouped, device):
+    gen = torch.Generator().manual_seed(1)
+    d = build(case, dtype, grouped, device, gen)
+    S, K, st, R_tot = case.S, case.K, case.stack, sum(case.ranks)
+    dx = poisoned(S, K, dtype=dtype, device=device)
+    dA = poisoned(st * R_tot, K, dtype=d["h"].dtype, device=device)
+    out_dx, out_dA = lora_shrink_bwd(d["dh_in"], d["x"], d["A"], d["segs"], d["table"], stack_num=st, seed=d["seed"],
+                                     dx_out=dx, dA_out=dA)
+    assert out_dx is dx and out_dA is dA
+    want_dx, want_dA = ref.lora_shrink_bwd(d["dh_in"], d["x"], d["A"], d["segs"], d["table"], stack_num=st,
+                                           keep=d["keep"])
+    assert_close(dx, want_dx, dtype, "dx")
+    assert torch.equal(dx[~d["live"].to(device)], torch.zeros_like(dx[~d["live"].to(device)])), "dx base rows not zero"
+    assert_close(dA, want_dA, dtype, "dA")
+    for a in range(len(case.ranks)):
+        if not bool((d["ts"] == a).any()):
+            rows = slot_cols(case, a, st)
+            assert torch.equal(dA[rows], torch.zeros_like(dA[rows])), f"dA of slot {a} (no tokens) not zero"
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
+@pytest.mark.parametrize("case", [CASES[3], CASES[4]], ids=["x3-R64-unfused", "x2-drop-fused"])
+def test_bit_identical_reruns(case, grouped, device):
+    gen = torch.Generator().manual_seed(2)
+    d = build(case, torch.float16, grouped, device, gen)
+    runs = []
+    for _ in range(2):
+        segs = make_segments(d["ts"], grouped, device=device)  # fresh cache: the grouping is rebuilt too
+        e = lora_expand_bwd(d["dy"], d["h"], d["B"], segs, d["table"], stack_num=case.stack,
+                            slice_idx=case.stack - 1)
+        s = lora_shrink_bwd(d["dh_in"], d["x"], d["A"], segs, d["table"], stack_num=case.stack, seed=d["seed"])
+        runs.append(e + s)
+    for a, b, name in zip(runs[0], runs[1], ["dh", "dB", "dx", "dA"], strict=True):
+        assert torch.equal(bits(a), bits(b)), f"{name}: bits differ between two runs"
+
+
+def bits(t):
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
+def test_need_dx_false_and_defaults(grouped, device):
+    case = CASES[4]
+    d = build(case, torch.float32, grouped, device, torch.Generator().manual_seed(3))
+    dx, dA = lora_shrink_bwd(d["dh_in"], d["x"], d["A"], d["segs"], d["table"], stack_num=case.stack, seed=d["seed"],
+                             need_dx=False)
+    assert dx is None
+    _, want_dA = ref.lora_shrink_bwd(d["dh_in"], d["x"], d["A"], d["segs"], d["table"], stack_num=case.stack,
+                                     keep=d["keep"], need_dx=False)
+    assert_close(dA, want_dA, torch.float32, "dA")
+    dh, dB = lora_expand_bwd(d["dy"], d["h"], d["B"], d["segs"], d["table"], stack_num=case.stack)  # dh allocated
+    want_dh, want_dB = ref.lora_expand_bwd(d["dy"], d["h"], d["B"], d["segs"], d["table"], stack_num=case.stack)
+    assert_close(dh, want_dh, torch.float32, "dh (zeros where unwritten)")
+    assert_close(dB, want_dB, torch.float32, "dB")
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
+def test_float64(grouped, device):
+    case = CASES[3]
+    d = build(case, torch.float64, grouped, device, torch.Generator().manual_seed(4))
+    dh, dB = lora_expand_bwd(d["dy"], d["h"], d["B"], d["segs"], d["table"], stack_num=case.stack, slice_idx=1)
+    want_dh, want_dB = ref.lora_expand_bwd(d["dy"], d["h"], d["B"], d["segs"], d["table"], stack_num=case.stack,
+                                           slice_idx=1)
+    assert dh.dtype == dB.dtype == torch.float64
+    assert_close(dB, want_dB, torch.float64, "dB")
+    assert_close(dh, want_dh, torch.float64, "dh")
+    dx, dA = lora_shrink_bwd(d["dh_in"], d["x"], d["A"], d["segs"], d["table"], stack_num=case.stack)
+    want_dx, want_dA = ref.lora_shrink_bwd(d["dh_in"], d["x"], d["A"], d["segs"], d["table"], stack_num=case.stack)
+    assert dx.dtype == torch.float64 and dA.dtype == torch.float64
+    assert_close(dx, want_dx, torch.float64, "dx")
+    assert_close(dA, want_dA, torch.float64, "dA")
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
+@pytest.mark.parametrize("what", ["S0", "all-base", "all-rank0"])
+def test_empty_inputs(what, grouped, device):
+    S = 0 if what == "S0" else 9
+    ranks = [0, 0] if what == "all-rank0" else [3, 2]
+    ts = torch.full((S,), -1 if what == "all-base" else 1, dtype=torch.int64)
+    table = make_table(ranks, device=device)
+    segs = make_segments(ts, grouped, device=device)
+    K, N, R, R_tot = 7, 5, max(ranks), sum(ranks)
+    x, dy = torch.randn(S, K, device=device), torch.randn(S, N, device=device)
+    h, dh_in = torch.randn(S, R, device=device), torch.randn(S, R, device=device)
+    A, B = torch.randn(R_tot, K, device=device), torch.randn(N, R_tot, device=device)
+    dh = poisoned(S, R, device=device)
+    dh, dB = lora_expand_bwd(dy, h, B, segs, table, dh=dh, dB_out=poisoned(N, R_tot, device=device))
+    assert torch.isnan(dh).all() and torch.equal(dB, torch.zeros(N, R_tot, device=device))
+    dx, dA = lora_shrink_bwd(dh_in, x, A, segs, table, dx_out=poisoned(S, K, device=device),
+                             dA_out=poisoned(R_tot, K, device=device))
+    assert torch.equal(dx, torch.zeros(S, K, device=device)) and torch.equal(dA, torch.zeros(R_tot, K, device=device))
+
+
+def test_no_adapters(device):
+    table = make_table([], device=device)
+    segs = make_segments(torch.full((4,), -1), False, device=device)
+    dh, dB = lora_expand_bwd(torch.randn(4, 6, device=device), torch.zeros(4, 0, device=device),
+                             torch.zeros(6, 0, device=device), segs, table)
+    assert dh.shape == (4, 0) and dB.shape == (6, 0)
+    dx, dA = lora_shrink_bwd(torch.zeros(4, 0, device=device), torch.randn(4, 3, device=device),
+                             torch.zeros(0, 3, device=device), segs, table, dx_out=poisoned(4, 3, device=device))
+    assert torch.equal(dx, torch.zeros(4, 3, device=device)) and dA.shape == (0, 3)
+
+
+def test_validation_errors(device):
+    table = make_table([2, 3], device=device)
+    segs = make_segments(torch.tensor([0, 1, -1, 1]), False, device=device)
+    dy, h, B = torch.randn(4, 5, device=device), torch.randn(4, 3, device=device), torch.randn(5, 5, device=device)
+    x, dh, A = torch.randn(4, 7, device=device), torch.randn(4, 3, device=device), torch.randn(5, 7, device=device)
+    with pytest.raises(ValueError, match="rows but segs.num_tokens"):
+        lora_expand_bwd(dy[:3], h[:3], B, segs, table)
+    with pytest.raises(ValueError, match="h must have shape"):
+        lora_expand_bwd(dy, h[:, :2], B, segs, table)
+    with pytest.raises(ValueError, match="B_cat must have shape"):
+        lora_expand_bwd(dy, h, B[:, :4], segs, table)
+    with pytest.raises(ValueError, match="slice_idx"):
+        lora_expand_bwd(dy, h, B, segs, table, slice_idx=1)
+    with pytest.raises(ValueError, match="dB_out dtype"):
+        lora_expand_bwd(dy, h, B, segs, table, dB_out=torch.empty(5, 5, dtype=torch.float16, device=device))
+    with pytest.raises(ValueError, match="B_cat dtype"):
+        lora_expand_bwd(dy, h, B.double(), segs, table)
+    with pytest.raises(ValueError, match="activation dtype"):
+        lora_shrink_bwd(dh, x.int(), A, segs, table)
+    with pytest.raises(ValueError, match="A_cat must have shape"):
+        lora_shrink_bwd(dh, x, A[:4], segs, table)
+    with pytest.raises(ValueError, match="dx_out given but need_dx=False"):
+        lora_shrink_bwd(dh, x, A, segs, table, need_dx=False, dx_out=torch.empty_like(x))
+    with pytest.raises(ValueError, match="dx_out dtype"):
+        lora_shrink_bwd(dh, x, A, segs, table, dx_out=torch.empty_like(x, dtype=torch.float16))
+    with pytest.raises(ValueError, match="seed must be an int"):
+        lora_shrink_bwd(dh, x, A, segs, table, seed=1.5)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# GPU (FML_TEST_DEVICE=cuda on an H200): the benchmark shape, every 16-bit dtype and fp32, both families
+# ------------------------------------------------------------------------------------------------------------------
+
+GPU_CASE = Case(8192, 4096, 4096, [16] * 8, base_frac=0.05)
+GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["random", "runs"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=[DT_NAME[d] for d in GPU_DTYPES])
+def test_gpu_benchmark_shape(dtype, grouped, layout, device):
+    case = Case(**{**GPU_CASE.__dict__, "layout": layout, "dropout": [0.05] * 8, "stack": 1})
+    d = build(case, dtype, grouped, device, torch.Generator().manual_seed(5))
+    d["dy"] = torch.nan_to_num(d["dy"])  # real gradients are finite everywhere
+    d["x"] = torch.nan_to_num(d["x"])
+    outs = []
+    for _ in range(2):
+        dh, dB = lora_expand_bwd(d["dy"], d["h"], d["B"], d["segs"], d["table"])
+        dx, dA = lora_shrink_bwd(dh, d["x"], d["A"], d["segs"], d["table"], seed=d["seed"])
+        outs.append((dh, dB, dx, dA))
+    for a, b, name in zip(*outs, ["dh", "dB", "dx", "dA"], strict=True):
+        assert torch.equal(bits(a), bits(b)), f"{name} not bit-identical across runs"
+    dh, dB, dx, dA = outs[0]
+    want_dh, want_dB = ref.lora_expand_bwd(d["dy"], d["h"], d["B"], d["segs"], d["table"])
+    want_dx, want_dA = ref.lora_shrink_bwd(want_dh, d["x"], d["A"], d["segs"], d["table"], keep=d["keep"])
+    assert_close(dB, want_dB, dtype, "dB")
+    assert_close(dh, want_dh, dtype, "dh")
+    assert_close(dA, want_dA, dtype, "dA")
+    assert_close(dx, want_dx, dtype, "dx")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
+def test_gpu_bandwidth_report(grouped, device, capsys):
+    """Prints achieved bandwidth (minimal bytes / time) of both launchers at the benchmark shape; asserts nothing."""
+    import triton
+
+    case = Case(**{**GPU_CASE.__dict__, "layout": "runs"})
+    d = build(case, torch.bfloat16, grouped, device, torch.Generator().manual_seed(6))
+    dy, x = torch.nan_to_num(d["dy"]), torch.nan_to_num(d["x"])
+    segs, table = d["segs"], d["table"]
+    dh = torch.zeros_like(d["h"])
+    lora_expand_bwd(dy, d["h"], d["B"], segs, table, dh=dh)  # build the cached grouping once
+    t_e = triton.testing.do_bench(lambda: lora_expand_bwd(dy, d["h"], d["B"], segs, table, dh=dh))
+    t_s = triton.testing.do_bench(lambda: lora_shrink_bwd(dh, x, d["A"], segs, table))
+    S, K, N = case.S, case.K, case.N
+    bytes_e = S * N * 2 + 2 * S * 16 * 4 + N * 128 * (2 + 4)  # dy; h, dh; B, dB
+    bytes_s = 2 * S * K * 2 + S * 16 * 4 + 128 * K * (2 + 4)  # x, dx; dh; A, dA
+    with capsys.disabled():
+        print(f"\n[{'chunked' if grouped else 'sgemm'}] expand_bwd {t_e * 1e3:.1f} us "
+              f"{bytes_e / t_e / 1e9:.0f} GB/s; shrink_bwd {t_s * 1e3:.1f} us {bytes_s / t_s / 1e9:.0f} GB/s")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# CPU-only compile check: the GPU table's main configs must compile for sm_90 (frontend + ptxas, no GPU needed)
+# without register spills. Catches what the interpreter cannot: layout/lowering failures and spilling tiles.
+# ------------------------------------------------------------------------------------------------------------------
+
+_COMPILE_SCRIPT = r'''
+import os, re, subprocess, sys, tempfile
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fast_multilora.kernels import backward as B
+
+INNER = {"stride_dyn", "stride_hr", "stride_br", "stride_dhr", "stride_xk", "stride_ak", "stride_dxk", "stride_pdr",
+         "stride_pbr", "stride_pak", "stride_dbr", "stride_dak"}  # unit strides: specialised to 1 at launch
+
+def spills(kernel, types, consts, num_warps):
+    fn = kernel if isinstance(kernel, triton.runtime.jit.JITFunction) else kernel.fn
+    consts, sig, attrs = dict(consts), {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in INNER:
+            consts[name] = 1
+        if name in consts:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = types.get(name, "i32")
+        if sig[name].startswith("*") or name.startswith("stride") or name in ("N", "K"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    print(fn.__name__, consts.get("BLOCK_S"), consts.get("BLOCK_R"), m.group(0))
+    return int(m.group(2))
+
+act = "bf16"
+ptr = {n: "*fp32" for n in ("h", "dh", "part_dh", "part_dB", "scales", "dB", "part_dA", "dropout")}
+ptr.update({n: "*" + act for n in ("dy", "B", "x", "A", "dx")})
+ptr.update({n: "*i32" for n in ("order", "info", "ranks", "offsets", "cptr")})
+BS, BN, nw, fused = B._EXPAND_BLOCKS[16][0]
+bad = spills(B._expand_bwd_kernel, ptr, dict(DIRECT_DH=False, STORE_DB=fused, EVEN_N=True, DOT_PRECISION="tf32",
+                                             BLOCK_S=BS, BLOCK_N=BN, BLOCK_R=16), nw)
+bad += spills(B._expand_bwd_finish, ptr, dict(FROM_PARTS=fused, DOT_PRECISION="tf32", BLOCK_S=BS,
+                                              BLOCK_N=B._FINISH_TILE // 16, BLOCK_R=16), 8)
+BS, BK, nw = B._SHRINK_BLOCKS[16][0]
+bad += spills(B._shrink_bwd_kernel, ptr, dict(NEED_DX=True, HAS_DROPOUT=True, HOIST_A=True, EVEN_K=True,
+                                              DOT_PRECISION="tf32", BLOCK_S=BS, BLOCK_K=BK, BLOCK_R=16), nw)
+sys.exit(1 if bad else 0)
+'''
+
+
+@pytest.mark.slow
+def test_gpu_table_compiles_for_sm90_without_spills():
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("triton wheel without the bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, f"compile check failed:\n{run.stdout}\n{run.stderr[-3000:]}"
