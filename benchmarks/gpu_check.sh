@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The one GPU run: install, GPU tests, kernel benchmark, model benchmark. From the repo root, on the GPU machine:
+#
+#   OUT=/some/folder COMMIT=<sha> bash benchmarks/gpu_check.sh
+#   STAGES="kernels model" bash benchmarks/gpu_check.sh          # a subset (install + env always run first)
+#
+# Every stage runs under its own `timeout`; a stage that fails or times out does not stop the later ones, and the
+# benchmarks write their JSON/markdown after every case, so a killed stage still leaves what it measured. Worst case
+# (every limit hit) about 8.7 minutes; limits can be changed with T_INSTALL, T_TESTS, T_KERNELS, T_MODEL (seconds),
+# pytest's stop rule with PYTEST_STOP (default -x).
+#
+# Files in $OUT (7, flat): gpu_check.log (this script's whole output), pytest_gpu.log, kernels.json, kernels.md,
+# h200.json, h200.md, h200.png.
+set -u
+
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET FML_FAMILY  # compiled kernels, the family heuristic as shipped
+OUT=${OUT:-benchmarks/results/gpu_run}
+STAGES=${STAGES:-"tests kernels model"}
+T_INSTALL=${T_INSTALL:-45}
+T_TESTS=${T_TESTS:-120}
+T_KERNELS=${T_KERNELS:-130}
+T_MODEL=${T_MODEL:-200}
+PYTEST_STOP=${PYTEST_STOP:--x}  # e.g. PYTEST_STOP=--maxfail=20 to see more than the first failure
+PY=${PYTHON:-$(command -v python3 || command -v python)}
+COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || true)}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+
+want() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+SUMMARY=""
+stage() {  # stage NAME LIMIT_S CMD...: run CMD under timeout, record rc and seconds
+    local name=$1 limit=$2 t0=$SECONDS rc
+    shift 2
+    echo "== $name: start $(date -u +%H:%M:%S) UTC, limit ${limit}s"
+    timeout -k 10 "$limit" "$@"
+    rc=$?
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then echo "== $name: TIMED OUT after ${limit}s"; fi
+    echo "== $name: rc=$rc after $((SECONDS - t0))s"
+    SUMMARY="$SUMMARY $name:rc=$rc:$((SECONDS - t0))s"
+    return 0
+}
+
+ensure_importable() {
+    # fast_multilora.kernels is the root folder kernels/ (pyproject's package-dir); if the editable install did not
+    # take, map it with a meta-path finder in a generated sitecustomize.py
+    if "$PY" -c "import fast_multilora.kernels" 2>/dev/null; then return 0; fi
+    echo "install: fast_multilora.kernels not importable; mapping kernels/ through a generated sitecustomize"
+    local shim
+    shim=$(mktemp -d)
+    cat >"$shim/sitecustomize.py" <<EOF
+import importlib.util, os, sys
+_KDIR = os.path.join("$PWD", "kernels")
+class _KernelsFinder:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name == "fast_multilora.kernels":
+            return importlib.util.spec_from_file_location(
+                name, os.path.join(_KDIR, "__init__.py"), submodule_search_locations=[_KDIR])
+        return None
+sys.meta_path.insert(0, _KernelsFinder)
+EOF
+    export PYTHONPATH="$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    "$PY" -c "import fast_multilora.kernels; print('install: fallback ok')"
+}
+
+main() {
+    echo "== gpu_check: $(date -u) repo=$PWD out=$OUT stages='$STAGES' commit=${COMMIT:-unknown}"
+    stage install "$T_INSTALL" "$PY" -m pip install --no-deps --no-build-isolation -e . -q
+    ensure_importable
+    stage env 20 bash -c 'nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.max.sm,clocks.max.mem,power.limit,temperature.gpu,utilization.gpu --format=csv; "$0" -c "import sys, torch, triton, peft, transformers; print(\"python\", sys.version.split()[0], \"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__, \"peft\", peft.__version__, \"transformers\", transformers.__version__, \"gpu\", torch.cuda.get_device_name())"' "$PY"
+
+    if want tests; then
+        stage tests "$T_TESTS" bash -c 'set -o pipefail; FML_TEST_DEVICE=cuda "$0" -m pytest -q -m "gpu or not slow" tests/ $2 -p no:cacheprovider 2>&1 | tee "$1"' "$PY" "$OUT/pytest_gpu.log" "$PYTEST_STOP"
+    fi
+    if want kernels; then
+        stage kernels "$T_KERNELS" "$PY" benchmarks/bench_kernels.py --out-dir "$OUT" \
+            --budget-s $((T_KERNELS - 25)) ${COMMIT:+--commit "$COMMIT"}
+    fi
+    if want model; then
+        stage model "$T_MODEL" "$PY" benchmarks/bench_model.py --out "$OUT/h200.json" \
+            --budget-s $((T_MODEL - 35)) ${COMMIT:+--commit "$COMMIT"}
+    fi
+    rm -f "$OUT"/*.tmp
+    echo "== gpu_check done in ${SECONDS}s:$SUMMARY"
+    case "$SUMMARY" in *rc=[1-9]*) return 1 ;; esac
+    return 0
+}
+
+main 2>&1 | tee "$OUT/gpu_check.log"
+exit "${PIPESTATUS[0]}"
