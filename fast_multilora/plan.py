@@ -89,7 +89,7 @@ class Router:
     def __init__(self, root: torch.nn.Module):
         self.root = root
         self.current: Optional[Routing] = None
-        self._by_names: dict = {}  # routings for names that PEFT's own hooks pass to layers (generate())
+        self._by_names: dict = {}  # per-row routings by (names, adapters), reused across forward calls
         self.family = "auto"
         self.backend = "auto"
         self.pending_ids: Optional[torch.Tensor] = None  # adapter_ids popped by a PeftModel's pre-hook
@@ -153,16 +153,22 @@ class Router:
                 raise ValueError("`adapter_ids` needs `adapter_names` (the names its values index)")
             self.current = None
             return
+        if adapter_ids is None:  # per-row names: reuse the routing (and its plans) of an identical earlier call
+            self.current = self.routing_for_names(adapter_names)
+            return
         self.current = self._make_routing(adapter_names, adapter_ids)
 
     def routing_for_names(self, names) -> Routing:
-        """Routing for names handed to a layer by PEFT's own forward hooks (e.g. ``generate(adapter_names=...)``)."""
-        key = tuple(names)
+        """Routing for per-row names, cached by (names, the model's adapters): a training loop whose batches repeat
+        a layout builds its plans once. Also used for names PEFT's own hooks hand to a layer."""
+        if isinstance(names, str):
+            raise TypeError("`adapter_names` must be a list of adapter names, one per sample, not a single string")
+        key = (tuple(names), tuple(self.known_adapters()))
         r = self._by_names.get(key)
         if r is None:
             if len(self._by_names) > 8:
                 self._by_names.clear()
-            r = self._by_names[key] = self._make_routing(key)
+            r = self._by_names[key] = self._make_routing(key[0])
         return r
 
     # -- plans ----------------------------------------------------------------------------------------------------

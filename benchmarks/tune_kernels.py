@@ -1,0 +1,208 @@
+"""Block-size sweep and per-kernel profile at the headline shape (S=8192, K=N=4096, r=16, 8 adapters, bf16).
+
+Writes JSON rows ``{op, family, config, us}`` so the tables in kernels/forward.py and kernels/backward.py can be set
+from measurements. Usage (GPU): ``python benchmarks/tune_kernels.py --out tune.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import time
+
+import torch
+import triton
+from fast_multilora.kernels import backward as kb
+from fast_multilora.kernels import forward as kf
+from fast_multilora.kernels.segments import AdapterTable, segments_from_token_slots
+
+from fast_multilora import kernels as K
+
+
+def make_case(S=8192, Kd=4096, N=4096, r=16, A=8, dtype=torch.bfloat16, grouped=False, dropout=0.0, dev="cuda"):
+    g = torch.Generator().manual_seed(0)
+    if grouped:
+        ts = torch.randint(0, A, (S,), generator=g)
+    else:
+        ts = torch.arange(A).repeat_interleave(S // A)
+    segs = segments_from_token_slots(ts, grouped=grouped, device=dev)
+    ranks = torch.full((A,), r, dtype=torch.int32)
+    table = AdapterTable(ranks.to(dev), (torch.arange(A, dtype=torch.int32) * r).to(dev),
+                         torch.full((A,), 2.0, device=dev), torch.full((A,), dropout, device=dev), r, r * A,
+                         dropout > 0)
+    x = torch.randn(S, Kd, device=dev, dtype=dtype)
+    y = torch.randn(S, N, device=dev, dtype=dtype)
+    dy = torch.randn(S, N, device=dev, dtype=dtype)
+    A_cat = torch.randn(A * r, Kd, device=dev, dtype=dtype) * 0.02
+    B_cat = torch.randn(N, A * r, device=dev, dtype=dtype) * 0.02
+    return segs, table, x, y, dy, A_cat, B_cat
+
+
+def bench(fn):
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=5, rep=30)  # ms, median
+
+
+def sweep_shrink(rows, case, family, seed):
+    segs, table, x, y, dy, A_cat, B_cat = case
+    saved = kf.SHRINK_BLOCKS["gpu"]
+    for bs, bk, w, st in itertools.product((16, 32, 64), (128, 256), (4, 8), (2, 3)):
+        kf.SHRINK_BLOCKS["gpu"] = [(math.inf, bs, 32, bk, w, st)]
+        try:
+            us = bench(lambda: K.lora_shrink(x, A_cat, segs, table, seed=seed)) * 1e3
+        except Exception as e:  # noqa: BLE001 - out of resources etc.
+            us = None
+            print("shrink", family, bs, bk, w, st, "failed", type(e).__name__)
+        rows.append({"op": "shrink" + ("_dropout" if seed is not None else ""), "family": family,
+                     "config": [bs, bk, w, st], "us": us})
+    kf.SHRINK_BLOCKS["gpu"] = saved
+
+
+def sweep_expand(rows, case, family):
+    segs, table, x, y, dy, A_cat, B_cat = case
+    h = K.lora_shrink(x, A_cat, segs, table)
+    saved = kf.EXPAND_BLOCKS["gpu"]
+    for bs, bn, w, st in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (1,)):
+        kf.EXPAND_BLOCKS["gpu"] = [(math.inf, bs, bn, 64, w, st)]
+        try:
+            us = bench(lambda: K.lora_expand(h, B_cat, segs, table, y)) * 1e3
+        except Exception as e:  # noqa: BLE001
+            us = None
+            print("expand", family, bs, bn, w, st, "failed", type(e).__name__)
+        rows.append({"op": "expand", "family": family, "config": [bs, bn, w, st], "us": us})
+    kf.EXPAND_BLOCKS["gpu"] = saved
+
+
+def sweep_bwd(rows, case, family):
+    segs, table, x, y, dy, A_cat, B_cat = case
+    h = K.lora_shrink(x, A_cat, segs, table)
+    dh, _ = K.lora_expand_bwd(dy, h, B_cat, segs, table)
+    saved_e, saved_s, saved_p = dict(kb._EXPAND_BLOCKS), dict(kb._SHRINK_BLOCKS), kb._PROGRAMS_PER_SM
+    for pps in (2, 8):
+        kb._PROGRAMS_PER_SM = pps
+        kb._target_programs.cache_clear()
+        for bs, bn, w, fused in itertools.product((64, 128, 256), (64, 128), (4, 8), (True,)):
+            kb._EXPAND_BLOCKS[16] = ((bs, bn, w, fused), saved_e[16][1])
+            try:
+                us = bench(lambda: K.lora_expand_bwd(dy, h, B_cat, segs, table)) * 1e3
+            except Exception as e:  # noqa: BLE001
+                us = None
+                print("expand_bwd", family, pps, bs, bn, w, fused, "failed", type(e).__name__)
+            rows.append({"op": "expand_bwd", "family": family, "config": [pps, bs, bn, w, fused], "us": us})
+        kb._EXPAND_BLOCKS.update(saved_e)
+        for bs, bk, w in itertools.product((32, 64, 128), (64, 128), (4, 8)):
+            kb._SHRINK_BLOCKS[16] = ((bs, bk, w), saved_s[16][1])
+            try:
+                us = bench(lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table)) * 1e3
+            except Exception as e:  # noqa: BLE001
+                us = None
+                print("shrink_bwd", family, pps, bs, bk, w, "failed", type(e).__name__)
+            rows.append({"op": "shrink_bwd", "family": family, "config": [pps, bs, bk, w], "us": us})
+        kb._SHRINK_BLOCKS.update(saved_s)
+    kb._PROGRAMS_PER_SM = saved_p
+    kb._target_programs.cache_clear()
+
+
+def profile_ops(case, family):
+    """CUDA time per kernel for one forward + backward of the delta (default tables)."""
+    segs, table, x, y, dy, A_cat, B_cat = case
+
+    def run():
+        h = K.lora_shrink(x, A_cat, segs, table, seed=5)
+        K.lora_expand(h, B_cat, segs, table, y)
+        dh, dB = K.lora_expand_bwd(dy, h, B_cat, segs, table)
+        K.lora_shrink_bwd(dh, x, A_cat, segs, table, seed=5)
+
+    run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            run()
+        torch.cuda.synchronize()
+    table_str = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    print(f"--- profile {family} (5 iterations, dropout on)\n{table_str}")
+    return table_str
+
+
+def profile_layer():
+    """A patched PEFT Linear (8 adapters, dropout 0.05), fwd+bwd, same names every call: where does time go?"""
+    from peft import LoraConfig, get_peft_model
+
+    import fast_multilora
+
+    lin = torch.nn.Sequential(torch.nn.Linear(4096, 4096, bias=False)).cuda().to(torch.bfloat16)
+    cfg = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=["0"])
+    pm = get_peft_model(lin, cfg, adapter_name="a0")
+    for i in range(1, 8):
+        pm.add_adapter(f"a{i}", cfg)
+    pm.cuda().to(torch.bfloat16)
+    for n, p in pm.named_parameters():
+        p.requires_grad_("lora_" in n)
+    fast_multilora.patch(pm, backend="triton")
+    pm.train()
+    x = torch.randn(8, 1024, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(8, 1024, 4096, device="cuda", dtype=torch.bfloat16)
+    names = [f"a{i}" for i in range(8)]
+
+    def step():
+        pm(x, adapter_names=names).backward(gy)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / 10 * 1e3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    print(f"--- layer fwd+bwd wall {wall:.3f} ms/step")
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+    return wall
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="tune.json")
+    ap.add_argument("--parts", default="profile,layer,shrink,expand,bwd")
+    args = ap.parse_args()
+    parts = args.parts.split(",")
+    rows = []
+    out = {"rows": rows}
+    t0 = time.time()
+    for family, grouped in (("sgemm", False), ("chunked", True)):
+        case = make_case(grouped=grouped)
+        if "profile" in parts:
+            profile_ops(make_case(grouped=grouped, dropout=0.05), family)
+        if "shrink" in parts:
+            sweep_shrink(rows, case, family, None)
+            sweep_shrink(rows, make_case(grouped=grouped, dropout=0.05), family, 5)
+        if "expand" in parts:
+            sweep_expand(rows, case, family)
+        if "bwd" in parts and family == "sgemm":  # backward regroups both families into the same chunks
+            sweep_bwd(rows, case, family)
+        print(f"{family} done at {time.time() - t0:.0f}s", flush=True)
+        with open(args.out, "w") as f:
+            json.dump(out, f)
+    if "layer" in parts:
+        out["layer_wall_ms"] = profile_layer()
+    with open(args.out, "w") as f:
+        json.dump(out, f)
+    for op in sorted({r["op"] for r in rows}):
+        for fam in ("sgemm", "chunked"):
+            ok = [r for r in rows if r["op"] == op and r["family"] == fam and r["us"] is not None]
+            ok.sort(key=lambda r: r["us"])
+            print(op, fam, "best:", [(r["config"], round(r["us"], 1)) for r in ok[:4]])
+
+
+if __name__ == "__main__":
+    main()
