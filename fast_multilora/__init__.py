@@ -6,9 +6,23 @@
     loss = fast_multilora.per_adapter_loss(out.logits, batch["labels"], names)
 """
 
-from .loss import per_adapter_loss, per_adapter_mean
-from .patching import PatchReport, patch, route, unpatch
-from .plan import BASE
+import importlib.util as _ilu
+import os as _os
+import sys as _sys
+
+if _ilu.find_spec(__name__ + ".kernels") is None:
+    # Source tree without the package-dir mapping (an old setuptools' legacy editable install, or a plain checkout on
+    # sys.path): load the root folder kernels/ as fast_multilora.kernels, as the installed package has it.
+    _kdir = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))), "kernels")
+    _spec = _ilu.spec_from_file_location(__name__ + ".kernels", _os.path.join(_kdir, "__init__.py"),
+                                         submodule_search_locations=[_kdir])
+    _mod = _ilu.module_from_spec(_spec)
+    _sys.modules[_spec.name] = _mod
+    _spec.loader.exec_module(_mod)
+
+from .loss import per_adapter_loss, per_adapter_mean  # noqa: E402
+from .patching import PatchReport, patch, route, unpatch  # noqa: E402
+from .plan import BASE  # noqa: E402
 
 __version__ = "0.1.0"
 
