@@ -49,7 +49,7 @@ def bench(fn):
 def sweep_shrink(rows, case, family, seed):
     segs, table, x, y, dy, A_cat, B_cat = case
     saved = kf.SHRINK_BLOCKS["gpu"]
-    for bs, bk, w, st in itertools.product((16, 32, 64), (128, 256), (4, 8), (2, 3)):
+    for bs, bk, w, st in itertools.product((16, 32, 64), (128, 256), (4, 8), (3,)):
         kf.SHRINK_BLOCKS["gpu"] = [(math.inf, bs, 32, bk, w, st)]
         try:
             us = bench(lambda: K.lora_shrink(x, A_cat, segs, table, seed=seed)) * 1e3
@@ -65,7 +65,7 @@ def sweep_expand(rows, case, family):
     segs, table, x, y, dy, A_cat, B_cat = case
     h = K.lora_shrink(x, A_cat, segs, table)
     saved = kf.EXPAND_BLOCKS["gpu"]
-    for bs, bn, w, st in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (1,)):
+    for bs, bn, w, st in itertools.product((32, 64, 128), (128, 256), (4, 8), (1,)):
         kf.EXPAND_BLOCKS["gpu"] = [(math.inf, bs, bn, 64, w, st)]
         try:
             us = bench(lambda: K.lora_expand(h, B_cat, segs, table, y)) * 1e3
@@ -84,7 +84,7 @@ def sweep_bwd(rows, case, family):
     for pps in (2, 8):
         kb._PROGRAMS_PER_SM = pps
         kb._target_programs.cache_clear()
-        for bs, bn, w, fused in itertools.product((64, 128, 256), (64, 128), (4, 8), (True,)):
+        for bs, bn, w, fused in itertools.product((128, 256), (64, 128), (4, 8), (True,)):
             kb._EXPAND_BLOCKS[16] = ((bs, bn, w, fused), saved_e[16][1])
             try:
                 us = bench(lambda: K.lora_expand_bwd(dy, h, B_cat, segs, table)) * 1e3
@@ -93,7 +93,7 @@ def sweep_bwd(rows, case, family):
                 print("expand_bwd", family, pps, bs, bn, w, fused, "failed", type(e).__name__)
             rows.append({"op": "expand_bwd", "family": family, "config": [pps, bs, bn, w, fused], "us": us})
         kb._EXPAND_BLOCKS.update(saved_e)
-        for bs, bk, w in itertools.product((32, 64, 128), (64, 128), (4, 8)):
+        for bs, bk, w in itertools.product((32, 64), (64, 128), (4, 8)):
             kb._SHRINK_BLOCKS[16] = ((bs, bk, w), saved_s[16][1])
             try:
                 us = bench(lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table)) * 1e3
