@@ -1,0 +1,91 @@
+"""A/B of block tables on the issue-4 train step (8 adapters mixed, 16 x 1024, Llama-shaped, bf16), interleaved in
+one run, plus a CUDA-time breakdown of one step by kernel. Usage (GPU): ``python benchmarks/ab_step.py``."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+import fast_multilora
+from fast_multilora.kernels import backward as kb
+from fast_multilora.kernels import forward as kf
+
+TABLES = {
+    "previous": dict(
+        drop=[(float("inf"), 64, 32, 256, 4, 3)],  # = SHRINK_BLOCKS before the sweep
+        e16=((256, 64, 8, True), (64, 64, 8, True)),
+        s16=((64, 64, 8), (32, 64, 8)),
+    ),
+    "swept": dict(drop=list(kf.SHRINK_DROPOUT_BLOCKS["gpu"]), e16=kb._EXPAND_BLOCKS[16], s16=kb._SHRINK_BLOCKS[16]),
+}
+
+
+def use(name):
+    t = TABLES[name]
+    kf.SHRINK_DROPOUT_BLOCKS["gpu"] = t["drop"]
+    kb._EXPAND_BLOCKS[16] = t["e16"]
+    kb._SHRINK_BLOCKS[16] = t["s16"]
+
+
+def main():
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=32,
+                      num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    tm = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lc = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=tm)
+    pm = get_peft_model(base, lc, adapter_name="a0")
+    for i in range(1, 8):
+        pm.add_adapter(f"a{i}", lc)
+    pm.to("cuda", torch.bfloat16)
+    for n, p in pm.named_parameters():
+        p.requires_grad_("lora_" in n)
+    fast_multilora.patch(pm, backend="triton")
+    pm.train()
+    ids = torch.randint(0, 32000, (16, 1024), device="cuda")
+    names = [f"a{i % 8}" for i in range(16)]
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-4)
+
+    def step():
+        out = pm(input_ids=ids, adapter_names=names)
+        fast_multilora.per_adapter_loss(out.logits, ids, names).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def timed(n=5):
+        ts = []
+        for _ in range(n):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b))
+        return statistics.median(ts)
+
+    res = {k: [] for k in TABLES}
+    for name in TABLES:
+        use(name)
+        step()
+        step()
+    for _ in range(3):
+        for name in TABLES:
+            use(name)
+            res[name].append(timed())
+    for name, v in res.items():
+        print(f"train_step_8 {name}: median of medians {statistics.median(v):.2f} ms  {[round(x, 1) for x in v]}")
+    best = min(res, key=lambda k: statistics.median(res[k]))
+    use(best)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(f"--- one step with '{best}' tables, CUDA time by kernel")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
