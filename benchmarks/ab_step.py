@@ -6,10 +6,10 @@ from __future__ import annotations
 import statistics
 
 import torch
-
-import fast_multilora
 from fast_multilora.kernels import backward as kb
 from fast_multilora.kernels import forward as kf
+
+import fast_multilora
 
 TABLES = {
     "previous": dict(
