@@ -141,9 +141,8 @@ class LoraDelta(torch.autograd.Function):
             be = spec.backend
             dh, dB = be.expand_bwd(dy, h, B_cat, spec.segs, spec.table, 1, 0)
             dx, dA = be.shrink_bwd(dh, x, A_cat, spec.segs, spec.table, 1, spec.seed, need_dx)
-            for i, (ga, gb) in enumerate(zip(dA.split(spec.ranks), dB.split(spec.ranks, dim=1), strict=True)):
-                grads[i] = ga.to(weights[i].dtype)
-                grads[n + i] = gb.to(weights[n + i].dtype)
+            grads[:n] = _split_grads(dA, spec.ranks, [w.dtype for w in weights[:n]], dim=0)
+            grads[n : 2 * n] = _split_grads(dB, spec.ranks, [w.dtype for w in weights[n : 2 * n]], dim=1)
             if spec.has_bias:
                 for i, gbias in enumerate(_bias_grad(dy, spec)):
                     grads[2 * n + i] = gbias.to(weights[2 * n + i].dtype)
@@ -152,6 +151,25 @@ class LoraDelta(torch.autograd.Function):
         if dx is not None:
             dx = dx.view(ctx.x_shape)
         return (dx, dy_in, None, *grads)
+
+
+def _split_grads(g_cat: torch.Tensor, ranks: tuple, dtypes: list, dim: int) -> list:
+    """Per-adapter gradients from a concatenated fp32 buffer, in each parameter's dtype.
+
+    One cast kernel for the whole buffer instead of one per adapter (the per-call cost that dominated a layer's
+    CPU time); the pieces are views, contiguous where the parameters are (``dim=0``, or equal ranks along
+    ``dim=1`` through a blocked copy), so autograd keeps them as ``.grad`` without another copy.
+    """
+    if len(set(dtypes)) != 1:
+        return [g.to(dt) for g, dt in zip(g_cat.split(ranks, dim=dim), dtypes, strict=True)]
+    dtype = dtypes[0]
+    if dim == 0:
+        return list(g_cat.to(dtype).split(ranks, dim=0))
+    if len(set(ranks)) == 1:  # [N, n*r] -> [n, N, r] contiguous: adapter a's [N, r] block is one contiguous view
+        N, r = g_cat.shape[0], ranks[0]
+        blocked = g_cat.view(N, len(ranks), r).permute(1, 0, 2).to(dtype, memory_format=torch.contiguous_format)
+        return list(blocked.unbind(0))
+    return list(g_cat.to(dtype).split(ranks, dim=1))
 
 
 def _onehot(spec: DeltaSpec, dtype) -> torch.Tensor:
