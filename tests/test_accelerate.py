@@ -1,0 +1,90 @@
+"""The demo under ``accelerate launch`` with 2 CPU processes (DDP over gloo) ends with the same adapter weights as a
+one-process run on the same global batches.
+
+Launch command: ``accelerate launch --multi_gpu --num_processes 2 ... --device cpu``. (``accelerate launch --cpu
+--num_processes 2`` starts ONE process in accelerate 1.15 -- its multi-CPU mode needs mpirun -- so this test would
+silently compare a run with itself; ``--multi_gpu`` uses torchrun, and without CUDA, or with the script's
+``Accelerator(cpu=True)``, accelerate runs multi-CPU DDP over gloo.)
+
+Each rank gets half of every global batch (``split_batches=True``) -- a different mix of adapters and token counts
+per rank -- and computes ``fast_multilora.training.distributed_per_adapter_loss``: per-adapter token counts are
+all-reduced and the loss is scaled by the world size, because DDP averages gradients over ranks. The global objective
+(sum over adapters of each adapter's mean token loss over the global batch) and so every AdamW step then match the
+one-process run, up to float summation order.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "examples" / "train_multi_adapter.py"
+ADAPTERS = ["upper", "reverse", "digits"]
+# SGD (momentum) and no clipping: the update is linear in the gradient, so a wrong loss scale would show (AdamW
+# normalizes gradient scale away); lora_B starts at zero, so after training it is the accumulated update itself.
+FLAGS = ["--model", "tiny", "--max-steps", "4", "--global-batch-size", "10", "--no-eval", "--dropout", "0",
+         "--optimizer", "sgd", "--lr", "0.5", "--max-grad-norm", "0", "--adapters", ",".join(ADAPTERS),
+         "--device", "cpu", "--train-per-adapter", "40"]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def _run(cmd, out):
+    res = subprocess.run(cmd + FLAGS + ["--output-dir", str(out)], cwd=ROOT, env=_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
+    return res
+
+
+def _adapter_weights(out):
+    return {a: load_file(str(out / "adapters" / a / "adapter_model.safetensors")) for a in ADAPTERS}
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_match_one_process(tmp_path):
+    if shutil.which("accelerate") is None:
+        pytest.skip("accelerate CLI not on PATH")
+    one, two = tmp_path / "one", tmp_path / "two"
+    _run([sys.executable, str(DEMO)], one)
+    _run(["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+          "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()), str(DEMO)],
+         two)
+    assert json.loads((two / "run.json").read_text())["processes"] == 2
+    assert json.loads((one / "run.json").read_text())["processes"] == 1
+
+    w1, w2 = _adapter_weights(one), _adapter_weights(two)
+    for a in ADAPTERS:
+        assert w1[a].keys() == w2[a].keys() and w1[a]
+        for k in w1[a]:
+            if "lora_B" in k:  # the update itself: compare relative to its own size
+                assert w1[a][k].abs().max() > 1e-5, f"{k} did not train"
+                atol = 1e-5 * float(w1[a][k].abs().max())
+            else:
+                atol = 1e-6
+            torch.testing.assert_close(w2[a][k], w1[a][k], rtol=1e-5, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+    # and the per-step, per-adapter losses logged by both runs (global means) agree
+    h1 = json.loads((one / "metrics.json").read_text())["history"]
+    h2 = json.loads((two / "metrics.json").read_text())["history"]
+    for s1, s2 in zip(h1, h2, strict=True):
+        for a in ADAPTERS:
+            assert s1["loss"][a] == pytest.approx(s2["loss"][a], rel=1e-5)
