@@ -1,6 +1,6 @@
 """Backward Triton kernels of segmented multi-LoRA and their launchers: ``lora_expand_bwd`` (dh, dB) and
 ``lora_shrink_bwd`` (dx, dA). Same signatures and semantics as ``fast_multilora.reference`` except dropout: a Philox
-``seed`` (or ``None``) instead of a ``keep`` mask. Math and derivations: ``docs/kernels_backward.md``.
+``seed`` (or ``None``) instead of a ``keep`` mask. Math and derivations: ``docs/kernels.md``.
 
 Choices (each explained in the doc):
 
