@@ -171,7 +171,7 @@ def plot(history, adapters, path):
 
 def main(argv=None):
     args = parse_args(argv)
-    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate import Accelerator, DataLoaderConfiguration, DistributedType
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
@@ -189,9 +189,13 @@ def main(argv=None):
     out_dir = Path(args.output_dir)
     if main_proc:
         out_dir.mkdir(parents=True, exist_ok=True)
-    log(f"{accelerator.num_processes} process(es), device {accelerator.device}, adapters {args.adapters}")
+    log(f"{accelerator.num_processes} process(es) ({accelerator.distributed_type}), device {accelerator.device}, "
+        f"adapters {args.adapters}")
 
     model, tok = build(args, accelerator, log)
+    if main_proc and args.model == "tiny":  # the random base, so that eval_mixed_batch.py finds the same weights
+        model.get_base_model().save_pretrained(out_dir / "base")
+        tok.save_pretrained(out_dir / "base")
     model.to(accelerator.device)
     vocab = sorted(args.adapters)  # loss vocabulary: identical on every rank
 
@@ -216,6 +220,11 @@ def main(argv=None):
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     model, optimizer, loader, schedule = accelerator.prepare(model, optimizer, loader, schedule)
+    if accelerator.distributed_type == DistributedType.FSDP:
+        from torch.distributed.tensor import DTensor
+
+        sharded = sum(isinstance(p, DTensor) for p in model.parameters())
+        log(f"FSDP: {sharded} of {sum(1 for _ in model.parameters())} parameters sharded (DTensor)")
 
     history = []
     model.train()
@@ -244,22 +253,23 @@ def main(argv=None):
 
     accelerator.wait_for_everyone()
     peft_model = accelerator.unwrap_model(model)
-    state = accelerator.get_state_dict(model)  # gathers FSDP shards; a plain state dict otherwise
+    state = accelerator.get_state_dict(model)  # gathers FSDP shards (every rank calls it); plain otherwise
     if main_proc:
         peft_model.save_pretrained(out_dir / "adapters", selected_adapters=args.adapters, state_dict=state)
-        if args.model == "tiny":  # the random base, so that eval_mixed_batch.py finds the same weights
-            peft_model.get_base_model().save_pretrained(out_dir / "base")
-            tok.save_pretrained(out_dir / "base")
         run = {"model": args.model, "adapters": args.adapters, "rank": args.rank, "alpha": args.alpha,
                "targets": args.targets, "max_steps": args.max_steps, "global_batch_size": args.global_batch_size,
-               "processes": accelerator.num_processes}
+               "processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type)}
         (out_dir / "run.json").write_text(json.dumps(run, indent=2))
         plot(history, args.adapters, out_dir / "loss_curves.png")
         log(f"saved adapters (PEFT format) to {out_dir / 'adapters'}/<name>/, loss curves to "
             f"{out_dir / 'loss_curves.png'}")
+    after = None
+    sharded = accelerator.distributed_type == DistributedType.FSDP
+    if not args.no_eval and (main_proc or sharded):  # sharded forward passes need every rank
+        after = evaluate(peft_model, tok, args, accelerator.device, log, "after")
+    if main_proc:
         metrics = {"history": history, "train_seconds": train_s}
-        if not args.no_eval:
-            after = evaluate(peft_model, tok, args, accelerator.device, log, "after")
+        if after is not None:
             print_table(args, before, after, log)
             metrics.update(before=before, after=after)
         metrics["wall_seconds"] = time.time() - T_START

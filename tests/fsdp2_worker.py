@@ -1,0 +1,54 @@
+"""Worker for tests/test_accelerate.py::test_fsdp2_gradients_match_one_process (run by torchrun, 2 CPU ranks, gloo).
+
+FSDP2 (``fully_shard``) shards the frozen base and the adapters of a patched tiny Llama per decoder layer; each rank
+takes its half of a global mixed batch and backpropagates ``distributed_per_adapter_loss``. Rank 0 saves the full
+(gathered) LoRA gradients, which must equal one process's gradients of ``per_adapter_loss`` on the global batch.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import fast_multilora
+from fast_multilora.training import distributed_per_adapter_loss
+
+
+def global_batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 97, (8, 9), generator=g)
+    names = ["a0", "a1", "a1", "__base__", "a2", "a1", "a0", "a0"]  # different adapter mixes on the two ranks
+    labels = ids.clone()
+    labels[:, :3] = -100
+    labels[1, 5:] = -100  # and different token counts
+    return ids, labels, names
+
+
+def main(out_path):
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from models import peft_model
+
+    model = peft_model("llama")
+    fast_multilora.patch(model, backend="torch")
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ids, labels, names = global_batch()
+    rows = slice(rank * len(names) // world, (rank + 1) * len(names) // world)
+    model.train()
+    out = model(input_ids=ids[rows], adapter_names=names[rows])
+    loss = distributed_per_adapter_loss(out.logits, labels[rows], names[rows], ["a0", "a1", "a2"])
+    loss.backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    sharded = sum(type(p).__name__ == "DTensor" for p in model.parameters())
+    if rank == 0:
+        torch.save({"grads": grads, "sharded": sharded, "params": sum(1 for _ in model.parameters())}, out_path)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
