@@ -12,12 +12,14 @@ fp32, stack_num 1..3 with a slice -- and checks:
   rows and cells the kernels must not read; ``dx`` rows of base tokens exactly zero, ``dA``/``dB`` of adapters
   without tokens exactly zero.
 
-Inputs rows of tokens without a live adapter are NaN everywhere, so a kernel that reads another segment's rows fails.
+Input rows of tokens without a live adapter are NaN everywhere, so a kernel that reads another segment's rows fails.
 
 CPU (Triton interpreter): examples are bounded by a cost model of the interpreter's programs (``_COST_LIMIT``), so the
 whole file runs in about two minutes on 2 cores; ``derandomize=True`` makes the examples the same on every run.
-GPU: ``FML_TEST_DEVICE=cuda pytest -m gpu tests/test_fuzz.py`` runs the ``*_gpu`` sweeps with larger shapes and
-``FML_FUZZ_EXAMPLES`` examples each (default 300).
+GPU: ``FML_TEST_DEVICE=cuda pytest -m gpu tests/test_fuzz.py`` runs the ``*_gpu`` sweeps with larger shapes (S up to
+4096, K and N from a fixed list up to 4096 so compiled kernel variants are reused) and ``FML_FUZZ_EXAMPLES`` examples
+each (default 200; mostly kernel compilation, several minutes). ``FML_FUZZ_CPU_EXAMPLES`` (default 100; the forward
+test runs twice as many) scales the CPU profile.
 """
 
 import os
@@ -38,7 +40,7 @@ HAS_BWD = hasattr(kernels, "lora_expand_bwd") and hasattr(kernels, "lora_shrink_
 needs_bwd = pytest.mark.skipif(not HAS_BWD, reason="kernels/backward.py launchers not exported")
 
 CPU_EXAMPLES = int(os.environ.get("FML_FUZZ_CPU_EXAMPLES", "100"))
-GPU_EXAMPLES = int(os.environ.get("FML_FUZZ_EXAMPLES", "300"))
+GPU_EXAMPLES = int(os.environ.get("FML_FUZZ_EXAMPLES", "200"))
 _COMMON = dict(deadline=None, derandomize=True, database=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 CPU = settings(max_examples=CPU_EXAMPLES, **_COMMON)
@@ -169,7 +171,8 @@ def _fit(ts, ranks, K, N, stack, limit, backward):
 
 
 @st.composite
-def problems(draw, max_S=96, max_KN=130, max_adapters=128, max_rank=256, cost_limit=_COST_LIMIT, backward=True):
+def problems(draw, max_S=96, max_KN=130, max_adapters=128, max_rank=256, cost_limit=_COST_LIMIT, backward=True,
+             kn_values=None):
     dtype = draw(st.sampled_from(KERNEL_DTYPES))
     layout = draw(st.sampled_from(LAYOUTS))
     family = draw(st.sampled_from(["sgemm", "chunked", "sgemm_split", "chunked_shuffled"]))
@@ -180,8 +183,9 @@ def problems(draw, max_S=96, max_KN=130, max_adapters=128, max_rank=256, cost_li
     r_cls = draw(st.sampled_from(["narrow", "wide"]))  # one adapter's rank; the others small, as in most layers
     stack = draw(st.integers(1, 3))
     slice_idx = draw(st.integers(0, stack - 1))
-    K = draw(st.integers(1, max_KN))
-    N = draw(st.integers(1, max_KN))
+    dims = st.sampled_from(kn_values) if kn_values else st.integers(1, max_KN)  # GPU: few values, few compiles
+    K = draw(dims)
+    N = draw(dims)
     absent = draw(st.floats(0.0, 0.5))  # fraction of adapters absent from the layer (rank 0)
     dropout = draw(st.booleans())
     weights_fp32 = draw(st.booleans())
@@ -354,7 +358,8 @@ def test_fuzz_backward(p):
 
 # --- GPU sweeps (FML_TEST_DEVICE=cuda; FML_FUZZ_EXAMPLES examples each) -------------------------------------------
 
-_GPU_SHAPES = dict(max_S=4096, max_KN=2100, max_adapters=128, max_rank=256, cost_limit=10**9)
+_GPU_SHAPES = dict(max_S=4096, max_adapters=128, max_rank=256, cost_limit=10**9,
+                   kn_values=[1, 7, 64, 100, 128, 129, 1000, 2048, 2049, 4096])
 
 
 @pytest.mark.gpu
