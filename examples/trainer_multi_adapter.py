@@ -34,7 +34,7 @@ def main(argv=None):
     p.add_argument("--model", default="smollm2", help="smollm2 (default), tiny, a .gguf file or a HF model dir")
     p.add_argument("--adapters", default=",".join(T.DEFAULT_ADAPTERS))
     p.add_argument("--output-dir", default="runs/trainer_multi_adapter")
-    p.add_argument("--max-steps", type=int, default=30)
+    p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=12, help="per device")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-3)
