@@ -49,14 +49,15 @@ def lora(model):
     return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
 
 
-def trainer_for(model, data, tmp_path, *, steps, batch=6, optimizer=None, callbacks=(), **kw):
+def trainer_for(model, data, tmp_path, *, steps, batch=6, optimizer=None, callbacks=(), collator=None, **kw):
     loss = PerAdapterLoss(model)
     args = TrainingArguments(
         output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=batch, learning_rate=1e-2,
         logging_steps=1, save_strategy="no", report_to="none", remove_unused_columns=False, use_cpu=True,
         disable_tqdm=True, seed=0, dataloader_num_workers=0, **kw,
     )
-    return Trainer(model=model, args=args, train_dataset=data, data_collator=MultiAdapterCollator(pad_token_id=0),
+    collator = collator or MultiAdapterCollator(pad_token_id=0)
+    return Trainer(model=model, args=args, train_dataset=data, data_collator=collator,
                    compute_loss_func=loss, callbacks=[loss, *callbacks], optimizers=(optimizer, None))
 
 
@@ -133,6 +134,36 @@ def test_trainer_step_is_the_per_adapter_gradient(tmp_path, accum):
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     trainer = trainer_for(model, Stream(data), tmp_path, steps=1, batch=micro, optimizer=opt, max_grad_norm=0.0,
                           gradient_accumulation_steps=accum)
+    trainer.train()
+    after = lora(model)
+    for n in want:
+        torch.testing.assert_close((before[n] - after[n]) / lr, want[n], rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_trainer_with_packed_rows(tmp_path):
+    """PackedCollator through the Trainer: adapter_ids and position_ids reach the model, the loss routes per token,
+    and the step equals the per-adapter gradient of the packed batch."""
+    from fast_multilora.data import PackedCollator
+
+    model = model_()
+    ref = model_()
+    data = samples(["a1", "a0", "__base__", "a2", "a1", "a2", "a0", "a1"], seed=4)
+    collate = PackedCollator(max_length=24, pad_token_id=0, adapter_names=ADAPTERS)
+    b = collate(data)
+    assert b["input_ids"].shape[0] < len(data)
+    ref.train()
+    out = ref(input_ids=b["input_ids"], position_ids=b["position_ids"], adapter_ids=b["adapter_ids"],
+              adapter_names=b["adapter_names"], use_cache=False)
+    loss = fast_multilora.per_adapter_loss(out.logits, b["labels"], b["adapter_names"], adapter_ids=b["adapter_ids"])
+    loss.backward()
+    want = {n: p.grad.clone() for n, p in ref.named_parameters() if "lora_" in n}
+
+    before = lora(model)
+    lr = 0.1
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    trainer = trainer_for(model, Stream(data), tmp_path, steps=1, batch=len(data), optimizer=opt, max_grad_norm=0.0,
+                          collator=collate)
     trainer.train()
     after = lora(model)
     for n in want:
