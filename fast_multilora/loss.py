@@ -35,6 +35,32 @@ def per_adapter_mean(values: torch.Tensor, token_adapter: torch.Tensor, num_adap
     return sums / counts.clamp(min=1), counts
 
 
+def adapter_token_means(logits: torch.Tensor, labels: torch.Tensor, adapter_names: Sequence[str],
+                        vocab: Sequence[str], *, adapter_ids: Optional[torch.Tensor] = None,
+                        ignore_index: int = -100, shift: bool = True):
+    """Per-adapter mean token cross-entropy and token counts over an adapter ``vocab`` (``__base__`` tokens and
+    ``ignore_index`` labels left out). Returns ``(means[len(vocab)], counts[len(vocab)])``; ``means`` carries the
+    graph. ``adapter_names`` one per row, or with packed rows the names that ``adapter_ids[B, T]`` indexes."""
+    names = list(adapter_names)
+    index = {n: i for i, n in enumerate(vocab)}
+    unknown = sorted({n for n in names if n != BASE and n not in index})
+    if unknown:
+        raise ValueError(f"adapter(s) {unknown} not in the loss vocabulary {list(vocab)}")
+    table = torch.tensor([index.get(n, -1) for n in names] + [-1], device=logits.device)
+    if adapter_ids is None:
+        if len(names) != logits.shape[0]:
+            raise ValueError(f"got {len(names)} adapter names for a batch of {logits.shape[0]} rows")
+        tok = table[:-1][:, None].expand(labels.shape)
+    else:
+        tok = table[adapter_ids.to(logits.device).long()]  # -1 indexes the trailing "no adapter" entry
+    labels = labels.to(logits.device)
+    if shift:
+        logits, labels, tok = logits[:, :-1], labels[:, 1:], tok[:, 1:]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                         ignore_index=ignore_index, reduction="none")
+    return per_adapter_mean(ce, tok, len(vocab), valid=labels.reshape(-1) != ignore_index)
+
+
 def per_adapter_loss(logits: torch.Tensor, labels: torch.Tensor, adapter_names: Sequence[str], *,
                      adapter_ids: Optional[torch.Tensor] = None, ignore_index: int = -100, shift: bool = True,
                      return_dict: bool = False):
@@ -44,22 +70,10 @@ def per_adapter_loss(logits: torch.Tensor, labels: torch.Tensor, adapter_names: 
     ``adapter_ids[B, T]`` indexes, -1 = base). ``shift=True`` predicts token ``t+1`` from ``t`` as HF models do.
     With ``return_dict=True`` returns ``(loss, {adapter: mean loss})`` (detached floats, adapters present only).
     """
-    names = list(adapter_names)
-    uniq = sorted({n for n in names if n != BASE})
-    index = {n: i for i, n in enumerate(uniq)}
-    vocab = torch.tensor([index.get(n, -1) for n in names] + [-1], device=logits.device)
-    if adapter_ids is None:
-        if len(names) != logits.shape[0]:
-            raise ValueError(f"got {len(names)} adapter names for a batch of {logits.shape[0]} rows")
-        tok = vocab[:-1][:, None].expand(labels.shape)
-    else:
-        tok = vocab[adapter_ids.to(logits.device).long()]
-    if shift:
-        logits, labels, tok = logits[:, :-1], labels[:, 1:], tok[:, 1:]
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
-                         ignore_index=ignore_index, reduction="none")
-    means, counts = per_adapter_mean(ce, tok, len(uniq), valid=labels.reshape(-1) != ignore_index)
+    vocab = sorted({n for n in adapter_names if n != BASE})
+    means, counts = adapter_token_means(logits, labels, adapter_names, vocab, adapter_ids=adapter_ids,
+                                        ignore_index=ignore_index, shift=shift)
     loss = means.sum()
     if return_dict:
-        return loss, {n: float(means[i]) for n, i in index.items() if counts[i] > 0}
+        return loss, {n: float(means[i]) for i, n in enumerate(vocab) if counts[i] > 0}
     return loss

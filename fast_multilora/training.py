@@ -18,11 +18,9 @@ from __future__ import annotations
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from transformers import TrainerCallback
 
-from .loss import per_adapter_mean
-from .plan import BASE
+from .loss import adapter_token_means
 
 __all__ = ["PerAdapterLoss", "adapter_token_sums", "distributed_per_adapter_loss"]
 
@@ -42,24 +40,8 @@ def adapter_token_sums(logits: torch.Tensor, labels: torch.Tensor, adapter_names
     ``"__base__"`` tokens left out). Returns ``(sums[len(vocab)], counts[len(vocab)])``; ``sums`` carries the graph
     (also when no token belongs to an adapter, so ``backward()`` always works).
     """
-    names = list(adapter_names)
-    index = {n: i for i, n in enumerate(vocab)}
-    unknown = sorted({n for n in names if n != BASE and n not in index})
-    if unknown:
-        raise ValueError(f"adapter(s) {unknown} not in the loss vocabulary {list(vocab)}")
-    table = torch.tensor([index.get(n, -1) for n in names] + [-1], device=logits.device)
-    if adapter_ids is None:
-        if len(names) != logits.shape[0]:
-            raise ValueError(f"got {len(names)} adapter names for a batch of {logits.shape[0]} rows")
-        tok = table[:-1][:, None].expand(labels.shape)
-    else:
-        tok = table[adapter_ids.to(logits.device).long()]
-    labels = labels.to(logits.device)
-    if shift:
-        logits, labels, tok = logits[:, :-1], labels[:, 1:], tok[:, 1:]
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
-                         ignore_index=ignore_index, reduction="none")
-    means, counts = per_adapter_mean(ce, tok, len(vocab), valid=labels.reshape(-1) != ignore_index)
+    means, counts = adapter_token_means(logits, labels, adapter_names, vocab, adapter_ids=adapter_ids,
+                                        ignore_index=ignore_index, shift=shift)
     return means * counts, counts
 
 
