@@ -13,15 +13,6 @@ from fast_multilora import kernels
 HAS_TRITON_BWD = hasattr(kernels, "lora_expand_bwd") and hasattr(kernels, "lora_shrink_bwd")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: torch's intra-op threads only add synchronisation (ms per op on a loaded 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _run(backend, steps, seed, device="cpu", dtype=torch.float32, family="auto"):
     torch.manual_seed(seed)
     model = make_model(backend, device=device, dtype=dtype)

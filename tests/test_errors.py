@@ -27,15 +27,6 @@ BACKENDS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: torch's intra-op threads only add synchronisation (ms per op on a loaded 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _ids(rows=4, T=7, seed=0):
     return torch.randint(0, 97, (rows, T), generator=torch.Generator().manual_seed(seed))
 

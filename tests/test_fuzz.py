@@ -54,15 +54,6 @@ LAYOUTS = ["empty", "one_token", "giant", "unsorted", "interleaved", "base_runs"
 _COST_LIMIT = 1500
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: torch's intra-op threads only add synchronisation (ms per op on a loaded 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # --- problem generation ---------------------------------------------------------------------------------------------
 
 

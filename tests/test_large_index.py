@@ -27,15 +27,6 @@ DROPOUT = [0.0, 0.0, 0.25, 0.0]
 SEED = 20240229
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: torch's intra-op threads only add synchronisation (ms per op on a loaded 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _layout(S, boundary):
     """Runs (slot, start, end): adapter 0, base, adapter 1, adapter 2 across ``boundary``, adapter 3 above it."""
     cuts = [0, S * 3 // 14, S * 5 // 14, S * 12 // 14, (boundary + S) // 2, S]

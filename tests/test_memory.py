@@ -25,15 +25,6 @@ HAS_TRITON_BWD = hasattr(kernels, "lora_expand_bwd") and hasattr(kernels, "lora_
 NAMES = ["a0", "a1", "a2", "__base__"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: torch's intra-op threads only add synchronisation (ms per op on a loaded 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 class MLP(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -24,15 +24,6 @@ BACKENDS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: torch's intra-op threads only add synchronisation (ms per op on a loaded 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _load(path, backend):
     """A fresh patched model from the saved adapters, with stock PEFT loading."""
     model = PeftModel.from_pretrained(tiny_llama(0), str(path / VOCAB[0]), adapter_name=VOCAB[0], is_trainable=True)
