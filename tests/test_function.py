@@ -1,5 +1,7 @@
 """The LoraDelta autograd Function: float64 gradcheck, dropout semantics, zero grads for absent adapters."""
 
+import os
+
 import pytest
 import torch
 from helpers import make_segments, make_table, random_token_slots
@@ -15,18 +17,27 @@ def _spec(ts, ranks, grouped, backend="torch", dropout=None, seed=None, device="
                      num_adapters=len(present), ranks=present, has_bias=False)
 
 
+def _need_interpreter(backend):
+    """These tests build CPU tensors: the Triton backend runs them only under the interpreter."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+
+
 def _weights(ranks, K, N, dtype, g, device="cpu"):
     As = [torch.randn(r, K, generator=g, dtype=dtype).to(device).requires_grad_() for r in ranks if r > 0]
     Bs = [torch.randn(N, r, generator=g, dtype=dtype).to(device).requires_grad_() for r in ranks if r > 0]
     return As, Bs
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
-def test_gradcheck_float64(grouped):
+def test_gradcheck_float64(grouped, backend):
+    """float64 gradcheck of x, y, every A and every B, on the reference ops and through the Triton kernels."""
+    _need_interpreter(backend)
     g = torch.Generator().manual_seed(0)
     S, K, N, ranks = 13, 5, 6, [2, 0, 1, 3]
     ts = random_token_slots(S, len(ranks), g)
-    spec = _spec(ts, ranks, grouped)
+    spec = _spec(ts, ranks, grouped, backend=backend)
     As, Bs = _weights(ranks, K, N, torch.float64, g)
     x = torch.randn(S, K, generator=g, dtype=torch.float64, requires_grad=True)
     y = torch.randn(S, N, generator=g, dtype=torch.float64, requires_grad=True)
@@ -34,11 +45,14 @@ def test_gradcheck_float64(grouped):
     assert torch.autograd.gradcheck(fn, (x, y, *As, *Bs), eps=1e-6, atol=1e-7)
 
 
-def test_gradcheck_float64_with_dropout():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gradcheck_float64_with_dropout(backend):
+    """The dropout mask is regenerated in backward from the seed: gradcheck sees one fixed function."""
+    _need_interpreter(backend)
     g = torch.Generator().manual_seed(1)
     S, K, N, ranks = 11, 4, 3, [2, 3]
     ts = random_token_slots(S, len(ranks), g)
-    spec = _spec(ts, ranks, True, dropout=[0.5, 0.25], seed=1234)
+    spec = _spec(ts, ranks, True, dropout=[0.5, 0.25], seed=1234, backend=backend)
     As, Bs = _weights(ranks, K, N, torch.float64, g)
     x = torch.randn(S, K, generator=g, dtype=torch.float64, requires_grad=True)
     y = torch.randn(S, N, generator=g, dtype=torch.float64)
