@@ -89,12 +89,6 @@ class _FastLinearMixin:
             return result
         return _apply_delta(self, x, result, plan, table, present, bias_row, router)
 
-    def delete_adapter(self, adapter_name):
-        super().delete_adapter(adapter_name)
-        router = self.__dict__.get(_ROUTER_ATTR)
-        if router is not None:  # routings cached per name tuple must not outlive an adapter they name
-            router._by_names.clear()
-
 
 def _layer_table(layer, plan, device):
     """Per-slot ranks/offsets/scales/dropout for this layer, cached until the layer's adapters change."""
@@ -174,8 +168,7 @@ def _apply_delta(layer, x, result, plan, table, present, bias_row, router):
             if layer.lora_B[n].bias is None:
                 raise ValueError(f"adapter {n!r}: mixed lora_bias settings in one layer are not supported")
         weights += [layer.lora_B[n].bias for n in present]
-        ts = plan.token_slots
-        bias_slots = bias_row[torch.where(ts >= 0, ts, torch.full_like(ts, -1))].to(x.device)
+        bias_slots = bias_row[plan.token_slots].to(x.device)  # slot -1 (base) indexes the trailing "none" row
     spec = DeltaSpec(
         segs=plan.segments, table=table, backend=backend, seed=seed, num_adapters=len(present),
         ranks=tuple(layer.r[n] for n in present), has_bias=has_bias, bias_slots=bias_slots,
