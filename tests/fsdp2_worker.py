@@ -2,7 +2,7 @@
 
 FSDP2 (``fully_shard``) shards the frozen base and the adapters of a patched tiny Llama per decoder layer; each rank
 takes its half of a global mixed batch and backpropagates ``distributed_per_adapter_loss``. Rank 0 saves the full
-(gathered) LoRA gradients, which must equal one process's gradients of ``per_adapter_loss`` on the global batch.
+(gathered) LoRA gradients and the per-adapter gradient norms, which must equal one process's gradients of ``per_adapter_loss`` on the global batch.
 """
 
 import sys
@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import fast_multilora
+from fast_multilora.data import adapter_param_groups, clip_grad_norm_per_adapter
 from fast_multilora.training import distributed_per_adapter_loss
 
 
@@ -44,9 +45,11 @@ def main(out_path):
     loss = distributed_per_adapter_loss(out.logits, labels[rows], names[rows], ["a0", "a1", "a2"])
     loss.backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    # per-adapter clipping on DTensor gradients: the norms are global (over both ranks' shards)
+    norms = clip_grad_norm_per_adapter(adapter_param_groups(model), max_norm=1e-3)
     sharded = sum(type(p).__name__ == "DTensor" for p in model.parameters())
     if rank == 0:
-        torch.save({"grads": grads, "sharded": sharded, "params": sum(1 for _ in model.parameters())}, out_path)
+        torch.save({"grads": grads, "norms": norms, "sharded": sharded, "params": sum(1 for _ in model.parameters())}, out_path)
     dist.destroy_process_group()
 
 

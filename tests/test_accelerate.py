@@ -122,3 +122,9 @@ def test_fsdp2_gradients_match_one_process(tmp_path):
     assert set(got["grads"]) == set(want) and want
     for n, g in want.items():
         torch.testing.assert_close(got["grads"][n], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+    from fast_multilora.data import adapter_param_groups, clip_grad_norm_per_adapter
+
+    norms = clip_grad_norm_per_adapter(adapter_param_groups(ref), max_norm=1e-3)
+    assert set(got["norms"]) == set(norms) == {"a0", "a1", "a2"}
+    for a, v in norms.items():
+        assert got["norms"][a] == pytest.approx(v, rel=1e-4), a

@@ -1,0 +1,115 @@
+"""Where a train step's time goes (issue-4 step: 8 adapters mixed, 16 x 1024, Llama shape, bf16, r=16, dropout
+0.05): host time per step, kernel launches per step by kernel, the top Python functions by own time (cProfile) and
+the top torch ops by self CPU time. Usage (GPU): ``python benchmarks/profile_step.py [--out FILE]``."""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+import fast_multilora
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from multi_adapter_tasks import BENCH_LLAMA  # noqa: E402
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build(n_adapters=8, rows=16, T=1024):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        base = LlamaForCausalLM(LlamaConfig(**BENCH_LLAMA)).to(torch.bfloat16)
+    lc = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=TARGETS)
+    pm = get_peft_model(base, lc, adapter_name="a0")
+    for i in range(1, n_adapters):
+        pm.add_adapter(f"a{i}", lc)
+    for n, p in pm.named_parameters():
+        p.requires_grad_("lora_" in n)
+    fast_multilora.patch(pm, backend="triton")
+    pm.train()
+    ids = torch.randint(0, BENCH_LLAMA["vocab_size"], (rows, T), device="cuda")
+    names = [f"a{i % n_adapters}" for i in range(rows)]
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-4, foreach=True)
+
+    def step():
+        out = pm(input_ids=ids, adapter_names=names)
+        fast_multilora.per_adapter_loss(out.logits, ids, names).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return pm, step
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    buf = io.StringIO()
+
+    def say(*x):
+        print(*x, flush=True)
+        print(*x, file=buf)
+
+    _, step = build()
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    host, total = [], []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        host.append((t1 - t0) * 1e3)
+        total.append((time.perf_counter() - t0) * 1e3)
+    say(f"step: wall {statistics.median(total):.1f} ms, host (until the last launch returns) "
+        f"{statistics.median(host):.1f} ms (medians of 7)")
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = Counter()
+    cuda_us = Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name[:70]] += 1
+            cuda_us[e.name[:70]] += e.device_time_total
+    say(f"kernel launches per step: {sum(kernels.values())}; CUDA time {sum(cuda_us.values()) / 1e3:.1f} ms")
+    for k, n in kernels.most_common(30):
+        say(f"  {n:5d} x {cuda_us[k] / n:8.1f} us  {k}")
+    say("--- torch ops by self CPU time (one step)")
+    say(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=35, max_name_column_width=55))
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(45)
+    say("--- cProfile, 3 steps, by own time")
+    say(s.getvalue())
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(60)
+    say("--- cProfile, 3 steps, cumulative")
+    say(s.getvalue())
+    if a.out:
+        Path(a.out).write_text(buf.getvalue())
+
+
+if __name__ == "__main__":
+    main()
