@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from .dropout import keep_block
+from .launch import launch
 from .segments import AdapterTable, Segments
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -149,7 +150,6 @@ def _chunks(segs: Segments, n_slots: int, chunk: int):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@triton.heuristics({"EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0})
 @triton.jit
 def _expand_bwd_kernel(
     dy, h, B, dh, part_dh, part_dB, order, info, ranks, offsets, scales,
@@ -303,7 +303,6 @@ def _expand_bwd_finish(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed per step must not compile new variants
 def _shrink_bwd_kernel(
     dh, x, A, dx, part_dA, order, info, ranks, offsets, dropout, seed,
@@ -437,6 +436,9 @@ def _check_common(name: str, act: torch.Tensor, segs: Segments, table: AdapterTa
     _check(act.shape[0] == segs.num_tokens, f"{name}: {act.shape[0]} rows but segs.num_tokens={segs.num_tokens}")
     _check(stack_num >= 1, f"{name}: stack_num must be >= 1, got {stack_num}")
     dev = act.device
+    memo = ("bwd_layout_ok", id(table), dev)  # the tables are checked once per (segments, table, device)
+    if segs.cache.get(memo) is table:
+        return
     for t_name, t in (("segs.indptr", segs.indptr), ("segs.slot", segs.slot), ("segs.perm", segs.perm),
                       ("table.ranks", table.ranks), ("table.offsets", table.offsets), ("table.scales", table.scales),
                       ("table.dropout", table.dropout)):
@@ -449,6 +451,7 @@ def _check_common(name: str, act: torch.Tensor, segs: Segments, table: AdapterTa
         _check(t.dtype in (torch.int32, torch.int64), f"{name}: {t_name} must be an integer tensor, got {t.dtype}")
     if table.max_rank > 512:
         raise ValueError(f"{name}: max_rank={table.max_rank} > 512 is not supported by the backward kernels")
+    segs.cache[memo] = table  # holding the table keeps its id from being reused
 
 
 def _check_tensor(name: str, what: str, t: torch.Tensor, shape, dtypes, device):
@@ -493,25 +496,22 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
     prec = _dot_precision(dy.dtype)
     pd_strides = part_dh.stride() if not direct_dh else (0, 0, 0)
     pb_strides = part_dB.stride() if fused else (0, 0, 0)
-    _expand_bwd_kernel[(capacity, n_splits)](
+    launch(_expand_bwd_kernel, (capacity, n_splits), (
         dy, h, B_cat, dh, part_dh, part_dB, order, info, table.ranks, table.offsets, table.scales,
         N, slice_idx, tiles_per_split,
         dy.stride(0), dy.stride(1), h.stride(0), h.stride(1), B_cat.stride(0), B_cat.stride(1),
         dh.stride(0), dh.stride(1), *pd_strides, *pb_strides,
-        DIRECT_DH=direct_dh, STORE_DB=fused, DOT_PRECISION=prec,
-        BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, num_warps=num_warps,
-    )
+    ), dict(DIRECT_DH=direct_dh, STORE_DB=fused, EVEN_N=N % BLOCK_N == 0, DOT_PRECISION=prec,
+            BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, num_warps=num_warps))
     BLOCK_NF = min(128, max(16, _FINISH_TILE // BLOCK_R)) if fused else BLOCK_N
     tiles_nf = triton.cdiv(N, BLOCK_NF)
     n_db = n_slots * tiles_nf
-    _expand_bwd_finish[(n_db + (0 if direct_dh else capacity),)](
+    launch(_expand_bwd_finish, (n_db + (0 if direct_dh else capacity),), (
         dy, h, dB_out, dh, part_dh, part_dB, order, info, cptr, table.ranks, table.offsets, table.scales,
         N, slice_idx, n_splits, n_db, tiles_nf,
         dy.stride(0), dy.stride(1), h.stride(0), h.stride(1), dB_out.stride(0), dB_out.stride(1),
         dh.stride(0), dh.stride(1), *pd_strides, *pb_strides,
-        FROM_PARTS=fused, DOT_PRECISION=prec, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_NF, BLOCK_R=BLOCK_R,
-        num_warps=8,
-    )
+    ), dict(FROM_PARTS=fused, DOT_PRECISION=prec, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_NF, BLOCK_R=BLOCK_R, num_warps=8))
     return dh, dB_out
 
 
@@ -550,22 +550,22 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     info, cptr, order, capacity = _chunks(segs, n_slots, chunk)
     part_dA = torch.empty(capacity, stack_num * R, K, dtype=acc, device=dev)
     has_dropout = seed is not None and table.has_dropout
-    _shrink_bwd_kernel[(capacity, tiles_k, tiles_r)](
+    launch(_shrink_bwd_kernel, (capacity, tiles_k, tiles_r), (
         dh, x, A_cat, dx if need_dx else x, part_dA, order, info, table.ranks, table.offsets, table.dropout,
         seed if has_dropout else 0,
         K, stack_num,
         dh.stride(0), dh.stride(1), x.stride(0), x.stride(1), A_cat.stride(0), A_cat.stride(1),
         *(dx.stride() if need_dx else (0, 0)), *part_dA.stride(),
+    ), dict(
         # not for FMA (fp32) dots, whose operand layout would hold A's tile replicated and spill
         NEED_DX=need_dx, HAS_DROPOUT=has_dropout, HOIST_A=tiles_r == 1 and x.element_size() == 2,
-        DOT_PRECISION=_dot_precision(x.dtype),
+        EVEN_K=K % BLOCK_K == 0, DOT_PRECISION=_dot_precision(x.dtype),
         BLOCK_S=BLOCK_S, BLOCK_K=BLOCK_K, BLOCK_R=BLOCK_R, num_warps=num_warps,
-    )
+    ))
     if R_tot > 0 and n_slots > 0:
         BLOCK_KF = min(128, max(16, _FINISH_TILE // BLOCK_R))
-        _shrink_bwd_finish[(n_slots, tiles_r, triton.cdiv(K, BLOCK_KF))](
+        launch(_shrink_bwd_finish, (n_slots, tiles_r, triton.cdiv(K, BLOCK_KF)), (
             dA_out, part_dA, cptr, table.ranks, table.offsets, K, stack_num,
             dA_out.stride(0), dA_out.stride(1), *part_dA.stride(),
-            BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_KF, num_warps=4,
-        )
+        ), dict(BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_KF, num_warps=4))
     return dx, dA_out

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 import triton
 
+from .launch import launch
 from .segments import AdapterTable, Segments
 from .sgemm import sgemm_expand_kernel, sgemm_shrink_kernel
 from .sgmv import chunk_table, sgmv_expand_kernel, sgmv_shrink_kernel
@@ -127,6 +128,9 @@ def _check_layout(segs: Segments, table: AdapterTable, S: int, device, stack_num
         raise ValueError(f"stack_num must be a positive int, got {stack_num!r}")
     if segs.num_tokens != S:
         raise ValueError(f"segs covers {segs.num_tokens} tokens but the activations have {S} rows")
+    memo = ("fwd_layout_ok", id(table), device)  # the tables are checked once per (segments, table, device)
+    if segs.cache.get(memo) is table:
+        return
     tensors = {"segs.indptr": segs.indptr, "segs.slot": segs.slot, "table.ranks": table.ranks,
                "table.offsets": table.offsets}
     if segs.perm is not None:
@@ -139,6 +143,7 @@ def _check_layout(segs: Segments, table: AdapterTable, S: int, device, stack_num
     for name, t in (("table.scales", table.scales), ("table.dropout", table.dropout)):
         if t.dtype != torch.float32 or t.device != device:
             raise ValueError(f"{name} must be float32 on {device}, got {t.dtype} on {t.device}")
+    segs.cache[memo] = table  # holding the table keeps its id from being reused
 
 
 def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1, seed: Optional[int] = None,
@@ -174,22 +179,21 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
     has_dropout = seed is not None and table.has_dropout
     BLOCK_S, BLOCK_N, BLOCK_K, num_warps, num_stages = _shrink_blocks(segs, width, x, A_cat, has_dropout)
     common = (A_cat.stride(0), A_cat.stride(1), out.stride(0), out.stride(1))
-    meta = dict(STACK=stack_num, HAS_DROPOUT=has_dropout, DOT_PRECISION=_dot_precision(x.dtype),
-                BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages)
+    meta = dict(STACK=stack_num, HAS_DROPOUT=has_dropout, EVEN_K=K % BLOCK_K == 0,
+                DOT_PRECISION=_dot_precision(x.dtype), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps,
+                num_stages=num_stages)
     seed = seed if has_dropout else 0
     if segs.perm is None:
         grid = (segs.num_segments, triton.cdiv(segs.max_len, BLOCK_S), triton.cdiv(width, BLOCK_N))
-        sgemm_shrink_kernel[grid](
+        launch(sgemm_shrink_kernel, grid, (
             x, A_cat, out, segs.indptr, segs.slot, table.ranks, table.offsets, table.dropout, seed, K,
-            x.stride(0), x.stride(1), *common, BLOCK_S=BLOCK_S, **meta,
-        )
+            x.stride(0), x.stride(1), *common), dict(meta, BLOCK_S=BLOCK_S))
     else:
         chunks = chunk_table(segs, BLOCK_S)
         grid = (chunks.shape[1], triton.cdiv(width, BLOCK_N))
-        sgmv_shrink_kernel[grid](
+        launch(sgmv_shrink_kernel, grid, (
             x, A_cat, out, chunks, segs.indptr, segs.slot, segs.perm, table.ranks, table.offsets, table.dropout,
-            seed, chunks.shape[1], x.stride(0), x.stride(1), *common, K=K, N=width, BLOCK_M=BLOCK_S, **meta,
-        )
+            seed, chunks.shape[1], x.stride(0), x.stride(1), *common), dict(K=K, N=width, BLOCK_M=BLOCK_S, **meta))
     return out
 
 
@@ -226,15 +230,13 @@ def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: 
                 BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, num_warps=num_warps, num_stages=num_stages)
     if segs.perm is None:
         grid = (segs.num_segments, triton.cdiv(segs.max_len, BLOCK_S), triton.cdiv(N, BLOCK_N))
-        sgemm_expand_kernel[grid](
+        launch(sgemm_expand_kernel, grid, (
             h, B_cat, y, segs.indptr, segs.slot, table.ranks, table.offsets, table.scales, slice_idx, N,
-            *common, BLOCK_S=BLOCK_S, **meta,
-        )
+            *common), dict(meta, BLOCK_S=BLOCK_S))
     else:
         chunks = chunk_table(segs, BLOCK_S)
         grid = (chunks.shape[1], triton.cdiv(N, BLOCK_N))
-        sgmv_expand_kernel[grid](
+        launch(sgmv_expand_kernel, grid, (
             h, B_cat, y, chunks, segs.indptr, segs.slot, segs.perm, table.ranks, table.offsets, table.scales,
-            slice_idx, chunks.shape[1], *common, N=N, MAX_RANK=table.max_rank, BLOCK_M=BLOCK_S, **meta,
-        )
+            slice_idx, chunks.shape[1], *common), dict(N=N, MAX_RANK=table.max_rank, BLOCK_M=BLOCK_S, **meta))
     return y

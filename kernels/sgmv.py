@@ -45,7 +45,6 @@ def chunk_table(segs: Segments, block_m: int) -> torch.Tensor:
     return table
 
 
-@triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed per call must not pick new variants
 def sgmv_shrink_kernel(
     x, A, h, chunks, indptr, seg_slot, perm, ranks, offsets, dropout, seed, capacity,

@@ -1,0 +1,121 @@
+"""Kernel launches with less host work than ``kernel[grid](...)`` once a specialisation has been compiled.
+
+A LoRA layer launches six small kernels per training step; at 56 layers the host time of Triton's generic launch
+path (argument binding, specialisation key, global-value checks, launch hooks) adds up to a sizeable part of a
+host-bound step. ``launch`` keeps, per kernel, the compiled kernels it has seen under a key that is at least as fine
+as Triton's own specialisation (per tensor argument: dtype and 16-byte alignment; per int: equal to 1, divisible by
+16, fits in int32; every ``tl.constexpr`` and launch option), and calls the compiled kernel's launcher directly for
+a key it has seen. The first call of each key, the interpreter (``TRITON_INTERPRET=1``), launch hooks (profilers)
+and ``FML_FAST_LAUNCH=0`` take Triton's own path.
+
+Arguments: ``args`` are the kernel's leading non-constexpr parameters in order, ``meta`` the constexprs by name plus
+launch options (``num_warps``, ``num_stages``); every constexpr must be given (no defaults, no heuristics), which
+keeps the key complete.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+try:  # Triton >= 3.3
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - older Triton
+    _knobs = None
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_ENABLED = os.environ.get("FML_FAST_LAUNCH", "1") != "0" and not _INTERPRET and _knobs is not None
+_I32 = 2**31
+
+
+class _Kernel:
+    """Per-kernel state: parameter order and the compiled kernels by key."""
+
+    def __init__(self, fn):
+        const = [p.is_constexpr for p in fn.params]
+        self.n_args = const.index(True) if True in const else len(const)
+        if any(not c for c in const[self.n_args:]):
+            raise TypeError(f"{fn.__name__}: launch() needs the tl.constexpr parameters last")
+        self.constexprs = [p.name for p in fn.params[self.n_args:]]
+        self.nospec = {p.num for p in fn.params if p.do_not_specialize}
+        self.compiled: dict = {}
+
+
+_KERNELS: dict = {}
+_stats = {"fast": 0, "slow": 0}
+
+
+def _spec(i, a, nospec):
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() & 15 == 0
+    if isinstance(a, bool) or a is None:
+        return a
+    if isinstance(a, int):
+        if i in nospec:
+            return -_I32 <= a < _I32
+        return a == 1, a & 15 == 0, -_I32 <= a < _I32
+    return type(a)
+
+
+def _hooks_set() -> bool:
+    rt = _knobs.runtime
+    return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+
+
+def launch(fn, grid, args, meta) -> None:
+    """``fn[grid](*args, **meta)``; see the module docstring."""
+    if not _ENABLED or _hooks_set():
+        fn[grid](*args, **meta)
+        return
+    k = _KERNELS.get(fn)
+    if k is None:
+        k = _KERNELS[fn] = _Kernel(fn)
+    nospec = k.nospec
+    key = (tuple([_spec(i, a, nospec) for i, a in enumerate(args)]), tuple(meta.items()))
+    dev = args[0].device.index
+    key = (dev, key)
+    hit = k.compiled.get(key)
+    if hit is None:
+        if len(args) != k.n_args:
+            raise TypeError(f"{fn.__name__}: {len(args)} positional arguments, expected {k.n_args}")
+        compiled = fn[grid](*args, **meta)
+        _stats["slow"] += 1
+        if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+            # the launcher takes every parameter, constexprs included, in signature order
+            k.compiled[key] = (compiled, tuple(meta[n] for n in k.constexprs))
+        return
+    compiled, const_vals = hit
+    g = (*grid, 1, 1)
+    try:
+        compiled.run(g[0], g[1], g[2], _stream(dev), compiled.function, compiled.packed_metadata, None, None, None,
+                     *args, *const_vals)
+    except TypeError as e:  # a Triton whose launcher takes other arguments: parsing fails before any launch
+        _disable(f"{type(e).__name__}: {e}")
+        fn[grid](*args, **meta)
+        return
+    _stats["fast"] += 1
+
+
+def _disable(why: str) -> None:
+    global _ENABLED
+    _ENABLED = False
+    _KERNELS.clear()
+    warnings.warn(f"fast_multilora: cached kernel launches disabled, using Triton's launch path ({why})",
+                  stacklevel=3)
+
+
+def _current_stream(dev: int) -> int:
+    return torch.cuda.current_stream(dev).cuda_stream
+
+
+_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _current_stream  # the raw getter Triton uses
+
+
+def stats() -> dict:
+    """Counts of launches through the cached path (``fast``) and Triton's own (``slow``) since import."""
+    return dict(_stats)
+
+
+__all__ = ["launch", "stats"]

@@ -1,0 +1,163 @@
+"""``kernels/launch.py``: the cached launch path takes the compiled kernel of an already seen specialisation and
+passes every parameter in signature order; anything that changes Triton's specialisation goes through Triton.
+
+The logic runs on CPU with a stand-in for a JIT function (the interpreter has no compiled kernels); on a GPU the
+real kernels are launched twice on fresh values and compared with the reference.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from fast_multilora.kernels import launch as L
+
+
+class _FakeCompiled:
+    def __init__(self):
+        self.calls = []
+        self.function, self.packed_metadata = "fn-handle", "packed"
+
+    def run(self, *a):
+        self.calls.append(a)
+
+
+class _FakeJit:
+    """Parameters (x, n, seed, BLOCK: constexpr, FLAG: constexpr); ``seed`` is not specialised."""
+
+    __name__ = "fake_kernel"
+
+    def __init__(self):
+        P = SimpleNamespace
+        self.params = [P(name="x", num=0, is_constexpr=False, do_not_specialize=False),
+                       P(name="n", num=1, is_constexpr=False, do_not_specialize=False),
+                       P(name="seed", num=2, is_constexpr=False, do_not_specialize=True),
+                       P(name="BLOCK", num=3, is_constexpr=True, do_not_specialize=False),
+                       P(name="FLAG", num=4, is_constexpr=True, do_not_specialize=False)]
+        self.triton_calls = []
+
+    def __getitem__(self, grid):
+        def run(*args, **meta):
+            self.triton_calls.append((grid, args, meta))
+            c = _FakeCompiled()
+            self.last = c
+            return c
+
+        return run
+
+
+class _Dev:
+    index = 0
+
+
+class _T(torch.Tensor):
+    pass
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    monkeypatch.setattr(L, "_ENABLED", True)
+    monkeypatch.setattr(L, "_hooks_set", lambda: False)
+    monkeypatch.setattr(L, "_stream", lambda dev: 1234)
+    monkeypatch.setattr(L, "_KERNELS", {})
+
+
+def test_cached_launch_passes_all_parameters_in_order(fast):
+    fn = _FakeJit()
+    x = torch.zeros(64)
+    x_dev = SimpleNamespace(index=0)
+    # a CPU tensor stands in for a device tensor: only .device.index, .dtype and .data_ptr() are read
+    x = x.as_subclass(_T)
+    _T.device = property(lambda self: x_dev)
+    try:
+        L.launch(fn, (3, 2), (x, 32, 7), dict(BLOCK=16, FLAG=True, num_warps=4))
+        assert len(fn.triton_calls) == 1  # first: Triton compiles and launches
+        compiled = fn.last
+        L.launch(fn, (5,), (x, 48, 99), dict(BLOCK=16, FLAG=True, num_warps=4))  # same specialisation
+        assert len(fn.triton_calls) == 1 and len(compiled.calls) == 1
+        assert compiled.calls[0] == (5, 1, 1, 1234, "fn-handle", "packed", None, None, None, x, 48, 99, 16, True)
+        # each change of specialisation goes through Triton: int == 1, int not a multiple of 16, new constexpr,
+        # another dtype, a misaligned pointer
+        for args, meta in [((x, 1, 0), dict(BLOCK=16, FLAG=True, num_warps=4)),
+                           ((x, 33, 0), dict(BLOCK=16, FLAG=True, num_warps=4)),
+                           ((x, 32, 0), dict(BLOCK=32, FLAG=True, num_warps=4)),
+                           ((x, 32, 0), dict(BLOCK=16, FLAG=True, num_warps=8)),
+                           ((x.double().as_subclass(_T), 32, 0), dict(BLOCK=16, FLAG=True, num_warps=4)),
+                           ((x[1:].as_subclass(_T), 32, 0), dict(BLOCK=16, FLAG=True, num_warps=4))]:
+            n = len(fn.triton_calls)
+            L.launch(fn, (1,), args, meta)
+            assert len(fn.triton_calls) == n + 1, (args[1:], meta)
+        # the seed is not specialised: a new value reuses the kernel (as long as it fits in int32)
+        n = len(fn.triton_calls)
+        L.launch(fn, (1,), (x, 32, 123456), dict(BLOCK=16, FLAG=True, num_warps=4))
+        assert len(fn.triton_calls) == n
+        L.launch(fn, (1,), (x, 32, 2**40), dict(BLOCK=16, FLAG=True, num_warps=4))
+        assert len(fn.triton_calls) == n + 1
+    finally:
+        del _T.device
+
+
+def test_launcher_type_error_falls_back_to_triton(fast, monkeypatch):
+    fn = _FakeJit()
+    x_dev = SimpleNamespace(index=0)
+    _T.device = property(lambda self: x_dev)
+    try:
+        x = torch.zeros(16).as_subclass(_T)
+        L.launch(fn, (1,), (x, 32, 0), dict(BLOCK=16, FLAG=False, num_warps=4))
+
+        def bad_run(*a):
+            raise TypeError("function takes exactly 20 arguments")
+
+        fn.last.run = bad_run
+        with pytest.warns(UserWarning, match="cached kernel launches disabled"):
+            L.launch(fn, (1,), (x, 32, 0), dict(BLOCK=16, FLAG=False, num_warps=4))
+        assert len(fn.triton_calls) == 2 and not L._ENABLED
+    finally:
+        del _T.device
+
+
+def test_constexprs_must_come_last(fast):
+    fn = _FakeJit()
+    fn.params[1], fn.params[3] = fn.params[3], fn.params[1]
+    with pytest.raises(TypeError, match="constexpr parameters last"):
+        L._Kernel(fn)
+
+
+@pytest.mark.gpu
+def test_repeat_launches_match_reference(device):
+    """Second and later calls of one shape take the cached path and still equal the reference (fresh values)."""
+    if not L._ENABLED:
+        pytest.skip("cached launches are off (FML_FAST_LAUNCH=0 or interpreter)")
+    from fast_multilora.kernels import lora_expand, lora_expand_bwd, lora_shrink, lora_shrink_bwd
+    from fast_multilora.kernels.segments import AdapterTable, segments_from_token_slots
+
+    from fast_multilora import reference
+
+    g = torch.Generator().manual_seed(0)
+    S, K, N, ranks = 1000, 384, 320, [16, 8, 0, 16]
+    ts = torch.randint(-1, 4, (S,), generator=g)
+    offs = [sum(ranks[:i]) for i in range(4)]
+    table = AdapterTable(torch.tensor(ranks, dtype=torch.int32, device=device),
+                         torch.tensor(offs, dtype=torch.int32, device=device),
+                         torch.rand(4, generator=g).to(device), torch.zeros(4, device=device), 16, sum(ranks), False)
+    for grouped in (False, True):
+        segs = segments_from_token_slots(ts, grouped, device)
+        before = L.stats()["fast"]
+        for _ in range(3):
+            x = torch.randn(S, K, generator=g).to(device, torch.bfloat16)
+            A = (torch.randn(sum(ranks), K, generator=g) / 20).to(device)
+            B = (torch.randn(N, sum(ranks), generator=g) / 20).to(device)
+            y = torch.randn(S, N, generator=g).to(device, torch.bfloat16)
+            dy = torch.randn(S, N, generator=g).to(device, torch.bfloat16)
+            h = lora_shrink(x, A, segs, table)
+            y_k = lora_expand(h, B, segs, table, y.clone())
+            dh, dB = lora_expand_bwd(dy, h, B, segs, table)
+            dx, dA = lora_shrink_bwd(dh, x, A, segs, table)
+            h_r = reference.lora_shrink(x.float(), A, segs, table)
+            y_r = reference.lora_expand(h_r, B, segs, table, y.float())
+            dh_r, dB_r = reference.lora_expand_bwd(dy.float(), h_r, B, segs, table)
+            dx_r, dA_r = reference.lora_shrink_bwd(dh_r, x.float(), A, segs, table)
+            for got, want, what in [(y_k.float(), y_r, "y"),
+                                    (dB, dB_r, "dB"), (dx.float(), dx_r, "dx"), (dA, dA_r, "dA")]:
+                err = (got - want).abs().max() / want.abs().max().clamp(min=1e-6)
+                assert err < 3e-2, f"{what} grouped={grouped}: max error {err:.3g} of the largest value"
+        assert L.stats()["fast"] > before
