@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .dropout import keep_block
-from .launch import launch
+from .launch import cdiv, launch, next_power_of_2
 from .segments import AdapterTable, Segments
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -84,7 +84,7 @@ def _target_programs(device: torch.device) -> int:
 
 
 def _block_r(n: int) -> int:
-    return max(16, triton.next_power_of_2(max(n, 1)))
+    return max(16, next_power_of_2(max(n, 1)))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -485,11 +485,11 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
     BLOCK_R = _block_r(R)
     BLOCK_S, BLOCK_N, num_warps, fused = _EXPAND_BLOCKS[BLOCK_R][dy.element_size() >= 4]
     info, cptr, order, capacity = _chunks(segs, n_slots, BLOCK_S)
-    tiles_n = triton.cdiv(N, BLOCK_N)
+    tiles_n = cdiv(N, BLOCK_N)
     # enough programs to fill the GPU: split N when there are few chunks (dh partials: ~4*splits*r/N of dy's bytes)
-    n_splits = min(tiles_n, max(1, triton.cdiv(_target_programs(dev), max(1, triton.cdiv(S, BLOCK_S)))))
-    tiles_per_split = triton.cdiv(tiles_n, n_splits)
-    n_splits = triton.cdiv(tiles_n, tiles_per_split)
+    n_splits = min(tiles_n, max(1, cdiv(_target_programs(dev), max(1, cdiv(S, BLOCK_S)))))
+    tiles_per_split = cdiv(tiles_n, n_splits)
+    n_splits = cdiv(tiles_n, tiles_per_split)
     direct_dh = n_splits == 1
     part_dh = dh if direct_dh else torch.empty(n_splits, S, R, dtype=acc, device=dev)
     part_dB = torch.empty(capacity, N, R, dtype=acc, device=dev) if fused else dB_out
@@ -504,7 +504,7 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
     ), dict(DIRECT_DH=direct_dh, STORE_DB=fused, EVEN_N=N % BLOCK_N == 0, DOT_PRECISION=prec,
             BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, num_warps=num_warps))
     BLOCK_NF = min(128, max(16, _FINISH_TILE // BLOCK_R)) if fused else BLOCK_N
-    tiles_nf = triton.cdiv(N, BLOCK_NF)
+    tiles_nf = cdiv(N, BLOCK_NF)
     n_db = n_slots * tiles_nf
     launch(_expand_bwd_finish, (n_db + (0 if direct_dh else capacity),), (
         dy, h, dB_out, dh, part_dh, part_dB, order, info, cptr, table.ranks, table.offsets, table.scales,
@@ -542,11 +542,11 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
 
     BLOCK_R = min(_block_r(stack_num * R), _SHRINK_MAX_R)
     BLOCK_S, BLOCK_K, num_warps = _SHRINK_BLOCKS[BLOCK_R][x.element_size() >= 4]
-    tiles_k = triton.cdiv(K, BLOCK_K)
-    tiles_r = triton.cdiv(max(stack_num * R, 1), BLOCK_R)
+    tiles_k = cdiv(K, BLOCK_K)
+    tiles_r = cdiv(max(stack_num * R, 1), BLOCK_R)
     # chunk = rows per program, a multiple of BLOCK_S: long enough that ~target programs cover the batch
-    n_sub = max(_SHRINK_MIN_SUB, triton.cdiv(S * tiles_k, _target_programs(dev) * BLOCK_S))
-    chunk = BLOCK_S * min(triton.next_power_of_2(n_sub), 64)
+    n_sub = max(_SHRINK_MIN_SUB, cdiv(S * tiles_k, _target_programs(dev) * BLOCK_S))
+    chunk = BLOCK_S * min(next_power_of_2(n_sub), 64)
     info, cptr, order, capacity = _chunks(segs, n_slots, chunk)
     part_dA = torch.empty(capacity, stack_num * R, K, dtype=acc, device=dev)
     has_dropout = seed is not None and table.has_dropout
@@ -564,7 +564,7 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     ))
     if R_tot > 0 and n_slots > 0:
         BLOCK_KF = min(128, max(16, _FINISH_TILE // BLOCK_R))
-        launch(_shrink_bwd_finish, (n_slots, tiles_r, triton.cdiv(K, BLOCK_KF)), (
+        launch(_shrink_bwd_finish, (n_slots, tiles_r, cdiv(K, BLOCK_KF)), (
             dA_out, part_dA, cptr, table.ranks, table.offsets, K, stack_num,
             dA_out.stride(0), dA_out.stride(1), *part_dA.stride(),
         ), dict(BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_KF, num_warps=4))

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cdiv
 from .segments import AdapterTable, Segments
 
 
@@ -72,6 +73,6 @@ def dropout_keep_mask(seed: int, segs: Segments, table: AdapterTable, K: int) ->
     if S == 0:
         return keep.bool()
     p = token_dropout_p(segs, table)
-    grid = (triton.cdiv(S, 32), triton.cdiv(K, 64))
+    grid = (cdiv(S, 32), cdiv(K, 64))
     _keep_mask_kernel[grid](keep, p, seed, S, K, keep.stride(0), keep.stride(1), BLOCK_S=32, BLOCK_K=64)
     return keep.bool()

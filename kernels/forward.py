@@ -30,9 +30,8 @@ import os
 from typing import Optional
 
 import torch
-import triton
 
-from .launch import launch
+from .launch import cdiv, launch, next_power_of_2
 from .segments import AdapterTable, Segments
 from .sgemm import sgemm_expand_kernel, sgemm_shrink_kernel
 from .sgmv import chunk_table, sgmv_expand_kernel, sgmv_shrink_kernel
@@ -72,7 +71,7 @@ def _pick(rows, n):
 
 def _pow2_clamp(n: int, lo: int, hi: int) -> int:
     """``next_power_of_2(n)`` clamped to ``[lo, hi]`` (tl.dot needs every dim >= 16)."""
-    return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))
+    return max(lo, min(hi, next_power_of_2(max(n, 1))))
 
 
 def _rows_block(segs: Segments, cap: int) -> int:
@@ -80,7 +79,7 @@ def _rows_block(segs: Segments, cap: int) -> int:
     if segs.perm is None:
         typical = segs.max_len
     else:
-        typical = triton.cdiv(segs.perm.numel(), max(segs.num_segments, 1))
+        typical = cdiv(segs.perm.numel(), max(segs.num_segments, 1))
     return _pow2_clamp(typical, 16, cap)
 
 
@@ -184,13 +183,13 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
                 num_stages=num_stages)
     seed = seed if has_dropout else 0
     if segs.perm is None:
-        grid = (segs.num_segments, triton.cdiv(segs.max_len, BLOCK_S), triton.cdiv(width, BLOCK_N))
+        grid = (segs.num_segments, cdiv(segs.max_len, BLOCK_S), cdiv(width, BLOCK_N))
         launch(sgemm_shrink_kernel, grid, (
             x, A_cat, out, segs.indptr, segs.slot, table.ranks, table.offsets, table.dropout, seed, K,
             x.stride(0), x.stride(1), *common), dict(meta, BLOCK_S=BLOCK_S))
     else:
         chunks = chunk_table(segs, BLOCK_S)
-        grid = (chunks.shape[1], triton.cdiv(width, BLOCK_N))
+        grid = (chunks.shape[1], cdiv(width, BLOCK_N))
         launch(sgmv_shrink_kernel, grid, (
             x, A_cat, out, chunks, segs.indptr, segs.slot, segs.perm, table.ranks, table.offsets, table.dropout,
             seed, chunks.shape[1], x.stride(0), x.stride(1), *common), dict(K=K, N=width, BLOCK_M=BLOCK_S, **meta))
@@ -229,13 +228,13 @@ def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: 
     meta = dict(FP64=fp64, DOT_PRECISION=_dot_precision(torch.float64 if fp64 else y.dtype),
                 BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, num_warps=num_warps, num_stages=num_stages)
     if segs.perm is None:
-        grid = (segs.num_segments, triton.cdiv(segs.max_len, BLOCK_S), triton.cdiv(N, BLOCK_N))
+        grid = (segs.num_segments, cdiv(segs.max_len, BLOCK_S), cdiv(N, BLOCK_N))
         launch(sgemm_expand_kernel, grid, (
             h, B_cat, y, segs.indptr, segs.slot, table.ranks, table.offsets, table.scales, slice_idx, N,
             *common), dict(meta, BLOCK_S=BLOCK_S))
     else:
         chunks = chunk_table(segs, BLOCK_S)
-        grid = (chunks.shape[1], triton.cdiv(N, BLOCK_N))
+        grid = (chunks.shape[1], cdiv(N, BLOCK_N))
         launch(sgmv_expand_kernel, grid, (
             h, B_cat, y, chunks, segs.indptr, segs.slot, segs.perm, table.ranks, table.offsets, table.scales,
             slice_idx, chunks.shape[1], *common), dict(N=N, MAX_RANK=table.max_rank, BLOCK_M=BLOCK_S, **meta))

@@ -118,4 +118,14 @@ def stats() -> dict:
     return dict(_stats)
 
 
-__all__ = ["launch", "stats"]
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host ints (``triton.cdiv`` is a constexpr function: microseconds per call from Python)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of 2 >= ``n`` (1 for ``n <= 1``), for host ints."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+__all__ = ["cdiv", "launch", "next_power_of_2", "stats"]

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cdiv
 from .segments import Segments
 from .sgemm import expand_tile, shrink_tile
 
@@ -32,7 +33,7 @@ def chunk_table(segs: Segments, block_m: int) -> torch.Tensor:
     if table is not None:
         return table
     n_seg = segs.num_segments
-    capacity = triton.cdiv(segs.perm.numel(), block_m) + n_seg
+    capacity = cdiv(segs.perm.numel(), block_m) + n_seg
     indptr = segs.indptr.long()
     n_chunks = (indptr[1:] - indptr[:-1] + block_m - 1) // block_m  # [n_seg]
     last = torch.cumsum(n_chunks, 0)  # chunks of segments 0..i, inclusive
