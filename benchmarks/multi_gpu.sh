@@ -7,8 +7,9 @@
 #
 # Per precision (bfloat16 base with float32 adapters, 64 x 1024 tokens per step; float32 throughout, 16 x 512): a
 # one-GPU run, DDP on 2 GPUs, FSDP2 on 2 GPUs, each from the same seed and saved initial adapters;
-# benchmarks/compare_adapters.py then compares each multi-GPU run's trained adapters with the one-GPU run's. LoRA dropout is 0 here: the dropout mask of a token is
-# drawn from its row in the local batch, which differs between one GPU and a rank's slice.
+# benchmarks/compare_adapters.py then compares each multi-GPU run's trained adapters with the one-GPU run's.
+# LoRA dropout is 0 here: the dropout mask of a token is drawn from its row in the local batch, which differs
+# between one GPU and a rank's slice.
 # Files in $OUT: multi_gpu.log, <run>.log, compare_<run>.json, multi_gpu.json (summary: tokens/s and differences);
 # bundle them (tar) when the transport limits the number of files.
 set -u
