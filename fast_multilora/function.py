@@ -47,26 +47,37 @@ class TorchBackend:
 
 
 class TritonBackend:
-    """Triton kernels (``fast_multilora.kernels``); on CPU tensors they need ``TRITON_INTERPRET=1``."""
+    """Triton kernels (``fast_multilora.kernels``); on CPU tensors they need ``TRITON_INTERPRET=1``.
+
+    Eager calls go straight to the launchers; while ``torch.compile`` traces, the same calls go through the
+    ``torch.library`` custom ops of ``fast_multilora.ops`` (same signatures), which the compiler can trace through.
+    """
 
     name = "triton"
 
     def __init__(self):
         from . import kernels as K
+        from . import ops
 
         self.k = K
+        self.ops = ops
+
+    def _impl(self):
+        return self.ops if torch.compiler.is_compiling() else self.k
 
     def shrink(self, x, A_cat, segs, table, stack_num, seed):
-        return self.k.lora_shrink(x, A_cat, segs, table, stack_num=stack_num, seed=seed)
+        return self._impl().lora_shrink(x, A_cat, segs, table, stack_num=stack_num, seed=seed)
 
     def expand(self, h, B_cat, segs, table, y, stack_num, slice_idx):
-        return self.k.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx)
+        return self._impl().lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx)
 
     def expand_bwd(self, dy, h, B_cat, segs, table, stack_num, slice_idx, dh=None):
-        return self.k.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx, dh=dh)
+        return self._impl().lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx,
+                                            dh=dh)
 
     def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx):
-        return self.k.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed, need_dx=need_dx)
+        return self._impl().lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed,
+                                            need_dx=need_dx)
 
 
 _BACKENDS: dict = {}
@@ -121,7 +132,8 @@ class LoraDelta(torch.autograd.Function):
         if spec.has_bias:
             _add_bias(y, weights[2 * n :], spec)
         ctx.mark_dirty(y_in)
-        ctx.save_for_backward(x, h, A_cat, B_cat, *weights)
+        ctx.save_for_backward(x, h, A_cat, B_cat)  # the weights' values live in the concatenations
+        ctx.w_dtypes = [w.dtype for w in weights]
         ctx.spec = spec
         ctx.x_shape = x_in.shape
         return y_in
@@ -129,23 +141,24 @@ class LoraDelta(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_in):
         spec: DeltaSpec = ctx.spec
-        x, h, A_cat, B_cat, *weights = ctx.saved_tensors
+        x, h, A_cat, B_cat = ctx.saved_tensors
+        w_dtypes = ctx.w_dtypes
         n = spec.num_adapters
         needs = ctx.needs_input_grad
         need_dx = needs[0]
         need_w = any(needs[3:])
-        dx, grads = None, [None] * len(weights)
+        dx, grads = None, [None] * len(w_dtypes)
         dy = dy_in.reshape(-1, dy_in.shape[-1])
         if (need_dx or need_w) and n:
             dy = dy.contiguous()
             be = spec.backend
             dh, dB = be.expand_bwd(dy, h, B_cat, spec.segs, spec.table, 1, 0)
             dx, dA = be.shrink_bwd(dh, x, A_cat, spec.segs, spec.table, 1, spec.seed, need_dx)
-            grads[:n] = _split_grads(dA, spec.ranks, [w.dtype for w in weights[:n]], dim=0)
-            grads[n : 2 * n] = _split_grads(dB, spec.ranks, [w.dtype for w in weights[n : 2 * n]], dim=1)
+            grads[:n] = _split_grads(dA, spec.ranks, w_dtypes[:n], dim=0)
+            grads[n : 2 * n] = _split_grads(dB, spec.ranks, w_dtypes[n : 2 * n], dim=1)
             if spec.has_bias:
                 for i, gbias in enumerate(_bias_grad(dy, spec)):
-                    grads[2 * n + i] = gbias.to(weights[2 * n + i].dtype)
+                    grads[2 * n + i] = gbias.to(w_dtypes[2 * n + i])
         elif need_dx:
             dx = torch.zeros_like(x)
         if dx is not None:
