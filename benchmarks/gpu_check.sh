@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# The one GPU run: install, GPU tests, kernel benchmark, model benchmark. From the repo root, on the GPU machine:
+# The one GPU run: install, GPU tests (+ the fuzz sweep), kernel benchmark, model benchmark, step profile, multi-GPU
+# run. From the repo root, on the GPU machine:
 #
 #   OUT=/some/folder COMMIT=<sha> bash benchmarks/gpu_check.sh
 #   STAGES="kernels model" bash benchmarks/gpu_check.sh          # a subset (install + env always run first)
 #
+# Stages: tests (tests marked gpu; with 2+ GPUs the hypothesis fuzz sweep runs on the second GPU meanwhile,
+# FML_FUZZ_EXAMPLES examples per test), kernels, model, profile (benchmarks/profile_step.py), multi
+# (benchmarks/multi_gpu.sh, needs 2 GPUs). Default: "tests kernels model".
+#
 # Every stage runs under its own `timeout`; a stage that fails or times out does not stop the later ones, and the
 # benchmarks write their JSON/markdown after every case, so a killed stage still leaves what it measured. Worst case
-# (every limit hit) about 8.7 minutes; limits can be changed with T_INSTALL, T_TESTS, T_KERNELS, T_MODEL (seconds),
-# pytest's stop rule with PYTEST_STOP (default -x).
+# (every limit hit, default stages) about 8.7 minutes; limits (seconds): T_INSTALL, T_TESTS, T_KERNELS, T_MODEL,
+# T_PROFILE, T_MULTI; pytest's stop rule with PYTEST_STOP (default -x).
 #
-# Files in $OUT (7, flat): gpu_check.log (this script's whole output), pytest_gpu.log, kernels.json, kernels.md,
-# h200.json, h200.md, h200.png.
+# Files in $OUT (flat): gpu_check.log (this script's whole output), pytest_gpu.log, fuzz_gpu.log, kernels.json,
+# kernels.md, h200.json, h200.md, h200.png, profile_step.txt, multi_gpu/ (see multi_gpu.sh).
 set -u
 
 export PYTHONUNBUFFERED=1
@@ -21,6 +26,9 @@ T_INSTALL=${T_INSTALL:-45}
 T_TESTS=${T_TESTS:-120}
 T_KERNELS=${T_KERNELS:-130}
 T_MODEL=${T_MODEL:-200}
+T_PROFILE=${T_PROFILE:-120}
+T_MULTI=${T_MULTI:-420}
+FML_FUZZ_EXAMPLES=${FML_FUZZ_EXAMPLES:-30}
 PYTEST_STOP=${PYTEST_STOP:--x}  # e.g. PYTEST_STOP=--maxfail=20 to see more than the first failure
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || true)}
@@ -67,12 +75,30 @@ EOF
 
 main() {
     echo "== gpu_check: $(date -u) repo=$PWD out=$OUT stages='$STAGES' commit=${COMMIT:-unknown}"
-    stage install "$T_INSTALL" "$PY" -m pip install --no-deps --no-build-isolation -e . -q
+    if ! "$PY" -c "import fast_multilora.kernels" 2>/dev/null; then
+        stage install "$T_INSTALL" "$PY" -m pip install --no-deps --no-build-isolation -e . -q
+    fi
     ensure_importable
     stage env 20 bash -c 'nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.max.sm,clocks.max.mem,power.limit,temperature.gpu,utilization.gpu --format=csv; "$0" -c "import sys, torch, triton, peft, transformers; print(\"python\", sys.version.split()[0], \"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__, \"peft\", peft.__version__, \"transformers\", transformers.__version__, \"gpu\", torch.cuda.get_device_name())"' "$PY"
 
     if want tests; then
-        stage tests "$T_TESTS" bash -c 'set -o pipefail; FML_TEST_DEVICE=cuda "$0" -m pytest -q -m "gpu or not slow" tests/ $2 -p no:cacheprovider 2>&1 | tee "$1"' "$PY" "$OUT/pytest_gpu.log" "$PYTEST_STOP"
+        local n_gpu fuzz_pid=""
+        n_gpu=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+        if [ "$n_gpu" -ge 2 ]; then  # the fuzz sweep on the second GPU while the tests use the first
+            (CUDA_VISIBLE_DEVICES=1 FML_TEST_DEVICE=cuda FML_FUZZ_EXAMPLES=$FML_FUZZ_EXAMPLES timeout -k 10 "$T_TESTS" \
+                "$PY" -m pytest -q -rfE -m gpu -k fuzz tests/test_fuzz.py -p no:cacheprovider >"$OUT/fuzz_gpu.log" 2>&1
+             echo "fuzz rc=$?" >>"$OUT/fuzz_gpu.log") &
+            fuzz_pid=$!
+            export CUDA_VISIBLE_DEVICES=0
+        fi
+        stage tests "$T_TESTS" bash -c 'set -o pipefail; FML_TEST_DEVICE=cuda "$0" -m pytest -q -rfE -m gpu -k "not fuzz" tests/ $2 -p no:cacheprovider 2>&1 | tee "$1"' "$PY" "$OUT/pytest_gpu.log" "$PYTEST_STOP"
+        if [ -n "$fuzz_pid" ]; then
+            wait "$fuzz_pid"
+            unset CUDA_VISIBLE_DEVICES
+            tail -n 3 "$OUT/fuzz_gpu.log"
+        else
+            stage fuzz "$T_TESTS" bash -c 'FML_TEST_DEVICE=cuda "$0" -m pytest -q -rfE -m gpu -k fuzz tests/test_fuzz.py -p no:cacheprovider >"$1" 2>&1' "$PY" "$OUT/fuzz_gpu.log"
+        fi
     fi
     if want kernels; then
         stage kernels "$T_KERNELS" "$PY" benchmarks/bench_kernels.py --out-dir "$OUT" \
@@ -81,6 +107,12 @@ main() {
     if want model; then
         stage model "$T_MODEL" "$PY" benchmarks/bench_model.py --out "$OUT/h200.json" \
             --budget-s $((T_MODEL - 35)) ${COMMIT:+--commit "$COMMIT"}
+    fi
+    if want profile; then
+        stage profile "$T_PROFILE" env CUDA_VISIBLE_DEVICES=0 "$PY" benchmarks/profile_step.py --out "$OUT/profile_step.txt"
+    fi
+    if want multi; then
+        stage multi "$T_MULTI" env OUT="$OUT/multi_gpu" bash benchmarks/multi_gpu.sh
     fi
     rm -f "$OUT"/*.tmp
     echo "== gpu_check done in ${SECONDS}s:$SUMMARY"
