@@ -11,6 +11,8 @@ touched, so ``state_dict``, optimizers, ``save_pretrained`` and ``PeftModel.from
   Listed in the report's ``fallback``.
 * Adapters with a LoRA variant (DoRA, aLoRA, ...): a mixed batch that names them raises (PEFT does not mix DoRA
   adapters in a batch either); without ``adapter_names`` PEFT's forward runs as usual.
+* Sibling LoRA Linear layers called on one input (q/k/v, gate/up) share one shrink pass (``fast_multilora.stacked``);
+  ``patch(..., share_shrink=False)`` turns that off.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.lora import LoraLayer
 
+from . import stacked
 from .function import DeltaSpec, LoraDelta, get_backend
 from .kernels.segments import AdapterTable
 from .plan import BASE, Router
@@ -35,14 +38,20 @@ _HOOKS_ATTR = "_fml_hooks"
 
 @dataclass
 class PatchReport:
-    """What :func:`patch` did: modules on our kernels, modules left on PEFT's path and why."""
+    """What :func:`patch` did: modules on our kernels, modules left on PEFT's path and why, and the sibling groups
+    (``shared``, tuples of names) whose members share one shrink pass when called on the same input."""
 
     backend: str
     patched: list = field(default_factory=list)
     fallback: dict = field(default_factory=dict)
+    shared: list = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"fast_multilora: {len(self.patched)} LoRA Linear module(s) patched (backend={self.backend!r})"]
+        if self.shared:
+            lines.append(f"{len(self.shared)} sibling group(s) share one shrink pass among members called on the same "
+                         "input, e.g.:")
+            lines += [f"  {', '.join(group)}" for group in self.shared[:3]]
         if self.fallback:
             lines.append(f"{len(self.fallback)} module(s) run PEFT's own mixed-batch path:")
             lines += [f"  {name}: {why}" for name, why in self.fallback.items()]
@@ -85,6 +94,9 @@ class _FastLinearMixin:
         plan = router.plan_for(routing, x)
         result = self.base_layer(x, *args, **kwargs)
         table, present, bias_row = _layer_table(self, plan, x.device)
+        shared = stacked.shared_delta(self, x, result, plan, table, present, router)
+        if shared is not None:
+            return shared
         if not present:
             return result
         return _apply_delta(self, x, result, plan, table, present, bias_row, router)
@@ -234,7 +246,8 @@ def _aux_wrapper_types():
     return (AuxiliaryTrainingWrapper,)
 
 
-def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto") -> PatchReport:
+def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto",
+          share_shrink: bool = True) -> PatchReport:
     """Run ``model``'s PEFT LoRA Linear layers through fast_multilora; returns a :class:`PatchReport`.
 
     ``model``: a ``PeftModel``, a ``LoraModel`` or any module tree holding PEFT LoRA layers. After patching,
@@ -243,6 +256,8 @@ def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto") -
     ``backend``: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton for CUDA tensors, torch otherwise).
     ``family``: kernel family, ``"sgemm"``, ``"chunked"`` or ``"auto"`` (by batch layout). Patching twice updates
     the settings and patches layers added since.
+    ``share_shrink``: siblings (same parent module, ``in_features`` and device) called on the same input share one
+    shrink pass where their adapters allow (see ``fast_multilora.stacked``; the report lists the groups).
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'triton'")
@@ -262,6 +277,7 @@ def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto") -
         model.__dict__[_HOOKS_ATTR] = hooks
     router.backend = backend
     router.family = family
+    router.share_shrink = share_shrink
     router.tuner = _lora_tuner(model)
     router.config_key = tuple(sorted(getattr(router.tuner, "peft_config", {}).keys()))
     router.repatch = partial(_repatch, model)
@@ -269,6 +285,7 @@ def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto") -
     report = PatchReport(backend=backend)
     aux = _aux_wrapper_types()
     variant_warned = []
+    fast = []  # (name, module) on our Function
     for name, module in model.named_modules():
         if module is model:
             continue
@@ -278,6 +295,7 @@ def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto") -
             if reason is None:
                 _swap(module, _FastLinearMixin, router)
                 report.patched.append(name)
+                fast.append((name, module))
                 variants = sorted(module.lora_variant)
                 if variants:
                     variant_warned.append(f"{name}: {variants}")
@@ -287,6 +305,8 @@ def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto") -
         elif aux and isinstance(module, aux):
             _swap(module, _FallbackMixin, router)
             report.fallback[name] = f"{type(module).__name__}: PEFT's per-sample loop"
+    if share_shrink:
+        report.shared = stacked.group_siblings(fast, _layer_table)
     if report.fallback:
         warnings.warn(
             f"fast_multilora.patch: {len(report.fallback)} module(s) run PEFT's per-sample mixed-batch loop instead "
@@ -306,6 +326,7 @@ def _swap(module, mixin, router):
     module.__class__ = _patched_class(_original_class(module), mixin)
     module.__dict__[_ROUTER_ATTR] = router
     module.__dict__.pop("_fml_table", None)
+    module.__dict__.pop(stacked.GROUP_ATTR, None)
 
 
 def unpatch(model: torch.nn.Module) -> None:
@@ -315,6 +336,7 @@ def unpatch(model: torch.nn.Module) -> None:
             module.__class__ = type(module)._fml_base
         module.__dict__.pop(_ROUTER_ATTR, None)
         module.__dict__.pop("_fml_table", None)
+        module.__dict__.pop(stacked.GROUP_ATTR, None)
     for h in model.__dict__.pop(_HOOKS_ATTR, []):
         h.remove()
     model.__dict__.pop(_ROUTER_ATTR, None)
@@ -334,7 +356,7 @@ def _repatch(model):
     router: Router = model.__dict__[_ROUTER_ATTR]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the first patch() already warned about fallbacks
-        patch(model, backend=router.backend, family=router.family)
+        patch(model, backend=router.backend, family=router.family, share_shrink=router.share_shrink)
 
 
 def _lora_tuner(model):

@@ -92,6 +92,8 @@ class Router:
         self._by_names: dict = {}  # per-row routings by (names, adapters), reused across forward calls
         self.family = "auto"
         self.backend = "auto"
+        self.share_shrink = True  # sibling layers on one input share a shrink pass (patch setting)
+        self.generation = 0  # counts begin() calls: per-forward-call state (fast_multilora.stacked) keys on it
         self.pending_ids: Optional[torch.Tensor] = None  # adapter_ids popped by a PeftModel's pre-hook
         self.layers: list = []  # every LoRA layer of the model (ours and the fallback ones), set by patch()
         self.tuner = None  # the PEFT tuner whose peft_config keys we watch
@@ -148,6 +150,7 @@ class Router:
 
     def begin(self, adapter_names=None, adapter_ids=None) -> None:
         """Start routing a forward call; ``adapter_names=None`` turns routing off (stock PEFT behaviour)."""
+        self.generation += 1
         if adapter_names is None:
             if adapter_ids is not None:
                 raise ValueError("`adapter_ids` needs `adapter_names` (the names its values index)")

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .dropout import keep_block
-from .launch import cdiv, launch, next_power_of_2
+from .launch import cdiv, checked, launch, mark_checked, next_power_of_2
 from .segments import AdapterTable, Segments
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -436,8 +436,7 @@ def _check_common(name: str, act: torch.Tensor, segs: Segments, table: AdapterTa
     _check(act.shape[0] == segs.num_tokens, f"{name}: {act.shape[0]} rows but segs.num_tokens={segs.num_tokens}")
     _check(stack_num >= 1, f"{name}: stack_num must be >= 1, got {stack_num}")
     dev = act.device
-    memo = ("bwd_layout_ok", id(table), dev)  # the tables are checked once per (segments, table, device)
-    if segs.cache.get(memo) is table:
+    if checked(segs, table, f"bwd_layout_ok:{dev}"):  # the checks below run once per (segments, table)
         return
     for t_name, t in (("segs.indptr", segs.indptr), ("segs.slot", segs.slot), ("segs.perm", segs.perm),
                       ("table.ranks", table.ranks), ("table.offsets", table.offsets), ("table.scales", table.scales),
@@ -451,7 +450,7 @@ def _check_common(name: str, act: torch.Tensor, segs: Segments, table: AdapterTa
         _check(t.dtype in (torch.int32, torch.int64), f"{name}: {t_name} must be an integer tensor, got {t.dtype}")
     if table.max_rank > 512:
         raise ValueError(f"{name}: max_rank={table.max_rank} > 512 is not supported by the backward kernels")
-    segs.cache[memo] = table  # holding the table keeps its id from being reused
+    mark_checked(segs, table, f"bwd_layout_ok:{dev}")
 
 
 def _check_tensor(name: str, what: str, t: torch.Tensor, shape, dtypes, device):

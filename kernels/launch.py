@@ -118,6 +118,21 @@ def stats() -> dict:
     return dict(_stats)
 
 
+def checked(segs, table, key: str) -> bool:
+    """Whether :func:`mark_checked` recorded ``table`` as validated against ``segs`` under ``key``."""
+    memo = segs.cache.get(key)
+    return memo is not None and memo.get(id(table)) is table
+
+
+def mark_checked(segs, table, key: str) -> None:
+    """Record that ``table`` passed the checks against ``segs``: one bounded entry in ``segs.cache`` (tables are
+    rebuilt when a layer's adapters or mode change; the memo holds them, so their ids are not reused meanwhile)."""
+    memo = segs.cache.setdefault(key, {})
+    if len(memo) >= 256:
+        memo.clear()
+    memo[id(table)] = table
+
+
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for host ints (``triton.cdiv`` is a constexpr function: microseconds per call from Python)."""
     return -(-a // b)
@@ -128,4 +143,4 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-__all__ = ["cdiv", "launch", "next_power_of_2", "stats"]
+__all__ = ["cdiv", "checked", "launch", "mark_checked", "next_power_of_2", "stats"]

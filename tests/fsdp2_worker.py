@@ -2,7 +2,7 @@
 
 FSDP2 (``fully_shard``) shards the frozen base and the adapters of a patched tiny Llama per decoder layer; each rank
 takes its half of a global mixed batch and backpropagates ``distributed_per_adapter_loss``. Rank 0 saves the full
-(gathered) LoRA gradients and the per-adapter gradient norms, which must equal one process's gradients of ``per_adapter_loss`` on the global batch.
+(gathered) LoRA gradients and the per-adapter gradient norms, which must equal one process's on the global batch.
 """
 
 import sys
@@ -49,7 +49,8 @@ def main(out_path):
     norms = clip_grad_norm_per_adapter(adapter_param_groups(model), max_norm=1e-3)
     sharded = sum(type(p).__name__ == "DTensor" for p in model.parameters())
     if rank == 0:
-        torch.save({"grads": grads, "norms": norms, "sharded": sharded, "params": sum(1 for _ in model.parameters())}, out_path)
+        n_params = sum(1 for _ in model.parameters())
+        torch.save({"grads": grads, "norms": norms, "sharded": sharded, "params": n_params}, out_path)
     dist.destroy_process_group()
 
 

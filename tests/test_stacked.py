@@ -1,0 +1,272 @@
+"""Siblings called on one input (q/k/v, gate/up) share one shrink pass (``fast_multilora.stacked``).
+
+Every check compares against ``share_shrink=False`` (the per-module path) and, where it applies, against stock PEFT
+running each sample with its adapter alone; a spy on the backends' ``shrink`` proves which path ran.
+"""
+
+import warnings
+
+import pytest
+import torch
+from models import LLAMA_TARGETS, peft_model, twin
+from peft import LoraConfig, get_peft_model
+
+import fast_multilora
+from fast_multilora.function import TorchBackend, TritonBackend
+from fast_multilora.stacked import shared_siblings
+
+NAMES = ["a1", "__base__", "a0", "a2", "a0", "a1", "a2"]  # unsorted, repeated, with a base row
+SHARED_PER_LAYER = [3, 1, 2, 1]  # stack_num of each shrink of a decoder layer: q/k/v, o, gate/up, down
+UNSHARED_PER_LAYER = [1] * 7
+
+
+def configs(dropout=0.0, rank_pattern=None):
+    """Three adapters with different ranks and scalings on every sibling of a group (so q/k/v and gate/up agree)."""
+    common = dict(init_lora_weights=False, lora_dropout=dropout)
+    return {
+        "a0": LoraConfig(r=4, lora_alpha=8, target_modules=LLAMA_TARGETS, rank_pattern=rank_pattern or {}, **common),
+        "a1": LoraConfig(r=8, lora_alpha=4, target_modules=LLAMA_TARGETS, use_rslora=True, **common),
+        "a2": LoraConfig(r=2, lora_alpha=3, target_modules=["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"],
+                         **common),
+    }
+
+
+def models(backend, **cfg):
+    """(shared, unshared, stock PEFT) copies of one model with the same weights."""
+    shared = peft_model(configs=configs(**cfg))
+    unshared, ref = twin(shared), twin(shared)
+    fast_multilora.patch(shared, backend=backend)
+    fast_multilora.patch(unshared, backend=backend, share_shrink=False)
+    return shared, unshared, ref
+
+
+@pytest.fixture
+def shrinks(monkeypatch):
+    """The ``stack_num`` of every shrink the backends run, in call order."""
+    calls = []
+    for cls in (TorchBackend, TritonBackend):
+        def spy(self, x, A_cat, segs, table, stack_num, seed, _orig=cls.shrink):
+            calls.append(stack_num)
+            return _orig(self, x, A_cat, segs, table, stack_num, seed)
+
+        monkeypatch.setattr(cls, "shrink", spy)
+    return calls
+
+
+def inputs(seed=3, T=9):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 97, (len(NAMES), T), generator=g)
+    w = torch.randn(len(NAMES), T, 97, generator=g)  # a different loss weight per logit: every grad path counts
+    return ids, w
+
+
+def embeds(model, ids):
+    return model.get_input_embeddings()(ids).detach().requires_grad_()
+
+
+def lora_grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if "lora_" in n and p.grad is not None}
+
+
+def step(model, ids, w):
+    """One weighted forward/backward from input embeddings: (logits, LoRA grads, input grads)."""
+    model.zero_grad(set_to_none=True)
+    emb = embeds(model, ids)
+    out = model(inputs_embeds=emb, adapter_names=NAMES).logits
+    (out * w).sum().backward()
+    return out.detach(), lora_grads(model), emb.grad
+
+
+def warm(model, ids):
+    """A first forward call: runs unshared and records which siblings read one input."""
+    with torch.no_grad():
+        model(input_ids=ids, adapter_names=NAMES)
+
+
+def peft_per_sample(ref, ids, w):
+    """Stock PEFT, one sample at a time with its adapter alone: (logits, summed LoRA grads, input grads)."""
+    outs, dx = [], []
+    for n, p in ref.named_parameters():
+        p.requires_grad_("lora_" in n)
+    for i, name in enumerate(NAMES):
+        emb = embeds(ref, ids[i : i + 1])
+        if name == "__base__":
+            with ref.disable_adapter():
+                out = ref(inputs_embeds=emb).logits
+        else:
+            ref.set_adapter(name)
+            for n, p in ref.named_parameters():  # set_adapter freezes the other adapters
+                p.requires_grad_("lora_" in n)
+            out = ref(inputs_embeds=emb).logits
+        (out * w[i : i + 1]).sum().backward()
+        outs.append(out.detach())
+        dx.append(emb.grad)
+    return torch.cat(outs), lora_grads(ref), torch.cat(dx)
+
+
+def close(got, want, exact=False, name=""):
+    """fp32 closeness; absolute slack scales with the tensor (gradients up to ~1e2 here, summed in another order)."""
+    if exact:
+        assert torch.equal(got, want), name
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 + 2e-6 * float(want.abs().max()),
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def assert_same(got, want, exact=False):
+    out, grads, dx = got
+    w_out, w_grads, w_dx = want
+    close(out, w_out, exact)
+    close(dx, w_dx, exact)
+    for n, g in w_grads.items():
+        close(grads[n], g, exact, name=n)
+    for n in set(grads) - set(w_grads):  # stock PEFT leaves no grad where an adapter saw no token
+        assert torch.count_nonzero(grads[n]) == 0, n
+
+
+def test_groups_from_structure_and_shrink_count(shrinks):
+    shared = peft_model(configs=configs())
+    unshared = twin(shared)
+    report = fast_multilora.patch(shared, backend="torch")
+    prefix = "base_model.model.model.layers"
+    # candidates by structure: same parent, in_features and device (o_proj has q/k/v's in_features)
+    assert report.shared == [g for i in range(2) for g in (
+        tuple(f"{prefix}.{i}.self_attn.{p}_proj" for p in "qkvo"),
+        (f"{prefix}.{i}.mlp.gate_proj", f"{prefix}.{i}.mlp.up_proj"),
+    )]
+    assert "sibling group(s) share one shrink pass" in str(report)
+    assert fast_multilora.patch(unshared, backend="torch", share_shrink=False).shared == []
+
+    ids, _ = inputs()
+    warm(shared, ids)
+    assert shrinks == UNSHARED_PER_LAYER * 2  # the first forward call only watches
+    # by input identity: q/k/v and gate/up read one tensor; o_proj and down_proj read their own
+    assert shared_siblings(shared) == [g for i in range(2) for g in (
+        tuple(f"{prefix}.{i}.self_attn.{p}_proj" for p in "qkv"),
+        (f"{prefix}.{i}.mlp.gate_proj", f"{prefix}.{i}.mlp.up_proj"),
+    )]
+    shrinks.clear()
+    warm(shared, ids)
+    assert shrinks == SHARED_PER_LAYER * 2  # 7 -> 4 shrinks per decoder layer
+    shrinks.clear()
+    warm(unshared, ids)
+    warm(unshared, ids)
+    assert shrinks == UNSHARED_PER_LAYER * 4
+    assert shared_siblings(unshared) == []
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_outputs_and_grads_match_per_module_and_peft(backend, train, shrinks):
+    shared, unshared, ref = models(backend)
+    ids, w = inputs()
+    for m in (shared, unshared, ref):
+        m.train(train)
+    warm(shared, ids)
+    shrinks.clear()
+    got = step(shared, ids, w)
+    assert shrinks == SHARED_PER_LAYER * 2
+    assert set(got[1]) == {n for n, p in shared.named_parameters() if "lora_" in n}  # every adapter gets a grad
+    assert_same(got, step(unshared, ids, w))
+    assert_same(got, peft_per_sample(ref, ids, w))
+
+
+def test_dropout_disables_sharing_in_training_only(shrinks):
+    shared, unshared, _ = models("torch", dropout=0.2)
+    ids, w = inputs()
+    warm(shared, ids)
+    for m in (shared, unshared):
+        m.train()
+    shrinks.clear()
+    torch.manual_seed(7)
+    got = step(shared, ids, w)
+    assert shrinks == UNSHARED_PER_LAYER * 2  # independent masks per sibling: no shared input
+    torch.manual_seed(7)  # the same per-module dropout seeds: identical to share_shrink=False
+    assert_same(got, step(unshared, ids, w), exact=True)
+
+    for m in (shared, unshared):
+        m.eval()
+    shrinks.clear()
+    got = step(shared, ids, w)
+    assert shrinks == SHARED_PER_LAYER * 2  # dropout inactive in eval: shared again
+    assert_same(got, step(unshared, ids, w))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_unequal_ranks_are_not_stacked(backend, shrinks):
+    shared, unshared, ref = models(backend, rank_pattern={"k_proj": 6})  # a0: rank 6 on k_proj, 4 on q/v
+    ids, w = inputs()
+    warm(shared, ids)
+    shrinks.clear()
+    got = step(shared, ids, w)
+    assert shrinks == [2, 1, 1, 2, 1] * 2  # q+v stacked, k alone, o, gate+up, down
+    assert_same(got, step(unshared, ids, w))
+    assert_same(got, peft_per_sample(ref, ids, w))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_gradient_checkpointing(reentrant, shrinks):
+    shared, unshared, _ = models("torch")
+    ck = twin(shared)
+    fast_multilora.patch(ck, backend="torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers 5 renames it activation_checkpointing_enable
+        ck.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ids, w = inputs()
+    for m in (shared, unshared, ck):
+        m.train()
+    warm(shared, ids)
+    warm(ck, ids)
+    shrinks.clear()
+    got = step(ck, ids, w)
+    assert shrinks == SHARED_PER_LAYER * 4  # forward, then the same stacks again in the recompute
+    assert_same(got, step(shared, ids, w))
+    assert_same(got, step(unshared, ids, w))
+
+
+class _Toy(torch.nn.Module):
+    """Three siblings on one input, with different output widths."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = torch.nn.Linear(16, 12), torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.q(x), self.k(x), self.v(x)
+
+
+def _toy(share):
+    torch.manual_seed(0)
+    model = get_peft_model(_Toy(), LoraConfig(r=4, target_modules=["q", "k", "v"], init_lora_weights=False))
+    model.add_adapter("b", LoraConfig(r=2, lora_alpha=5, target_modules=["q", "k", "v"], init_lora_weights=False))
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora_" in n)
+    fast_multilora.patch(model, backend="torch", share_shrink=share)
+    return model
+
+
+def test_partial_and_repeated_backward_passes(shrinks):
+    """A sibling whose output is unused, ``autograd.grad`` for the B weights only, then a second backward pass
+    through the retained graph: the shared ``dh`` buffer is scoped to each pass."""
+    names = ["b", "default", "__base__", "b"]
+    x0 = torch.randn(4, 5, 16, generator=torch.Generator().manual_seed(1))
+    results = []
+    for share in (True, False):
+        model = _toy(share)
+        with torch.no_grad():
+            model(x0, adapter_names=names)
+        shrinks.clear()
+        x = x0.clone().requires_grad_()
+        q, k, v = model(x, adapter_names=names)
+        assert shrinks == ([3] if share else [1, 1, 1])
+        bs = [p for n, p in model.named_parameters() if "lora_B" in n and ".k." not in n]  # q, v
+        g_b = torch.autograd.grad((q * q).sum() + v.sum(), bs, retain_graph=True)
+        ((q * 2).sum() + (k * k).sum()).backward()  # v unused in this pass
+        results.append((g_b, x.grad, lora_grads(model)))
+    (gb_s, dx_s, g_s), (gb_u, dx_u, g_u) = results
+    for a, b in zip(gb_s, gb_u, strict=True):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(dx_s, dx_u)
+    assert set(g_s) == set(g_u)
+    for n in g_u:
+        torch.testing.assert_close(g_s[n], g_u[n], msg=lambda m, n=n: f"{n}: {m}")
