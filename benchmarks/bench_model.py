@@ -178,10 +178,10 @@ class Run:
                     lambda mod, args, kw: (args, {**kw, "adapter_names": list(names)}), with_kwargs=True))
         return hooks
 
-    def patch(self, model):
+    def patch(self, model, **kwargs):
         import fast_multilora
 
-        report = fast_multilora.patch(model, backend=self.backend)
+        report = fast_multilora.patch(model, backend=self.backend, **kwargs)
         self.patch_info = {"patched": len(report.patched), "fallback": len(report.fallback)}
         return report
 
@@ -426,6 +426,9 @@ class Run:
         self.measure(scenario, "fast_multilora", no_grad(lambda: pm(input_ids=ids, adapter_names=names)),
                      setup=lambda: (reference(), self.patch(pm)), teardown=lambda: self.unpatch(pm),
                      verify=compare, adapters=8, base_rows=2)
+        # the same without the shared shrink of sibling layers (q/k/v, gate/up; active in eval): that lever alone
+        self.measure(scenario, "fast_multilora_unshared", no_grad(lambda: pm(input_ids=ids, adapter_names=names)),
+                     setup=lambda: self.patch(pm, share_shrink=False), teardown=lambda: self.unpatch(pm))
         self.done(scenario)
 
     # -- driver -------------------------------------------------------------------------------------------------------
