@@ -54,8 +54,9 @@ def adapter_token_means(logits: torch.Tensor, labels: torch.Tensor, adapter_name
     else:
         tok = table[adapter_ids.to(logits.device).long()]  # -1 indexes the trailing "no adapter" entry
     labels = labels.to(logits.device)
-    if shift:
-        logits, labels, tok = logits[:, :-1], labels[:, 1:], tok[:, 1:]
+    if shift:  # shift the labels, not the logits: a slice of the logits would be copied, and its gradient zero-filled
+        labels = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+        tok = F.pad(tok[:, 1:], (0, 1), value=-1)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                          ignore_index=ignore_index, reduction="none")
     return per_adapter_mean(ce, tok, len(vocab), valid=labels.reshape(-1) != ignore_index)

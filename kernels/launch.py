@@ -44,7 +44,7 @@ class _Kernel:
 
 
 _KERNELS: dict = {}
-_stats = {"fast": 0, "slow": 0}
+_stats = {"fast": 0, "slow": 0, "off": 0, "hooks": 0, "not_cachable": 0}
 
 
 def _spec(i, a, nospec):
@@ -67,6 +67,7 @@ def _hooks_set() -> bool:
 def launch(fn, grid, args, meta) -> None:
     """``fn[grid](*args, **meta)``; see the module docstring."""
     if not _ENABLED or _hooks_set():
+        _stats["off" if not _ENABLED else "hooks"] += 1
         fn[grid](*args, **meta)
         return
     k = _KERNELS.get(fn)
@@ -82,9 +83,11 @@ def launch(fn, grid, args, meta) -> None:
             raise TypeError(f"{fn.__name__}: {len(args)} positional arguments, expected {k.n_args}")
         compiled = fn[grid](*args, **meta)
         _stats["slow"] += 1
-        if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+        if all(getattr(compiled, a, None) is not None for a in ("run", "function", "packed_metadata")):
             # the launcher takes every parameter, constexprs included, in signature order
             k.compiled[key] = (compiled, tuple(meta[n] for n in k.constexprs))
+        else:
+            _stats["not_cachable"] += 1
         return
     compiled, const_vals = hit
     g = (*grid, 1, 1)
@@ -114,7 +117,8 @@ _stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _current_strea
 
 
 def stats() -> dict:
-    """Counts of launches through the cached path (``fast``) and Triton's own (``slow``) since import."""
+    """Launch counts since import: ``fast`` (cached path), ``slow`` (Triton's, first call of a key), ``off`` (path
+    disabled or interpreter), ``hooks`` (launch hooks set), ``not_cachable`` (Triton returned no launcher handles)."""
     return dict(_stats)
 
 
