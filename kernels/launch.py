@@ -59,9 +59,15 @@ def _spec(i, a, nospec):
     return type(a)
 
 
+def _active(hook) -> bool:
+    # Triton >= 3.5 keeps an always-present HookChain (empty unless a profiler adds hooks); older ones use None
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else hook is not None
+
+
 def _hooks_set() -> bool:
     rt = _knobs.runtime
-    return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+    return _active(rt.launch_enter_hook) or _active(rt.launch_exit_hook)
 
 
 def launch(fn, grid, args, meta) -> None:

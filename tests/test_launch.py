@@ -115,6 +115,13 @@ def test_launcher_type_error_falls_back_to_triton(fast, monkeypatch):
         del _T.device
 
 
+def test_hook_chains_count_only_when_not_empty(monkeypatch):
+    chain = SimpleNamespace(calls=[])
+    assert not L._active(chain) and not L._active(None)
+    chain.calls.append(print)
+    assert L._active(chain) and L._active(print)
+
+
 def test_constexprs_must_come_last(fast):
     fn = _FakeJit()
     fn.params[1], fn.params[3] = fn.params[3], fn.params[1]
