@@ -6,6 +6,8 @@ Providers (every scenario runs the ones that make sense for it):
                        (``adapter_names`` one per row, interleaved then sorted); train steps use
                        ``fast_multilora.per_adapter_loss`` (each adapter's mean token loss, summed)
 * ``fast_multilora_plain_loss``  the same step with HF's ``.loss`` (mean over all tokens): what the loss costs
+* ``fast_multilora_unshared`` (eval), ``fast_multilora_p0`` / ``fast_multilora_p0_unshared`` / ``peft_single_p0``
+                       (8-adapter train step with LoRA dropout 0): the shared shrink of sibling layers on and off
 * ``peft_single``      stock PEFT, one adapter active, the same tokens
 * ``peft_sequential``  stock PEFT, the N adapters trained one after another on their share of the batch
                        (8 adapters: 2 x 1024 tokens each), one optimizer per adapter (``anchor_peft.py``)
@@ -13,7 +15,7 @@ Providers (every scenario runs the ones that make sense for it):
                        layer by a forward pre-hook), forced into training (``anchor_loop.py``); in eval it is PEFT's
                        ordinary ``adapter_names`` path
 * ``frozen``           no LoRA: the base model (train: forward + backward to the input embeddings only, as the anchor
-                       measured it; eval: PEFT's ``disable_adapter()``)
+                       measured it; eval: the PEFT model with its adapters disabled)
 
 Scenarios (keys of the JSON): ``layer_4096`` (4096x4096 Linear, 8 x 1024 tokens), ``layer_2048`` (2048x2048,
 16 x 1024 tokens) -- forward + backward, r=16, alpha 32, dropout 0.05, 8 adapters; ``train_step_8``, ``train_step_1``,
@@ -85,7 +87,7 @@ class Sizes:
             self.warm, self.iters, self.slow_warm, self.slow_iters = 2, 5, 1, 3
             self.layer_warm, self.layer_iters = 3, 10
             # rough H200 seconds per scenario incl. model build and first-call Triton compiles (budget planning)
-            self.est = {"layer_4096": 12, "layer_2048": 10, "train_step_8": 40, "eval_8": 10, "train_step_1": 12,
+            self.est = {"layer_4096": 12, "layer_2048": 10, "train_step_8": 52, "eval_8": 10, "train_step_1": 12,
                         "train_step_32": 45}
             self.est_provider = 5.0
 
@@ -377,6 +379,36 @@ class Run:
         if n_adapters == 8:
             self.measure(scenario, "fast_multilora_plain_loss", fast_plain, setup=fast_setup,
                          teardown=fast_teardown, adapters=n_adapters, loss_fn="HF .loss (mean over all tokens)")
+            # LoRA dropout 0 (PEFT's default): q/k/v and gate/up then share one shrink; the same without sharing and
+            # PEFT's single adapter at p = 0 beside it
+            saved_p = {}
+
+            def p0(setup):
+                def go():
+                    for name, m in pm.named_modules():
+                        if isinstance(m, torch.nn.Dropout) and "lora_dropout" in name:
+                            saved_p[name] = m.p
+                            m.p = 0.0
+                    setup()
+                return go
+
+            def p_back(teardown):
+                def go():
+                    teardown()
+                    for name, m in pm.named_modules():
+                        if name in saved_p:
+                            m.p = saved_p.pop(name)
+                return go
+
+            def unshared_setup():
+                self.all_lora_trainable(pm)
+                self.patch(pm, share_shrink=False)
+                opt["o"] = adamw(self.lora_params(pm))
+
+            self.measure(scenario, "peft_single_p0", single, setup=p0(single_setup), teardown=p_back(opt.clear))
+            self.measure(scenario, "fast_multilora_p0", fast, setup=p0(fast_setup), teardown=p_back(fast_teardown))
+            self.measure(scenario, "fast_multilora_p0_unshared", fast, setup=p0(unshared_setup),
+                         teardown=p_back(fast_teardown))
         if eval_after and self.start("eval_8"):
             self.done(scenario)
             self.eval_mixed("eval_8", pm, ids)
