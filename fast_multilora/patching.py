@@ -108,8 +108,9 @@ def _layer_table(layer, plan, device):
     for name in used:
         if name in layer.lora_variant:
             kind = type(layer.lora_variant[name]).__name__
+            peft_msg = "Cannot pass `adapter_names` when DoRA is enabled. " if "Dora" in kind else ""  # PEFT's words
             raise ValueError(
-                f"adapter {name!r} uses a LoRA variant ({kind}) in module {type(layer.base_layer).__name__}; "
+                f"{peft_msg}adapter {name!r} uses a LoRA variant ({kind}) in module {type(layer.base_layer).__name__}; "
                 "mixed batches run vanilla LoRA adapters only (PEFT does not mix DoRA adapters in a batch either)"
             )
     sig = (
@@ -264,6 +265,13 @@ def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto",
     if family not in ("auto", "sgemm", "chunked"):
         raise ValueError(f"unknown family {family!r}; expected 'auto', 'sgemm' or 'chunked'")
     router = model.__dict__.get(_ROUTER_ATTR)
+    if router is None and not any(isinstance(m, LoraLayer) for m in model.modules()):
+        # e.g. a PeftModel of another tuner (RoAd, IA3, ...): routing would take its adapter_names away from PEFT
+        warnings.warn(
+            f"fast_multilora.patch: {type(model).__name__} has no PEFT LoRA layers; the model is left unpatched",
+            stacklevel=2,
+        )
+        return PatchReport(backend=backend)
     if router is None:
         router = Router(model)
         model.__dict__[_ROUTER_ATTR] = router

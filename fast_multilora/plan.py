@@ -124,9 +124,10 @@ class Router:
     def _check_names(self, names: Sequence[str], known: list) -> None:
         unknown = sorted({n for n in names if n != BASE and n not in known})
         if unknown:
-            raise ValueError(
-                f"unknown adapter name(s) {unknown} in `adapter_names`; this model has adapters {known} "
-                f"(use {BASE!r} for rows without an adapter)"
+            raise ValueError(  # PEFT's own sentence first, so code matching PEFT's message still matches
+                f"Trying to infer with non-existing adapter(s): {', '.join(unknown)} -- unknown adapter name(s) "
+                f"{unknown} in `adapter_names`; this model has adapters {known} (use {BASE!r} for rows without an "
+                "adapter)"
             )
 
     def _make_routing(self, adapter_names, adapter_ids=None) -> Routing:

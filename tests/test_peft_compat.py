@@ -263,3 +263,23 @@ def test_adapter_on_new_modules_after_patch_is_patched_too():
         want = plain(input_ids=ids, adapter_names=names).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert len(fast_multilora.patch(model).patched) == len(report.patched) + 1
+
+
+def test_model_without_lora_layers_is_left_unpatched():
+    """A PeftModel of another tuner keeps PEFT's own behaviour, ``adapter_names`` included (RoAd mixes adapters in a
+    batch itself): patch() warns and installs nothing."""
+    from peft import RoadConfig, get_peft_model
+
+    model = get_peft_model(tiny_llama(), RoadConfig(target_modules=["q_proj"], group_size=8, init_weights=False),
+                           adapter_name="r0")
+    model.add_adapter("r1", RoadConfig(target_modules=["q_proj"], group_size=8, init_weights=False))
+    model.eval()
+    ids = _ids()
+    names = ["r1", "r0", "__base__", "r1"]
+    with torch.no_grad():
+        want = model(input_ids=ids, adapter_names=names).logits
+    with pytest.warns(UserWarning, match="no PEFT LoRA layers"):
+        report = fast_multilora.patch(model)
+    assert report.patched == [] and "_fml_router" not in model.__dict__
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, adapter_names=names).logits, want)
