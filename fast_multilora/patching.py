@@ -405,7 +405,14 @@ def _enable_routing(router: Router, *args, **kwargs):
     if ids is None:
         ids, router.pending_ids = router.pending_ids, None
     if kwargs.get("alora_offsets") is not None:
-        raise ValueError("fast_multilora does not route aLoRA (`alora_offsets`); unpatch the model to use it")
+        if names is not None or ids is not None:
+            raise ValueError("fast_multilora does not route aLoRA (`alora_offsets`) in a mixed batch; call the model "
+                             "without `adapter_names` for aLoRA (PEFT's own path)")
+        router.begin(None)  # no routing: PEFT's aLoRA hooks, as on a stock model
+        tuner = router.tuner
+        with type(tuner)._enable_peft_forward_hooks(tuner, *args, **kwargs):
+            yield
+        return
     router.begin(names, ids)
     yield
 

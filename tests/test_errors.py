@@ -236,8 +236,16 @@ def test_lora_variants_dora_and_alora():
         model(input_ids=_ids(), adapter_names=["dora", "a0", "a1", "a2"])
     with pytest.raises(ValueError, match=r"adapter 'al' uses a LoRA variant \(ALoraLinearVariant\)"):
         model(input_ids=_ids(), adapter_names=["al", "a0", "a1", "a2"])
-    with pytest.raises(ValueError, match=r"does not route aLoRA \(`alora_offsets`\)"):
+    with pytest.raises(ValueError, match=r"does not route aLoRA \(`alora_offsets`\) in a mixed batch"):
         model(input_ids=_ids(), adapter_names=NAMES, alora_offsets=[1, 1, 1, 1])
+    with torch.no_grad():  # without adapter_names, aLoRA runs PEFT's own path, as on the stock model
+        model.set_adapter("al")
+        plain.set_adapter("al")
+        for offsets in ([1, 1, 1, 1], [3, 2, 5, 1]):
+            assert torch.equal(model(input_ids=_ids(), alora_offsets=offsets).logits,
+                               plain(input_ids=_ids(), alora_offsets=offsets).logits)
+        model.set_adapter("a0")
+        plain.set_adapter("a0")
     with torch.no_grad():
         # batches that do not name them run; without adapter_names PEFT's own DoRA forward runs
         torch.testing.assert_close(model(input_ids=_ids(), adapter_names=NAMES).logits,
