@@ -46,18 +46,23 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=5, rep=30)  # ms, median
 
 
+def record(rows, op, family, config, fn):
+    """Time ``fn`` (us) and append a row; a configuration that fails (out of resources etc.) records ``None``."""
+    try:
+        us = bench(fn) * 1e3
+    except Exception as e:  # noqa: BLE001 - out of resources etc.
+        us = None
+        print(op, family, *config, "failed", type(e).__name__)
+    rows.append({"op": op, "family": family, "config": list(config), "us": us})
+
+
 def sweep_shrink(rows, case, family, seed):
     segs, table, x, y, dy, A_cat, B_cat = case
     saved = kf.SHRINK_BLOCKS["gpu"]
     for bs, bk, w, st in itertools.product((16, 32, 64), (128, 256), (4, 8), (3,)):
         kf.SHRINK_BLOCKS["gpu"] = [(math.inf, bs, 32, bk, w, st)]
-        try:
-            us = bench(lambda: K.lora_shrink(x, A_cat, segs, table, seed=seed)) * 1e3
-        except Exception as e:  # noqa: BLE001 - out of resources etc.
-            us = None
-            print("shrink", family, bs, bk, w, st, "failed", type(e).__name__)
-        rows.append({"op": "shrink" + ("_dropout" if seed is not None else ""), "family": family,
-                     "config": [bs, bk, w, st], "us": us})
+        record(rows, "shrink" + ("_dropout" if seed is not None else ""), family, (bs, bk, w, st),
+               lambda: K.lora_shrink(x, A_cat, segs, table, seed=seed))
     kf.SHRINK_BLOCKS["gpu"] = saved
 
 
@@ -67,12 +72,7 @@ def sweep_expand(rows, case, family):
     saved = kf.EXPAND_BLOCKS["gpu"]
     for bs, bn, w, st in itertools.product((32, 64, 128), (128, 256), (4, 8), (1,)):
         kf.EXPAND_BLOCKS["gpu"] = [(math.inf, bs, bn, 64, w, st)]
-        try:
-            us = bench(lambda: K.lora_expand(h, B_cat, segs, table, y)) * 1e3
-        except Exception as e:  # noqa: BLE001
-            us = None
-            print("expand", family, bs, bn, w, st, "failed", type(e).__name__)
-        rows.append({"op": "expand", "family": family, "config": [bs, bn, w, st], "us": us})
+        record(rows, "expand", family, (bs, bn, w, st), lambda: K.lora_expand(h, B_cat, segs, table, y))
     kf.EXPAND_BLOCKS["gpu"] = saved
 
 
@@ -86,21 +86,12 @@ def sweep_bwd(rows, case, family):
         kb._target_programs.cache_clear()
         for bs, bn, w, fused in itertools.product((128, 256), (64, 128), (4, 8), (True,)):
             kb._EXPAND_BLOCKS[16] = ((bs, bn, w, fused), saved_e[16][1])
-            try:
-                us = bench(lambda: K.lora_expand_bwd(dy, h, B_cat, segs, table)) * 1e3
-            except Exception as e:  # noqa: BLE001
-                us = None
-                print("expand_bwd", family, pps, bs, bn, w, fused, "failed", type(e).__name__)
-            rows.append({"op": "expand_bwd", "family": family, "config": [pps, bs, bn, w, fused], "us": us})
+            record(rows, "expand_bwd", family, (pps, bs, bn, w, fused),
+                   lambda: K.lora_expand_bwd(dy, h, B_cat, segs, table))
         kb._EXPAND_BLOCKS.update(saved_e)
         for bs, bk, w in itertools.product((32, 64), (64, 128), (4, 8)):
             kb._SHRINK_BLOCKS[16] = ((bs, bk, w), saved_s[16][1])
-            try:
-                us = bench(lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table)) * 1e3
-            except Exception as e:  # noqa: BLE001
-                us = None
-                print("shrink_bwd", family, pps, bs, bk, w, "failed", type(e).__name__)
-            rows.append({"op": "shrink_bwd", "family": family, "config": [pps, bs, bk, w], "us": us})
+            record(rows, "shrink_bwd", family, (pps, bs, bk, w), lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table))
         kb._SHRINK_BLOCKS.update(saved_s)
     kb._PROGRAMS_PER_SM = saved_p
     kb._target_programs.cache_clear()
