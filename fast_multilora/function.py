@@ -113,6 +113,12 @@ class DeltaSpec:
     bias_slots: Optional[torch.Tensor] = None  # [S] slot-table row per token for the bias gather
 
 
+def as_rows(x_in: torch.Tensor) -> torch.Tensor:
+    """``x[..., K]`` as contiguous rows ``[S, K]`` (a view when it already is)."""
+    x = x_in.reshape(-1, x_in.shape[-1])
+    return x if x.is_contiguous() else x.contiguous()
+
+
 class LoraDelta(torch.autograd.Function):
     """``y += delta(x)`` for a mixed batch; inputs ``x[S, K]``, ``y[S, N]`` then every present adapter's ``A``
     (``[r, K]``), ``B`` (``[N, r]``) and, with ``lora_bias``, bias (``[N]``)."""
@@ -120,9 +126,7 @@ class LoraDelta(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_in, y_in, spec: DeltaSpec, *weights):
         n = spec.num_adapters
-        x = x_in.reshape(-1, x_in.shape[-1])
-        if not x.is_contiguous():
-            x = x.contiguous()
+        x = as_rows(x_in)
         y = y_in.view(-1, y_in.shape[-1])  # the caller passes a contiguous base output
         A_cat = torch.cat(weights[:n]) if n else x.new_zeros(0, x.shape[1])
         B_cat = torch.cat(weights[n : 2 * n], 1) if n else y.new_zeros(y.shape[1], 0)

@@ -33,7 +33,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .function import _split_grads, get_backend
+from .function import _split_grads, as_rows, get_backend
 from .kernels.segments import AdapterTable, Segments
 
 GROUP_ATTR = "_fml_group"  # on a member module: (its SiblingGroup, its index in the group)
@@ -103,9 +103,7 @@ class StackedShrink(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_in, stack: _Stack, *a_weights):
         ctx.set_materialize_grads(False)  # the expands pass no gradient for h: dh comes through the stack's buffer
-        x = x_in.reshape(-1, x_in.shape[-1])
-        if not x.is_contiguous():
-            x = x.contiguous()
+        x = as_rows(x_in)
         A_cat = torch.cat(a_weights)
         h = stack.backend.shrink(x, A_cat, stack.segs, stack.table, stack.num, None)
         ctx.save_for_backward(x, A_cat)
@@ -225,9 +223,9 @@ class SiblingGroup:
     def _lead(self, i, x, result, plan, table, present, router) -> Optional[torch.Tensor]:
         """Run one shrink for member ``i`` and the not yet called members seen with it last time that qualify."""
         layer = self.members[i]
-        a_dtypes = tuple(layer.lora_A[n].weight.dtype for n in present)
-        if not _qualifies(layer, table, present, x.device):
+        if not _qualifies(layer, table, present, x.device):  # first: under active dropout every call ends here
             return None
+        a_dtypes = tuple(layer.lora_A[n].weight.dtype for n in present)
         joined = []
         for c in self._learned.get(i, ()):
             if c == i or c in self._observed or c in self._pending:
