@@ -127,7 +127,7 @@ def _check_layout(segs: Segments, table: AdapterTable, S: int, device, stack_num
         raise ValueError(f"stack_num must be a positive int, got {stack_num!r}")
     if segs.num_tokens != S:
         raise ValueError(f"segs covers {segs.num_tokens} tokens but the activations have {S} rows")
-    if checked(segs, table, f"fwd_layout_ok:{device}"):  # the checks below run once per (segments, table)
+    if checked(segs, table, ("fwd_layout_ok", device)):  # the checks below run once per (segments, table)
         return
     tensors = {"segs.indptr": segs.indptr, "segs.slot": segs.slot, "table.ranks": table.ranks,
                "table.offsets": table.offsets}
@@ -141,7 +141,7 @@ def _check_layout(segs: Segments, table: AdapterTable, S: int, device, stack_num
     for name, t in (("table.scales", table.scales), ("table.dropout", table.dropout)):
         if t.dtype != torch.float32 or t.device != device:
             raise ValueError(f"{name} must be float32 on {device}, got {t.dtype} on {t.device}")
-    mark_checked(segs, table, f"fwd_layout_ok:{device}")
+    mark_checked(segs, table, ("fwd_layout_ok", device))
 
 
 def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1, seed: Optional[int] = None,

@@ -128,13 +128,13 @@ def stats() -> dict:
     return dict(_stats)
 
 
-def checked(segs, table, key: str) -> bool:
+def checked(segs, table, key) -> bool:
     """Whether :func:`mark_checked` recorded ``table`` as validated against ``segs`` under ``key``."""
     memo = segs.cache.get(key)
     return memo is not None and memo.get(id(table)) is table
 
 
-def mark_checked(segs, table, key: str) -> None:
+def mark_checked(segs, table, key) -> None:
     """Record that ``table`` passed the checks against ``segs``: one bounded entry in ``segs.cache`` (tables are
     rebuilt when a layer's adapters or mode change; the memo holds them, so their ids are not reused meanwhile)."""
     memo = segs.cache.setdefault(key, {})
