@@ -45,74 +45,61 @@ class _FakeJit:
         return run
 
 
-class _Dev:
-    index = 0
-
-
 class _T(torch.Tensor):
     pass
 
 
 @pytest.fixture
 def fast(monkeypatch):
+    """The cached path switched on, with CPU tensors (``_T``) standing in for device tensors: only
+    ``.device.index``, ``.dtype`` and ``.data_ptr()`` are read."""
     monkeypatch.setattr(L, "_ENABLED", True)
     monkeypatch.setattr(L, "_hooks_set", lambda: False)
     monkeypatch.setattr(L, "_stream", lambda dev: 1234)
     monkeypatch.setattr(L, "_KERNELS", {})
+    monkeypatch.setattr(_T, "device", property(lambda self: SimpleNamespace(index=0)), raising=False)
 
 
 def test_cached_launch_passes_all_parameters_in_order(fast):
     fn = _FakeJit()
-    x = torch.zeros(64)
-    x_dev = SimpleNamespace(index=0)
-    # a CPU tensor stands in for a device tensor: only .device.index, .dtype and .data_ptr() are read
-    x = x.as_subclass(_T)
-    _T.device = property(lambda self: x_dev)
-    try:
-        L.launch(fn, (3, 2), (x, 32, 7), dict(BLOCK=16, FLAG=True, num_warps=4))
-        assert len(fn.triton_calls) == 1  # first: Triton compiles and launches
-        compiled = fn.last
-        L.launch(fn, (5,), (x, 48, 99), dict(BLOCK=16, FLAG=True, num_warps=4))  # same specialisation
-        assert len(fn.triton_calls) == 1 and len(compiled.calls) == 1
-        assert compiled.calls[0] == (5, 1, 1, 1234, "fn-handle", "packed", None, None, None, x, 48, 99, 16, True)
-        # each change of specialisation goes through Triton: int == 1, int not a multiple of 16, new constexpr,
-        # another dtype, a misaligned pointer
-        for args, meta in [((x, 1, 0), dict(BLOCK=16, FLAG=True, num_warps=4)),
-                           ((x, 33, 0), dict(BLOCK=16, FLAG=True, num_warps=4)),
-                           ((x, 32, 0), dict(BLOCK=32, FLAG=True, num_warps=4)),
-                           ((x, 32, 0), dict(BLOCK=16, FLAG=True, num_warps=8)),
-                           ((x.double().as_subclass(_T), 32, 0), dict(BLOCK=16, FLAG=True, num_warps=4)),
-                           ((x[1:].as_subclass(_T), 32, 0), dict(BLOCK=16, FLAG=True, num_warps=4))]:
-            n = len(fn.triton_calls)
-            L.launch(fn, (1,), args, meta)
-            assert len(fn.triton_calls) == n + 1, (args[1:], meta)
-        # the seed is not specialised: a new value reuses the kernel (as long as it fits in int32)
+    x = torch.zeros(64).as_subclass(_T)
+    L.launch(fn, (3, 2), (x, 32, 7), dict(BLOCK=16, FLAG=True, num_warps=4))
+    assert len(fn.triton_calls) == 1  # first: Triton compiles and launches
+    compiled = fn.last
+    L.launch(fn, (5,), (x, 48, 99), dict(BLOCK=16, FLAG=True, num_warps=4))  # same specialisation
+    assert len(fn.triton_calls) == 1 and len(compiled.calls) == 1
+    assert compiled.calls[0] == (5, 1, 1, 1234, "fn-handle", "packed", None, None, None, x, 48, 99, 16, True)
+    # each change of specialisation goes through Triton: int == 1, int not a multiple of 16, new constexpr,
+    # another dtype, a misaligned pointer
+    for args, meta in [((x, 1, 0), dict(BLOCK=16, FLAG=True, num_warps=4)),
+                       ((x, 33, 0), dict(BLOCK=16, FLAG=True, num_warps=4)),
+                       ((x, 32, 0), dict(BLOCK=32, FLAG=True, num_warps=4)),
+                       ((x, 32, 0), dict(BLOCK=16, FLAG=True, num_warps=8)),
+                       ((x.double().as_subclass(_T), 32, 0), dict(BLOCK=16, FLAG=True, num_warps=4)),
+                       ((x[1:].as_subclass(_T), 32, 0), dict(BLOCK=16, FLAG=True, num_warps=4))]:
         n = len(fn.triton_calls)
-        L.launch(fn, (1,), (x, 32, 123456), dict(BLOCK=16, FLAG=True, num_warps=4))
-        assert len(fn.triton_calls) == n
-        L.launch(fn, (1,), (x, 32, 2**40), dict(BLOCK=16, FLAG=True, num_warps=4))
-        assert len(fn.triton_calls) == n + 1
-    finally:
-        del _T.device
+        L.launch(fn, (1,), args, meta)
+        assert len(fn.triton_calls) == n + 1, (args[1:], meta)
+    # the seed is not specialised: a new value reuses the kernel (as long as it fits in int32)
+    n = len(fn.triton_calls)
+    L.launch(fn, (1,), (x, 32, 123456), dict(BLOCK=16, FLAG=True, num_warps=4))
+    assert len(fn.triton_calls) == n
+    L.launch(fn, (1,), (x, 32, 2**40), dict(BLOCK=16, FLAG=True, num_warps=4))
+    assert len(fn.triton_calls) == n + 1
 
 
 def test_launcher_type_error_falls_back_to_triton(fast, monkeypatch):
     fn = _FakeJit()
-    x_dev = SimpleNamespace(index=0)
-    _T.device = property(lambda self: x_dev)
-    try:
-        x = torch.zeros(16).as_subclass(_T)
+    x = torch.zeros(16).as_subclass(_T)
+    L.launch(fn, (1,), (x, 32, 0), dict(BLOCK=16, FLAG=False, num_warps=4))
+
+    def bad_run(*a):
+        raise TypeError("function takes exactly 20 arguments")
+
+    fn.last.run = bad_run
+    with pytest.warns(UserWarning, match="cached kernel launches disabled"):
         L.launch(fn, (1,), (x, 32, 0), dict(BLOCK=16, FLAG=False, num_warps=4))
-
-        def bad_run(*a):
-            raise TypeError("function takes exactly 20 arguments")
-
-        fn.last.run = bad_run
-        with pytest.warns(UserWarning, match="cached kernel launches disabled"):
-            L.launch(fn, (1,), (x, 32, 0), dict(BLOCK=16, FLAG=False, num_warps=4))
-        assert len(fn.triton_calls) == 2 and not L._ENABLED
-    finally:
-        del _T.device
+    assert len(fn.triton_calls) == 2 and not L._ENABLED
 
 
 def test_hook_chains_count_only_when_not_empty(monkeypatch):
@@ -135,17 +122,15 @@ def test_repeat_launches_match_reference(device):
     if not L._ENABLED:
         pytest.skip("cached launches are off (FML_FAST_LAUNCH=0 or interpreter)")
     from fast_multilora.kernels import lora_expand, lora_expand_bwd, lora_shrink, lora_shrink_bwd
-    from fast_multilora.kernels.segments import AdapterTable, segments_from_token_slots
+    from fast_multilora.kernels.segments import segments_from_token_slots
+    from helpers import make_table
 
     from fast_multilora import reference
 
     g = torch.Generator().manual_seed(0)
     S, K, N, ranks = 1000, 384, 320, [16, 8, 0, 16]
     ts = torch.randint(-1, 4, (S,), generator=g)
-    offs = [sum(ranks[:i]) for i in range(4)]
-    table = AdapterTable(torch.tensor(ranks, dtype=torch.int32, device=device),
-                         torch.tensor(offs, dtype=torch.int32, device=device),
-                         torch.rand(4, generator=g).to(device), torch.zeros(4, device=device), 16, sum(ranks), False)
+    table = make_table(ranks, scales=torch.rand(4, generator=g).tolist(), device=device)
     for grouped in (False, True):
         segs = segments_from_token_slots(ts, grouped, device)
         before = L.stats()["fast"]
