@@ -256,8 +256,8 @@ def main(argv=None):
             _sync(accelerator.device)
             t_timed = time.time()
         batch = next(batches)
-        if t_timed is not None:
-            tokens += int(batch["attention_mask"].sum()) * accelerator.num_processes
+        if t_timed is not None:  # summed on the device: no host sync per step
+            tokens = tokens + batch["attention_mask"].sum()
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                     adapter_names=batch["adapter_names"])
         loss, per = distributed_per_adapter_loss(out.logits, batch["labels"], batch["adapter_names"], vocab,
@@ -275,7 +275,7 @@ def main(argv=None):
     bar.close()
     _sync(accelerator.device)
     train_s = time.time() - t_train
-    tokens_per_s = tokens / (time.time() - t_timed) if t_timed is not None else None
+    tokens_per_s = (int(tokens) * accelerator.num_processes / (time.time() - t_timed)) if t_timed is not None else None
     log(f"trained {args.max_steps} steps in {train_s:.1f}s ({train_s / args.max_steps:.2f}s/step)"
         + (f"; {tokens_per_s:,.0f} tokens/s over steps {args.timing_warmup + 1}..{args.max_steps} "
            f"({accelerator.num_processes} process(es))" if tokens_per_s else ""))
