@@ -9,8 +9,6 @@ import torch
 from fast_multilora.kernels import backward as kb
 from fast_multilora.kernels import forward as kf
 
-import fast_multilora
-
 TABLES = {
     "previous": dict(
         drop=[(float("inf"), 64, 32, 256, 4, 3)],  # = SHRINK_BLOCKS before the sweep
@@ -37,22 +35,9 @@ def use(name):
 
 
 def main():
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from profile_step import build  # the same model, adapters and step as the step profile
 
-    cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=32,
-                      num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
-    tm = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    lc = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=tm)
-    pm = get_peft_model(base, lc, adapter_name="a0")
-    for i in range(1, 8):
-        pm.add_adapter(f"a{i}", lc)
-    pm.to("cuda", torch.bfloat16)
-    for n, p in pm.named_parameters():
-        p.requires_grad_("lora_" in n)
-    fast_multilora.patch(pm, backend="triton")
+    pm, step = build()
     router = pm.__dict__["_fml_router"]
     cached = router.routing_for_names
 
@@ -60,16 +45,6 @@ def main():
         return cached(names) if _REUSE["on"] else router._make_routing(names)
 
     router.routing_for_names = routing_for_names
-    pm.train()
-    ids = torch.randint(0, 32000, (16, 1024), device="cuda")
-    names = [f"a{i % 8}" for i in range(16)]
-    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-4)
-
-    def step():
-        out = pm(input_ids=ids, adapter_names=names)
-        fast_multilora.per_adapter_loss(out.logits, ids, names).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
 
     def timed(n=5):
         ts = []
