@@ -8,6 +8,8 @@ Providers (every scenario runs the ones that make sense for it):
 * ``fast_multilora_plain_loss``  the same step with HF's ``.loss`` (mean over all tokens): what the loss costs
 * ``fast_multilora_unshared`` (eval), ``fast_multilora_p0`` / ``fast_multilora_p0_unshared`` / ``peft_single_p0``
                        (8-adapter train step with LoRA dropout 0): the shared shrink of sibling layers on and off
+* ``fast_multilora_unfused`` (layers, 8-adapter step, eval; ``_p0_unfused`` at dropout 0): ``patch(...,
+                       fuse_base=False)``, the base layer run by itself and the delta added in place afterwards
 * ``peft_single``      stock PEFT, one adapter active, the same tokens
 * ``peft_sequential``  stock PEFT, the N adapters trained one after another on their share of the batch
                        (8 adapters: 2 x 1024 tokens each), one optimizer per adapter (``anchor_peft.py``)
@@ -248,6 +250,8 @@ class Run:
                      teardown=lambda: [h.remove() for h in hooks])
         self.measure(scenario, "fast_multilora", step(lambda: pm(x, adapter_names=names)), layer=True,
                      setup=lambda: self.patch(pm), teardown=lambda: self.unpatch(pm), adapters=8)
+        self.measure(scenario, "fast_multilora_unfused", step(lambda: pm(x, adapter_names=names)), layer=True,
+                     setup=lambda: self.patch(pm, fuse_base=False), teardown=lambda: self.unpatch(pm), adapters=8)
 
     # -- model level --------------------------------------------------------------------------------------------------
     def base_model(self):
@@ -400,14 +404,23 @@ class Run:
                             m.p = saved_p.pop(name)
                 return go
 
-            def unshared_setup():
+            def unshared_setup(**kw):
                 self.all_lora_trainable(pm)
-                self.patch(pm, share_shrink=False)
+                self.patch(pm, share_shrink=False, **kw)
                 opt["o"] = adamw(self.lora_params(pm))
+
+            def unfused_setup():
+                self.all_lora_trainable(pm)
+                self.patch(pm, fuse_base=False)
+                opt["o"] = adamw(self.lora_params(pm))
+
+            self.measure(scenario, "fast_multilora_unfused", fast, setup=unfused_setup, teardown=fast_teardown)
 
             self.measure(scenario, "peft_single_p0", single, setup=p0(single_setup), teardown=p_back(opt.clear))
             self.measure(scenario, "fast_multilora_p0", fast, setup=p0(fast_setup), teardown=p_back(fast_teardown))
             self.measure(scenario, "fast_multilora_p0_unshared", fast, setup=p0(unshared_setup),
+                         teardown=p_back(fast_teardown))
+            self.measure(scenario, "fast_multilora_p0_unfused", fast, setup=p0(unfused_setup),
                          teardown=p_back(fast_teardown))
         if eval_after and self.start("eval_8"):
             self.done(scenario)
@@ -468,6 +481,8 @@ class Run:
         # the same without the shared shrink of sibling layers (q/k/v, gate/up; active in eval): that lever alone
         self.measure(scenario, "fast_multilora_unshared", no_grad(lambda: pm(input_ids=ids, adapter_names=names)),
                      setup=lambda: self.patch(pm, share_shrink=False), teardown=lambda: self.unpatch(pm))
+        self.measure(scenario, "fast_multilora_unfused", no_grad(lambda: pm(input_ids=ids, adapter_names=names)),
+                     setup=lambda: self.patch(pm, fuse_base=False), teardown=lambda: self.unpatch(pm))
         self.done(scenario)
 
     # -- driver -------------------------------------------------------------------------------------------------------

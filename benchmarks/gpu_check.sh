@@ -7,7 +7,9 @@
 #
 # Stages: tests (tests marked gpu; with 2+ GPUs the hypothesis fuzz sweep runs on the second GPU meanwhile,
 # FML_FUZZ_EXAMPLES examples per test), kernels, model, profile (benchmarks/profile_step.py), multi
-# (benchmarks/multi_gpu.sh, needs 2 GPUs). Default: "tests kernels model".
+# (benchmarks/multi_gpu.sh, needs 2 GPUs), ktests (the kernel and fused-path test files whole, every dtype, on the
+# GPU), tune (benchmarks/tune_kernels.py --parts model: block sweep at the training step's shapes).
+# Default: "tests kernels model".
 #
 # Every stage runs under its own `timeout`; a stage that fails or times out does not stop the later ones, and the
 # benchmarks write their JSON/markdown after every case, so a killed stage still leaves what it measured. Worst case
@@ -28,6 +30,8 @@ T_KERNELS=${T_KERNELS:-130}
 T_MODEL=${T_MODEL:-200}
 T_PROFILE=${T_PROFILE:-120}
 T_MULTI=${T_MULTI:-420}
+T_KTESTS=${T_KTESTS:-150}
+T_TUNE=${T_TUNE:-240}
 FML_FUZZ_EXAMPLES=${FML_FUZZ_EXAMPLES:-30}
 PYTEST_STOP=${PYTEST_STOP:--x}  # e.g. PYTEST_STOP=--maxfail=20 to see more than the first failure
 PY=${PYTHON:-$(command -v python3 || command -v python)}
@@ -99,6 +103,12 @@ main() {
         else
             stage fuzz "$T_TESTS" bash -c 'FML_TEST_DEVICE=cuda "$0" -m pytest -q -rfE -m gpu -k fuzz tests/test_fuzz.py -p no:cacheprovider >"$1" 2>&1' "$PY" "$OUT/fuzz_gpu.log"
         fi
+    fi
+    if want ktests; then
+        stage ktests "$T_KTESTS" bash -c 'set -o pipefail; FML_TEST_DEVICE=cuda "$0" -m pytest -q -rfE tests/test_kernels_forward.py tests/test_kernels_backward.py tests/test_fused.py --maxfail=20 -p no:cacheprovider 2>&1 | tee "$1"' "$PY" "$OUT/pytest_kernels_gpu.log"
+    fi
+    if want tune; then
+        stage tune "$T_TUNE" "$PY" benchmarks/tune_kernels.py --parts model --out "$OUT/tune_model.json"
     fi
     if want kernels; then
         stage kernels "$T_KERNELS" "$PY" benchmarks/bench_kernels.py --out-dir "$OUT" \

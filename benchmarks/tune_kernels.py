@@ -97,6 +97,63 @@ def sweep_bwd(rows, case, family):
     kb._target_programs.cache_clear()
 
 
+def sweep_model_shapes(rows):
+    """The kernels of a training step at the benchmark model's shapes (S = 16 x 1024 tokens, 8 adapters of 2 rows,
+    r = 16, bf16, dropout 0.05): shrink with dropout, write-mode expand (``FusedLinearDelta``'s forward), ``lora_dx``
+    and the dA-only shrink backward, K or N in {2048, 5632}. Rows carry ``op`` = kernel and ``family`` = shape."""
+    for Kd, N in ((2048, 2048), (5632, 2048), (2048, 5632)):
+        _sweep_model_shape(rows, 16384, Kd, N)
+
+
+def _sweep_model_shape(rows, S, Kd, N):
+    """One shape of :func:`sweep_model_shapes` (its own function: the timed lambdas close over its tensors)."""
+    shape = f"S{S}-K{Kd}-N{N}"
+    segs, table, x, y, dy, A_cat, B_cat = make_case(S=S, Kd=Kd, N=N, dropout=0.05)
+    h = K.lora_shrink(x, A_cat, segs, table, seed=5)
+    dh, _ = K.lora_expand_bwd(dy, h, B_cat, segs, table)
+    if N == 2048:  # shrink and dx depend on K only
+        saved = kf.SHRINK_DROPOUT_BLOCKS["gpu"]
+        for bs, bk, w, st in itertools.product((32, 64), (64, 128, 256), (4, 8), (3, 4)):
+            kf.SHRINK_DROPOUT_BLOCKS["gpu"] = [(math.inf, bs, 32, bk, w, st)]
+            record(rows, "m_shrink_dropout", shape, (bs, bk, w, st),
+                   lambda: K.lora_shrink(x, A_cat, segs, table, seed=5))
+        kf.SHRINK_DROPOUT_BLOCKS["gpu"] = saved
+        dx = torch.empty_like(x)
+        saved = kf.DX_BLOCKS["gpu"]
+        for bs, bn, w in itertools.product((32, 64, 128), (64, 128, 256), (4, 8)):
+            kf.DX_BLOCKS["gpu"] = [(math.inf, bs, bn, 64, w, 1)]
+            record(rows, "m_dx", shape, (bs, bn, w), lambda: K.lora_dx(dh, A_cat, segs, table, dx, seed=5))
+        kf.DX_BLOCKS["gpu"] = saved
+        saved_d, saved_p = dict(kb._SHRINK_DA_BLOCKS), kb._PROGRAMS_PER_SM
+        for pps in (2, 4):
+            kb._PROGRAMS_PER_SM = pps
+            kb._target_programs.cache_clear()
+            for bs, bk, w, st in itertools.product((32, 64), (128, 256), (4, 8), (2, 3)):
+                kb._SHRINK_DA_BLOCKS[16] = ((bs, bk, w, st), saved_d[16][1])
+                record(rows, "m_da", shape, (pps, bs, bk, w, st),
+                       lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table, seed=5, need_dx=False))
+            kb._SHRINK_DA_BLOCKS.update(saved_d)
+        kb._PROGRAMS_PER_SM = saved_p
+        kb._target_programs.cache_clear()
+        # the shipped fused shrink backward (dx and dA in one pass) beside them, default table
+        record(rows, "m_shrink_bwd_fused", shape, ("default",),
+               lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table, seed=5))
+    if Kd == 2048:  # the expand depends on N only
+        saved = kf.EXPAND_BLOCKS["gpu"]
+        for bs, bn, w in itertools.product((32, 64, 128), (64, 128, 256), (4, 8)):
+            kf.EXPAND_BLOCKS["gpu"] = [(math.inf, bs, bn, 64, w, 1)]
+            record(rows, "m_expand_write", shape, (bs, bn, w),
+                   lambda: K.lora_expand(h, B_cat, segs, table, y, accumulate=False))
+            record(rows, "m_expand_add", shape, (bs, bn, w), lambda: K.lora_expand(h, B_cat, segs, table, y))
+        kf.EXPAND_BLOCKS["gpu"] = saved
+    # cuBLAS beside them: the base GEMM alone, and accumulating into a given output (beta = 1)
+    W = torch.randn(N, Kd, device=x.device, dtype=x.dtype) * 0.02
+    record(rows, "m_gemm", shape, ("mm",), lambda: torch.mm(x, W.t()))
+    record(rows, "m_gemm", shape, ("addmm_",), lambda: y.addmm_(x, W.t()))
+    record(rows, "m_gemm", shape, ("mm+add_",), lambda: y.add_(torch.mm(x, W.t())))
+    print(shape, "done", flush=True)
+
+
 def profile_ops(case, family):
     """CUDA time per kernel for one forward + backward of the delta (default tables)."""
     segs, table, x, y, dy, A_cat, B_cat = case
@@ -164,13 +221,20 @@ def profile_layer():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune.json")
-    ap.add_argument("--parts", default="profile,layer,shrink,expand,bwd")
+    ap.add_argument("--parts", default="profile,layer,shrink,expand,bwd", help="any of profile, layer, shrink, "
+                    "expand, bwd (headline shape) and model (the training step's shapes)")
     args = ap.parse_args()
     parts = args.parts.split(",")
     rows = []
     out = {"rows": rows}
     t0 = time.time()
+    if "model" in parts:
+        sweep_model_shapes(rows)
+        with open(args.out, "w") as f:
+            json.dump(out, f)
     for family, grouped in (("sgemm", False), ("chunked", True)):
+        if not {"profile", "shrink", "expand", "bwd"} & set(parts):
+            break
         case = make_case(grouped=grouped)
         if "profile" in parts:
             profile_ops(make_case(grouped=grouped, dropout=0.05), family)
@@ -189,7 +253,7 @@ def main():
     with open(args.out, "w") as f:
         json.dump(out, f)
     for op in sorted({r["op"] for r in rows}):
-        for fam in ("sgemm", "chunked"):
+        for fam in sorted({r["family"] for r in rows if r["op"] == op}):
             ok = [r for r in rows if r["op"] == op and r["family"] == fam and r["us"] is not None]
             ok.sort(key=lambda r: r["us"])
             print(op, fam, "best:", [(r["config"], round(r["us"], 1)) for r in ok[:4]])

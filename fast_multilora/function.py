@@ -7,6 +7,7 @@ fused add), so ``y`` is marked dirty and its gradient passes through unchanged.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -15,6 +16,18 @@ import torch
 
 from . import reference
 from .kernels.segments import AdapterTable, Segments
+
+
+def _no_autocast(fn):
+    """Run a reference op with autocast off: its matmuls must keep the dtypes the op contract names (as the
+    kernels do), not autocast's."""
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        with torch.autocast(args[0].device.type, enabled=False):
+            return fn(self, *args, **kwargs)
+
+    return wrapper
 
 
 class TorchBackend:
@@ -32,15 +45,24 @@ class TorchBackend:
         p = torch.where(p >= 0, table.dropout[p.clamp(min=0)], torch.zeros((), device=x.device))
         return torch.rand(x.shape, generator=g, device=x.device) >= p[:, None]
 
+    @_no_autocast
     def shrink(self, x, A_cat, segs, table, stack_num, seed):
         return reference.lora_shrink(x, A_cat, segs, table, stack_num=stack_num, keep=self._keep(x, segs, table, seed))
 
-    def expand(self, h, B_cat, segs, table, y, stack_num, slice_idx):
-        return reference.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx)
+    @_no_autocast
+    def expand(self, h, B_cat, segs, table, y, stack_num, slice_idx, accumulate=True, bias=None):
+        return reference.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx,
+                                     accumulate=accumulate, bias=bias)
 
+    @_no_autocast
+    def dx(self, dh, A_cat, segs, table, out, seed):
+        return reference.lora_dx(dh, A_cat, segs, table, out, keep=self._keep(out, segs, table, seed))
+
+    @_no_autocast
     def expand_bwd(self, dy, h, B_cat, segs, table, stack_num, slice_idx, dh=None):
         return reference.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx, dh=dh)
 
+    @_no_autocast
     def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx):
         keep = self._keep(x, segs, table, seed)
         return reference.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, keep=keep, need_dx=need_dx)
@@ -68,8 +90,15 @@ class TritonBackend:
     def shrink(self, x, A_cat, segs, table, stack_num, seed):
         return self._impl().lora_shrink(x, A_cat, segs, table, stack_num=stack_num, seed=seed)
 
-    def expand(self, h, B_cat, segs, table, y, stack_num, slice_idx):
-        return self._impl().lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx)
+    def expand(self, h, B_cat, segs, table, y, stack_num, slice_idx, accumulate=True, bias=None):
+        if accumulate:
+            return self._impl().lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx)
+        # write mode: eager only (FusedLinearDelta, which is not used while torch.compile traces)
+        return self.k.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx,
+                                  accumulate=False, bias=bias)
+
+    def dx(self, dh, A_cat, segs, table, out, seed):
+        return self.k.lora_dx(dh, A_cat, segs, table, out, seed=seed)
 
     def expand_bwd(self, dy, h, B_cat, segs, table, stack_num, slice_idx, dh=None):
         return self._impl().lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx,
@@ -168,6 +197,57 @@ class LoraDelta(torch.autograd.Function):
         if dx is not None:
             dx = dx.view(ctx.x_shape)
         return (dx, dy_in, None, *grads)
+
+
+class FusedLinearDelta(torch.autograd.Function):
+    """``y = x Wᵀ (+ b) + delta(x)`` for a frozen ``nn.Linear`` base (``W``, ``b`` need no gradient): inputs
+    ``x[..., K]``, ``W[N, K]``, ``b`` (or ``None``), the spec, then the adapters' weights as for :class:`LoraDelta`.
+
+    The delta is written first (the expand in write mode, the bias folded in, base rows set to the bias or zero) and
+    cuBLAS accumulates the base GEMM into it (``y.addmm_(x, Wᵀ)``, beta 1, read in the GEMM's epilogue), so the base
+    output is not written, read back and rewritten by a separate add. Backward likewise: the LoRA part of ``dx`` is
+    written (``lora_dx``) and ``dy W`` accumulated into it by cuBLAS, instead of two ``dx`` tensors summed by
+    autograd; ``dA`` comes from the shrink backward without its ``dx`` half.
+    """
+
+    @staticmethod
+    def forward(ctx, x_in, W, bias, spec: DeltaSpec, *weights):
+        n = spec.num_adapters
+        x = as_rows(x_in)
+        A_cat = torch.cat(weights[:n])
+        B_cat = torch.cat(weights[n : 2 * n], 1)
+        be = spec.backend
+        h = be.shrink(x, A_cat, spec.segs, spec.table, 1, spec.seed)
+        y = torch.empty(x.shape[0], W.shape[0], dtype=x.dtype, device=x.device)
+        be.expand(h, B_cat, spec.segs, spec.table, y, 1, 0, accumulate=False, bias=bias)
+        y.addmm_(x, W.t())
+        ctx.save_for_backward(x, h, A_cat, B_cat, W)
+        ctx.w_dtypes = [w.dtype for w in weights]
+        ctx.spec = spec
+        ctx.x_shape = x_in.shape
+        return y.view(*x_in.shape[:-1], W.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy_in):
+        spec: DeltaSpec = ctx.spec
+        x, h, A_cat, B_cat, W = ctx.saved_tensors
+        n = spec.num_adapters
+        needs = ctx.needs_input_grad
+        need_dx, need_w = needs[0], any(needs[4:])
+        dx, grads = None, [None] * len(ctx.w_dtypes)
+        if need_dx or need_w:
+            dy = dy_in.reshape(-1, dy_in.shape[-1]).contiguous()
+            be = spec.backend
+            dh, dB = be.expand_bwd(dy, h, B_cat, spec.segs, spec.table, 1, 0)
+            if need_w:
+                _, dA = be.shrink_bwd(dh, x, A_cat, spec.segs, spec.table, 1, spec.seed, False)
+                grads[:n] = _split_grads(dA, spec.ranks, ctx.w_dtypes[:n], dim=0)
+                grads[n : 2 * n] = _split_grads(dB, spec.ranks, ctx.w_dtypes[n : 2 * n], dim=1)
+            if need_dx:
+                dx = be.dx(dh, A_cat, spec.segs, spec.table, torch.empty_like(x), spec.seed)
+                dx.addmm_(dy, W)
+                dx = dx.view(ctx.x_shape)
+        return (dx, None, None, None, *grads)
 
 
 def _split_grads(g_cat: torch.Tensor, ranks: tuple, dtypes: list, dim: int) -> list:

@@ -28,7 +28,8 @@ from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.lora import LoraLayer
 
 from . import stacked
-from .function import DeltaSpec, LoraDelta, get_backend
+from .function import DeltaSpec, FusedLinearDelta, LoraDelta, get_backend
+from .kernels.dropout import quantize_p
 from .kernels.segments import AdapterTable
 from .plan import BASE, Router
 
@@ -92,8 +93,13 @@ class _FastLinearMixin:
             )
         router: Router = self.__dict__[_ROUTER_ATTR]
         plan = router.plan_for(routing, x)
-        result = self.base_layer(x, *args, **kwargs)
         table, present, bias_row = _layer_table(self, plan, x.device)
+        if not stacked.may_share(self, x, table, present, router):
+            base = _fused_base(self, x, args, kwargs, present, router)
+            if base is not None:
+                x_d, spec, weights = _delta_inputs(self, x, plan, table, present, bias_row, router)
+                return FusedLinearDelta.apply(x_d, base.weight, base.bias, spec, *weights)
+        result = self.base_layer(x, *args, **kwargs)
         shared = stacked.shared_delta(self, x, result, plan, table, present, router)
         if shared is not None:
             return shared
@@ -130,7 +136,8 @@ def _layer_table(layer, plan, device):
             drop = layer.lora_dropout[name]
             ranks.append(layer.r[name])
             scales.append(float(layer.scaling[name]))
-            ps.append(float(drop.p) if isinstance(drop, torch.nn.Dropout) and drop.training else 0.0)
+            # the kernels draw the mask at 2^-16 resolution: the table holds the rate they draw exactly
+            ps.append(quantize_p(float(drop.p)) if isinstance(drop, torch.nn.Dropout) and drop.training else 0.0)
             present.append(name)
         else:
             ranks.append(0)
@@ -153,10 +160,50 @@ def _layer_table(layer, plan, device):
     return table, present, bias_row
 
 
+def _fused_base(layer, x, args, kwargs, present, router):
+    """The base ``nn.Linear`` when this call can run :class:`FusedLinearDelta` (base GEMM and LoRA delta in one
+    Function), else ``None``: a plain, hook-free, frozen ``torch.nn.Linear`` of the input's dtype and device, eager
+    mode without autocast, adapters without ``lora_bias`` whose dtype needs no input cast. Anything else runs the
+    base layer itself and adds the delta (:class:`LoraDelta`)."""
+    if not router.fuse_base or not present or args or kwargs:
+        return None
+    base = layer.base_layer
+    if type(base) is not torch.nn.Linear or "forward" in base.__dict__:  # accelerate hooks replace forward
+        return None
+    if base._forward_hooks or base._forward_pre_hooks or _global_module_hooks():
+        return None
+    W, b = base.weight, base.bias
+    if W.requires_grad or (b is not None and b.requires_grad) or type(W) is not torch.nn.Parameter:
+        return None
+    if x.dtype != W.dtype or x.device != W.device or (b is not None and b.dtype != W.dtype):
+        return None
+    if torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
+        return None
+    if any(layer.lora_bias[n] for n in present):
+        return None
+    lora_dtype = layer.lora_A[present[0]].weight.dtype
+    if x.dtype == torch.float32 and lora_dtype in (torch.float16, torch.bfloat16):
+        return None  # PEFT feeds the adapters a cast input: the per-module path does the same
+    return base
+
+
+def _global_module_hooks() -> bool:
+    from torch.nn.modules import module as nn_module
+
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+
+
 def _apply_delta(layer, x, result, plan, table, present, bias_row, router):
     if not result.is_contiguous() or result._base is not None:
         # the delta is added in place; a view (GPT-2's Conv1D returns one) gets its own storage first
         result = result.contiguous() if not result.is_contiguous() else result.clone()
+    x, spec, weights = _delta_inputs(layer, x, plan, table, present, bias_row, router)
+    return LoraDelta.apply(x, result, spec, *weights)
+
+
+def _delta_inputs(layer, x, plan, table, present, bias_row, router):
+    """``(x, spec, weights)`` for the delta Functions: the input (cast as PEFT casts it), the :class:`DeltaSpec`
+    and the present adapters' A, B (and lora_bias) weights."""
     lora_w = layer.lora_A[present[0]].weight
     if x.device != lora_w.device:
         raise ValueError(
@@ -186,7 +233,7 @@ def _apply_delta(layer, x, result, plan, table, present, bias_row, router):
         segs=plan.segments, table=table, backend=backend, seed=seed, num_adapters=len(present),
         ranks=tuple(layer.r[n] for n in present), has_bias=has_bias, bias_slots=bias_slots,
     )
-    return LoraDelta.apply(x, result, spec, *weights)
+    return x, spec, weights
 
 
 class _FallbackMixin:
@@ -248,7 +295,7 @@ def _aux_wrapper_types():
 
 
 def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto",
-          share_shrink: bool = True) -> PatchReport:
+          share_shrink: bool = True, fuse_base: bool = True) -> PatchReport:
     """Run ``model``'s PEFT LoRA Linear layers through fast_multilora; returns a :class:`PatchReport`.
 
     ``model``: a ``PeftModel``, a ``LoraModel`` or any module tree holding PEFT LoRA layers. After patching,
@@ -259,6 +306,9 @@ def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto",
     the settings and patches layers added since.
     ``share_shrink``: siblings (same parent module, ``in_features`` and device) called on the same input share one
     shrink pass where their adapters allow (see ``fast_multilora.stacked``; the report lists the groups).
+    ``fuse_base``: a layer whose base is a plain frozen ``nn.Linear`` runs base GEMM and LoRA delta in one Function
+    (``function.FusedLinearDelta``: the delta written first, cuBLAS accumulating the GEMM into it, the same for
+    ``dx`` in backward) where that layer's call is not stacked with its siblings.
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'triton'")
@@ -286,6 +336,7 @@ def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto",
     router.backend = backend
     router.family = family
     router.share_shrink = share_shrink
+    router.fuse_base = fuse_base
     router.tuner = _lora_tuner(model)
     router.config_key = tuple(sorted(getattr(router.tuner, "peft_config", {}).keys()))
     router.repatch = partial(_repatch, model)
@@ -364,7 +415,8 @@ def _repatch(model):
     router: Router = model.__dict__[_ROUTER_ATTR]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the first patch() already warned about fallbacks
-        patch(model, backend=router.backend, family=router.family, share_shrink=router.share_shrink)
+        patch(model, backend=router.backend, family=router.family, share_shrink=router.share_shrink,
+              fuse_base=router.fuse_base)
 
 
 def _lora_tuner(model):

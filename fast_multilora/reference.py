@@ -12,7 +12,7 @@ Math, for a token ``t`` of slot ``a`` with rank ``r``, scale ``c`` and dropout `
     y[t]        += c * h[t, s*r : s*r+r] @ B_cat[:, off:off+r]^T  expand (slice s)
     dh[t, s*r+i] = c * dy[t] . B_cat[:, off+i]                    expand backward, data part
     dB[:, off+i] = c * sum_t dy[t] * h[t, s*r+i]                  expand backward, weight part
-    dx[t]        = keep[t] / (1 - p) * dh[t, :stack*r] @ A_cat[rows of a]   shrink backward, data part
+    dx[t]        = keep[t] / (1 - p) * dh[t, :stack*r] @ A_cat[rows of a]   shrink backward, data part (lora_dx)
     dA[rows a]   = sum_t dh[t, :stack*r]^T x~[t]                  shrink backward, weight part
 """
 
@@ -69,12 +69,24 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
     return h
 
 
-def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: int = 1, slice_idx: int = 0):
-    """In place ``y[t] += scale_a * h[t, slice] @ B_a^T``; returns ``y``. Rows of base tokens are untouched."""
+def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: int = 1, slice_idx: int = 0,
+                accumulate: bool = True, bias: Optional[torch.Tensor] = None):
+    """In place ``y[t] += scale_a * h[t, slice] @ B_a^T``; returns ``y``. Rows of base tokens are untouched.
+
+    ``accumulate=False``: ``y`` is overwritten -- ``bias`` (or zero) on every row, plus the product on adapter rows.
+    """
+    if not accumulate:
+        y.zero_()
+        if bias is not None:
+            y += bias.to(y.dtype)
     for _, rows, r, off, c, _ in _slot_rows(segs, table):
         hs = h[rows, slice_idx * r : (slice_idx + 1) * r]
         delta = c * (hs @ B_cat[:, off : off + r].to(h.dtype).T)
-        y[rows] = (y[rows].to(h.dtype) + delta).to(y.dtype)
+        if accumulate:
+            delta = y[rows].to(h.dtype) + delta
+        elif bias is not None:
+            delta = delta + bias.to(h.dtype)
+        y[rows] = delta.to(y.dtype)
     return y
 
 
@@ -92,6 +104,17 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
         dh[rows, cols] = c * (g @ B_cat[:, off : off + r].to(acc))
         dB[:, off : off + r] = c * (g.T @ h[rows, cols].to(acc))
     return dh, dB
+
+
+def lora_dx(dh, A_cat, segs: Segments, table: AdapterTable, out, *, keep=None):
+    """``out[t] = keep[t] / (1 - p) * dh[t, :r] @ A_a`` (``stack_num`` 1), zero rows for base tokens; returns
+    ``out``."""
+    acc = _acc_dtype(out)
+    out.zero_()
+    for _, rows, r, off, _, p in _slot_rows(segs, table):
+        g = dh[rows, :r].to(acc)
+        out[rows] = _dropped(g @ A_cat[off : off + r].to(acc), keep, rows, p).to(out.dtype)
+    return out
 
 
 def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1, keep=None,

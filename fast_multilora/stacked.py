@@ -208,9 +208,24 @@ class SiblingGroup:
         self._observed.append(i)
         self._seen[i] = self._observed  # shared list: later members on this input extend it
 
-    def forward(self, i, x, result, plan, table, present, router) -> Optional[torch.Tensor]:
-        """Member ``i``'s output with its delta added through a stack, or ``None`` for the per-module path."""
+    def may_share(self, i, x, table, present, router) -> bool:
+        """Records member ``i``'s call on ``x`` and says whether :meth:`forward` may stack it: a slice is pending
+        for it, or it qualifies and was seen with siblings in the last forward call. The caller then calls
+        ``forward(..., observed=True)`` (a ``False`` lets it run the fused per-module path instead)."""
         self._observe(i, x, router.generation)
+        if not present:
+            return False
+        if i in self._pending:
+            return True
+        layer = self.members[i]
+        return (any(c != i for c in self._learned.get(i, ()))
+                and _qualifies(layer, table, present, x.device))
+
+    def forward(self, i, x, result, plan, table, present, router, observed=False) -> Optional[torch.Tensor]:
+        """Member ``i``'s output with its delta added through a stack, or ``None`` for the per-module path
+        (``observed``: :meth:`may_share` already recorded this call)."""
+        if not observed:
+            self._observe(i, x, router.generation)
         if not present:
             return None
         pending = self._pending.pop(i, None)
@@ -271,14 +286,27 @@ def _expand(h, result, part: _Slice, layer, present) -> torch.Tensor:
     return StackedExpand.apply(h, result, part, *(layer.lora_B[n].weight for n in present))
 
 
-def shared_delta(layer, x, result, plan, table, present, router) -> Optional[torch.Tensor]:
-    """``result`` plus ``layer``'s LoRA delta through a shrink shared with its siblings, or ``None`` when this call
-    runs the per-module path. Called for every routed call of a patched LoRA Linear (it records what it sees)."""
+def may_share(layer, x, table, present, router) -> bool:
+    """Whether this call of ``layer`` may go through :func:`shared_delta` (see ``SiblingGroup.may_share``). Called
+    first for every routed call of a patched LoRA Linear (it records what it sees): a ``False`` lets the call run
+    the fused per-module path, a ``True`` is followed by :func:`shared_delta`."""
+    if not router.share_shrink:
+        return False
     entry = layer.__dict__.get(GROUP_ATTR)
     if entry is None:
+        return False
+    group, i = entry
+    return group.may_share(i, x, table, present, router)
+
+
+def shared_delta(layer, x, result, plan, table, present, router) -> Optional[torch.Tensor]:
+    """``result`` plus ``layer``'s LoRA delta through a shrink shared with its siblings, or ``None`` when this call
+    runs the per-module path. Called after :func:`may_share` in the same layer call (which recorded the call)."""
+    entry = layer.__dict__.get(GROUP_ATTR)
+    if entry is None or not router.share_shrink:
         return None
     group, i = entry
-    return group.forward(i, x, result, plan, table, present, router)
+    return group.forward(i, x, result, plan, table, present, router, observed=True)
 
 
 def group_siblings(named_layers: list, table_of: Callable) -> list:

@@ -1,4 +1,4 @@
-"""Dropout drawn inside the kernels: a keep-mask from Philox-4x32 counters of ``(row, col // 4)``.
+"""Dropout drawn inside the kernels: a keep-mask from Philox-4x32 counters of ``(row, col // 8)``, 16 bits per element.
 
 Every kernel that reads ``x~`` (the shrink forward, the ``dx``/``dA`` backward) calls :func:`keep_block` with the
 *physical* row index, so the mask is regenerated in backward and never stored. ``dropout_keep_mask`` materialises
@@ -17,24 +17,38 @@ from .segments import AdapterTable, Segments
 
 @triton.jit
 def keep_block(seed, o_rows, o_cols, K, p):
-    """Boolean keep-mask of the block ``[rows, cols]``: element ``(t, k)`` is word ``k % 4`` of the Philox-4x32
-    draw at counter ``t * cdiv(K, 4) + k // 4``, kept when that word ``>= p * 2^32``.
+    """Boolean keep-mask of the block ``[rows, cols]``: element ``(t, k)`` is 16-bit half ``k % 8`` of the
+    Philox-4x32 draw at counter ``t * cdiv(K, 8) + k // 8`` (halves in order: word 0 low, word 0 high, word 1 low,
+    ...), kept when that half ``>= round(p * 2^16)``.
 
-    One Philox call serves four columns (a quarter of ``tl.rand``'s cost per element). ``o_cols`` must be a
-    contiguous block starting at a multiple of 4 whose length is a multiple of 4; ``p`` broadcasts to the block.
+    One Philox call serves eight columns (an eighth of ``tl.rand``'s cost per element); the drop probability is
+    ``round(p * 2^16) / 2^16``, which is exactly ``p`` for the rates the patched layers pass (rounded to multiples of
+    ``2^-16`` by :func:`quantize_p`). ``o_cols`` must be a contiguous block starting at a multiple of 8 whose length
+    is a multiple of 8; ``p`` broadcasts to the block.
     """
     BLOCK_R: tl.constexpr = o_rows.shape[0]
     BLOCK_C: tl.constexpr = o_cols.shape[0]
-    tl.static_assert(BLOCK_C % 4 == 0)
-    o_grp = tl.max(tl.reshape(o_cols, (BLOCK_C // 4, 4)), axis=1) // 4  # [BLOCK_C // 4] column groups
-    n_grp = (K + 3) // 4
-    ctr = o_rows.to(tl.int64)[:, None] * n_grp + o_grp.to(tl.int64)[None, :]  # [BLOCK_R, BLOCK_C // 4]
-    # 32-bit counters select Philox-4x32 (64-bit ones would select 4x64); they wrap only past 2^34 elements
+    tl.static_assert(BLOCK_C % 8 == 0)
+    o_grp = tl.max(tl.reshape(o_cols, (BLOCK_C // 8, 8)), axis=1) // 8  # [BLOCK_C // 8] column groups
+    n_grp = (K + 7) // 8
+    ctr = o_rows.to(tl.int64)[:, None] * n_grp + o_grp.to(tl.int64)[None, :]  # [BLOCK_R, BLOCK_C // 8]
+    # 32-bit counters select Philox-4x32 (64-bit ones would select 4x64); they wrap only past 2^35 elements
     r0, r1, r2, r3 = tl.randint4x(seed, ctr.to(tl.uint32))
-    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [BLOCK_R, BLOCK_C // 4, 2, 2]: order r0 r1 r2 r3
-    words = tl.reshape(words, (BLOCK_R, BLOCK_C))  # uint32
-    thresh = (p * 4294967296.0).to(tl.uint32)  # p < 1
-    return words >= thresh
+    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [BLOCK_R, BLOCK_C // 8, 2, 2]: order r0 r1 r2 r3
+    words = tl.reshape(words, (BLOCK_R, BLOCK_C // 2))  # uint32
+    halves = tl.join(words & 0xFFFF, words >> 16)  # [BLOCK_R, BLOCK_C // 2, 2]: low half first
+    halves = tl.reshape(halves, (BLOCK_R, BLOCK_C))
+    thresh = (p * 65536.0 + 0.5).to(tl.uint32)  # p < 1
+    return halves >= thresh
+
+
+P_RESOLUTION = 2.0**-16
+
+
+def quantize_p(p: float) -> float:
+    """``p`` rounded to the mask's resolution (a multiple of ``2^-16``): the rate :func:`keep_block` draws exactly,
+    so the ``1 / (1 - p)`` rescale matches it (``|change| <= 2^-17``, 7.6e-6)."""
+    return round(p / P_RESOLUTION) * P_RESOLUTION
 
 
 @triton.jit

@@ -57,6 +57,12 @@ EXPAND_BLOCKS = {
     "gpu": [(_INF, 64, 128, 64, 4, 1)],
     "interpreter": [(_INF, 16, 512, 16, 1, 1)],
 }
+# the shrink backward's dx (lora_dx: the expand kernels reading A transposed, write-only, dropout mask regenerated);
+# keyed by N = K of the layer
+DX_BLOCKS = {
+    "gpu": [(_INF, 64, 128, 64, 4, 1)],
+    "interpreter": [(_INF, 16, 512, 16, 1, 1)],
+}
 SMEM_BUDGET = 144 * 1024  # bytes of pipelined shrink tiles; leaves headroom under Hopper's 228 KB (A100: 164 KB)
 _ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -195,9 +201,13 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
     return out
 
 
-def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: int = 1, slice_idx: int = 0):
+def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: int = 1, slice_idx: int = 0,
+                accumulate: bool = True, bias: Optional[torch.Tensor] = None):
     """In place ``y[t] += scale_a * h[t, slice] @ B_a^T``; returns ``y``. Rows of base tokens are untouched.
 
+    ``accumulate=False`` writes instead of adding: ``y[t] = scale_a * h[t, slice] @ B_a^T + bias`` for adapter
+    tokens and ``y[t] = bias`` (zero without ``bias``, a ``[N]`` vector) for the others, so ``y``'s prior content is
+    never read -- the buffer a base GEMM then accumulates into (``y.addmm_(x, W.t())``).
     The scale is applied and the sum taken in fp32 (fp64 when ``y`` or ``h`` is float64); y keeps its dtype.
     """
     _check_2d("y", y, getattr(y, "device", None))
@@ -215,26 +225,63 @@ def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: 
                          f"got {list(h.shape)}")
     if B_cat.shape != (N, table.total_rank):
         raise ValueError(f"B_cat must be [N, total_rank] = [{N}, {table.total_rank}], got {list(B_cat.shape)}")
-    if S == 0 or N == 0 or table.max_rank == 0 or segs.num_segments == 0 or segs.max_len == 0:
-        return y
+    if bias is not None:
+        if accumulate:
+            raise ValueError("bias is only taken with accumulate=False")
+        if not isinstance(bias, torch.Tensor) or bias.shape != (N,) or bias.device != device:
+            raise ValueError(f"bias must be a [{N}] tensor on {device}, got {getattr(bias, 'shape', type(bias))}")
+    _expand_launch(h, B_cat, B_cat.stride(0), B_cat.stride(1), segs, table, y, slice_idx=slice_idx,
+                   accumulate=accumulate, bias=bias, seed=None, use_scales=True, blocks=EXPAND_BLOCKS)
+    return y
 
+
+def _fill_rows(y: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    if bias is None:
+        y.zero_()
+    else:
+        y.copy_(bias.to(y.dtype).expand_as(y))
+
+
+def _expand_launch(h, B, stride_bn, stride_br, segs: Segments, table: AdapterTable, y, *, slice_idx: int,
+                   accumulate: bool, bias, seed: Optional[int], use_scales: bool, blocks: dict) -> None:
+    """The expand kernels over ``B`` given by strides (``B[n, j]`` at ``n * stride_bn + j * stride_br``): the
+    forward expand (``B_cat``) and the shrink backward's ``dx`` (``A_cat`` read transposed, ``use_scales=False``,
+    the dropout mask of ``seed``)."""
+    S, N = y.shape
+    live = not (S == 0 or N == 0 or table.max_rank == 0 or segs.num_segments == 0 or segs.max_len == 0)
+    write_all = not accumulate and segs.covers_all_rows  # the SGEMM kernel defines base rows itself
+    if not accumulate and not write_all:
+        _fill_rows(y, bias)  # rows no segment reaches; then the kernel writes the adapter rows
+    if not live:
+        if write_all:
+            _fill_rows(y, bias)
+        return
     fp64 = torch.float64 in (y.dtype, h.dtype)
-    S_BLK, N_CAP, R_CAP, num_warps, num_stages = _pick(EXPAND_BLOCKS[_target()], N)
+    S_BLK, N_CAP, R_CAP, num_warps, num_stages = _pick(blocks[_target()], N)
     BLOCK_N = _pow2_clamp(N, 16, N_CAP)
     BLOCK_R = _pow2_clamp(table.max_rank, 16, R_CAP)
     BLOCK_S = _rows_block(segs, S_BLK)
-    common = (h.stride(0), h.stride(1), B_cat.stride(0), B_cat.stride(1), y.stride(0), y.stride(1))
+    has_dropout = seed is not None and table.has_dropout
+    has_bias = bias is not None and write_all
+    common = (h.stride(0), h.stride(1), stride_bn, stride_br, y.stride(0), y.stride(1))
     meta = dict(FP64=fp64, DOT_PRECISION=_dot_precision(torch.float64 if fp64 else y.dtype),
+                ACCUMULATE=accumulate, HAS_BIAS=has_bias, HAS_DROPOUT=has_dropout, USE_SCALES=use_scales,
                 BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, num_warps=num_warps, num_stages=num_stages)
+    # write mode after a fill: the kernel writes adapter rows only, without the bias already there
+    if not accumulate and not write_all and bias is not None:
+        meta["ACCUMULATE"] = True
+    seed = seed if has_dropout else 0
+    bias_arg = bias if has_bias else y
     if segs.perm is None:
-        grid = (segs.num_segments, cdiv(segs.max_len, BLOCK_S), cdiv(N, BLOCK_N))
+        rows = max(segs.max_len, segs.base_max_len) if write_all else segs.max_len
+        grid = (segs.num_segments, cdiv(rows, BLOCK_S), cdiv(N, BLOCK_N))
         launch(sgemm_expand_kernel, grid, (
-            h, B_cat, y, segs.indptr, segs.slot, table.ranks, table.offsets, table.scales, slice_idx, N,
-            *common), dict(meta, BLOCK_S=BLOCK_S))
+            h, B, y, bias_arg, segs.indptr, segs.slot, table.ranks, table.offsets, table.scales, table.dropout, seed,
+            slice_idx, N, *common), dict(meta, BLOCK_S=BLOCK_S))
     else:
         chunks = chunk_table(segs, BLOCK_S)
         grid = (chunks.shape[1], cdiv(N, BLOCK_N))
         launch(sgmv_expand_kernel, grid, (
-            h, B_cat, y, chunks, segs.indptr, segs.slot, segs.perm, table.ranks, table.offsets, table.scales,
-            slice_idx, chunks.shape[1], *common), dict(N=N, MAX_RANK=table.max_rank, BLOCK_M=BLOCK_S, **meta))
-    return y
+            h, B, y, bias_arg, chunks, segs.indptr, segs.slot, segs.perm, table.ranks, table.offsets, table.scales,
+            table.dropout, seed, slice_idx, chunks.shape[1], *common),
+            dict(N=N, MAX_RANK=table.max_rank, BLOCK_M=BLOCK_S, **meta))

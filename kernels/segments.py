@@ -34,6 +34,13 @@ class Segments(NamedTuple):
     max_len: int  # longest segment (host int, sizes grids)
     num_tokens: int  # S, rows of the activations
     cache: dict  # launcher-side derived tables (chunk lists per block size), filled lazily
+    base_max_len: int = -1  # longest segment of base tokens (slot -1) among the segments; -1: not known
+
+    @property
+    def covers_all_rows(self) -> bool:
+        """Every row lies in a segment and the longest segment of any slot is known (host ints): the SGEMM family's
+        write-mode expand can then define every row of its output in one pass."""
+        return self.perm is None and self.base_max_len >= 0
 
     @property
     def num_segments(self) -> int:
@@ -89,4 +96,5 @@ def segments_from_token_slots(token_slots: torch.Tensor, grouped: bool, device=N
         max_len=int(lens[live].max()) if bool(live.any()) else 0,
         num_tokens=S,
         cache={},
+        base_max_len=(int(lens[~live].max()) if bool((~live).any()) else 0) if perm is None else -1,
     )

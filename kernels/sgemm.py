@@ -61,18 +61,25 @@ def shrink_tile(
 
 @triton.jit
 def expand_tile(
-    h, B, y, o_s, m_s, i_n, h_col0, b_col0, rank, scale, N,
+    h, B, y, bias, o_s, m_s, i_n, h_col0, b_col0, rank, scale, N, seed, p,
     stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
     FP64: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """y[o_s, n] += scale * h[o_s, h_col0 : h_col0+rank] . B[n, b_col0 : b_col0+rank] for the N-tile ``i_n``."""
+    """y[o_s, n] (+)= scale * h[o_s, h_col0 : h_col0+rank] . B[n, b_col0 : b_col0+rank] for the N-tile ``i_n``.
+
+    ``ACCUMULATE``: added to y (read first); otherwise y is written, plus ``bias[n]`` with ``HAS_BIAS``.
+    ``HAS_DROPOUT``: the product is masked by ``keep_block(seed, rows, n, N, p)`` (the shrink backward's ``dx``,
+    whose ``scale`` is then ``1 / (1 - p)``).
+    """
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_r = tl.arange(0, BLOCK_R)
     m_n = o_n < N
     m_y = m_s[:, None] & m_n[None, :]
     p_y = y + o_s[:, None] * stride_ys + o_n[None, :] * stride_yn  # [BLOCK_S, BLOCK_N]
-    b_y = tl.load(p_y, mask=m_y, other=0.0)  # issued first: its latency overlaps the small dot
+    if ACCUMULATE:
+        b_y = tl.load(p_y, mask=m_y, other=0.0)  # issued first: its latency overlaps the small dot
     if FP64:
         b_acc = tl.zeros([BLOCK_S, BLOCK_N], dtype=tl.float64)
     else:
@@ -89,8 +96,27 @@ def expand_tile(
             # h is fp32: 16-bit y runs the dot in y's dtype (tensor cores), fp32 y in ieee fp32
             b_acc = tl.dot(b_h.to(y.dtype.element_ty), b_b.to(y.dtype.element_ty), b_acc,
                            input_precision=DOT_PRECISION)
-    b_out = b_y.to(b_acc.dtype) + scale.to(b_acc.dtype) * b_acc
+    b_out = scale.to(b_acc.dtype) * b_acc
+    if HAS_DROPOUT:
+        b_out = tl.where(keep_block(seed, o_s, o_n, N, p), b_out, 0.0)
+    if ACCUMULATE:
+        b_out += b_y.to(b_acc.dtype)
+    if HAS_BIAS:
+        b_out += tl.load(bias + o_n, mask=m_n, other=0.0).to(b_acc.dtype)[None, :]
     tl.store(p_y, b_out.to(y.dtype.element_ty), mask=m_y)
+
+
+@triton.jit
+def fill_tile(y, bias, o_s, m_s, i_n, N, stride_ys, stride_yn, HAS_BIAS: tl.constexpr,
+              BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y[o_s, n] = bias[n] (or 0) for the N-tile ``i_n``: the rows of a write-mode expand that no adapter touches."""
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    b_out = tl.zeros([BLOCK_S, BLOCK_N], dtype=tl.float32)
+    if HAS_BIAS:
+        b_out += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+    p_y = y + o_s[:, None] * stride_ys + o_n[None, :] * stride_yn
+    tl.store(p_y, b_out.to(y.dtype.element_ty), mask=m_s[:, None] & m_n[None, :])
 
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed per call must not pick new variants
@@ -127,30 +153,43 @@ def sgemm_shrink_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def sgemm_expand_kernel(
-    h, B, y, indptr, seg_slot, ranks, offsets, scales, slice_idx, N,
+    h, B, y, bias, indptr, seg_slot, ranks, offsets, scales, dropout, seed, slice_idx, N,
     stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
     FP64: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_SCALES: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """y[t] += scale_a * h[t, slice*r : (slice+1)*r] @ B_cat[:, off : off+r]^T for the rows t of segment ``i_g``."""
+    """y[t] += scale_a * h[t, slice*r : (slice+1)*r] @ B_cat[:, off : off+r]^T for the rows t of segment ``i_g``.
+
+    Write mode (``ACCUMULATE=False``): y[t] = that product (+ bias), and rows of base segments / rank-0 slots are
+    written too (bias or zero), so every row of y is defined. ``USE_SCALES=False`` takes scale 1 (``1/(1-p)`` with
+    ``HAS_DROPOUT``).
+    """
     i_g = tl.program_id(0)
     i_s = tl.program_id(1).to(tl.int64)
     i_n = tl.program_id(2)
-    slot = tl.load(seg_slot + i_g)
-    if slot < 0:
-        return
-    rank = tl.load(ranks + slot)
-    if rank == 0:
-        return
     bos = tl.load(indptr + i_g).to(tl.int64)
     eos = tl.load(indptr + i_g + 1).to(tl.int64)
     if bos + i_s * BLOCK_S >= eos:
         return
     o_s = bos + i_s * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] physical rows
+    slot = tl.load(seg_slot + i_g)
+    rank = tl.load(ranks + tl.maximum(slot, 0), mask=slot >= 0, other=0)
+    if rank == 0:  # base segment or absent adapter
+        if not ACCUMULATE:
+            fill_tile(y, bias, o_s, o_s < eos, i_n, N, stride_ys, stride_yn, HAS_BIAS, BLOCK_S, BLOCK_N)
+        return
+    scale = tl.full([], 1.0, tl.float32)
+    if USE_SCALES:
+        scale = tl.load(scales + slot)
+    p = 0.0
+    if HAS_DROPOUT:
+        p = tl.load(dropout + slot)
+        scale = scale / (1.0 - p)
     expand_tile(
-        h, B, y, o_s, o_s < eos, i_n, slice_idx * rank, tl.load(offsets + slot), rank, tl.load(scales + slot), N,
+        h, B, y, bias, o_s, o_s < eos, i_n, slice_idx * rank, tl.load(offsets + slot), rank, scale, N, seed, p,
         stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
-        FP64, DOT_PRECISION, BLOCK_S, BLOCK_N, BLOCK_R,
+        FP64, DOT_PRECISION, ACCUMULATE, HAS_BIAS, HAS_DROPOUT, BLOCK_S, BLOCK_N, BLOCK_R,
     )

@@ -135,7 +135,9 @@ def test_compiled_patched_model(device):
     model = peft_model("llama").to(device)
     eager = twin(model)
     fast_multilora.patch(model, backend="triton")
-    fast_multilora.patch(eager, backend="triton")
+    # traced calls take the per-module path (LoraDelta through the ops; FusedLinearDelta is eager only), so the
+    # bitwise comparison is with that path run eagerly
+    fast_multilora.patch(eager, backend="triton", fuse_base=False)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 97, (len(names), 11), generator=g).to(device)
     w = torch.randn(len(names), 11, 97, generator=g).to(device)

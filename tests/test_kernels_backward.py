@@ -11,7 +11,7 @@ from typing import Optional
 
 import pytest
 import torch
-from fast_multilora.kernels.backward import lora_expand_bwd, lora_shrink_bwd
+from fast_multilora.kernels.backward import lora_dx, lora_expand_bwd, lora_shrink_bwd
 from fast_multilora.kernels.dropout import dropout_keep_mask
 from helpers import KERNEL_DTYPES, make_segments, make_table, poisoned, random_token_slots
 
@@ -167,6 +167,34 @@ def test_shrink_bwd_matches_reference(case, dtype, grouped, device):
         if not bool((d["ts"] == a).any()):
             rows = slot_cols(case, a, st)
             assert torch.equal(dA[rows], torch.zeros_like(dA[rows])), f"dA of slot {a} (no tokens) not zero"
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
+@pytest.mark.parametrize("case,dtype", _params([c for c in CASES if c.stack == 1] + [
+    Case(41, 123, 30, [5, 16, 2], layout="runs", dropout=[0.5, 0.0, 0.2]),
+    Case(24, 64, 16, [3, 3], layout="skewed", dropout=[0.1, 0.4], base_frac=0.5, weights="fp32"),
+], KERNEL_DTYPES))
+def test_dx_matches_reference(case, dtype, grouped, device):
+    """``lora_dx`` (the expand kernels reading A transposed, dropout mask regenerated) == the reference, every row
+    written (zero for base tokens), and the same as ``lora_shrink_bwd``'s own ``dx``; dA alone (``need_dx=False``,
+    its own block table) == the reference."""
+    gen = torch.Generator().manual_seed(3)
+    d = build(case, dtype, grouped, device, gen)
+    S, K = case.S, case.K
+    out = poisoned(S, K, dtype=dtype, device=device)
+    assert lora_dx(d["dh_in"], d["A"], d["segs"], d["table"], out, seed=d["seed"]) is out
+    want = ref.lora_dx(d["dh_in"], d["A"], d["segs"], d["table"], torch.empty_like(out), keep=d["keep"])
+    assert_close(out, want, dtype, "dx")
+    base = ~d["live"].to(device)
+    assert torch.equal(out[base], torch.zeros_like(out[base])), "dx base rows not zero"
+    dx_fused, _ = lora_shrink_bwd(d["dh_in"], d["x"], d["A"], d["segs"], d["table"], seed=d["seed"])
+    assert_close(out, dx_fused, dtype, "dx vs lora_shrink_bwd")
+    none, dA = lora_shrink_bwd(d["dh_in"], d["x"], d["A"], d["segs"], d["table"], seed=d["seed"], need_dx=False,
+                               dA_out=poisoned(sum(case.ranks), K, dtype=d["h"].dtype, device=device))
+    _, want_dA = ref.lora_shrink_bwd(d["dh_in"], d["x"], d["A"], d["segs"], d["table"], keep=d["keep"],
+                                     need_dx=False)
+    assert none is None
+    assert_close(dA, want_dA, dtype, "dA alone")
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])

@@ -100,6 +100,23 @@ def _run_case(S, K, N, ranks, stack, layout, ps, w_lowp, grouped, dtype, device,
                                  slice_idx=s)
         _check_close(y[live], y64[live], y_lowp[live], dtype, f"expand slice {s}")
 
+    # write mode (accumulate=False): the poisoned y is never read and every row is defined -- the product (+ bias)
+    # on adapter rows, the bias (or zero) elsewhere; SGEMM segments with and without the base-run length known
+    bias = torch.randn(N, generator=g).to(device, dtype)
+    variants = [segs] if grouped else [segs, segs._replace(base_max_len=-1, cache={})]
+    for segs_v in variants:
+        for b in (None, bias):
+            s = stack - 1
+            y = lora_expand(h_in, B, segs_v, table, poisoned(S, N, dtype=dtype, device=device), stack_num=stack,
+                            slice_idx=s, accumulate=False, bias=b)
+            b64 = None if b is None else b.to(hi)
+            y64 = ref.lora_expand(h_in.to(hi), B.to(hi), segs, table, torch.empty(S, N, dtype=hi, device=device),
+                                  stack_num=stack, slice_idx=s, accumulate=False, bias=b64)
+            y_lowp = ref.lora_expand(h_in.to(dtype), B.to(dtype), segs, table, torch.empty_like(y), stack_num=stack,
+                                     slice_idx=s, accumulate=False, bias=b)
+            assert not torch.isnan(y).any(), "write-mode expand left rows unwritten"
+            _check_close(y, y64, y_lowp, dtype, f"expand write mode, bias={b is not None}")
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("grouped", FAMILIES)
@@ -225,3 +242,27 @@ def test_gpu_deterministic(grouped):
         h = lora_shrink(x, A, segs, table, seed=7)
         runs.append((h[live], lora_expand(h, B, segs, table, y0.clone())))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+def test_dropout_mask_rate_and_halves(device):
+    """The in-kernel mask drops each element with probability p (2^-16 resolution): per slot, and for each of the 8
+    16-bit halves a Philox draw serves (column % 8), within 5 binomial standard deviations; rows and seeds differ."""
+    from fast_multilora.kernels.dropout import P_RESOLUTION, quantize_p
+
+    S, K = 96, 512
+    ps = [quantize_p(p) for p in (0.05, 0.3, 0.5)]
+    assert all(abs(q - p) <= P_RESOLUTION / 2 for q, p in zip(ps, (0.05, 0.3, 0.5), strict=True))
+    ts = torch.arange(S) % 4 - 1  # slots -1 (base), 0, 1, 2 interleaved
+    table = make_table([4, 4, 4], dropout=ps, device=device)
+    segs = make_segments(ts, False, device=device)
+    keep = dropout_keep_mask(7, segs, table, K).cpu()
+    assert keep[ts == -1].all(), "base rows must keep everything"
+    for a, p in enumerate(ps):
+        drop = ~keep[ts == a]  # [S/4, K]
+        for half in range(8):
+            cells = drop[:, half::8]
+            n = cells.numel()
+            sd = (n * p * (1 - p)) ** 0.5
+            assert abs(cells.sum().item() - n * p) <= 5 * sd, f"slot {a} half {half}: rate {cells.float().mean():.4f}"
+        assert not torch.equal(drop[0], drop[1]), "two rows drew the same mask"
+    assert not torch.equal(keep, dropout_keep_mask(8, segs, table, K).cpu()), "the seed does not change the mask"
