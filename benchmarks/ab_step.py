@@ -1,82 +1,101 @@
-"""A/B of block tables on the issue-4 train step (8 adapters mixed, 16 x 1024, Llama-shaped, bf16), interleaved in
-one run, plus a CUDA-time breakdown of one step by kernel. Usage (GPU): ``python benchmarks/ab_step.py``."""
+"""A/B of patch settings on the issue-4 train step (8 adapters mixed, 16 x 1024, Llama-shaped, bf16, r=16), the
+variants interleaved in one process: ``fuse_base`` and ``share_shrink`` on and off, at LoRA dropout 0.05 and 0.
+Per variant: median step time (CUDA events), host time until the step returns, and one profiled step's CUDA time
+by kernel (top rows), so GPU-side and host-side effects can be told apart.
+
+Usage (GPU): ``python benchmarks/ab_step.py [--out FILE] [--rounds 3]``.
+"""
 
 from __future__ import annotations
 
+import argparse
+import io
 import statistics
+import time
+from collections import Counter
+from pathlib import Path
 
 import torch
-from fast_multilora.kernels import backward as kb
-from fast_multilora.kernels import forward as kf
 
-TABLES = {
-    "previous": dict(
-        drop=[(float("inf"), 64, 32, 256, 4, 3)],  # = SHRINK_BLOCKS before the sweep
-        e16=((256, 64, 8, True), (64, 64, 8, True)),
-        s16=((64, 64, 8), (32, 64, 8)),
-    ),
-    "swept": dict(drop=list(kf.SHRINK_DROPOUT_BLOCKS["gpu"]), e16=kb._EXPAND_BLOCKS[16], s16=kb._SHRINK_BLOCKS[16]),
+import fast_multilora
+
+VARIANTS = {  # name: (lora dropout p, patch kwargs)
+    "fused": (0.05, {}),
+    "unfused": (0.05, {"fuse_base": False}),
+    "p0_fused_shared": (0.0, {}),
+    "p0_fused_unshared": (0.0, {"share_shrink": False}),
+    "p0_unfused_shared": (0.0, {"fuse_base": False}),
 }
 
 
-_REUSE = {"on": True}
-
-
-def use(name):
-    if name == "no_plan_reuse":  # swept tables, but a fresh routing (and plan) every forward call
-        _REUSE["on"] = False
-        name = "swept"
-    else:
-        _REUSE["on"] = True
-    t = TABLES[name]
-    kf.SHRINK_DROPOUT_BLOCKS["gpu"] = t["drop"]
-    kb._EXPAND_BLOCKS[16] = t["e16"]
-    kb._SHRINK_BLOCKS[16] = t["s16"]
-
-
-def main():
+def main(argv=None):
     from profile_step import build  # the same model, adapters and step as the step profile
 
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    buf = io.StringIO()
+
+    def say(*x):
+        print(*x, flush=True)
+        print(*x, file=buf)
+
     pm, step = build()
-    router = pm.__dict__["_fml_router"]
-    cached = router.routing_for_names
+    drops = [m for n, m in pm.named_modules() if isinstance(m, torch.nn.Dropout) and "lora_dropout" in n]
 
-    def routing_for_names(names):
-        return cached(names) if _REUSE["on"] else router._make_routing(names)
-
-    router.routing_for_names = routing_for_names
+    def use(name):
+        p, kw = VARIANTS[name]
+        for m in drops:
+            m.p = p
+        fast_multilora.patch(pm, backend="triton", **{"fuse_base": True, "share_shrink": True, **kw})
 
     def timed(n=5):
-        ts = []
+        ts, hs = [], []
         for _ in range(n):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
+            t0 = time.perf_counter()
             step()
+            hs.append((time.perf_counter() - t0) * 1e3)
             b.record()
             torch.cuda.synchronize()
             ts.append(a.elapsed_time(b))
-        return statistics.median(ts)
+        return statistics.median(ts), statistics.median(hs)
 
-    variants = list(TABLES) + ["no_plan_reuse"]
-    res = {k: [] for k in variants}
-    for name in variants:
+    res = {k: [] for k in VARIANTS}
+    for name in VARIANTS:  # warm-up: compiles, sibling groups learn their inputs
         use(name)
-        step()
-        step()
-    for _ in range(3):
-        for name in variants:
+        for _ in range(3):
+            step()
+    torch.cuda.synchronize()
+    for _ in range(args.rounds):
+        for name in VARIANTS:
             use(name)
+            step()  # the first call after re-patching learns sibling inputs again
             res[name].append(timed())
     for name, v in res.items():
-        print(f"train_step_8 {name}: median of medians {statistics.median(v):.2f} ms  {[round(x, 1) for x in v]}")
-    best = min(TABLES, key=lambda k: statistics.median(res[k]))
-    use(best)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        ms = statistics.median(x[0] for x in v)
+        host = statistics.median(x[1] for x in v)
+        say(f"train_step_8 {name}: {ms:.2f} ms (host {host:.1f} ms until step() returns)  "
+            f"{[round(x[0], 1) for x in v]}")
+    for name in VARIANTS:
+        use(name)
         step()
         torch.cuda.synchronize()
-    print(f"--- one step with '{best}' tables, CUDA time by kernel")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        n, us = Counter(), Counter()
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                n[e.name[:60]] += 1
+                us[e.name[:60]] += e.device_time_total
+        say(f"--- {name}: {sum(n.values())} kernels, CUDA time {sum(us.values()) / 1e3:.1f} ms; by total time:")
+        for k, t in us.most_common(22):
+            say(f"  {t / 1e3:7.2f} ms  {n[k]:4d} x {t / n[k]:7.1f} us  {k}")
+    if args.out:
+        Path(args.out).write_text(buf.getvalue())
 
 
 if __name__ == "__main__":

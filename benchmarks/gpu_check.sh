@@ -8,7 +8,8 @@
 # Stages: tests (tests marked gpu; with 2+ GPUs the hypothesis fuzz sweep runs on the second GPU meanwhile,
 # FML_FUZZ_EXAMPLES examples per test), kernels, model, profile (benchmarks/profile_step.py), multi
 # (benchmarks/multi_gpu.sh, needs 2 GPUs), ktests (the kernel and fused-path test files whole, every dtype, on the
-# GPU), tune (benchmarks/tune_kernels.py --parts model: block sweep at the training step's shapes).
+# GPU, in parallel processes), tune (benchmarks/tune_kernels.py --parts model: block sweep at the training step's
+# shapes), ab (benchmarks/ab_step.py: patch settings A/B on the train step).
 # Default: "tests kernels model".
 #
 # Every stage runs under its own `timeout`; a stage that fails or times out does not stop the later ones, and the
@@ -32,6 +33,7 @@ T_PROFILE=${T_PROFILE:-120}
 T_MULTI=${T_MULTI:-420}
 T_KTESTS=${T_KTESTS:-150}
 T_TUNE=${T_TUNE:-240}
+T_AB=${T_AB:-150}
 FML_FUZZ_EXAMPLES=${FML_FUZZ_EXAMPLES:-30}
 PYTEST_STOP=${PYTEST_STOP:--x}  # e.g. PYTEST_STOP=--maxfail=20 to see more than the first failure
 PY=${PYTHON:-$(command -v python3 || command -v python)}
@@ -105,10 +107,13 @@ main() {
         fi
     fi
     if want ktests; then
-        stage ktests "$T_KTESTS" bash -c 'set -o pipefail; FML_TEST_DEVICE=cuda "$0" -m pytest -q -rfE tests/test_kernels_forward.py tests/test_kernels_backward.py tests/test_fused.py --maxfail=20 -p no:cacheprovider 2>&1 | tee "$1"' "$PY" "$OUT/pytest_kernels_gpu.log"
+        stage ktests "$T_KTESTS" bash -c 'set -o pipefail; FML_TEST_DEVICE=cuda "$0" benchmarks/run_tests_parallel.py --procs 12 --timeout $(($2 - 15)) --log-dir "$1.d" tests/test_kernels_forward.py tests/test_kernels_backward.py tests/test_fused.py 2>&1 | tee "$1"; rc=$?; cat "$1".d/*.log > "$1.all"; rm -rf "$1.d"; exit $rc' "$PY" "$OUT/pytest_kernels_gpu.log" "$T_KTESTS"
     fi
     if want tune; then
         stage tune "$T_TUNE" "$PY" benchmarks/tune_kernels.py --parts model --out "$OUT/tune_model.json"
+    fi
+    if want ab; then
+        stage ab "$T_AB" "$PY" benchmarks/ab_step.py --out "$OUT/ab_step.txt"
     fi
     if want kernels; then
         stage kernels "$T_KERNELS" "$PY" benchmarks/bench_kernels.py --out-dir "$OUT" \

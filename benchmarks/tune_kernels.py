@@ -83,25 +83,24 @@ def sweep_bwd(rows, case, family):
     saved_e, saved_s, saved_p = dict(kb._EXPAND_BLOCKS), dict(kb._SHRINK_BLOCKS), kb._PROGRAMS_PER_SM
     for pps in (2, 8):
         kb._PROGRAMS_PER_SM = pps
-        kb._target_programs.cache_clear()
         for bs, bn, w, fused in itertools.product((128, 256), (64, 128), (4, 8), (True,)):
             kb._EXPAND_BLOCKS[16] = ((bs, bn, w, fused), saved_e[16][1])
             record(rows, "expand_bwd", family, (pps, bs, bn, w, fused),
                    lambda: K.lora_expand_bwd(dy, h, B_cat, segs, table))
         kb._EXPAND_BLOCKS.update(saved_e)
         for bs, bk, w in itertools.product((32, 64), (64, 128), (4, 8)):
-            kb._SHRINK_BLOCKS[16] = ((bs, bk, w), saved_s[16][1])
+            kb._SHRINK_BLOCKS[16] = ((bs, bk, w, 3), saved_s[16][1])
             record(rows, "shrink_bwd", family, (pps, bs, bk, w), lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table))
         kb._SHRINK_BLOCKS.update(saved_s)
     kb._PROGRAMS_PER_SM = saved_p
-    kb._target_programs.cache_clear()
 
 
 def sweep_model_shapes(rows):
     """The kernels of a training step at the benchmark model's shapes (S = 16 x 1024 tokens, 8 adapters of 2 rows,
-    r = 16, bf16, dropout 0.05): shrink with dropout, write-mode expand (``FusedLinearDelta``'s forward), ``lora_dx``
-    and the dA-only shrink backward, K or N in {2048, 5632}. Rows carry ``op`` = kernel and ``family`` = shape."""
-    for Kd, N in ((2048, 2048), (5632, 2048), (2048, 5632)):
+    r = 16, bf16, dropout 0.05): shrink with dropout, the expand in write mode (``FusedLinearDelta``'s forward) and
+    in add mode, the shrink backward (dx + dA, and dA alone), the expand backward, and cuBLAS's base GEMM with and
+    without accumulating into its output. Rows carry ``op`` = kernel and ``family`` = shape."""
+    for Kd, N in ((2048, 2048), (5632, 2048), (2048, 5632), (2048, 256)):
         _sweep_model_shape(rows, 16384, Kd, N)
 
 
@@ -111,46 +110,53 @@ def _sweep_model_shape(rows, S, Kd, N):
     segs, table, x, y, dy, A_cat, B_cat = make_case(S=S, Kd=Kd, N=N, dropout=0.05)
     h = K.lora_shrink(x, A_cat, segs, table, seed=5)
     dh, _ = K.lora_expand_bwd(dy, h, B_cat, segs, table)
-    if N == 2048:  # shrink and dx depend on K only
+    saved_p = kb._PROGRAMS_PER_SM
+    if N == 2048:  # shrink and shrink backward depend on K only
         saved = kf.SHRINK_DROPOUT_BLOCKS["gpu"]
-        for bs, bk, w, st in itertools.product((32, 64), (64, 128, 256), (4, 8), (3, 4)):
+        for bs, bk, w, st in itertools.product((32, 64), (128, 256), (4, 8), (3, 4)):
             kf.SHRINK_DROPOUT_BLOCKS["gpu"] = [(math.inf, bs, 32, bk, w, st)]
             record(rows, "m_shrink_dropout", shape, (bs, bk, w, st),
                    lambda: K.lora_shrink(x, A_cat, segs, table, seed=5))
         kf.SHRINK_DROPOUT_BLOCKS["gpu"] = saved
-        dx = torch.empty_like(x)
-        saved = kf.DX_BLOCKS["gpu"]
-        for bs, bn, w in itertools.product((32, 64, 128), (64, 128, 256), (4, 8)):
-            kf.DX_BLOCKS["gpu"] = [(math.inf, bs, bn, 64, w, 1)]
-            record(rows, "m_dx", shape, (bs, bn, w), lambda: K.lora_dx(dh, A_cat, segs, table, dx, seed=5))
-        kf.DX_BLOCKS["gpu"] = saved
-        saved_d, saved_p = dict(kb._SHRINK_DA_BLOCKS), kb._PROGRAMS_PER_SM
+        saved_s, saved_d = dict(kb._SHRINK_BLOCKS), dict(kb._SHRINK_DA_BLOCKS)
         for pps in (2, 4):
             kb._PROGRAMS_PER_SM = pps
-            kb._target_programs.cache_clear()
-            for bs, bk, w, st in itertools.product((32, 64), (128, 256), (4, 8), (2, 3)):
-                kb._SHRINK_DA_BLOCKS[16] = ((bs, bk, w, st), saved_d[16][1])
-                record(rows, "m_da", shape, (pps, bs, bk, w, st),
-                       lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table, seed=5, need_dx=False))
-            kb._SHRINK_DA_BLOCKS.update(saved_d)
+            for bs, bk, w, st in itertools.product((32, 64), (64, 128, 256), (4, 8), (2, 3)):
+                kb._SHRINK_BLOCKS[16] = ((bs, bk, w, st), saved_s[16][1])
+                record(rows, "m_shrink_bwd", shape, (pps, bs, bk, w, st),
+                       lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table, seed=5))
+        kb._SHRINK_BLOCKS.update(saved_s)
         kb._PROGRAMS_PER_SM = saved_p
-        kb._target_programs.cache_clear()
-        # the shipped fused shrink backward (dx and dA in one pass) beside them, default table
-        record(rows, "m_shrink_bwd_fused", shape, ("default",),
-               lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table, seed=5))
-    if Kd == 2048:  # the expand depends on N only
-        saved = kf.EXPAND_BLOCKS["gpu"]
-        for bs, bn, w in itertools.product((32, 64, 128), (64, 128, 256), (4, 8)):
-            kf.EXPAND_BLOCKS["gpu"] = [(math.inf, bs, bn, 64, w, 1)]
-            record(rows, "m_expand_write", shape, (bs, bn, w),
-                   lambda: K.lora_expand(h, B_cat, segs, table, y, accumulate=False))
-            record(rows, "m_expand_add", shape, (bs, bn, w), lambda: K.lora_expand(h, B_cat, segs, table, y))
-        kf.EXPAND_BLOCKS["gpu"] = saved
-    # cuBLAS beside them: the base GEMM alone, and accumulating into a given output (beta = 1)
+        record(rows, "m_da", shape, ("default",),
+               lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table, seed=5, need_dx=False))
+        kb._SHRINK_DA_BLOCKS.update(saved_d)
+    if Kd == 2048:  # the expand and its backward depend on N only
+        for mode, table_, accumulate in (("m_expand_write", kf.EXPAND_WRITE_BLOCKS, False),
+                                         ("m_expand_add", kf.EXPAND_BLOCKS, True)):
+            saved = table_["gpu"]
+            for bs, bn, w in itertools.product((64, 128), (64, 128, 256), (4, 8)):
+                table_["gpu"] = [(math.inf, bs, bn, 64, w, 1)]
+                record(rows, mode, shape, (bs, bn, w),
+                       lambda a=accumulate: K.lora_expand(h, B_cat, segs, table, y, accumulate=a))
+            table_["gpu"] = saved
+        saved_e = dict(kb._EXPAND_BLOCKS)
+        for pps in (2, 4):
+            kb._PROGRAMS_PER_SM = pps
+            for bs, bn, w in itertools.product((64, 128, 256), (64, 128), (4, 8)):
+                kb._EXPAND_BLOCKS[16] = ((bs, bn, w, True), saved_e[16][1])
+                record(rows, "m_expand_bwd", shape, (pps, bs, bn, w),
+                       lambda: K.lora_expand_bwd(dy, h, B_cat, segs, table))
+        kb._EXPAND_BLOCKS.update(saved_e)
+        kb._PROGRAMS_PER_SM = saved_p
+    # cuBLAS beside them: the base GEMM alone, and accumulating into a given output (beta = 1), forward and dx
     W = torch.randn(N, Kd, device=x.device, dtype=x.dtype) * 0.02
+    dx = torch.empty_like(x)
     record(rows, "m_gemm", shape, ("mm",), lambda: torch.mm(x, W.t()))
     record(rows, "m_gemm", shape, ("addmm_",), lambda: y.addmm_(x, W.t()))
     record(rows, "m_gemm", shape, ("mm+add_",), lambda: y.add_(torch.mm(x, W.t())))
+    record(rows, "m_gemm_dx", shape, ("mm",), lambda: torch.mm(dy, W))
+    record(rows, "m_gemm_dx", shape, ("addmm_",), lambda: dx.addmm_(dy, W))
+    record(rows, "m_gemm_dx", shape, ("mm+add_",), lambda: dx.add_(torch.mm(dy, W)))
     print(shape, "done", flush=True)
 
 

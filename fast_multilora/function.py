@@ -55,10 +55,6 @@ class TorchBackend:
                                      accumulate=accumulate, bias=bias)
 
     @_no_autocast
-    def dx(self, dh, A_cat, segs, table, out, seed):
-        return reference.lora_dx(dh, A_cat, segs, table, out, keep=self._keep(out, segs, table, seed))
-
-    @_no_autocast
     def expand_bwd(self, dy, h, B_cat, segs, table, stack_num, slice_idx, dh=None):
         return reference.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx, dh=dh)
 
@@ -96,9 +92,6 @@ class TritonBackend:
         # write mode: eager only (FusedLinearDelta, which is not used while torch.compile traces)
         return self.k.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx,
                                   accumulate=False, bias=bias)
-
-    def dx(self, dh, A_cat, segs, table, out, seed):
-        return self.k.lora_dx(dh, A_cat, segs, table, out, seed=seed)
 
     def expand_bwd(self, dy, h, B_cat, segs, table, stack_num, slice_idx, dh=None):
         return self._impl().lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx,
@@ -205,9 +198,9 @@ class FusedLinearDelta(torch.autograd.Function):
 
     The delta is written first (the expand in write mode, the bias folded in, base rows set to the bias or zero) and
     cuBLAS accumulates the base GEMM into it (``y.addmm_(x, Wᵀ)``, beta 1, read in the GEMM's epilogue), so the base
-    output is not written, read back and rewritten by a separate add. Backward likewise: the LoRA part of ``dx`` is
-    written (``lora_dx``) and ``dy W`` accumulated into it by cuBLAS, instead of two ``dx`` tensors summed by
-    autograd; ``dA`` comes from the shrink backward without its ``dx`` half.
+    output is not written, read back and rewritten by a separate add. Backward likewise: the shrink backward writes
+    the LoRA part of ``dx`` (with ``dA``, one pass over ``x``) and cuBLAS accumulates ``dy W`` into it, instead of
+    two ``dx`` tensors summed by autograd.
     """
 
     @staticmethod
@@ -239,12 +232,12 @@ class FusedLinearDelta(torch.autograd.Function):
             dy = dy_in.reshape(-1, dy_in.shape[-1]).contiguous()
             be = spec.backend
             dh, dB = be.expand_bwd(dy, h, B_cat, spec.segs, spec.table, 1, 0)
+            # one pass over x for dA and the LoRA part of dx (written, base rows zero; the dropout mask drawn once)
+            dx, dA = be.shrink_bwd(dh, x, A_cat, spec.segs, spec.table, 1, spec.seed, need_dx)
             if need_w:
-                _, dA = be.shrink_bwd(dh, x, A_cat, spec.segs, spec.table, 1, spec.seed, False)
                 grads[:n] = _split_grads(dA, spec.ranks, ctx.w_dtypes[:n], dim=0)
                 grads[n : 2 * n] = _split_grads(dB, spec.ranks, ctx.w_dtypes[n : 2 * n], dim=1)
             if need_dx:
-                dx = be.dx(dh, A_cat, spec.segs, spec.table, torch.empty_like(x), spec.seed)
                 dx.addmm_(dy, W)
                 dx = dx.view(ctx.x_shape)
         return (dx, None, None, None, *grads)

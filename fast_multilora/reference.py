@@ -12,7 +12,7 @@ Math, for a token ``t`` of slot ``a`` with rank ``r``, scale ``c`` and dropout `
     y[t]        += c * h[t, s*r : s*r+r] @ B_cat[:, off:off+r]^T  expand (slice s)
     dh[t, s*r+i] = c * dy[t] . B_cat[:, off+i]                    expand backward, data part
     dB[:, off+i] = c * sum_t dy[t] * h[t, s*r+i]                  expand backward, weight part
-    dx[t]        = keep[t] / (1 - p) * dh[t, :stack*r] @ A_cat[rows of a]   shrink backward, data part (lora_dx)
+    dx[t]        = keep[t] / (1 - p) * dh[t, :stack*r] @ A_cat[rows of a]   shrink backward, data part
     dA[rows a]   = sum_t dh[t, :stack*r]^T x~[t]                  shrink backward, weight part
 """
 
@@ -104,17 +104,6 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
         dh[rows, cols] = c * (g @ B_cat[:, off : off + r].to(acc))
         dB[:, off : off + r] = c * (g.T @ h[rows, cols].to(acc))
     return dh, dB
-
-
-def lora_dx(dh, A_cat, segs: Segments, table: AdapterTable, out, *, keep=None):
-    """``out[t] = keep[t] / (1 - p) * dh[t, :r] @ A_a`` (``stack_num`` 1), zero rows for base tokens; returns
-    ``out``."""
-    acc = _acc_dtype(out)
-    out.zero_()
-    for _, rows, r, off, _, p in _slot_rows(segs, table):
-        g = dh[rows, :r].to(acc)
-        out[rows] = _dropped(g @ A_cat[off : off + r].to(acc), keep, rows, p).to(out.dtype)
-    return out
 
 
 def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1, keep=None,

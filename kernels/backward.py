@@ -36,7 +36,6 @@ import triton
 import triton.language as tl
 
 from .dropout import keep_block
-from .forward import DX_BLOCKS, _expand_launch
 from .launch import cdiv, checked, launch, mark_checked, next_power_of_2
 from .segments import AdapterTable, Segments
 
@@ -55,17 +54,17 @@ _EXPAND_BLOCKS = {
     256: ((32, 64, 8, False), (16, 16, 8, False)),
     512: ((16, 32, 8, False), (16, 16, 8, False)),
 }
-# Shrink backward: BLOCK_R = min(next_pow2(stack*max_rank), 128) -> (BLOCK_S, BLOCK_K, num_warps).
+# Shrink backward: BLOCK_R = min(next_pow2(stack*max_rank), 128) -> (BLOCK_S, BLOCK_K, num_warps, num_stages).
 _SHRINK_BLOCKS = {
-    16: ((32, 128, 8), (32, 64, 8)),  # 16-bit entry measured best on H200 (S=8192, K=4096, r=16)
-    32: ((64, 64, 8), (32, 32, 8)),
-    64: ((64, 64, 8), (16, 32, 8)),
-    128: ((64, 32, 8), (16, 32, 8)),
+    16: ((32, 128, 8, 3), (32, 64, 8, 3)),  # 16-bit entry measured best on H200 (S=8192, K=4096, r=16)
+    32: ((64, 64, 8, 3), (32, 32, 8, 3)),
+    64: ((64, 64, 8, 3), (16, 32, 8, 3)),
+    128: ((64, 32, 8, 3), (16, 32, 8, 3)),
 }
-# dA alone (``need_dx=False``, the path that leaves ``dx`` to :func:`lora_dx`): no dx tile, so wider K tiles and a
-# pipelined row loop. BLOCK_R -> (BLOCK_S, BLOCK_K, num_warps, num_stages), 16-bit entry then fp32/fp64.
+# dA alone (``need_dx=False``: an input that needs no gradient): no dx tile, so wider K tiles and a pipelined row
+# loop. BLOCK_R -> (BLOCK_S, BLOCK_K, num_warps, num_stages), 16-bit entry then fp32/fp64.
 _SHRINK_DA_BLOCKS = {
-    16: ((64, 128, 4, 3), (32, 64, 8, 1)),
+    16: ((32, 256, 4, 2), (32, 64, 8, 1)),  # 16-bit entry: sweep at S=16384, K in {2048, 5632}, 4 programs per SM
     32: ((64, 128, 4, 3), (32, 32, 8, 1)),
     64: ((64, 64, 4, 3), (16, 32, 8, 1)),
     128: ((64, 32, 8, 2), (16, 32, 8, 1)),
@@ -74,12 +73,14 @@ _SHRINK_MAX_R = 128
 _SHRINK_MIN_SUB = 1  # row blocks per shrink program, at least
 # Finish passes (sums of partials): elements per tile BLOCK_R * BLOCK_N (or BLOCK_K).
 _FINISH_TILE = 2048
-# Programs aimed for per streaming multiprocessor when picking N-splits (expand) and chunk length (shrink).
+# Programs aimed for per streaming multiprocessor when picking N-splits (expand) and chunk length (shrink; the
+# dA-only shrink backward takes its own).
 _PROGRAMS_PER_SM = 2
+_DA_PROGRAMS_PER_SM = 4
 
 if _INTERPRET:  # tiny blocks: fast on CPU, and small test shapes still hit splits, multi-chunk slots, unfused mode
     _EXPAND_BLOCKS = {r: ((16, 64, 1, r <= 32),) * 2 for r in (16, 32, 64, 128, 256, 512)}
-    _SHRINK_BLOCKS = {16: ((16, 64, 1),) * 2, 32: ((16, 64, 1),) * 2}
+    _SHRINK_BLOCKS = {16: ((16, 64, 1, 1),) * 2, 32: ((16, 64, 1, 1),) * 2}
     _SHRINK_DA_BLOCKS = {16: ((16, 64, 1, 1),) * 2, 32: ((16, 64, 1, 1),) * 2}
     _SHRINK_MAX_R = 32
     _SHRINK_MIN_SUB = 2  # the row loop runs more than once
@@ -87,9 +88,13 @@ if _INTERPRET:  # tiny blocks: fast on CPU, and small test shapes still hit spli
 
 
 @functools.lru_cache(maxsize=None)
-def _target_programs(device: torch.device) -> int:
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _target_programs(device: torch.device, per_sm: Optional[int] = None) -> int:
     if device.type == "cuda":
-        return _PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+        return (per_sm or _PROGRAMS_PER_SM) * _sm_count(device)
     return 8  # interpreter / CPU: a handful, so splits are exercised
 
 
@@ -550,15 +555,13 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
         return dx, dA_out
 
     BLOCK_R = min(_block_r(stack_num * R), _SHRINK_MAX_R)
-    if need_dx:
-        BLOCK_S, BLOCK_K, num_warps = _SHRINK_BLOCKS[BLOCK_R][x.element_size() >= 4]
-        num_stages = None
-    else:
-        BLOCK_S, BLOCK_K, num_warps, num_stages = _SHRINK_DA_BLOCKS[BLOCK_R][x.element_size() >= 4]
+    blocks = _SHRINK_BLOCKS if need_dx else _SHRINK_DA_BLOCKS
+    BLOCK_S, BLOCK_K, num_warps, num_stages = blocks[BLOCK_R][x.element_size() >= 4]
     tiles_k = cdiv(K, BLOCK_K)
     tiles_r = cdiv(max(stack_num * R, 1), BLOCK_R)
     # chunk = rows per program, a multiple of BLOCK_S: long enough that ~target programs cover the batch
-    n_sub = max(_SHRINK_MIN_SUB, cdiv(S * tiles_k, _target_programs(dev) * BLOCK_S))
+    per_sm = None if need_dx else _DA_PROGRAMS_PER_SM
+    n_sub = max(_SHRINK_MIN_SUB, cdiv(S * tiles_k, _target_programs(dev, per_sm) * BLOCK_S))
     chunk = BLOCK_S * min(next_power_of_2(n_sub), 64)
     info, cptr, order, capacity = _chunks(segs, n_slots, chunk)
     part_dA = torch.empty(capacity, stack_num * R, K, dtype=acc, device=dev)
@@ -573,8 +576,7 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
         # not for FMA (fp32) dots, whose operand layout would hold A's tile replicated and spill
         NEED_DX=need_dx, HAS_DROPOUT=has_dropout, HOIST_A=tiles_r == 1 and x.element_size() == 2,
         EVEN_K=K % BLOCK_K == 0, DOT_PRECISION=_dot_precision(x.dtype),
-        BLOCK_S=BLOCK_S, BLOCK_K=BLOCK_K, BLOCK_R=BLOCK_R, num_warps=num_warps,
-        **({} if num_stages is None else {"num_stages": num_stages}),
+        BLOCK_S=BLOCK_S, BLOCK_K=BLOCK_K, BLOCK_R=BLOCK_R, num_warps=num_warps, num_stages=num_stages,
     ))
     if R_tot > 0 and n_slots > 0:
         BLOCK_KF = min(128, max(16, _FINISH_TILE // BLOCK_R))
@@ -584,23 +586,3 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
         ), dict(BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_KF, num_warps=4))
     return dx, dA_out
 
-
-def lora_dx(dh, A_cat, segs: Segments, table: AdapterTable, out: torch.Tensor, *, seed: Optional[int] = None):
-    """The shrink backward's data part alone (``stack_num`` 1), written into ``out`` (``[S, K]``, the activation
-    dtype): ``out[t] = keep[t] / (1 - p) * dh[t, :r] @ A_a`` for adapter tokens, zero for the others; returns ``out``.
-
-    The expand kernels run it, reading ``A_cat`` transposed: every row of ``out`` is written and nothing is read
-    from it, so a base layer's input gradient can then be accumulated into it by cuBLAS (``out.addmm_(dy, W)``).
-    ``seed`` regenerates the forward's dropout mask. :func:`lora_shrink_bwd` with ``need_dx=False`` gives ``dA``.
-    """
-    name = "lora_dx"
-    _check_common(name, out, segs, table, 1)
-    S, K = out.shape
-    dev = out.device
-    _check_tensor(name, "dh", dh, (S, table.max_rank), (torch.float32, torch.float64), dev)
-    _check_tensor(name, "A_cat", A_cat, (table.total_rank, K), (torch.float32, out.dtype), dev)
-    _check(out.stride(1) == 1 or K <= 1, f"{name}: out must be contiguous in its last dim, got strides {out.stride()}")
-    _check(seed is None or isinstance(seed, int), f"{name}: seed must be an int or None, got {type(seed)}")
-    _expand_launch(dh, A_cat, A_cat.stride(1), A_cat.stride(0), segs, table, out, slice_idx=0, accumulate=False,
-                   bias=None, seed=seed, use_scales=False, blocks=DX_BLOCKS)
-    return out

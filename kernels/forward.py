@@ -48,8 +48,9 @@ SHRINK_BLOCKS = {
     "interpreter": [(_INF, 16, 32, 32, 1, 1)],
 }
 # with fused dropout (Philox per element group: more registers), measured best on H200 at S=8192, K=4096, r=16, bf16
+# (16-bit Philox halves, 8 columns per draw; sweep at S=16384, K in {2048, 5632}: 4 warps x 4 stages best at both)
 SHRINK_DROPOUT_BLOCKS = {
-    "gpu": [(32, 32, 32, 128, 8, 3), (_INF, 32, 128, 128, 8, 3)],
+    "gpu": [(32, 32, 32, 128, 4, 4), (_INF, 32, 128, 128, 8, 3)],
     "interpreter": [(_INF, 16, 32, 32, 1, 1)],
 }
 # (bound on N = output dim, BLOCK_S, BLOCK_N cap, BLOCK_R cap, num_warps, num_stages)
@@ -57,10 +58,9 @@ EXPAND_BLOCKS = {
     "gpu": [(_INF, 64, 128, 64, 4, 1)],
     "interpreter": [(_INF, 16, 512, 16, 1, 1)],
 }
-# the shrink backward's dx (lora_dx: the expand kernels reading A transposed, write-only, dropout mask regenerated);
-# keyed by N = K of the layer
-DX_BLOCKS = {
-    "gpu": [(_INF, 64, 128, 64, 4, 1)],
+# write mode (``accumulate=False``: y only written): taller tiles, best at S=16384, N in {2048, 5632} on H200
+EXPAND_WRITE_BLOCKS = {
+    "gpu": [(_INF, 128, 128, 64, 4, 1)],
     "interpreter": [(_INF, 16, 512, 16, 1, 1)],
 }
 SMEM_BUDGET = 144 * 1024  # bytes of pipelined shrink tiles; leaves headroom under Hopper's 228 KB (A100: 164 KB)
@@ -230,8 +230,7 @@ def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: 
             raise ValueError("bias is only taken with accumulate=False")
         if not isinstance(bias, torch.Tensor) or bias.shape != (N,) or bias.device != device:
             raise ValueError(f"bias must be a [{N}] tensor on {device}, got {getattr(bias, 'shape', type(bias))}")
-    _expand_launch(h, B_cat, B_cat.stride(0), B_cat.stride(1), segs, table, y, slice_idx=slice_idx,
-                   accumulate=accumulate, bias=bias, seed=None, use_scales=True, blocks=EXPAND_BLOCKS)
+    _expand_launch(h, B_cat, segs, table, y, slice_idx=slice_idx, accumulate=accumulate, bias=bias)
     return y
 
 
@@ -242,46 +241,39 @@ def _fill_rows(y: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
         y.copy_(bias.to(y.dtype).expand_as(y))
 
 
-def _expand_launch(h, B, stride_bn, stride_br, segs: Segments, table: AdapterTable, y, *, slice_idx: int,
-                   accumulate: bool, bias, seed: Optional[int], use_scales: bool, blocks: dict) -> None:
-    """The expand kernels over ``B`` given by strides (``B[n, j]`` at ``n * stride_bn + j * stride_br``): the
-    forward expand (``B_cat``) and the shrink backward's ``dx`` (``A_cat`` read transposed, ``use_scales=False``,
-    the dropout mask of ``seed``)."""
+def _expand_launch(h, B_cat, segs: Segments, table: AdapterTable, y, *, slice_idx: int, accumulate: bool,
+                   bias) -> None:
     S, N = y.shape
     live = not (S == 0 or N == 0 or table.max_rank == 0 or segs.num_segments == 0 or segs.max_len == 0)
     write_all = not accumulate and segs.covers_all_rows  # the SGEMM kernel defines base rows itself
     if not accumulate and not write_all:
-        _fill_rows(y, bias)  # rows no segment reaches; then the kernel writes the adapter rows
+        _fill_rows(y, bias)  # rows no segment reaches; then the kernel writes (or adds to the bias of) adapter rows
     if not live:
         if write_all:
             _fill_rows(y, bias)
         return
     fp64 = torch.float64 in (y.dtype, h.dtype)
+    blocks = EXPAND_BLOCKS if accumulate else EXPAND_WRITE_BLOCKS
     S_BLK, N_CAP, R_CAP, num_warps, num_stages = _pick(blocks[_target()], N)
     BLOCK_N = _pow2_clamp(N, 16, N_CAP)
     BLOCK_R = _pow2_clamp(table.max_rank, 16, R_CAP)
     BLOCK_S = _rows_block(segs, S_BLK)
-    has_dropout = seed is not None and table.has_dropout
-    has_bias = bias is not None and write_all
-    common = (h.stride(0), h.stride(1), stride_bn, stride_br, y.stride(0), y.stride(1))
+    common = (h.stride(0), h.stride(1), B_cat.stride(0), B_cat.stride(1), y.stride(0), y.stride(1))
     meta = dict(FP64=fp64, DOT_PRECISION=_dot_precision(torch.float64 if fp64 else y.dtype),
-                ACCUMULATE=accumulate, HAS_BIAS=has_bias, HAS_DROPOUT=has_dropout, USE_SCALES=use_scales,
+                # after a bias fill the kernel adds to it; after a zero fill (or defining every row) it writes
+                ACCUMULATE=accumulate or (not write_all and bias is not None), HAS_BIAS=write_all and bias is not None,
                 BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, num_warps=num_warps, num_stages=num_stages)
-    # write mode after a fill: the kernel writes adapter rows only, without the bias already there
-    if not accumulate and not write_all and bias is not None:
-        meta["ACCUMULATE"] = True
-    seed = seed if has_dropout else 0
-    bias_arg = bias if has_bias else y
+    bias_arg = bias if meta["HAS_BIAS"] else y
     if segs.perm is None:
         rows = max(segs.max_len, segs.base_max_len) if write_all else segs.max_len
         grid = (segs.num_segments, cdiv(rows, BLOCK_S), cdiv(N, BLOCK_N))
         launch(sgemm_expand_kernel, grid, (
-            h, B, y, bias_arg, segs.indptr, segs.slot, table.ranks, table.offsets, table.scales, table.dropout, seed,
-            slice_idx, N, *common), dict(meta, BLOCK_S=BLOCK_S))
+            h, B_cat, y, bias_arg, segs.indptr, segs.slot, table.ranks, table.offsets, table.scales, slice_idx, N,
+            *common), dict(meta, BLOCK_S=BLOCK_S))
     else:
         chunks = chunk_table(segs, BLOCK_S)
         grid = (chunks.shape[1], cdiv(N, BLOCK_N))
         launch(sgmv_expand_kernel, grid, (
-            h, B, y, bias_arg, chunks, segs.indptr, segs.slot, segs.perm, table.ranks, table.offsets, table.scales,
-            table.dropout, seed, slice_idx, chunks.shape[1], *common),
+            h, B_cat, y, bias_arg, chunks, segs.indptr, segs.slot, segs.perm, table.ranks, table.offsets,
+            table.scales, slice_idx, chunks.shape[1], *common),
             dict(N=N, MAX_RANK=table.max_rank, BLOCK_M=BLOCK_S, **meta))

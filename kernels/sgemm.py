@@ -61,17 +61,14 @@ def shrink_tile(
 
 @triton.jit
 def expand_tile(
-    h, B, y, bias, o_s, m_s, i_n, h_col0, b_col0, rank, scale, N, seed, p,
+    h, B, y, bias, o_s, m_s, i_n, h_col0, b_col0, rank, scale, N,
     stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
-    FP64: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    FP64: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """y[o_s, n] (+)= scale * h[o_s, h_col0 : h_col0+rank] . B[n, b_col0 : b_col0+rank] for the N-tile ``i_n``.
 
     ``ACCUMULATE``: added to y (read first); otherwise y is written, plus ``bias[n]`` with ``HAS_BIAS``.
-    ``HAS_DROPOUT``: the product is masked by ``keep_block(seed, rows, n, N, p)`` (the shrink backward's ``dx``,
-    whose ``scale`` is then ``1 / (1 - p)``).
     """
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_r = tl.arange(0, BLOCK_R)
@@ -97,8 +94,6 @@ def expand_tile(
             b_acc = tl.dot(b_h.to(y.dtype.element_ty), b_b.to(y.dtype.element_ty), b_acc,
                            input_precision=DOT_PRECISION)
     b_out = scale.to(b_acc.dtype) * b_acc
-    if HAS_DROPOUT:
-        b_out = tl.where(keep_block(seed, o_s, o_n, N, p), b_out, 0.0)
     if ACCUMULATE:
         b_out += b_y.to(b_acc.dtype)
     if HAS_BIAS:
@@ -112,9 +107,9 @@ def fill_tile(y, bias, o_s, m_s, i_n, N, stride_ys, stride_yn, HAS_BIAS: tl.cons
     """y[o_s, n] = bias[n] (or 0) for the N-tile ``i_n``: the rows of a write-mode expand that no adapter touches."""
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
-    b_out = tl.zeros([BLOCK_S, BLOCK_N], dtype=tl.float32)
+    b_out = tl.zeros([BLOCK_S, BLOCK_N], dtype=y.dtype.element_ty)  # a copy of the bias: no rounding past y's
     if HAS_BIAS:
-        b_out += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+        b_out += tl.load(bias + o_n, mask=m_n, other=0.0).to(y.dtype.element_ty)[None, :]
     p_y = y + o_s[:, None] * stride_ys + o_n[None, :] * stride_yn
     tl.store(p_y, b_out.to(y.dtype.element_ty), mask=m_s[:, None] & m_n[None, :])
 
@@ -153,19 +148,17 @@ def sgemm_shrink_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def sgemm_expand_kernel(
-    h, B, y, bias, indptr, seg_slot, ranks, offsets, scales, dropout, seed, slice_idx, N,
+    h, B, y, bias, indptr, seg_slot, ranks, offsets, scales, slice_idx, N,
     stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
-    FP64: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_SCALES: tl.constexpr,
+    FP64: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """y[t] += scale_a * h[t, slice*r : (slice+1)*r] @ B_cat[:, off : off+r]^T for the rows t of segment ``i_g``.
 
     Write mode (``ACCUMULATE=False``): y[t] = that product (+ bias), and rows of base segments / rank-0 slots are
-    written too (bias or zero), so every row of y is defined. ``USE_SCALES=False`` takes scale 1 (``1/(1-p)`` with
-    ``HAS_DROPOUT``).
+    written too (bias or zero), so every row of y is defined.
     """
     i_g = tl.program_id(0)
     i_s = tl.program_id(1).to(tl.int64)
@@ -181,15 +174,8 @@ def sgemm_expand_kernel(
         if not ACCUMULATE:
             fill_tile(y, bias, o_s, o_s < eos, i_n, N, stride_ys, stride_yn, HAS_BIAS, BLOCK_S, BLOCK_N)
         return
-    scale = tl.full([], 1.0, tl.float32)
-    if USE_SCALES:
-        scale = tl.load(scales + slot)
-    p = 0.0
-    if HAS_DROPOUT:
-        p = tl.load(dropout + slot)
-        scale = scale / (1.0 - p)
     expand_tile(
-        h, B, y, bias, o_s, o_s < eos, i_n, slice_idx * rank, tl.load(offsets + slot), rank, scale, N, seed, p,
-        stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
-        FP64, DOT_PRECISION, ACCUMULATE, HAS_BIAS, HAS_DROPOUT, BLOCK_S, BLOCK_N, BLOCK_R,
+        h, B, y, bias, o_s, o_s < eos, i_n, slice_idx * rank, tl.load(offsets + slot), rank, tl.load(scales + slot),
+        N, stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
+        FP64, DOT_PRECISION, ACCUMULATE, HAS_BIAS, BLOCK_S, BLOCK_N, BLOCK_R,
     )

@@ -80,13 +80,12 @@ def sgmv_shrink_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def sgmv_expand_kernel(
-    h, B, y, bias, chunks, indptr, seg_slot, perm, ranks, offsets, scales, dropout, seed, slice_idx, capacity,
+    h, B, y, bias, chunks, indptr, seg_slot, perm, ranks, offsets, scales, slice_idx, capacity,
     stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
     N: tl.constexpr, MAX_RANK: tl.constexpr,
-    FP64: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_SCALES: tl.constexpr,
+    FP64: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """y[perm[j]] (+)= scale_a * h[perm[j], slice*r : (slice+1)*r] @ B_cat[:, off : off+r]^T for the chunk's j.
@@ -107,15 +106,8 @@ def sgmv_expand_kernel(
     o_m = tl.load(chunks + capacity + i_c) + tl.arange(0, BLOCK_M)  # [BLOCK_M] logical positions
     m_s = o_m < tl.load(indptr + i_g + 1)
     o_s = tl.load(perm + o_m, mask=m_s, other=0).to(tl.int64)  # [BLOCK_M] physical rows
-    scale = tl.full([], 1.0, tl.float32)
-    if USE_SCALES:
-        scale = tl.load(scales + slot)
-    p = 0.0
-    if HAS_DROPOUT:
-        p = tl.load(dropout + slot)
-        scale = scale / (1.0 - p)
     expand_tile(
-        h, B, y, bias, o_s, m_s, i_n, slice_idx * rank, tl.load(offsets + slot), rank, scale, N, seed, p,
+        h, B, y, bias, o_s, m_s, i_n, slice_idx * rank, tl.load(offsets + slot), rank, tl.load(scales + slot), N,
         stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
-        FP64, DOT_PRECISION, ACCUMULATE, HAS_BIAS, HAS_DROPOUT, BLOCK_M, BLOCK_N, BLOCK_R,
+        FP64, DOT_PRECISION, ACCUMULATE, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_R,
     )

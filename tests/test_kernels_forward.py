@@ -102,7 +102,7 @@ def _run_case(S, K, N, ranks, stack, layout, ps, w_lowp, grouped, dtype, device,
 
     # write mode (accumulate=False): the poisoned y is never read and every row is defined -- the product (+ bias)
     # on adapter rows, the bias (or zero) elsewhere; SGEMM segments with and without the base-run length known
-    bias = torch.randn(N, generator=g).to(device, dtype)
+    bias = torch.randn(N, generator=g, dtype=torch.float64).to(device, dtype)  # fp64: not fp32-representable
     variants = [segs] if grouped else [segs, segs._replace(base_max_len=-1, cache={})]
     for segs_v in variants:
         for b in (None, bias):
