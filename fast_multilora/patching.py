@@ -26,6 +26,7 @@ from functools import partial
 import torch
 from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.lora import LoraLayer
+from torch.nn.modules import module as _nn_module  # its global forward hooks are read per call
 
 from . import stacked
 from .function import DeltaSpec, FusedLinearDelta, LoraDelta, get_backend
@@ -119,13 +120,16 @@ def _layer_table(layer, plan, device):
                 f"{peft_msg}adapter {name!r} uses a LoRA variant ({kind}) in module {type(layer.base_layer).__name__}; "
                 "mixed batches run vanilla LoRA adapters only (PEFT does not mix DoRA adapters in a batch either)"
             )
+    # everything the table depends on, read through the module dicts (no nn.Module.__getattr__: this runs per call)
+    mods = layer._modules
+    a_mods, b_mods, drops = mods["lora_A"]._modules, mods["lora_B"]._modules, mods["lora_dropout"]._modules
+    r, scaling, lora_bias = layer.r, layer.scaling, layer.lora_bias
     sig = (
         plan.slot_names,
         device,
         layer.training,
-        tuple((n, layer.r[n], layer.scaling[n], getattr(layer.lora_dropout[n], "p", 0.0), layer.lora_bias[n])
-              for n in layer.lora_A.keys()),
-        tuple(not layer.lora_dropout[n].training for n in layer.lora_A.keys()),
+        tuple((n, a, b_mods[n], r[n], scaling[n], drops[n].__dict__.get("p", 0.0), drops[n].training, lora_bias[n])
+              for n, a in a_mods.items()),
     )
     cache = layer.__dict__.get("_fml_table")
     if cache is not None and cache[0] == sig:
@@ -167,12 +171,13 @@ def _fused_base(layer, x, args, kwargs, present, router):
     base layer itself and adds the delta (:class:`LoraDelta`)."""
     if not router.fuse_base or not present or args or kwargs:
         return None
-    base = layer.base_layer
+    base = layer._modules["base_layer"]
     if type(base) is not torch.nn.Linear or "forward" in base.__dict__:  # accelerate hooks replace forward
         return None
-    if base._forward_hooks or base._forward_pre_hooks or _global_module_hooks():
+    if base._forward_hooks or base._forward_pre_hooks or _nn_module._global_forward_hooks or \
+            _nn_module._global_forward_pre_hooks:
         return None
-    W, b = base.weight, base.bias
+    W, b = base._parameters["weight"], base._parameters.get("bias")
     if W.requires_grad or (b is not None and b.requires_grad) or type(W) is not torch.nn.Parameter:
         return None
     if x.dtype != W.dtype or x.device != W.device or (b is not None and b.dtype != W.dtype):
@@ -181,16 +186,10 @@ def _fused_base(layer, x, args, kwargs, present, router):
         return None
     if any(layer.lora_bias[n] for n in present):
         return None
-    lora_dtype = layer.lora_A[present[0]].weight.dtype
+    lora_dtype = layer._modules["lora_A"]._modules[present[0]]._parameters["weight"].dtype
     if x.dtype == torch.float32 and lora_dtype in (torch.float16, torch.bfloat16):
         return None  # PEFT feeds the adapters a cast input: the per-module path does the same
     return base
-
-
-def _global_module_hooks() -> bool:
-    from torch.nn.modules import module as nn_module
-
-    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
 
 
 def _apply_delta(layer, x, result, plan, table, present, bias_row, router):
@@ -204,7 +203,9 @@ def _apply_delta(layer, x, result, plan, table, present, bias_row, router):
 def _delta_inputs(layer, x, plan, table, present, bias_row, router):
     """``(x, spec, weights)`` for the delta Functions: the input (cast as PEFT casts it), the :class:`DeltaSpec`
     and the present adapters' A, B (and lora_bias) weights."""
-    lora_w = layer.lora_A[present[0]].weight
+    a_mods, b_mods = layer._modules["lora_A"]._modules, layer._modules["lora_B"]._modules
+    weights = [a_mods[n]._parameters["weight"] for n in present] + [b_mods[n]._parameters["weight"] for n in present]
+    lora_w = weights[0]
     if x.device != lora_w.device:
         raise ValueError(
             f"input is on {x.device} but the LoRA weights of this layer are on {lora_w.device}; move the batch to "
@@ -214,14 +215,13 @@ def _delta_inputs(layer, x, plan, table, present, bias_row, router):
     if x.dtype == torch.float32 and lora_dtype in (torch.float16, torch.bfloat16):
         # PEFT casts the input to the adapter dtype; with adapters of several dtypes in the layer keep fp32 (the
         # weights are concatenated in the promoted dtype), so fp32 adapters are not fed a 16-bit input
-        if all(layer.lora_A[n].weight.dtype == lora_dtype for n in present):
+        if all(w.dtype == lora_dtype for w in weights[: len(present)]):
             x = x.to(lora_dtype)
     backend = get_backend(router.backend, x.device)
     seed = None
     if table.has_dropout:
         seed = int(torch.randint(0, 2**31 - 1, (1,)))  # CPU RNG: no device sync; restored by checkpoint recompute
     has_bias = any(layer.lora_bias[n] for n in present)
-    weights = [layer.lora_A[n].weight for n in present] + [layer.lora_B[n].weight for n in present]
     bias_slots = None
     if has_bias:
         for n in present:
@@ -231,7 +231,7 @@ def _delta_inputs(layer, x, plan, table, present, bias_row, router):
         bias_slots = bias_row[plan.token_slots].to(x.device)  # slot -1 (base) indexes the trailing "none" row
     spec = DeltaSpec(
         segs=plan.segments, table=table, backend=backend, seed=seed, num_adapters=len(present),
-        ranks=tuple(layer.r[n] for n in present), has_bias=has_bias, bias_slots=bias_slots,
+        ranks=tuple(w.shape[0] for w in weights[: len(present)]), has_bias=has_bias, bias_slots=bias_slots,
     )
     return x, spec, weights
 

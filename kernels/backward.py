@@ -446,10 +446,12 @@ def _check(cond: bool, msg: str):
 
 
 def _check_common(name: str, act: torch.Tensor, segs: Segments, table: AdapterTable, stack_num: int):
-    _check(act.dim() == 2, f"{name}: expected a 2-D activation, got shape {tuple(act.shape)}")
-    _check(act.dtype in _ACT_DTYPES, f"{name}: activation dtype {act.dtype} not in {_ACT_DTYPES}")
-    _check(act.shape[0] == segs.num_tokens, f"{name}: {act.shape[0]} rows but segs.num_tokens={segs.num_tokens}")
-    _check(stack_num >= 1, f"{name}: stack_num must be >= 1, got {stack_num}")
+    # cheap tests first; the messages are formatted only on failure (this runs twice per layer backward)
+    if not (act.dim() == 2 and act.dtype in _ACT_DTYPES and act.shape[0] == segs.num_tokens and stack_num >= 1):
+        _check(act.dim() == 2, f"{name}: expected a 2-D activation, got shape {tuple(act.shape)}")
+        _check(act.dtype in _ACT_DTYPES, f"{name}: activation dtype {act.dtype} not in {_ACT_DTYPES}")
+        _check(act.shape[0] == segs.num_tokens, f"{name}: {act.shape[0]} rows but segs.num_tokens={segs.num_tokens}")
+        _check(stack_num >= 1, f"{name}: stack_num must be >= 1, got {stack_num}")
     dev = act.device
     if checked(segs, table, ("bwd_layout_ok", dev)):  # the checks below run once per (segments, table)
         return
@@ -469,6 +471,8 @@ def _check_common(name: str, act: torch.Tensor, segs: Segments, table: AdapterTa
 
 
 def _check_tensor(name: str, what: str, t: torch.Tensor, shape, dtypes, device):
+    if t.shape == shape and t.dtype in dtypes and t.device == device:  # messages formatted only on failure
+        return
     _check(tuple(t.shape) == tuple(shape), f"{name}: {what} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     _check(t.dtype in dtypes, f"{name}: {what} dtype {t.dtype} not in {tuple(dtypes)}")
     _check(t.device == device, f"{name}: {what} is on {t.device}, activations on {device}")
@@ -481,7 +485,8 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
     written, zero for slots without tokens). float64 ``dy`` gives float64 outputs."""
     name = "lora_expand_bwd"
     _check_common(name, dy, segs, table, stack_num)
-    _check(0 <= slice_idx < stack_num, f"{name}: slice_idx={slice_idx} outside [0, stack_num={stack_num})")
+    if not 0 <= slice_idx < stack_num:
+        raise ValueError(f"{name}: slice_idx={slice_idx} outside [0, stack_num={stack_num})")
     S, N = dy.shape
     dev, acc = dy.device, _acc_dtype(dy.dtype)
     n_slots, R, R_tot = table.ranks.numel(), table.max_rank, table.total_rank
@@ -542,8 +547,10 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     n_slots, R, R_tot = table.ranks.numel(), table.max_rank, table.total_rank
     _check_tensor(name, "dh", dh, (S, stack_num * R), (torch.float32, torch.float64), dev)
     _check_tensor(name, "A_cat", A_cat, (stack_num * R_tot, K), (torch.float32, x.dtype), dev)
-    _check(seed is None or isinstance(seed, int), f"{name}: seed must be an int or None, got {type(seed)}")
-    _check(need_dx or dx_out is None, f"{name}: dx_out given but need_dx=False")
+    if not (seed is None or isinstance(seed, int)):
+        raise ValueError(f"{name}: seed must be an int or None, got {type(seed)}")
+    if not (need_dx or dx_out is None):
+        raise ValueError(f"{name}: dx_out given but need_dx=False")
     dx = None
     if need_dx:
         dx = dx_out if dx_out is not None else torch.empty_like(x)
