@@ -50,7 +50,7 @@ def shrink_tile(
         if HAS_DROPOUT:
             b_x = tl.where(keep_block(seed, o_s, k0 + o_k, K, p), b_x, 0.0)
         # weights may be fp32 under 16-bit activations: the dot runs in the activation dtype, accumulates fp32
-        b_acc = tl.dot(b_x, b_a.to(b_x.dtype), b_acc, input_precision=DOT_PRECISION)
+        b_acc = tl.dot(b_x, b_a.to(b_x.dtype), b_acc, input_precision=DOT_PRECISION, out_dtype=b_acc.dtype)
         p_x += BLOCK_K * stride_xk
         p_a += BLOCK_K * stride_ak
     if HAS_DROPOUT:
@@ -88,7 +88,8 @@ def expand_tile(
         b_h = tl.load(p_h, mask=m_s[:, None] & m_r[None, :], other=0.0)
         b_b = tl.load(p_b, mask=m_r[:, None] & m_n[None, :], other=0.0)
         if FP64:
-            b_acc = tl.dot(b_h.to(tl.float64), b_b.to(tl.float64), b_acc, input_precision=DOT_PRECISION)
+            b_acc = tl.dot(b_h.to(tl.float64), b_b.to(tl.float64), b_acc, input_precision=DOT_PRECISION,
+                           out_dtype=tl.float64)
         else:
             # h is fp32: 16-bit y runs the dot in y's dtype (tensor cores), fp32 y in ieee fp32
             b_acc = tl.dot(b_h.to(y.dtype.element_ty), b_b.to(y.dtype.element_ty), b_acc,
