@@ -169,6 +169,11 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
                          f"got {list(A_cat.shape)}")
     if seed is not None and not isinstance(seed, int):
         raise ValueError(f"seed must be an int or None, got {type(seed).__name__}")
+    if x.dtype == torch.float64 and segs.perm is not None and device.type == "cuda":
+        # Triton 3.6 fails in ConvertTritonGPUToLLVM on the gathered fp64 dot (measured on H200); float64 exists
+        # for gradcheck, which runs on CPU (interpreter) or with the SGEMM family
+        raise NotImplementedError("float64 activations with the chunked (gathered) family do not compile for the GPU; "
+                                  "use float32, or family='sgemm' (patch(..., family='sgemm'))")
     h_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     width = stack_num * table.max_rank
     if out is None:

@@ -127,6 +127,10 @@ def test_forward_matches_reference(S, K, N, ranks, stack, layout, ps, w_lowp, gr
 
 @pytest.mark.parametrize("grouped", FAMILIES)
 def test_float64(grouped, device):
+    if grouped and device == "cuda":  # Triton's GPU compiler fails on the gathered fp64 dot: a clear error instead
+        with pytest.raises(NotImplementedError, match="float64 activations with the chunked"):
+            _run_case(29, 41, 33, [2, 0, 7], 2, "random", [0.0, 0.3, 0.5], False, grouped, torch.float64, device)
+        return
     _run_case(29, 41, 33, [2, 0, 7], 2, "random", [0.0, 0.3, 0.5], False, grouped, torch.float64, device)
 
 
