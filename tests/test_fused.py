@@ -116,3 +116,50 @@ def test_cases_that_keep_the_per_module_path(case, fused_calls):
         assert fused_calls == []
     if case == "trainable base":
         assert layer.base_layer.weight.grad is not None and layer.base_layer.weight.grad.abs().sum() > 0
+
+
+class _BiasMLP(torch.nn.Module):
+    """Linear layers with biases (as Qwen's q/k/v): the bias is folded into the write-mode expand."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(24, 40), torch.nn.Linear(40, 24)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_with_base_bias_matches_peft_per_sample(backend, fused_calls):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(_BiasMLP(), LoraConfig(r=4, target_modules=["up", "down"], init_lora_weights=False),
+                           adapter_name="a0")
+    model.add_adapter("a1", LoraConfig(r=2, lora_alpha=5, target_modules=["up"], init_lora_weights=False))
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora_" in n)
+    ref = twin(model)
+    fast_multilora.patch(model, backend=backend)
+    names = ["a1", "__base__", "a0", "a1"]
+    x = torch.randn(len(names), 5, 24)
+    w = torch.randn(len(names), 5, 24)
+    out = model(x, adapter_names=names)
+    (out * w).sum().backward()
+    assert len(fused_calls) == 2  # both layers, their biases included
+    for i, name in enumerate(names):  # stock PEFT, one sample at a time with its adapter alone
+        if name == "__base__":
+            with ref.disable_adapter():
+                want = ref(x[i : i + 1])
+        else:
+            ref.set_adapter(name)
+            for n, p in ref.named_parameters():
+                p.requires_grad_("lora_" in n)
+            want = ref(x[i : i + 1])
+            (want * w[i : i + 1]).sum().backward()
+        torch.testing.assert_close(out[i : i + 1].detach(), want.detach(), rtol=1e-5, atol=1e-6)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    want_g = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert set(got) == set(want_g)
+    for n, g in want_g.items():
+        torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
