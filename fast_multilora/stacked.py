@@ -16,7 +16,8 @@ the members seen with it last time that still qualify for this call -- the same 
 active dropout (PEFT draws an independent mask per module, so with dropout the siblings do not read the same
 input), no ``lora_bias``, no LoRA variant, one A-weight dtype, weights on the input's device -- and leaves their
 slices pending; a member called later on the same input takes its slice. Anything else (the first forward call, a
-member that does not qualify, another input) runs the per-module ``LoraDelta``, which is always correct. The choice
+member that does not qualify, another input) runs the per-module path (``FusedLinearDelta`` where the base allows,
+else ``LoraDelta``), which is always correct. The choice
 depends only on the previous forward call, so gradient-checkpointing recomputation (inside ``backward()``, before
 the next forward call) takes the same path as the forward it replays, as non-reentrant checkpointing requires.
 
