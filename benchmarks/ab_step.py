@@ -9,10 +9,8 @@ Usage (GPU): ``python benchmarks/ab_step.py [--out FILE] [--rounds 3]``.
 from __future__ import annotations
 
 import argparse
-import io
 import statistics
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -29,17 +27,13 @@ VARIANTS = {  # name: (lora dropout p, patch kwargs)
 
 
 def main(argv=None):
-    from profile_step import build  # the same model, adapters and step as the step profile
+    from profile_step import build, cuda_kernels, tee  # the same model, adapters and step as the step profile
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
-    buf = io.StringIO()
-
-    def say(*x):
-        print(*x, flush=True)
-        print(*x, file=buf)
+    say, buf = tee()
 
     pm, step = build()
     drops = [m for n, m in pm.named_modules() if isinstance(m, torch.nn.Dropout) and "lora_dropout" in n]
@@ -86,11 +80,7 @@ def main(argv=None):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
-        n, us = Counter(), Counter()
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                n[e.name[:60]] += 1
-                us[e.name[:60]] += e.device_time_total
+        n, us = cuda_kernels(prof, width=60)
         say(f"--- {name}: {sum(n.values())} kernels, CUDA time {sum(us.values()) / 1e3:.1f} ms; by total time:")
         for k, t in us.most_common(22):
             say(f"  {t / 1e3:7.2f} ms  {n[k]:4d} x {t / n[k]:7.1f} us  {k}")

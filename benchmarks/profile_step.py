@@ -52,15 +52,33 @@ def build(n_adapters=8, rows=16, T=1024):
     return pm, step
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args(argv)
+def tee():
+    """``(say, buf)``: ``say(...)`` prints and also appends to ``buf`` (a ``StringIO`` written to ``--out``)."""
     buf = io.StringIO()
 
     def say(*x):
         print(*x, flush=True)
         print(*x, file=buf)
+
+    return say, buf
+
+
+def cuda_kernels(prof, width: int = 70):
+    """``(launches, us)``: Counters of a profile's CUDA kernel launches and device time (us), keyed by the kernel
+    name cut to ``width`` characters."""
+    launches, us = Counter(), Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            launches[e.name[:width]] += 1
+            us[e.name[:width]] += e.device_time_total
+    return launches, us
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    say, buf = tee()
 
     _, step = build()
     for _ in range(3):
@@ -81,12 +99,7 @@ def main(argv=None):
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    kernels = Counter()
-    cuda_us = Counter()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[e.name[:70]] += 1
-            cuda_us[e.name[:70]] += e.device_time_total
+    kernels, cuda_us = cuda_kernels(prof)
     say(f"kernel launches per step: {sum(kernels.values())}; CUDA time {sum(cuda_us.values()) / 1e3:.1f} ms")
     for k, n in kernels.most_common(30):
         say(f"  {n:5d} x {cuda_us[k] / n:8.1f} us  {k}")
