@@ -118,7 +118,7 @@ def _sweep_model_shape(rows, S, Kd, N):
             record(rows, "m_shrink_dropout", shape, (bs, bk, w, st),
                    lambda: K.lora_shrink(x, A_cat, segs, table, seed=5))
         kf.SHRINK_DROPOUT_BLOCKS["gpu"] = saved
-        saved_s, saved_d = dict(kb._SHRINK_BLOCKS), dict(kb._SHRINK_DA_BLOCKS)
+        saved_s = dict(kb._SHRINK_BLOCKS)
         for pps in (2, 4):
             kb._PROGRAMS_PER_SM = pps
             for bs, bk, w, st in itertools.product((32, 64), (64, 128, 256), (4, 8), (2, 3)):
@@ -129,7 +129,6 @@ def _sweep_model_shape(rows, S, Kd, N):
         kb._PROGRAMS_PER_SM = saved_p
         record(rows, "m_da", shape, ("default",),
                lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table, seed=5, need_dx=False))
-        kb._SHRINK_DA_BLOCKS.update(saved_d)
     if Kd == 2048:  # the expand and its backward depend on N only
         for mode, table_, accumulate in (("m_expand_write", kf.EXPAND_WRITE_BLOCKS, False),
                                          ("m_expand_add", kf.EXPAND_BLOCKS, True)):

@@ -9,17 +9,17 @@ token of adapter ``a`` at columns ``s*r_a .. (s+1)*r_a``. Each sibling then expa
 ``in_features`` and the same device -- no name lists. ``o_proj`` joins the attention group by shape; it never shares
 because it is never called on the q/k/v input.
 
-**Per call** (:func:`shared_delta`): a group watches which members are called on one input tensor (by identity, a
-weak reference, so no activation is kept alive). What it saw in one forward call is what it stacks in the next
-(``Router.generation`` counts forward calls): the first member called on an input runs one shrink for itself and
-the members seen with it last time that still qualify for this call -- the same adapters with equal ranks, no
-active dropout (PEFT draws an independent mask per module, so with dropout the siblings do not read the same
-input), no ``lora_bias``, no LoRA variant, one A-weight dtype, weights on the input's device -- and leaves their
-slices pending; a member called later on the same input takes its slice. Anything else (the first forward call, a
-member that does not qualify, another input) runs the per-module path (``FusedLinearDelta`` where the base allows,
-else ``LoraDelta``), which is always correct. The choice
-depends only on the previous forward call, so gradient-checkpointing recomputation (inside ``backward()``, before
-the next forward call) takes the same path as the forward it replays, as non-reentrant checkpointing requires.
+**Per call** (:func:`may_share`, then :func:`shared_delta`): a group watches which members are called on one input
+tensor (by identity, a weak reference, so no activation is kept alive). What it saw in one forward call is what it
+stacks in the next (``Router.generation`` counts forward calls): the first member called on an input runs one shrink
+for itself and the members seen with it last time that still qualify for this call -- the same adapters with equal
+ranks, no active dropout (PEFT draws an independent mask per module, so with dropout the siblings do not read the
+same input), no ``lora_bias``, no LoRA variant, one A-weight dtype, weights on the input's device -- and leaves
+their slices pending; a member called later on the same input takes its slice. Anything else (the first forward
+call, a member that does not qualify, another input) runs the per-module path (``FusedLinearDelta`` where the base
+allows, else ``LoraDelta``), which is always correct. The choice depends only on the previous forward call, so
+gradient-checkpointing recomputation (inside ``backward()``, before the next forward call) takes the same path as
+the forward it replays, as non-reentrant checkpointing requires.
 
 **Backward**: each member's expand backward writes its slice of ``dh`` into one buffer of the stack (scoped to the
 running backward pass) and returns no gradient for ``h``; autograd runs the shrink's backward after every expand
@@ -211,8 +211,8 @@ class SiblingGroup:
 
     def may_share(self, i, x, table, present, router) -> bool:
         """Records member ``i``'s call on ``x`` and says whether :meth:`forward` may stack it: a slice is pending
-        for it, or it qualifies and was seen with siblings in the last forward call. The caller then calls
-        ``forward(..., observed=True)`` (a ``False`` lets it run the fused per-module path instead)."""
+        for it, or it qualifies and was seen with siblings in the last forward call. A ``True`` is followed by
+        :meth:`forward` (a ``False`` lets the caller run the fused per-module path instead)."""
         self._observe(i, x, router.generation)
         if not present:
             return False
@@ -222,11 +222,9 @@ class SiblingGroup:
         return (any(c != i for c in self._learned.get(i, ()))
                 and _qualifies(layer, table, present, x.device))
 
-    def forward(self, i, x, result, plan, table, present, router, observed=False) -> Optional[torch.Tensor]:
-        """Member ``i``'s output with its delta added through a stack, or ``None`` for the per-module path
-        (``observed``: :meth:`may_share` already recorded this call)."""
-        if not observed:
-            self._observe(i, x, router.generation)
+    def forward(self, i, x, result, plan, table, present, router) -> Optional[torch.Tensor]:
+        """Member ``i``'s output with its delta added through a stack, or ``None`` for the per-module path. Runs
+        after :meth:`may_share`, which recorded this call."""
         if not present:
             return None
         pending = self._pending.pop(i, None)
@@ -307,7 +305,7 @@ def shared_delta(layer, x, result, plan, table, present, router) -> Optional[tor
     if entry is None or not router.share_shrink:
         return None
     group, i = entry
-    return group.forward(i, x, result, plan, table, present, router, observed=True)
+    return group.forward(i, x, result, plan, table, present, router)
 
 
 def group_siblings(named_layers: list, table_of: Callable) -> list:
