@@ -1,4 +1,5 @@
-"""The LoraDelta autograd Function: float64 gradcheck, dropout semantics, zero grads for absent adapters."""
+"""The LoraDelta and FusedLinearDelta autograd Functions: float64 gradcheck, dropout semantics, zero grads for absent
+adapters."""
 
 import os
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from helpers import make_segments, make_table, random_token_slots
 
-from fast_multilora.function import DeltaSpec, LoraDelta, get_backend
+from fast_multilora.function import DeltaSpec, FusedLinearDelta, LoraDelta, get_backend
 
 
 def _spec(ts, ranks, grouped, backend="torch", dropout=None, seed=None, device="cpu"):
@@ -58,6 +59,33 @@ def test_gradcheck_float64_with_dropout(backend):
     y = torch.randn(S, N, generator=g, dtype=torch.float64)
     fn = lambda x, *w: LoraDelta.apply(x, y.clone(), spec, *w)
     assert torch.autograd.gradcheck(fn, (x, *As, *Bs), eps=1e-6, atol=1e-7)
+
+
+_DROP = [0.5, 0.0, 0.25, 0.1]
+
+
+@pytest.mark.parametrize("backend,grouped,dropout", [
+    pytest.param("torch", False, None, id="torch-sgemm-p0"),
+    pytest.param("torch", True, _DROP, id="torch-chunked-drop"),
+    pytest.param("triton", False, _DROP, id="triton-sgemm-drop"),
+    pytest.param("triton", True, None, id="triton-chunked-p0"),
+])
+def test_fused_linear_gradcheck_float64(backend, grouped, dropout):
+    """FusedLinearDelta (frozen W and bias, written delta + accumulated GEMM): float64 gradcheck of x and every
+    A and B, with base rows (slot -1) and a rank-0 slot; equal to the base linear plus LoraDelta."""
+    _need_interpreter(backend)
+    g = torch.Generator().manual_seed(4)
+    S, K, N, ranks = 13, 5, 6, [2, 0, 1, 3]
+    ts = random_token_slots(S, len(ranks), g)
+    spec = _spec(ts, ranks, grouped, backend=backend, dropout=dropout, seed=99 if dropout else None)
+    As, Bs = _weights(ranks, K, N, torch.float64, g)
+    W = torch.randn(N, K, generator=g, dtype=torch.float64)
+    b = torch.randn(N, generator=g, dtype=torch.float64)
+    x = torch.randn(S, K, generator=g, dtype=torch.float64, requires_grad=True)
+    fn = lambda x, *w: FusedLinearDelta.apply(x, W, b, spec, *w)
+    assert torch.autograd.gradcheck(fn, (x, *As, *Bs), eps=1e-6, atol=1e-7)
+    want = LoraDelta.apply(x, torch.nn.functional.linear(x, W, b), spec, *As, *Bs)
+    torch.testing.assert_close(fn(x, *As, *Bs), want, rtol=1e-12, atol=1e-12)
 
 
 def test_dropout_keep_rate_seed_and_consistency():
