@@ -95,15 +95,19 @@ class _FastLinearMixin:
         router: Router = self.__dict__[_ROUTER_ATTR]
         plan = router.plan_for(routing, x)
         table, present, bias_row = _layer_table(self, plan, x.device)
-        if not stacked.may_share(self, x, table, present, router):
-            base = _fused_base(self, x, args, kwargs, present, router)
-            if base is not None:
-                x_d, spec, weights = _delta_inputs(self, x, plan, table, present, bias_row, router)
-                return FusedLinearDelta.apply(x_d, base.weight, base.bias, spec, *weights)
+        share = stacked.may_share(self, x, table, present, router)  # records the call: always first
+        base = _fused_base(self, x, args, kwargs, present, router)
+        if base is not None:  # the base GEMM runs inside our Function, after the delta's expand wrote y
+            out = stacked.shared_delta(self, x, None, plan, table, present, router, base) if share else None
+            if out is not None:
+                return out
+            x_d, spec, weights = _delta_inputs(self, x, plan, table, present, bias_row, router)
+            return FusedLinearDelta.apply(x_d, base.weight, base.bias, spec, *weights)
         result = self.base_layer(x, *args, **kwargs)
-        shared = stacked.shared_delta(self, x, result, plan, table, present, router)
-        if shared is not None:
-            return shared
+        if share:
+            out = stacked.shared_delta(self, x, result, plan, table, present, router)
+            if out is not None:
+                return out
         if not present:
             return result
         return _apply_delta(self, x, result, plan, table, present, bias_row, router)

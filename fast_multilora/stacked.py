@@ -21,9 +21,16 @@ allows, else ``LoraDelta``), which is always correct. The choice depends only on
 gradient-checkpointing recomputation (inside ``backward()``, before the next forward call) takes the same path as
 the forward it replays, as non-reentrant checkpointing requires.
 
+**Members**: a member whose base is a plain frozen ``nn.Linear`` (``patching._fused_base``) runs
+:class:`StackedLinear` -- its expand writes the delta and cuBLAS accumulates the base GEMM into it, as
+``function.FusedLinearDelta`` does; any other member adds its delta to its base layer's output
+(:class:`StackedExpand`). One stack may mix both.
+
 **Backward**: each member's expand backward writes its slice of ``dh`` into one buffer of the stack (scoped to the
 running backward pass) and returns no gradient for ``h``; autograd runs the shrink's backward after every expand
 backward that feeds it, and one ``shrink_bwd`` gives ``dx`` (summed over the slices) and every member's ``dA``.
+Fused members hand their ``dy`` to the stack instead of returning a ``dx``: the shrink backward accumulates each
+``dy W`` into the ``dx`` it wrote (``addmm_``, beta 1), so q/k/v leave one ``dx`` tensor, not three to be summed.
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ class _Stack:
         self._dh: Optional[torch.Tensor] = None
         self._dh_task: Optional[int] = None
         self._written: set = set()  # slices whose expand backward wrote into _dh
+        self._base_dx: list = []  # (dy, W) of fused members: dy W is added into the shrink backward's dx
 
     def dh(self, index: Optional[int] = None) -> torch.Tensor:
         """The running backward pass's ``dh`` buffer, zeros until the members' expand backwards write their slices
@@ -74,17 +82,23 @@ class _Stack:
             self._dh = torch.zeros(self.segs.num_tokens, width, dtype=acc, device=self.table.ranks.device)
             self._dh_task = task
             self._written = set()
+            self._base_dx = []
         if index is not None:
             self._written.add(index)
         return self._dh
 
+    def add_base_dx(self, dy: torch.Tensor, W: torch.Tensor) -> None:
+        """A fused member's base part of ``dx`` (``dy W``), accumulated by the shrink backward of this pass."""
+        self.dh()  # scopes the list to the running backward pass, as the dh buffer
+        self._base_dx.append((dy, W))
+
     def take_dh(self) -> tuple:
-        """``(dh, slices written)`` for the shrink backward; releases the buffer."""
+        """``(dh, slices written, [(dy, W) of fused members])`` for the shrink backward; releases the buffers."""
         dh = self.dh()
-        written = self._written
+        written, base_dx = self._written, self._base_dx
         self._dh = self._dh_task = None
-        self._written = set()
-        return dh, written
+        self._written, self._base_dx = set(), []
+        return dh, written, base_dx
 
 
 @dataclass
@@ -117,8 +131,11 @@ class StackedShrink(torch.autograd.Function):
         stack: _Stack = ctx.stack
         x, A_cat = ctx.saved_tensors
         need_dx = ctx.needs_input_grad[0]
-        dh, written = stack.take_dh()
+        dh, written, base_dx = stack.take_dh()
         dx, dA = stack.backend.shrink_bwd(dh, x, A_cat, stack.segs, stack.table, stack.num, None, need_dx)
+        if need_dx:
+            for dy, W in base_dx:  # fused members' base GEMMs, accumulated by cuBLAS (beta 1): no dx per member
+                dx.addmm_(dy, W)
         grads = [None] * len(stack.a_dtypes)
         if any(ctx.needs_input_grad[2:]):
             grads = _split_grads(dA, stack.block_ranks, stack.a_dtypes, dim=0)
@@ -157,6 +174,50 @@ class StackedExpand(torch.autograd.Function):
             if need_w:
                 grads = _split_grads(dB, part.ranks, ctx.b_dtypes, dim=1)
         return (None, dy_in, None, *grads)
+
+
+class StackedLinear(torch.autograd.Function):
+    """``y = x Wᵀ (+ b) + scale_a · h[t, slice] B_aᵀ`` for one member whose base is a frozen ``nn.Linear`` (see
+    ``patching._fused_base``): inputs ``h`` (from :class:`StackedShrink`), the member's input ``x[..., K]`` (the
+    stack's), ``W``, ``b`` (or ``None``), its :class:`_Slice`, then its B weights in slot order.
+
+    As in ``function.FusedLinearDelta``, the expand writes the delta (write mode, bias folded in) and cuBLAS
+    accumulates the base GEMM into it. Backward gives ``dB`` and the member's ``dh`` slice; the base part of ``dx``
+    (``dy W``) goes to the stack, whose shrink backward accumulates it into the one ``dx`` it writes -- no ``dx``
+    tensor per member and no autograd sum of them (hence no gradient for ``x`` here).
+    """
+
+    @staticmethod
+    def forward(ctx, h, x_in, W, bias, part: _Slice, *b_weights):
+        stack = part.stack
+        x = as_rows(x_in)
+        B_cat = torch.cat(b_weights, 1)
+        y = torch.empty(x.shape[0], W.shape[0], dtype=x.dtype, device=x.device)
+        stack.backend.expand(h, B_cat, stack.segs, part.table, y, stack.num, part.index, accumulate=False, bias=bias)
+        y.addmm_(x, W.t())
+        ctx.save_for_backward(h, B_cat, W)
+        ctx.part = part
+        ctx.b_dtypes = [w.dtype for w in b_weights]
+        return y.view(*x_in.shape[:-1], W.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy_in):
+        part: _Slice = ctx.part
+        stack = part.stack
+        h, B_cat, W = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        need_dh, need_dx, need_w = needs[0], needs[1], any(needs[5:])
+        grads = [None] * len(ctx.b_dtypes)
+        if need_dh or need_dx or need_w:
+            dy = dy_in.reshape(-1, dy_in.shape[-1]).contiguous()
+            if need_dh or need_w:
+                dh = stack.dh(part.index) if need_dh else None
+                _, dB = stack.backend.expand_bwd(dy, h, B_cat, stack.segs, part.table, stack.num, part.index, dh=dh)
+                if need_w:
+                    grads = _split_grads(dB, part.ranks, ctx.b_dtypes, dim=1)
+            if need_dx:
+                stack.add_base_dx(dy, W)
+        return (None, None, None, None, None, *grads)
 
 
 @dataclass
@@ -222,19 +283,22 @@ class SiblingGroup:
         return (any(c != i for c in self._learned.get(i, ()))
                 and _qualifies(layer, table, present, x.device))
 
-    def forward(self, i, x, result, plan, table, present, router) -> Optional[torch.Tensor]:
-        """Member ``i``'s output with its delta added through a stack, or ``None`` for the per-module path. Runs
-        after :meth:`may_share`, which recorded this call."""
+    def forward(self, i, x, result, plan, table, present, router, base=None) -> Optional[torch.Tensor]:
+        """Member ``i``'s output through a stack, or ``None`` for the per-module path. Runs after :meth:`may_share`,
+        which recorded this call. ``result`` is the member's base output, to which the delta is added; or ``None``
+        with ``base``, the member's frozen ``nn.Linear``, whose GEMM then runs with the member's expand
+        (:class:`StackedLinear`)."""
         if not present:
             return None
+        y_dtype = x.dtype if result is None else result.dtype
         pending = self._pending.pop(i, None)
         if pending is not None:
             stack = pending.part.stack
-            if pending.plan is plan and pending.part.table is table and result.dtype == stack.y_dtype:
-                return _expand(pending.h, result, pending.part, self.members[i], present)
-        return self._lead(i, x, result, plan, table, present, router)
+            if pending.plan is plan and pending.part.table is table and y_dtype == stack.y_dtype:
+                return _expand(pending.h, x, result, base, pending.part, self.members[i], present)
+        return self._lead(i, x, result, base, y_dtype, plan, table, present, router)
 
-    def _lead(self, i, x, result, plan, table, present, router) -> Optional[torch.Tensor]:
+    def _lead(self, i, x, result, base, y_dtype, plan, table, present, router) -> Optional[torch.Tensor]:
         """Run one shrink for member ``i`` and the not yet called members seen with it last time that qualify."""
         layer = self.members[i]
         if not _qualifies(layer, table, present, x.device):  # first: under active dropout every call ends here
@@ -254,18 +318,19 @@ class SiblingGroup:
         if not joined:
             return None
         slices = [i] + [c for c, _ in joined]
+        x_in = x
         if x.dtype == torch.float32 and a_dtypes[0] in (torch.float16, torch.bfloat16) and len(set(a_dtypes)) == 1:
-            x = x.to(a_dtypes[0])  # as the per-module path (and PEFT) does
+            x = x.to(a_dtypes[0])  # as the per-module path (and PEFT) does; a fused base never sees this cast
         ranks = tuple(layer.r[n] for n in present)
         stack = _Stack(
             get_backend(router.backend, x.device), plan.segments, table, len(slices),
-            [r for r in ranks for _ in slices], [dt for dt in a_dtypes for _ in slices], result.dtype,
+            [r for r in ranks for _ in slices], [dt for dt in a_dtypes for _ in slices], y_dtype,
         )
         weights = [self.members[m].lora_A[n].weight for n in present for m in slices]
         h = StackedShrink.apply(x, stack, *weights)
         for s, (c, c_table) in enumerate(joined, start=1):
             self._pending[c] = _Pending(_Slice(stack, s, c_table, ranks), h, plan)
-        return _expand(h, result, _Slice(stack, 0, table, ranks), layer, present)
+        return _expand(h, x_in, result, base, _Slice(stack, 0, table, ranks), layer, present)
 
 
 def _same_rank(member, layer, present) -> bool:
@@ -278,11 +343,14 @@ def _qualifies(layer, table: AdapterTable, present: list, device) -> bool:
             and layer.lora_A[present[0]].weight.device == device)
 
 
-def _expand(h, result, part: _Slice, layer, present) -> torch.Tensor:
+def _expand(h, x, result, base, part: _Slice, layer, present) -> torch.Tensor:
+    b_weights = [layer.lora_B[n].weight for n in present]
+    if result is None:
+        return StackedLinear.apply(h, x, base.weight, base.bias, part, *b_weights)
     if not result.is_contiguous() or result._base is not None:
         # the delta is added in place; a view (GPT-2's Conv1D returns one) gets its own storage first
         result = result.contiguous() if not result.is_contiguous() else result.clone()
-    return StackedExpand.apply(h, result, part, *(layer.lora_B[n].weight for n in present))
+    return StackedExpand.apply(h, result, part, *b_weights)
 
 
 def may_share(layer, x, table, present, router) -> bool:
@@ -298,14 +366,15 @@ def may_share(layer, x, table, present, router) -> bool:
     return group.may_share(i, x, table, present, router)
 
 
-def shared_delta(layer, x, result, plan, table, present, router) -> Optional[torch.Tensor]:
-    """``result`` plus ``layer``'s LoRA delta through a shrink shared with its siblings, or ``None`` when this call
-    runs the per-module path. Called after :func:`may_share` in the same layer call (which recorded the call)."""
+def shared_delta(layer, x, result, plan, table, present, router, base=None) -> Optional[torch.Tensor]:
+    """``result`` plus ``layer``'s LoRA delta through a shrink shared with its siblings (with ``result=None``: the
+    output of ``base``, the layer's frozen ``nn.Linear``, fused with the delta), or ``None`` when this call runs the
+    per-module path. Called after :func:`may_share` returned ``True`` in the same layer call."""
     entry = layer.__dict__.get(GROUP_ATTR)
     if entry is None or not router.share_shrink:
         return None
     group, i = entry
-    return group.forward(i, x, result, plan, table, present, router)
+    return group.forward(i, x, result, plan, table, present, router, base)
 
 
 def group_siblings(named_layers: list, table_of: Callable) -> list:

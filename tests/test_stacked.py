@@ -13,6 +13,7 @@ from peft import LoraConfig, get_peft_model
 
 import fast_multilora
 from fast_multilora.function import TorchBackend, TritonBackend
+from fast_multilora import stacked
 from fast_multilora.stacked import shared_siblings
 
 NAMES = ["a1", "__base__", "a0", "a2", "a0", "a1", "a2"]  # unsorted, repeated, with a base row
@@ -270,3 +271,68 @@ def test_partial_and_repeated_backward_passes(shrinks):
     assert set(g_s) == set(g_u)
     for n in g_u:
         torch.testing.assert_close(g_s[n], g_u[n], msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.fixture
+def stacked_kinds(monkeypatch):
+    """How each stacked member ran: ``"fused"`` (``StackedLinear``: its base GEMM inside) or ``"added"``
+    (``StackedExpand``: the delta added to the base layer's output)."""
+    kinds = []
+    for cls, kind in ((stacked.StackedLinear, "fused"), (stacked.StackedExpand, "added")):
+        def spy(ctx, *args, _orig=cls.forward, _kind=kind):
+            kinds.append(_kind)
+            return _orig(ctx, *args)
+
+        monkeypatch.setattr(cls, "forward", staticmethod(spy))
+    return kinds
+
+
+def _keep_output(module, args, out):
+    return out
+
+
+@pytest.mark.parametrize("case", ["fused", "one member hooked", "fuse_base=False"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_stacked_members_fuse_their_base(backend, case, shrinks, stacked_kinds):
+    """A member whose base is a plain frozen nn.Linear runs its base GEMM with its expand (the base part of dx goes
+    into the shared shrink's dx); a member whose base does not qualify (here: a forward hook) adds its delta to the
+    base output in the same stack. Both mixes equal the per-module path and stock PEFT per sample."""
+    shared = peft_model(configs=configs())
+    unshared, ref = twin(shared), twin(shared)
+    if case == "one member hooked":
+        shared.base_model.model.model.layers[0].self_attn.k_proj.base_layer.register_forward_hook(_keep_output)
+    fast_multilora.patch(shared, backend=backend, fuse_base=case != "fuse_base=False")
+    fast_multilora.patch(unshared, backend=backend, share_shrink=False)
+    ids, w = inputs()
+    for m in (shared, unshared, ref):
+        m.train()
+    warm(shared, ids)
+    shrinks.clear()
+    stacked_kinds.clear()
+    got = step(shared, ids, w)
+    assert shrinks == SHARED_PER_LAYER * 2
+    want_kinds = {"fused": ["fused"] * 10, "fuse_base=False": ["added"] * 10,
+                  "one member hooked": ["fused", "added", "fused"] + ["fused"] * 7}[case]
+    assert stacked_kinds == want_kinds
+    assert_same(got, step(unshared, ids, w))
+    assert_same(got, peft_per_sample(ref, ids, w))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_stacked_fused_gradcheck_float64(backend, stacked_kinds):
+    """float64 gradcheck of the input through a stack of fused members (biased bases): the base part of dx reaches x
+    only through the shared shrink's backward."""
+    model = _toy(True).double()
+    fast_multilora.patch(model, backend=backend)
+    names = ["b", "default", "__base__", "b"]
+    x = torch.randn(4, 3, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    with torch.no_grad():
+        model(x, adapter_names=names)
+    stacked_kinds.clear()
+
+    def fn(x):
+        q, k, v = model(x, adapter_names=names)
+        return q.sum(-1) * 2 + k.sum(-1) - v.pow(2).sum(-1)
+
+    assert torch.autograd.gradcheck(fn, (x,), eps=1e-6, atol=1e-7, fast_mode=backend == "triton")
+    assert stacked_kinds[:3] == ["fused"] * 3
