@@ -46,14 +46,16 @@ def adapter_token_means(logits: torch.Tensor, labels: torch.Tensor, adapter_name
     unknown = sorted({n for n in names if n != BASE and n not in index})
     if unknown:
         raise ValueError(f"adapter(s) {unknown} not in the loss vocabulary {list(vocab)}")
-    table = torch.tensor([index.get(n, -1) for n in names] + [-1], device=logits.device)
+    # built on the host, copied without a stream sync: a blocking copy here would make the host wait for the whole
+    # forward pass before it could queue the backward
+    table = torch.tensor([index.get(n, -1) for n in names] + [-1]).to(logits.device, non_blocking=True)
     if adapter_ids is None:
         if len(names) != logits.shape[0]:
             raise ValueError(f"got {len(names)} adapter names for a batch of {logits.shape[0]} rows")
         tok = table[:-1][:, None].expand(labels.shape)
     else:
-        tok = table[adapter_ids.to(logits.device).long()]  # -1 indexes the trailing "no adapter" entry
-    labels = labels.to(logits.device)
+        tok = table[adapter_ids.to(logits.device, non_blocking=True).long()]  # -1 indexes the trailing "no adapter" entry
+    labels = labels.to(logits.device, non_blocking=True)
     if shift:  # shift the labels, not the logits: a slice of the logits would be copied, and its gradient zero-filled
         labels = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
         tok = F.pad(tok[:, 1:], (0, 1), value=-1)

@@ -158,7 +158,8 @@ def _layer_table(layer, plan, device):
     host = torch.tensor([ranks, offsets], dtype=torch.int32)
     fl = torch.tensor([scales, ps], dtype=torch.float32)
     table = AdapterTable(
-        ranks=host[0].to(device), offsets=host[1].to(device), scales=fl[0].to(device), dropout=fl[1].to(device),
+        ranks=host[0].to(device, non_blocking=True), offsets=host[1].to(device, non_blocking=True),
+        scales=fl[0].to(device, non_blocking=True), dropout=fl[1].to(device, non_blocking=True),
         max_rank=max(ranks, default=0), total_rank=acc, has_dropout=any(p > 0 for p in ps),
     )
     # row of each slot among present adapters (for lora_bias), last row = none
@@ -232,7 +233,7 @@ def _delta_inputs(layer, x, plan, table, present, bias_row, router):
             if layer.lora_B[n].bias is None:
                 raise ValueError(f"adapter {n!r}: mixed lora_bias settings in one layer are not supported")
         weights += [layer.lora_B[n].bias for n in present]
-        bias_slots = bias_row[plan.token_slots].to(x.device)  # slot -1 (base) indexes the trailing "none" row
+        bias_slots = bias_row[plan.token_slots].to(x.device, non_blocking=True)  # slot -1 (base) indexes the trailing "none" row
     spec = DeltaSpec(
         segs=plan.segments, table=table, backend=backend, seed=seed, num_adapters=len(present),
         ranks=tuple(w.shape[0] for w in weights[: len(present)]), has_bias=has_bias, bias_slots=bias_slots,
