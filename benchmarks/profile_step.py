@@ -41,14 +41,21 @@ def build(n_adapters=8, rows=16, T=1024):
     pm.train()
     ids = torch.randint(0, BENCH_LLAMA["vocab_size"], (rows, T), device="cuda")
     names = [f"a{i % n_adapters}" for i in range(rows)]
-    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-4, foreach=True)
+    params = [p for p in pm.parameters() if p.requires_grad]
+    opts = {"foreach": torch.optim.AdamW(params, lr=1e-4, foreach=True),
+            "fused": torch.optim.AdamW(params, lr=1e-4, fused=True)}
+    use = {"opt": opts["foreach"]}
 
     def step():
         out = pm(input_ids=ids, adapter_names=names)
         fast_multilora.per_adapter_loss(out.logits, ids, names).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        use["opt"].step()
+        use["opt"].zero_grad(set_to_none=True)
 
+    def set_optimizer(kind: str):  # "foreach" (the anchors' default on CUDA) or "fused"
+        use["opt"] = opts[kind]
+
+    step.set_optimizer = set_optimizer
     return pm, step
 
 
