@@ -45,17 +45,25 @@ def build(n_adapters=8, rows=16, T=1024):
     opts = {"foreach": torch.optim.AdamW(params, lr=1e-4, foreach=True),
             "fused": torch.optim.AdamW(params, lr=1e-4, fused=True)}
     use = {"opt": opts["foreach"]}
+    split = []  # host seconds per step: (forward + loss, backward, optimizer step + zero_grad)
 
     def step():
+        t0 = time.perf_counter()
         out = pm(input_ids=ids, adapter_names=names)
-        fast_multilora.per_adapter_loss(out.logits, ids, names).backward()
+        loss = fast_multilora.per_adapter_loss(out.logits, ids, names)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
         use["opt"].step()
         use["opt"].zero_grad(set_to_none=True)
+        split.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
 
     def set_optimizer(kind: str):  # "foreach" (the anchors' default on CUDA) or "fused"
         use["opt"] = opts[kind]
 
     step.set_optimizer = set_optimizer
+    step.split = split
+    step.ids = ids
     return pm, step
 
 
