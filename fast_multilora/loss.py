@@ -54,7 +54,8 @@ def adapter_token_means(logits: torch.Tensor, labels: torch.Tensor, adapter_name
             raise ValueError(f"got {len(names)} adapter names for a batch of {logits.shape[0]} rows")
         tok = table[:-1][:, None].expand(labels.shape)
     else:
-        tok = table[adapter_ids.to(logits.device, non_blocking=True).long()]  # -1 indexes the trailing "no adapter" entry
+        # -1 indexes the trailing "no adapter" entry
+        tok = table[adapter_ids.to(logits.device, non_blocking=True).long()]
     labels = labels.to(logits.device, non_blocking=True)
     if shift:  # shift the labels, not the logits: a slice of the logits would be copied, and its gradient zero-filled
         labels = F.pad(labels[:, 1:], (0, 1), value=ignore_index)

@@ -233,7 +233,8 @@ def _delta_inputs(layer, x, plan, table, present, bias_row, router):
             if layer.lora_B[n].bias is None:
                 raise ValueError(f"adapter {n!r}: mixed lora_bias settings in one layer are not supported")
         weights += [layer.lora_B[n].bias for n in present]
-        bias_slots = bias_row[plan.token_slots].to(x.device, non_blocking=True)  # slot -1 (base) indexes the trailing "none" row
+        # slot -1 (base) indexes the trailing "none" row
+        bias_slots = bias_row[plan.token_slots].to(x.device, non_blocking=True)
     spec = DeltaSpec(
         segs=plan.segments, table=table, backend=backend, seed=seed, num_adapters=len(present),
         ranks=tuple(w.shape[0] for w in weights[: len(present)]), has_bias=has_bias, bias_slots=bias_slots,

@@ -12,8 +12,8 @@ from models import LLAMA_TARGETS, peft_model, twin
 from peft import LoraConfig, get_peft_model
 
 import fast_multilora
-from fast_multilora.function import TorchBackend, TritonBackend
 from fast_multilora import stacked
+from fast_multilora.function import TorchBackend, TritonBackend
 from fast_multilora.stacked import shared_siblings
 
 NAMES = ["a1", "__base__", "a0", "a2", "a0", "a1", "a2"]  # unsorted, repeated, with a base row
