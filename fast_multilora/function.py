@@ -36,18 +36,21 @@ class TorchBackend:
     name = "torch"
 
     @staticmethod
-    def _keep(x, segs, table, seed):
+    def _keep(x, segs, table, seed, stack_num=1):
+        """The keep-mask for ``seed``: ``[S, K]``, or one per slice of a stack (``[stack_num, S, K]``)."""
         if seed is None or not table.has_dropout:
             return None
         g = torch.Generator(device=x.device)
         g.manual_seed(seed)
         p = reference.token_slots(segs)
         p = torch.where(p >= 0, table.dropout[p.clamp(min=0)], torch.zeros((), device=x.device))
-        return torch.rand(x.shape, generator=g, device=x.device) >= p[:, None]
+        shape = (stack_num, *x.shape) if stack_num > 1 else x.shape
+        return torch.rand(shape, generator=g, device=x.device) >= p[:, None]
 
     @_no_autocast
     def shrink(self, x, A_cat, segs, table, stack_num, seed):
-        return reference.lora_shrink(x, A_cat, segs, table, stack_num=stack_num, keep=self._keep(x, segs, table, seed))
+        keep = self._keep(x, segs, table, seed, stack_num)
+        return reference.lora_shrink(x, A_cat, segs, table, stack_num=stack_num, keep=keep)
 
     @_no_autocast
     def expand(self, h, B_cat, segs, table, y, stack_num, slice_idx, accumulate=True, bias=None):
@@ -60,7 +63,7 @@ class TorchBackend:
 
     @_no_autocast
     def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx):
-        keep = self._keep(x, segs, table, seed)
+        keep = self._keep(x, segs, table, seed, stack_num)
         return reference.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, keep=keep, need_dx=need_dx)
 
 

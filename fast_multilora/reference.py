@@ -1,7 +1,8 @@
 """Pure-PyTorch segmented LoRA ops: the CPU backend and the oracle the Triton kernels are tested against.
 
 Signatures match ``fast_multilora.kernels`` (the Triton launchers) except for dropout, which the reference takes as
-an explicit boolean ``keep`` mask (``[S, K]``) where the kernels take a Philox ``seed``; see ``kernels/segments.py``
+an explicit boolean ``keep`` mask (``[S, K]``, or ``[stack_num, S, K]``: one per stacked slice, as the kernels draw
+with a seed) where the kernels take a Philox ``seed``; see ``kernels/segments.py``
 for the layout of ``Segments``, ``AdapterTable``, ``A_cat``, ``B_cat`` and ``h``. All arithmetic is float32
 (float64 for float64 inputs, so gradcheck can run through them).
 
@@ -58,14 +59,27 @@ def _dropped(x_rows: torch.Tensor, keep: Optional[torch.Tensor], rows: torch.Ten
     return x_rows * keep[rows].to(x_rows.dtype) / (1.0 - p)
 
 
+def _slice_keeps(keep: Optional[torch.Tensor], stack_num: int) -> list:
+    """The mask of each slice of a stack: a ``[stack_num, S, K]`` keep gives each its own (as the kernels draw with a
+    seed), a ``[S, K]`` one (or ``None``) is shared."""
+    if keep is None or keep.dim() == 2:
+        return [keep] * stack_num
+    if keep.dim() != 3 or keep.shape[0] != stack_num:
+        raise ValueError(f"keep must be [S, K] or [stack_num={stack_num}, S, K], got {list(keep.shape)}")
+    return list(keep)
+
+
 def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1, keep=None) -> torch.Tensor:
     """``h[S, stack_num*max_rank]`` (float32; float64 for float64 ``x``): ``h[t] = dropout(x[t]) @ A_a^T`` for
-    every token of an adapter; rows of base tokens are zero."""
+    every token of an adapter; rows of base tokens are zero. ``keep``: ``[S, K]``, or one mask per slice
+    ``[stack_num, S, K]``."""
     acc = _acc_dtype(x)
     h = torch.zeros(x.shape[0], stack_num * table.max_rank, dtype=acc, device=x.device)
+    keeps = _slice_keeps(keep, stack_num)
     for _, rows, r, off, _, p in _slot_rows(segs, table):
         w = A_cat[stack_num * off : stack_num * (off + r)].to(acc)
-        h[rows, : stack_num * r] = _dropped(x[rows].to(acc), keep, rows, p) @ w.T
+        for s, k in enumerate(keeps):
+            h[rows, s * r : (s + 1) * r] = _dropped(x[rows].to(acc), k, rows, p) @ w[s * r : (s + 1) * r].T
     return h
 
 
@@ -113,10 +127,16 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     dx = torch.zeros_like(x) if need_dx else None
     acc = _acc_dtype(x)
     dA = torch.zeros(stack_num * table.total_rank, x.shape[1], dtype=acc, device=x.device)
+    keeps = _slice_keeps(keep, stack_num)
     for _, rows, r, off, _, p in _slot_rows(segs, table):
         g = dh[rows, : stack_num * r].to(acc)
         w = A_cat[stack_num * off : stack_num * (off + r)].to(acc)
-        dA[stack_num * off : stack_num * (off + r)] = g.T @ _dropped(x[rows].to(acc), keep, rows, p)
+        g_x = torch.zeros(rows.numel(), x.shape[1], dtype=acc, device=x.device)
+        for s, k in enumerate(keeps):
+            cols = slice(s * r, (s + 1) * r)
+            dA[stack_num * off + s * r : stack_num * off + (s + 1) * r] = g[:, cols].T @ _dropped(
+                x[rows].to(acc), k, rows, p)
+            g_x += _dropped(g[:, cols] @ w[cols], k, rows, p)
         if need_dx:
-            dx[rows] = _dropped(g @ w, keep, rows, p).to(x.dtype)
+            dx[rows] = g_x.to(x.dtype)
     return dx, dA

@@ -13,9 +13,8 @@ because it is never called on the q/k/v input.
 tensor (by identity, a weak reference, so no activation is kept alive). What it saw in one forward call is what it
 stacks in the next (``Router.generation`` counts forward calls): the first member called on an input runs one shrink
 for itself and the members seen with it last time that still qualify for this call -- the same adapters with equal
-ranks, no active dropout (PEFT draws an independent mask per module, so with dropout the siblings do not read the
-same input), no ``lora_bias``, no LoRA variant, one A-weight dtype, weights on the input's device -- and leaves
-their slices pending; a member called later on the same input takes its slice. Anything else (the first forward
+ranks and dropout rates, no ``lora_bias``, no LoRA variant, one A-weight dtype, weights on the input's device -- and
+leaves their slices pending; a member called later on the same input takes its slice. Anything else (the first forward
 call, a member that does not qualify, another input) runs the per-module path (``FusedLinearDelta`` where the base
 allows, else ``LoraDelta``), which is always correct. The choice depends only on the previous forward call, so
 gradient-checkpointing recomputation (inside ``backward()``, before the next forward call) takes the same path as
@@ -25,6 +24,10 @@ the forward it replays, as non-reentrant checkpointing requires.
 :class:`StackedLinear` -- its expand writes the delta and cuBLAS accumulates the base GEMM into it, as
 ``function.FusedLinearDelta`` does; any other member adds its delta to its base layer's output
 (:class:`StackedExpand`). One stack may mix both.
+
+**Dropout**: PEFT draws an independent mask per module, so siblings under dropout do not read the same ``x~``. The
+stacked shrink reads ``x`` once and gives each slice its own mask (key ``kernels.dropout.slice_seed(seed, s)``; one
+seed per stack, drawn from the CPU RNG as the per-module path draws its own); its backward regenerates them.
 
 **Backward**: each member's expand backward writes its slice of ``dh`` into one buffer of the stack (scoped to the
 running backward pass) and returns no gradient for ``h``; autograd runs the shrink's backward after every expand
@@ -42,6 +45,7 @@ from typing import Callable, Optional
 import torch
 
 from .function import _split_grads, as_rows, get_backend
+from .kernels.dropout import quantize_p
 from .kernels.segments import AdapterTable, Segments
 
 GROUP_ATTR = "_fml_group"  # on a member module: (its SiblingGroup, its index in the group)
@@ -55,10 +59,11 @@ class _Stack:
     """
 
     def __init__(self, backend, segs: Segments, table: AdapterTable, num: int, block_ranks: list, a_dtypes: list,
-                 y_dtype: torch.dtype):
+                 y_dtype: torch.dtype, seed: Optional[int] = None):
         self.backend = backend
         self.segs = segs
-        self.table = table  # the leader's: ranks/offsets (equal for every member), no dropout
+        self.table = table  # the leader's: ranks/offsets and dropout rates (equal for every member)
+        self.seed = seed  # dropout: slice s draws its own mask (kernels.dropout.slice_seed); None without dropout
         self.num = num  # stack_num: members sharing the shrink
         self.block_ranks = block_ranks  # rows of each A weight in the stacked A_cat (adapter-major)
         self.a_dtypes = a_dtypes
@@ -120,7 +125,7 @@ class StackedShrink(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # the expands pass no gradient for h: dh comes through the stack's buffer
         x = as_rows(x_in)
         A_cat = torch.cat(a_weights)
-        h = stack.backend.shrink(x, A_cat, stack.segs, stack.table, stack.num, None)
+        h = stack.backend.shrink(x, A_cat, stack.segs, stack.table, stack.num, stack.seed)
         ctx.save_for_backward(x, A_cat)
         ctx.stack = stack
         ctx.x_shape = x_in.shape
@@ -132,7 +137,7 @@ class StackedShrink(torch.autograd.Function):
         x, A_cat = ctx.saved_tensors
         need_dx = ctx.needs_input_grad[0]
         dh, written, base_dx = stack.take_dh()
-        dx, dA = stack.backend.shrink_bwd(dh, x, A_cat, stack.segs, stack.table, stack.num, None, need_dx)
+        dx, dA = stack.backend.shrink_bwd(dh, x, A_cat, stack.segs, stack.table, stack.num, stack.seed, need_dx)
         if need_dx:
             for dy, W in base_dx:  # fused members' base GEMMs, accumulated by cuBLAS (beta 1): no dx per member
                 dx.addmm_(dy, W)
@@ -301,9 +306,10 @@ class SiblingGroup:
     def _lead(self, i, x, result, base, y_dtype, plan, table, present, router) -> Optional[torch.Tensor]:
         """Run one shrink for member ``i`` and the not yet called members seen with it last time that qualify."""
         layer = self.members[i]
-        if not _qualifies(layer, table, present, x.device):  # first: under active dropout every call ends here
+        if not _qualifies(layer, table, present, x.device):
             return None
         a_dtypes = tuple(layer.lora_A[n].weight.dtype for n in present)
+        rates = _dropout_rates(layer, present)
         joined = []
         for c in self._learned.get(i, ()):
             if c == i or c in self._observed or c in self._pending:
@@ -313,7 +319,8 @@ class SiblingGroup:
                 continue
             c_table, c_present, _ = self._table_of(member, plan, x.device)
             if (c_present == present and _qualifies(member, c_table, present, x.device)
-                    and tuple(member.lora_A[n].weight.dtype for n in present) == a_dtypes):
+                    and tuple(member.lora_A[n].weight.dtype for n in present) == a_dtypes
+                    and _dropout_rates(member, present) == rates):
                 joined.append((c, c_table))
         if not joined:
             return None
@@ -322,9 +329,11 @@ class SiblingGroup:
         if x.dtype == torch.float32 and a_dtypes[0] in (torch.float16, torch.bfloat16) and len(set(a_dtypes)) == 1:
             x = x.to(a_dtypes[0])  # as the per-module path (and PEFT) does; a fused base never sees this cast
         ranks = tuple(layer.r[n] for n in present)
+        # CPU RNG as the per-module path: no device sync, and checkpoint recomputation redraws the same seed
+        seed = int(torch.randint(0, 2**31 - 1, (1,))) if table.has_dropout else None
         stack = _Stack(
             get_backend(router.backend, x.device), plan.segments, table, len(slices),
-            [r for r in ranks for _ in slices], [dt for dt in a_dtypes for _ in slices], y_dtype,
+            [r for r in ranks for _ in slices], [dt for dt in a_dtypes for _ in slices], y_dtype, seed,
         )
         weights = [self.members[m].lora_A[n].weight for n in present for m in slices]
         h = StackedShrink.apply(x, stack, *weights)
@@ -338,9 +347,17 @@ def _same_rank(member, layer, present) -> bool:
 
 
 def _qualifies(layer, table: AdapterTable, present: list, device) -> bool:
-    """A member may take part in a stack this call: no dropout, lora_bias or variant; weights on the input's device."""
-    return (not table.has_dropout and not layer.lora_variant and not any(layer.lora_bias[n] for n in present)
+    """A member may take part in a stack this call: no lora_bias or variant; weights on the input's device."""
+    return (not layer.lora_variant and not any(layer.lora_bias[n] for n in present)
             and layer.lora_A[present[0]].weight.device == device)
+
+
+def _dropout_rates(layer, present) -> tuple:
+    """The dropout rate each present adapter applies in this call (0 when its dropout is off), as the layer table
+    holds them: members stack only with equal rates, since the stack's shrink reads one table's rates."""
+    drops = layer._modules["lora_dropout"]._modules
+    return tuple(quantize_p(float(d.p)) if isinstance(d, torch.nn.Dropout) and d.training else 0.0
+                 for d in (drops[n] for n in present))
 
 
 def _expand(h, x, result, base, part: _Slice, layer, present) -> torch.Tensor:

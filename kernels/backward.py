@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dropout import keep_block
+from .dropout import check_stacked_seed, keep_block
 from .launch import cdiv, checked, launch, mark_checked, next_power_of_2
 from .segments import AdapterTable, Segments
 
@@ -326,8 +326,13 @@ def _shrink_bwd_kernel(
     stride_pac, stride_par, stride_pak,
     NEED_DX: tl.constexpr, HAS_DROPOUT: tl.constexpr, HOIST_A: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    DROP_STACK: tl.constexpr,
 ):
-    """dx[t, k] = keep/(1-p) * dh[t, :R] . A[rows, k];  part_dA[chunk, j, k] = sum_t dh[t, j] x[t, k] keep/(1-p)."""
+    """dx[t, k] = keep/(1-p) * dh[t, :R] . A[rows, k];  part_dA[chunk, j, k] = sum_t dh[t, j] x[t, k] keep/(1-p).
+
+    ``DROP_STACK > 1`` (dropout on a stack of that many slices): column ``j`` of dh (row of A) belongs to slice
+    ``j // rank``, whose own mask (key ``slice_seed(seed, s)``) multiplies that slice's terms of dx and dA.
+    """
     i_c = tl.program_id(0).to(tl.int64)
     i_k = tl.program_id(1).to(tl.int64)
     i_r = tl.program_id(2).to(tl.int64)
@@ -362,6 +367,8 @@ def _shrink_bwd_kernel(
         p_drop = tl.load(dropout + slot)
         inv_keep = 1.0 / (1.0 - p_drop.to(b_da.dtype))
 
+    if DROP_STACK > 1:
+        r_slice = o_r // rank  # [BLOCK_R] slice of each dh column / A row of this rank tile
     for s0 in range(start, end, BLOCK_S):
         o_s = s0 + tl.arange(0, BLOCK_S)
         m_s = o_s < end
@@ -371,31 +378,65 @@ def _shrink_bwd_kernel(
             b_x = tl.load(p_x, mask=m_s[:, None], other=0.0)  # [BLOCK_S, BLOCK_K]
         else:
             b_x = tl.load(p_x, mask=m_s[:, None] & m_k[None, :], other=0.0)
-        if HAS_DROPOUT:
-            # 0/1 in x's dtype, not a bool: it crosses into the dot layout for dx, and i1 cannot live in shared memory
-            b_keep = keep_block(seed, o_t, o_k, K, p_drop).to(b_x.dtype)  # [BLOCK_S, BLOCK_K], the forward's draw
-            b_x = b_x * b_keep
-        p_dh = dh + o_t[:, None] * stride_dhs + o_r[None, :] * stride_dhr
-        b_dh = tl.load(p_dh, mask=m_s[:, None] & m_r[None, :], other=0.0).to(x.dtype.element_ty)  # [BLOCK_S, BLOCK_R]
-        b_da += tl.dot(tl.trans(b_dh), b_x, input_precision=DOT_PRECISION, out_dtype=b_da.dtype)
-        if NEED_DX:
-            if i_r == 0:
-                if HOIST_A:
-                    b_dx = tl.dot(b_dh, b_a, input_precision=DOT_PRECISION, out_dtype=b_da.dtype)  # [BLOCK_S, BLOCK_K]
-                else:  # all rank tiles (summed in order by this rank-tile-0 program), A re-read from cache
-                    b_dx = tl.zeros([BLOCK_S, BLOCK_K], dtype=b_da.dtype)
-                    for r0 in range(0, n_r, BLOCK_R):
-                        o_j = r0 + tl.arange(0, BLOCK_R)
-                        m_j = o_j < n_r
-                        p_dhj = dh + o_t[:, None] * stride_dhs + o_j[None, :] * stride_dhr
-                        b_dhj = tl.load(p_dhj, mask=m_s[:, None] & m_j[None, :], other=0.0).to(x.dtype.element_ty)
-                        p_aj = A + (row0 + o_j)[:, None] * stride_ar + o_k[None, :] * stride_ak
-                        b_aj = tl.load(p_aj, mask=m_j[:, None] & m_k[None, :], other=0.0).to(x.dtype.element_ty)
-                        b_dx += tl.dot(b_dhj, b_aj, input_precision=DOT_PRECISION, out_dtype=b_da.dtype)
-                if HAS_DROPOUT:
-                    b_dx = b_dx * (b_keep.to(b_dx.dtype) * inv_keep)
-                p_dx = dx + o_t[:, None] * stride_dxs + o_k[None, :] * stride_dxk
-                tl.store(p_dx, b_dx.to(dx.dtype.element_ty), mask=m_s[:, None] & m_k[None, :])
+        if DROP_STACK > 1:
+            p_dh = dh + o_t[:, None] * stride_dhs + o_r[None, :] * stride_dhr
+            b_dh = tl.load(p_dh, mask=m_s[:, None] & m_r[None, :], other=0.0).to(x.dtype.element_ty)
+            b_dx = tl.zeros([BLOCK_S, BLOCK_K], dtype=b_da.dtype)
+            for sl in tl.static_range(DROP_STACK):
+                b_keep = keep_block(seed ^ (sl * 16777216), o_t, o_k, K, p_drop).to(b_x.dtype)
+                b_dh_s = tl.where((r_slice == sl)[None, :], b_dh, 0.0)  # this slice's columns only
+                b_da += tl.dot(tl.trans(b_dh_s), b_x * b_keep, input_precision=DOT_PRECISION, out_dtype=b_da.dtype)
+                if NEED_DX:
+                    if i_r == 0:
+                        if HOIST_A:
+                            b_dx_s = tl.dot(b_dh_s, b_a, input_precision=DOT_PRECISION, out_dtype=b_da.dtype)
+                        else:  # every rank tile's columns of this slice, A re-read from cache
+                            b_dx_s = tl.zeros([BLOCK_S, BLOCK_K], dtype=b_da.dtype)
+                            for r0 in range(0, n_r, BLOCK_R):
+                                o_j = r0 + tl.arange(0, BLOCK_R)
+                                m_j = (o_j < n_r) & (o_j // rank == sl)
+                                p_dhj = dh + o_t[:, None] * stride_dhs + o_j[None, :] * stride_dhr
+                                b_dhj = tl.load(p_dhj, mask=m_s[:, None] & m_j[None, :], other=0.0)
+                                p_aj = A + (row0 + o_j)[:, None] * stride_ar + o_k[None, :] * stride_ak
+                                b_aj = tl.load(p_aj, mask=m_j[:, None] & m_k[None, :], other=0.0)
+                                b_dx_s += tl.dot(b_dhj.to(x.dtype.element_ty), b_aj.to(x.dtype.element_ty),
+                                                 input_precision=DOT_PRECISION, out_dtype=b_da.dtype)
+                        b_dx += b_dx_s * b_keep.to(b_dx.dtype)
+            if NEED_DX:
+                if i_r == 0:
+                    p_dx = dx + o_t[:, None] * stride_dxs + o_k[None, :] * stride_dxk
+                    tl.store(p_dx, (b_dx * inv_keep).to(dx.dtype.element_ty), mask=m_s[:, None] & m_k[None, :])
+        else:
+            if HAS_DROPOUT:
+                # 0/1 in x's dtype, not a bool: it crosses into the dot layout for dx, and i1 cannot live in shared
+                # memory; [BLOCK_S, BLOCK_K], the forward's draw
+                b_keep = keep_block(seed, o_t, o_k, K, p_drop).to(b_x.dtype)
+                b_x = b_x * b_keep
+            p_dh = dh + o_t[:, None] * stride_dhs + o_r[None, :] * stride_dhr
+            # [BLOCK_S, BLOCK_R]
+            b_dh = tl.load(p_dh, mask=m_s[:, None] & m_r[None, :], other=0.0).to(x.dtype.element_ty)
+            b_da += tl.dot(tl.trans(b_dh), b_x, input_precision=DOT_PRECISION, out_dtype=b_da.dtype)
+            if NEED_DX:
+                if i_r == 0:
+                    if HOIST_A:
+                        # [BLOCK_S, BLOCK_K]
+                        b_dx = tl.dot(b_dh, b_a, input_precision=DOT_PRECISION, out_dtype=b_da.dtype)
+                    else:  # all rank tiles (summed in order by this rank-tile-0 program), A re-read from cache
+                        b_dx = tl.zeros([BLOCK_S, BLOCK_K], dtype=b_da.dtype)
+                        for r0 in range(0, n_r, BLOCK_R):
+                            o_j = r0 + tl.arange(0, BLOCK_R)
+                            m_j = o_j < n_r
+                            p_dhj = dh + o_t[:, None] * stride_dhs + o_j[None, :] * stride_dhr
+                            b_dhj = tl.load(p_dhj, mask=m_s[:, None] & m_j[None, :],
+                                            other=0.0).to(x.dtype.element_ty)
+                            p_aj = A + (row0 + o_j)[:, None] * stride_ar + o_k[None, :] * stride_ak
+                            b_aj = tl.load(p_aj, mask=m_j[:, None] & m_k[None, :],
+                                           other=0.0).to(x.dtype.element_ty)
+                            b_dx += tl.dot(b_dhj, b_aj, input_precision=DOT_PRECISION, out_dtype=b_da.dtype)
+                    if HAS_DROPOUT:
+                        b_dx = b_dx * (b_keep.to(b_dx.dtype) * inv_keep)
+                    p_dx = dx + o_t[:, None] * stride_dxs + o_k[None, :] * stride_dxk
+                    tl.store(p_dx, b_dx.to(dx.dtype.element_ty), mask=m_s[:, None] & m_k[None, :])
     if HAS_DROPOUT:
         b_da = b_da * inv_keep
     p_pa = part_dA + i_c * stride_pac + o_r[:, None] * stride_par + o_k[None, :] * stride_pak
@@ -549,6 +590,7 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     _check_tensor(name, "A_cat", A_cat, (stack_num * R_tot, K), (torch.float32, x.dtype), dev)
     if not (seed is None or isinstance(seed, int)):
         raise ValueError(f"{name}: seed must be an int or None, got {type(seed)}")
+    check_stacked_seed(name, seed, stack_num)
     if not (need_dx or dx_out is None):
         raise ValueError(f"{name}: dx_out given but need_dx=False")
     dx = None
@@ -564,6 +606,9 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     BLOCK_R = min(_block_r(stack_num * R), _SHRINK_MAX_R)
     blocks = _SHRINK_BLOCKS if need_dx else _SHRINK_DA_BLOCKS
     BLOCK_S, BLOCK_K, num_warps, num_stages = blocks[BLOCK_R][x.element_size() >= 4]
+    has_dropout = seed is not None and table.has_dropout
+    if has_dropout and stack_num > 1 and not _INTERPRET:
+        num_warps = max(num_warps, 8)  # a mask per slice: 4-warp dA-only tiles spill registers (sm_90, q/k/v)
     tiles_k = cdiv(K, BLOCK_K)
     tiles_r = cdiv(max(stack_num * R, 1), BLOCK_R)
     # chunk = rows per program, a multiple of BLOCK_S: long enough that ~target programs cover the batch
@@ -572,7 +617,6 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     chunk = BLOCK_S * min(next_power_of_2(n_sub), 64)
     info, cptr, order, capacity = _chunks(segs, n_slots, chunk)
     part_dA = torch.empty(capacity, stack_num * R, K, dtype=acc, device=dev)
-    has_dropout = seed is not None and table.has_dropout
     launch(_shrink_bwd_kernel, (capacity, tiles_k, tiles_r), (
         dh, x, A_cat, dx if need_dx else x, part_dA, order, info, table.ranks, table.offsets, table.dropout,
         seed if has_dropout else 0,
@@ -584,6 +628,7 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
         NEED_DX=need_dx, HAS_DROPOUT=has_dropout, HOIST_A=tiles_r == 1 and x.element_size() == 2,
         EVEN_K=K % BLOCK_K == 0, DOT_PRECISION=_dot_precision(x.dtype),
         BLOCK_S=BLOCK_S, BLOCK_K=BLOCK_K, BLOCK_R=BLOCK_R, num_warps=num_warps, num_stages=num_stages,
+        DROP_STACK=stack_num if has_dropout else 1,  # a mask per stacked slice
     ))
     if R_tot > 0 and n_slots > 0:
         BLOCK_KF = min(128, max(16, _FINISH_TILE // BLOCK_R))

@@ -1,7 +1,9 @@
 """Dropout drawn inside the kernels: a keep-mask from Philox-4x32 counters of ``(row, col // 8)``, 16 bits per element.
 
 Every kernel that reads ``x~`` (the shrink forward, the ``dx``/``dA`` backward) calls :func:`keep_block` with the
-*physical* row index, so the mask is regenerated in backward and never stored. ``dropout_keep_mask`` materialises
+*physical* row index, so the mask is regenerated in backward and never stored. A stacked call (``stack_num > 1``:
+siblings sharing one shrink) draws an independent mask per slice, keyed by :func:`slice_seed`, as PEFT's separate
+dropout modules do. ``dropout_keep_mask`` materialises
 the same mask for tests (it feeds the reference's ``keep=`` argument).
 """
 
@@ -42,6 +44,27 @@ def keep_block(seed, o_rows, o_cols, K, p):
     return halves >= thresh
 
 
+# a stack's slice s draws its mask with key seed ^ (s << 24) (31-bit seeds stay 31-bit); the kernels spell it
+# seed ^ (s * 16777216)
+_SLICE_SHIFT = 24
+MAX_DROPOUT_STACK = 1 << (31 - _SLICE_SHIFT)  # slices a stack may have with dropout (128)
+
+
+def slice_seed(seed: int, s: int) -> int:
+    """The Philox key of slice ``s`` of a stacked shrink (``stack_num > 1``): each slice draws its own mask, as
+    PEFT's per-module dropout does (slice 0 uses ``seed`` itself, the mask of an unstacked call)."""
+    return seed ^ (s << _SLICE_SHIFT)
+
+
+def check_stacked_seed(name: str, seed, stack_num: int) -> None:
+    """Slice seeds stay distinct 31-bit keys: ``0 <= seed < 2^31`` and at most ``MAX_DROPOUT_STACK`` slices."""
+    if seed is None or stack_num <= 1:
+        return
+    if not 0 <= seed < 2**31 or stack_num > MAX_DROPOUT_STACK:
+        raise ValueError(f"{name}: dropout on a stack needs 0 <= seed < 2**31 and stack_num <= {MAX_DROPOUT_STACK}, "
+                         f"got seed={seed}, stack_num={stack_num}")
+
+
 P_RESOLUTION = 2.0**-16
 
 
@@ -80,8 +103,11 @@ def token_dropout_p(segs: Segments, table: AdapterTable) -> torch.Tensor:
     return from_slot
 
 
-def dropout_keep_mask(seed: int, segs: Segments, table: AdapterTable, K: int) -> torch.Tensor:
-    """The ``[S, K]`` boolean keep-mask the kernels draw for ``seed`` (for tests and the reference)."""
+def dropout_keep_mask(seed: int, segs: Segments, table: AdapterTable, K: int, stack_num: int = 1) -> torch.Tensor:
+    """The boolean keep-mask the kernels draw for ``seed`` (for tests and the reference): ``[S, K]``, or with
+    ``stack_num > 1`` one per slice, ``[stack_num, S, K]`` (slice ``s`` keyed by :func:`slice_seed`)."""
+    if stack_num > 1:
+        return torch.stack([dropout_keep_mask(slice_seed(seed, s), segs, table, K) for s in range(stack_num)])
     S = segs.num_tokens
     keep = torch.empty(S, K, dtype=torch.int8, device=segs.slot.device)
     if S == 0:

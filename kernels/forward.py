@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from .dropout import check_stacked_seed
 from .launch import cdiv, checked, launch, mark_checked, next_power_of_2
 from .segments import AdapterTable, Segments
 from .sgemm import sgemm_expand_kernel, sgemm_shrink_kernel
@@ -89,7 +90,8 @@ def _rows_block(segs: Segments, cap: int) -> int:
     return _pow2_clamp(typical, 16, cap)
 
 
-def _shrink_blocks(segs: Segments, width: int, x: torch.Tensor, A_cat: torch.Tensor, dropout: bool = False):
+def _shrink_blocks(segs: Segments, width: int, x: torch.Tensor, A_cat: torch.Tensor, dropout: bool = False,
+                   stack_num: int = 1):
     """``(BLOCK_S, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for the shrink, from ``SHRINK_BLOCKS`` (or
     ``SHRINK_DROPOUT_BLOCKS``) and the rules."""
     target = _target()
@@ -98,6 +100,8 @@ def _shrink_blocks(segs: Segments, width: int, x: torch.Tensor, A_cat: torch.Ten
     BLOCK_N = _pow2_clamp(width, 16, N_CAP)
     BLOCK_S = _rows_block(segs, S_BLK)
     if target == "gpu":
+        if dropout and stack_num > 1:
+            BLOCK_K = min(BLOCK_K, 64)  # a mask per slice: 128-wide K tiles spill registers (sm_90, 8 warps, q/k/v)
         BLOCK_K = max(16, BLOCK_K * 2 // x.element_size())  # same bytes of x per stage
         w_size = A_cat.element_size()  # weight tiles are staged in their own dtype, cast after the load
         while num_stages * BLOCK_K * (BLOCK_S * x.element_size() + BLOCK_N * w_size) > SMEM_BUDGET:
@@ -169,6 +173,7 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
                          f"got {list(A_cat.shape)}")
     if seed is not None and not isinstance(seed, int):
         raise ValueError(f"seed must be an int or None, got {type(seed).__name__}")
+    check_stacked_seed("lora_shrink", seed, stack_num)
     if x.dtype == torch.float64 and segs.perm is not None and device.type == "cuda":
         # Triton 3.6 fails in ConvertTritonGPUToLLVM on the gathered fp64 dot (measured on H200); float64 exists
         # for gradcheck, which runs on CPU (interpreter) or with the SGEMM family
@@ -186,7 +191,7 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
         return out
 
     has_dropout = seed is not None and table.has_dropout
-    BLOCK_S, BLOCK_N, BLOCK_K, num_warps, num_stages = _shrink_blocks(segs, width, x, A_cat, has_dropout)
+    BLOCK_S, BLOCK_N, BLOCK_K, num_warps, num_stages = _shrink_blocks(segs, width, x, A_cat, has_dropout, stack_num)
     common = (A_cat.stride(0), A_cat.stride(1), out.stride(0), out.stride(1))
     meta = dict(STACK=stack_num, HAS_DROPOUT=has_dropout, EVEN_K=K % BLOCK_K == 0,
                 DOT_PRECISION=_dot_precision(x.dtype), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps,

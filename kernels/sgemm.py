@@ -30,12 +30,19 @@ def shrink_tile(
     x, A, h, o_s, m_s, i_n, w_row0, n_a, K, seed, p,
     stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn,
     HAS_DROPOUT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DROP_STACK: tl.constexpr,
 ):
-    """h[o_s, n] = (x[o_s] * keep / (1-p)) . A[w_row0 + n] for the columns n < n_a of N-tile ``i_n``."""
+    """h[o_s, n] = (x[o_s] * keep / (1-p)) . A[w_row0 + n] for the columns n < n_a of N-tile ``i_n``.
+
+    ``DROP_STACK > 1`` (dropout on a stack of that many slices): column ``n`` belongs to slice ``n // rank`` and sees
+    that slice's own mask (key ``slice_seed(seed, s)``); the x tile is loaded once and masked once per slice, each
+    mask meeting only its slice's columns of A.
+    """
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_k = tl.arange(0, BLOCK_K)
     m_n = o_n < n_a
+    if DROP_STACK > 1:
+        n_slice = o_n // (n_a // DROP_STACK)  # [BLOCK_N] slice of each column
     p_x = x + o_s[:, None] * stride_xs + o_k[None, :] * stride_xk  # [BLOCK_S, BLOCK_K]
     p_a = A + (w_row0 + o_n)[None, :] * stride_an + o_k[:, None] * stride_ak  # [BLOCK_K, BLOCK_N]
     b_acc = tl.zeros([BLOCK_S, BLOCK_N], dtype=h.dtype.element_ty)  # fp32 (fp64 for fp64 x)
@@ -47,10 +54,17 @@ def shrink_tile(
             m_k = o_k < K - k0
             b_x = tl.load(p_x, mask=m_s[:, None] & m_k[None, :], other=0.0)
             b_a = tl.load(p_a, mask=m_k[:, None] & m_n[None, :], other=0.0)
-        if HAS_DROPOUT:
-            b_x = tl.where(keep_block(seed, o_s, k0 + o_k, K, p), b_x, 0.0)
-        # weights may be fp32 under 16-bit activations: the dot runs in the activation dtype, accumulates fp32
-        b_acc = tl.dot(b_x, b_a.to(b_x.dtype), b_acc, input_precision=DOT_PRECISION, out_dtype=b_acc.dtype)
+        if DROP_STACK > 1:
+            b_a = b_a.to(b_x.dtype)
+            for s in tl.static_range(DROP_STACK):
+                b_xs = tl.where(keep_block(seed ^ (s * 16777216), o_s, k0 + o_k, K, p), b_x, 0.0)
+                b_as = tl.where((n_slice == s)[None, :], b_a, 0.0)
+                b_acc = tl.dot(b_xs, b_as, b_acc, input_precision=DOT_PRECISION, out_dtype=b_acc.dtype)
+        else:
+            if HAS_DROPOUT:
+                b_x = tl.where(keep_block(seed, o_s, k0 + o_k, K, p), b_x, 0.0)
+            # weights may be fp32 under 16-bit activations: the dot runs in the activation dtype, accumulates fp32
+            b_acc = tl.dot(b_x, b_a.to(b_x.dtype), b_acc, input_precision=DOT_PRECISION, out_dtype=b_acc.dtype)
         p_x += BLOCK_K * stride_xk
         p_a += BLOCK_K * stride_ak
     if HAS_DROPOUT:
@@ -145,7 +159,7 @@ def sgemm_shrink_kernel(
     shrink_tile(
         x, A, h, o_s, o_s < eos, i_n, w_row0, n_a, K, seed, p,
         stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn,
-        HAS_DROPOUT, EVEN_K, DOT_PRECISION, BLOCK_S, BLOCK_N, BLOCK_K,
+        HAS_DROPOUT, EVEN_K, DOT_PRECISION, BLOCK_S, BLOCK_N, BLOCK_K, STACK if HAS_DROPOUT else 1,
     )
 
 

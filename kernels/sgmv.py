@@ -76,7 +76,7 @@ def sgmv_shrink_kernel(
     shrink_tile(
         x, A, h, o_s, m_s, i_n, w_row0, n_a, K, seed, p,
         stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn,
-        HAS_DROPOUT, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+        HAS_DROPOUT, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, STACK if HAS_DROPOUT else 1,
     )
 
 

@@ -231,7 +231,7 @@ def _build(p, device):
         return t.to(device, torch.float32)
 
     seed = p["seed"] if p["dropout"] else None
-    keep = dropout_keep_mask(seed, segs, table, K) if seed is not None else None
+    keep = dropout_keep_mask(seed, segs, table, K, p["stack"]) if seed is not None else None  # a mask per slice
     return dict(
         S=S, segs=segs, table=table, live=live.to(device), defined=defined.to(device), slice_cols=slice_cols.to(device),
         x=act(K), dy=act(N), y0=act(N),

@@ -98,7 +98,7 @@ def build(case: Case, dtype, grouped: bool, device, gen):
     B = (torch.randn(case.N, R_tot, generator=gen) / 4).to(wdt).to(device)
     h, dh_in = rank_cols(1.0), rank_cols(1.0)
     seed = SEED if case.dropout else None
-    keep = dropout_keep_mask(seed, segs, table, case.K) if seed is not None else None
+    keep = dropout_keep_mask(seed, segs, table, case.K, st) if seed is not None else None  # a mask per slice
     return dict(ts=ts, live=live, table=table, segs=segs, x=x, dy=dy, A=A, B=B, h=h, dh_in=dh_in, seed=seed,
                 keep=keep)
 
@@ -406,9 +406,19 @@ bad = spills(B._expand_bwd_kernel, ptr, dict(DIRECT_DH=False, STORE_DB=fused, EV
 bad += spills(B._expand_bwd_finish, ptr, dict(FROM_PARTS=fused, DOT_PRECISION="tf32", BLOCK_S=BS,
                                               BLOCK_N=B._FINISH_TILE // 16, BLOCK_R=16), 8)
 for need_dx, table in ((True, B._SHRINK_BLOCKS), (False, B._SHRINK_DA_BLOCKS)):
-    BS, BK, nw, _stages = table[16][0]
-    bad += spills(B._shrink_bwd_kernel, ptr, dict(NEED_DX=need_dx, HAS_DROPOUT=True, HOIST_A=True, EVEN_K=True,
-                                                  DOT_PRECISION="tf32", BLOCK_S=BS, BLOCK_K=BK, BLOCK_R=16), nw)
+    for stack, block_r in ((1, 16), (3, 64)):  # one mask; a mask per slice of a q/k/v stack (3 x r=16 in one tile)
+        BS, BK, nw, _stages = table[block_r][0]
+        nw = max(nw, 8) if stack > 1 else nw  # the launcher's rule for a mask per slice
+        bad += spills(B._shrink_bwd_kernel, ptr, dict(NEED_DX=need_dx, HAS_DROPOUT=True, HOIST_A=True, EVEN_K=True,
+                                                      DOT_PRECISION="tf32", BLOCK_S=BS, BLOCK_K=BK, BLOCK_R=block_r,
+                                                      DROP_STACK=stack), nw)
+# the forward shrink with a mask per slice (dropout on a q/k/v stack), the dropout table's r <= 32 row
+from fast_multilora.kernels import forward as F
+from fast_multilora.kernels.sgemm import sgemm_shrink_kernel
+_, BS, BN, BK, nw, _stages = F.SHRINK_DROPOUT_BLOCKS["gpu"][-1]
+ptr.update({n: "*i32" for n in ("indptr", "seg_slot")})
+bad += spills(sgemm_shrink_kernel, ptr, dict(STACK=3, HAS_DROPOUT=True, EVEN_K=True, DOT_PRECISION="tf32",
+                                             BLOCK_S=BS, BLOCK_N=64, BLOCK_K=min(BK, 64)), nw)  # launcher's rule
 sys.exit(1 if bad else 0)
 '''
 

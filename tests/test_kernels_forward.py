@@ -77,7 +77,7 @@ def _run_case(S, K, N, ranks, stack, layout, ps, w_lowp, grouped, dtype, device,
     width = stack * max(ranks)
     defined = _defined(ts, ranks, stack).to(device)
     live = _live_rows(ts, ranks).to(device)
-    keep = dropout_keep_mask(seed, segs, table, K) if ps is not None else None
+    keep = dropout_keep_mask(seed, segs, table, K, stack) if ps is not None else None  # a mask per slice
     hi = torch.float64
 
     # shrink
