@@ -19,12 +19,12 @@ import torch
 import fast_multilora
 
 VARIANTS = {  # name: (lora dropout p, patch kwargs, optimizer: "foreach" AdamW as the anchors, or "fused")
-    "fused": (0.05, {}, "foreach"),
+    "fused": (0.05, {}, "foreach"),  # the defaults: siblings stacked (a mask per slice), bases fused
     "fused_adamw_fused": (0.05, {}, "fused"),
+    "unshared": (0.05, {"share_shrink": False}, "foreach"),
     "unfused": (0.05, {"fuse_base": False}, "foreach"),
     "p0_fused_shared": (0.0, {}, "foreach"),
     "p0_fused_unshared": (0.0, {"share_shrink": False}, "foreach"),
-    "p0_unfused_shared": (0.0, {"fuse_base": False}, "foreach"),
 }
 
 

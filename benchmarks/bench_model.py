@@ -6,8 +6,10 @@ Providers (every scenario runs the ones that make sense for it):
                        (``adapter_names`` one per row, interleaved then sorted); train steps use
                        ``fast_multilora.per_adapter_loss`` (each adapter's mean token loss, summed)
 * ``fast_multilora_plain_loss``  the same step with HF's ``.loss`` (mean over all tokens): what the loss costs
-* ``fast_multilora_unshared`` (eval), ``fast_multilora_p0`` / ``fast_multilora_p0_unshared`` / ``peft_single_p0``
-                       (8-adapter train step with LoRA dropout 0): the shared shrink of sibling layers on and off
+* ``fast_multilora_unshared`` (eval, 8-adapter step), ``fast_multilora_p0`` / ``fast_multilora_p0_unshared`` /
+                       ``peft_single_p0`` (8-adapter train step with LoRA dropout 0): the shared shrink of sibling
+                       layers on and off
+* ``peft_single_fused_adamw`` / ``fast_multilora_fused_adamw`` (8-adapter step): both with ``AdamW(fused=True)``
 * ``fast_multilora_unfused`` (layers, 8-adapter step, eval; ``_p0_unfused`` at dropout 0): ``patch(...,
                        fuse_base=False)``, the base layer run by itself and the delta added in place afterwards
 * ``peft_single``      stock PEFT, one adapter active, the same tokens
@@ -416,6 +418,7 @@ class Run:
                 opt["o"] = adamw(self.lora_params(pm))
 
             self.measure(scenario, "fast_multilora_unfused", fast, setup=unfused_setup, teardown=fast_teardown)
+            self.measure(scenario, "fast_multilora_unshared", fast, setup=unshared_setup, teardown=fast_teardown)
 
             # the optimizer's host time grows with its tensor count (8 x 112 LoRA tensors here vs PEFT's 112):
             # AdamW(fused=True) for both, beside the anchors' default (foreach) AdamW
