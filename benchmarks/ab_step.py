@@ -19,9 +19,9 @@ import torch
 import fast_multilora
 
 VARIANTS = {  # name: (lora dropout p, patch kwargs, optimizer: "foreach" AdamW as the anchors, or "fused")
-    "fused": (0.05, {}, "foreach"),  # the defaults: siblings stacked (a mask per slice), bases fused
+    "fused": (0.05, {}, "foreach"),  # the defaults
     "fused_adamw_fused": (0.05, {}, "fused"),
-    "unshared": (0.05, {"share_shrink": False}, "foreach"),
+    "share_dropout": (0.05, {"share_dropout": True}, "foreach"),  # siblings stacked under dropout, a mask per slice
     "unfused": (0.05, {"fuse_base": False}, "foreach"),
     "p0_fused_shared": (0.0, {}, "foreach"),
     "p0_fused_unshared": (0.0, {"share_shrink": False}, "foreach"),
@@ -45,7 +45,8 @@ def main(argv=None):
         step.set_optimizer(optimizer)
         for m in drops:
             m.p = p
-        fast_multilora.patch(pm, backend="triton", **{"fuse_base": True, "share_shrink": True, **kw})
+        fast_multilora.patch(pm, backend="triton", **{"fuse_base": True, "share_shrink": True, "share_dropout": False,
+                                                     **kw})
 
     def timed(n=5):
         ts, hs = [], []

@@ -6,7 +6,9 @@ Providers (every scenario runs the ones that make sense for it):
                        (``adapter_names`` one per row, interleaved then sorted); train steps use
                        ``fast_multilora.per_adapter_loss`` (each adapter's mean token loss, summed)
 * ``fast_multilora_plain_loss``  the same step with HF's ``.loss`` (mean over all tokens): what the loss costs
-* ``fast_multilora_unshared`` (eval, 8-adapter step), ``fast_multilora_p0`` / ``fast_multilora_p0_unshared`` /
+* ``fast_multilora_share_dropout`` (8-adapter step): ``patch(..., share_dropout=True)``, q/k/v and gate/up sharing
+                       their shrink under dropout (a mask per slice)
+* ``fast_multilora_unshared`` (eval), ``fast_multilora_p0`` / ``fast_multilora_p0_unshared`` /
                        ``peft_single_p0`` (8-adapter train step with LoRA dropout 0): the shared shrink of sibling
                        layers on and off
 * ``peft_single_fused_adamw`` / ``fast_multilora_fused_adamw`` (8-adapter step): both with ``AdamW(fused=True)``
@@ -418,7 +420,14 @@ class Run:
                 opt["o"] = adamw(self.lora_params(pm))
 
             self.measure(scenario, "fast_multilora_unfused", fast, setup=unfused_setup, teardown=fast_teardown)
-            self.measure(scenario, "fast_multilora_unshared", fast, setup=unshared_setup, teardown=fast_teardown)
+
+            def share_dropout_setup():
+                self.all_lora_trainable(pm)
+                self.patch(pm, share_dropout=True)
+                opt["o"] = adamw(self.lora_params(pm))
+
+            self.measure(scenario, "fast_multilora_share_dropout", fast, setup=share_dropout_setup,
+                         teardown=fast_teardown)
 
             # the optimizer's host time grows with its tensor count (8 x 112 LoRA tensors here vs PEFT's 112):
             # AdamW(fused=True) for both, beside the anchors' default (foreach) AdamW

@@ -301,7 +301,7 @@ def _aux_wrapper_types():
 
 
 def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto",
-          share_shrink: bool = True, fuse_base: bool = True) -> PatchReport:
+          share_shrink: bool = True, fuse_base: bool = True, share_dropout: bool = False) -> PatchReport:
     """Run ``model``'s PEFT LoRA Linear layers through fast_multilora; returns a :class:`PatchReport`.
 
     ``model``: a ``PeftModel``, a ``LoraModel`` or any module tree holding PEFT LoRA layers. After patching,
@@ -314,7 +314,10 @@ def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto",
     shrink pass where their adapters allow (see ``fast_multilora.stacked``; the report lists the groups).
     ``fuse_base``: a layer whose base is a plain frozen ``nn.Linear`` runs base GEMM and LoRA delta in one Function
     (``function.FusedLinearDelta``: the delta written first, cuBLAS accumulating the GEMM into it, the same for
-    ``dx`` in backward) where that layer's call is not stacked with its siblings.
+    ``dx`` in backward; stacked siblings likewise, ``stacked.StackedLinear``).
+    ``share_dropout``: siblings under active LoRA dropout share their shrink too, each slice drawing its own mask
+    (as PEFT's separate dropout modules); off by default, as it measured slower than one shrink per sibling on an
+    H200 (``docs/benchmarks.md``).
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'triton'")
@@ -342,6 +345,7 @@ def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto",
     router.backend = backend
     router.family = family
     router.share_shrink = share_shrink
+    router.share_dropout = share_dropout
     router.fuse_base = fuse_base
     router.tuner = _lora_tuner(model)
     router.config_key = tuple(sorted(getattr(router.tuner, "peft_config", {}).keys()))
@@ -422,7 +426,7 @@ def _repatch(model):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the first patch() already warned about fallbacks
         patch(model, backend=router.backend, family=router.family, share_shrink=router.share_shrink,
-              fuse_base=router.fuse_base)
+              fuse_base=router.fuse_base, share_dropout=router.share_dropout)
 
 
 def _lora_tuner(model):

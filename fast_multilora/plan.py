@@ -93,6 +93,7 @@ class Router:
         self.family = "auto"
         self.backend = "auto"
         self.share_shrink = True  # sibling layers on one input share a shrink pass (patch setting)
+        self.share_dropout = False  # ... also under active dropout, a mask per slice (patch setting)
         self.fuse_base = True  # a frozen nn.Linear base runs inside FusedLinearDelta (patch setting)
         self.generation = 0  # counts begin() calls: per-forward-call state (fast_multilora.stacked) keys on it
         self.pending_ids: Optional[torch.Tensor] = None  # adapter_ids popped by a PeftModel's pre-hook

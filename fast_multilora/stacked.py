@@ -13,21 +13,25 @@ because it is never called on the q/k/v input.
 tensor (by identity, a weak reference, so no activation is kept alive). What it saw in one forward call is what it
 stacks in the next (``Router.generation`` counts forward calls): the first member called on an input runs one shrink
 for itself and the members seen with it last time that still qualify for this call -- the same adapters with equal
-ranks and dropout rates, no ``lora_bias``, no LoRA variant, one A-weight dtype, weights on the input's device -- and
-leaves their slices pending; a member called later on the same input takes its slice. Anything else (the first forward
-call, a member that does not qualify, another input) runs the per-module path (``FusedLinearDelta`` where the base
-allows, else ``LoraDelta``), which is always correct. The choice depends only on the previous forward call, so
-gradient-checkpointing recomputation (inside ``backward()``, before the next forward call) takes the same path as
-the forward it replays, as non-reentrant checkpointing requires.
+ranks and dropout rates, no active dropout (unless ``share_dropout``, below), no ``lora_bias``, no LoRA variant, one
+A-weight dtype, weights on the input's device -- and leaves their slices pending; a member called later on the same
+input takes its slice. Anything else (the first forward call, a member that does not qualify, another input) runs
+the per-module path (``FusedLinearDelta`` where the base allows, else ``LoraDelta``), which is always correct. The
+choice depends only on the previous forward call, so gradient-checkpointing recomputation (inside ``backward()``,
+before the next forward call) takes the same path as the forward it replays, as non-reentrant checkpointing
+requires.
 
 **Members**: a member whose base is a plain frozen ``nn.Linear`` (``patching._fused_base``) runs
 :class:`StackedLinear` -- its expand writes the delta and cuBLAS accumulates the base GEMM into it, as
 ``function.FusedLinearDelta`` does; any other member adds its delta to its base layer's output
 (:class:`StackedExpand`). One stack may mix both.
 
-**Dropout**: PEFT draws an independent mask per module, so siblings under dropout do not read the same ``x~``. The
-stacked shrink reads ``x`` once and gives each slice its own mask (key ``kernels.dropout.slice_seed(seed, s)``; one
-seed per stack, drawn from the CPU RNG as the per-module path draws its own); its backward regenerates them.
+**Dropout**: PEFT draws an independent mask per module, so siblings under dropout do not read the same ``x~``. With
+``patch(..., share_dropout=True)`` the stacked shrink reads ``x`` once and gives each slice its own mask (key
+``kernels.dropout.slice_seed(seed, s)``; one seed per stack, drawn from the CPU RNG as the per-module path draws
+its own); its backward regenerates them. Off by default: on an H200 the per-slice masks made the stacked kernels
+slower than one shrink per sibling (``docs/benchmarks.md``), so siblings under active dropout take the per-module
+path; in eval, or at dropout 0, they share.
 
 **Backward**: each member's expand backward writes its slice of ``dh`` into one buffer of the stack (scoped to the
 running backward pass) and returns no gradient for ``h``; autograd runs the shrink's backward after every expand
@@ -286,7 +290,7 @@ class SiblingGroup:
             return True
         layer = self.members[i]
         return (any(c != i for c in self._learned.get(i, ()))
-                and _qualifies(layer, table, present, x.device))
+                and _qualifies(layer, table, present, x.device, router))
 
     def forward(self, i, x, result, plan, table, present, router, base=None) -> Optional[torch.Tensor]:
         """Member ``i``'s output through a stack, or ``None`` for the per-module path. Runs after :meth:`may_share`,
@@ -306,7 +310,7 @@ class SiblingGroup:
     def _lead(self, i, x, result, base, y_dtype, plan, table, present, router) -> Optional[torch.Tensor]:
         """Run one shrink for member ``i`` and the not yet called members seen with it last time that qualify."""
         layer = self.members[i]
-        if not _qualifies(layer, table, present, x.device):
+        if not _qualifies(layer, table, present, x.device, router):
             return None
         a_dtypes = tuple(layer.lora_A[n].weight.dtype for n in present)
         rates = _dropout_rates(layer, present)
@@ -318,7 +322,7 @@ class SiblingGroup:
             if member.disable_adapters or member.merged or not _same_rank(member, layer, present):
                 continue
             c_table, c_present, _ = self._table_of(member, plan, x.device)
-            if (c_present == present and _qualifies(member, c_table, present, x.device)
+            if (c_present == present and _qualifies(member, c_table, present, x.device, router)
                     and tuple(member.lora_A[n].weight.dtype for n in present) == a_dtypes
                     and _dropout_rates(member, present) == rates):
                 joined.append((c, c_table))
@@ -346,10 +350,11 @@ def _same_rank(member, layer, present) -> bool:
     return all(n in member.r and member.r[n] == layer.r[n] for n in present)
 
 
-def _qualifies(layer, table: AdapterTable, present: list, device) -> bool:
-    """A member may take part in a stack this call: no lora_bias or variant; weights on the input's device."""
-    return (not layer.lora_variant and not any(layer.lora_bias[n] for n in present)
-            and layer.lora_A[present[0]].weight.device == device)
+def _qualifies(layer, table: AdapterTable, present: list, device, router) -> bool:
+    """A member may take part in a stack this call: no lora_bias or variant, weights on the input's device, and no
+    active dropout unless ``patch(..., share_dropout=True)``."""
+    return ((router.share_dropout or not table.has_dropout) and not layer.lora_variant
+            and not any(layer.lora_bias[n] for n in present) and layer.lora_A[present[0]].weight.device == device)
 
 
 def _dropout_rates(layer, present) -> tuple:

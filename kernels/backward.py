@@ -608,7 +608,9 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     BLOCK_S, BLOCK_K, num_warps, num_stages = blocks[BLOCK_R][x.element_size() >= 4]
     has_dropout = seed is not None and table.has_dropout
     if has_dropout and stack_num > 1 and not _INTERPRET:
-        num_warps = max(num_warps, 8)  # a mask per slice: 4-warp dA-only tiles spill registers (sm_90, q/k/v)
+        # a mask per slice: the tables' tiles spill registers on sm_90 for a q/k/v stack (Triton 3.6: 64-row tiles
+        # with dx, 4-warp dA-only tiles)
+        BLOCK_S, num_warps = min(BLOCK_S, 32), max(num_warps, 8)
     tiles_k = cdiv(K, BLOCK_K)
     tiles_r = cdiv(max(stack_num * R, 1), BLOCK_R)
     # chunk = rows per program, a multiple of BLOCK_S: long enough that ~target programs cover the batch

@@ -27,7 +27,7 @@ def test_bench_model_quick_runs_every_provider(tmp_path):
         for name, r in providers.items():
             assert r.get("error") is None and r["ms"] is not None and r["ms"] > 0, (scenario, name, r)
     assert {"fast_multilora_p0", "fast_multilora_p0_unshared", "peft_single_p0", "peft_single_fused_adamw",
-            "fast_multilora_fused_adamw", "fast_multilora_unshared"} <= set(d["train_step_8"])
+            "fast_multilora_fused_adamw", "fast_multilora_share_dropout"} <= set(d["train_step_8"])
     assert d["train_step_8"]["fast_multilora"]["all_adapters_got_grads"]
     ev = d["eval_8"]["fast_multilora"]
     assert ev["diff_rms_over_lora_effect_rms"] < 1e-3, ev  # the mixed batch equals stock PEFT's adapter_names path

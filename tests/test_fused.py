@@ -130,23 +130,25 @@ class _BiasMLP(torch.nn.Module):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_fused_with_base_bias_matches_peft_per_sample(backend, fused_calls):
+def test_fused_with_base_bias_matches_peft_per_sample(backend, fused_calls, device):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    model = get_peft_model(_BiasMLP(), LoraConfig(r=4, target_modules=["up", "down"], init_lora_weights=False),
-                           adapter_name="a0")
+    model = get_peft_model(_BiasMLP().to(device), LoraConfig(r=4, target_modules=["up", "down"],
+                                                             init_lora_weights=False), adapter_name="a0")
     model.add_adapter("a1", LoraConfig(r=2, lora_alpha=5, target_modules=["up"], init_lora_weights=False))
     for n, p in model.named_parameters():
         p.requires_grad_("lora_" in n)
     ref = twin(model)
     fast_multilora.patch(model, backend=backend)
     names = ["a1", "__base__", "a0", "a1"]
-    x = torch.randn(len(names), 5, 24)
-    w = torch.randn(len(names), 5, 24)
+    x = torch.randn(len(names), 5, 24).to(device)
+    w = torch.randn(len(names), 5, 24).to(device)
     out = model(x, adapter_names=names)
     (out * w).sum().backward()
     assert len(fused_calls) == 2  # both layers, their biases included
+    # fp32 throughout; on the GPU cuBLAS and the kernels sum in other orders than PEFT's separate GEMMs (TF32 off)
+    tol = 1e-4 if device == "cuda" else 1e-5
     for i, name in enumerate(names):  # stock PEFT, one sample at a time with its adapter alone
         if name == "__base__":
             with ref.disable_adapter():
@@ -157,9 +159,9 @@ def test_fused_with_base_bias_matches_peft_per_sample(backend, fused_calls):
                 p.requires_grad_("lora_" in n)
             want = ref(x[i : i + 1])
             (want * w[i : i + 1]).sum().backward()
-        torch.testing.assert_close(out[i : i + 1].detach(), want.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out[i : i + 1].detach(), want.detach(), rtol=tol, atol=tol / 10)
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     want_g = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
     assert set(got) == set(want_g)
     for n, g in want_g.items():
-        torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(got[n], g, rtol=tol, atol=tol / 10, msg=lambda m, n=n: f"{n}: {m}")

@@ -408,7 +408,8 @@ bad += spills(B._expand_bwd_finish, ptr, dict(FROM_PARTS=fused, DOT_PRECISION="t
 for need_dx, table in ((True, B._SHRINK_BLOCKS), (False, B._SHRINK_DA_BLOCKS)):
     for stack, block_r in ((1, 16), (3, 64)):  # one mask; a mask per slice of a q/k/v stack (3 x r=16 in one tile)
         BS, BK, nw, _stages = table[block_r][0]
-        nw = max(nw, 8) if stack > 1 else nw  # the launcher's rule for a mask per slice
+        if stack > 1:  # the launcher's rule for a mask per slice
+            BS, nw = min(BS, 32), max(nw, 8)
         bad += spills(B._shrink_bwd_kernel, ptr, dict(NEED_DX=need_dx, HAS_DROPOUT=True, HOIST_A=True, EVEN_K=True,
                                                       DOT_PRECISION="tf32", BLOCK_S=BS, BLOCK_K=BK, BLOCK_R=block_r,
                                                       DROP_STACK=stack), nw)

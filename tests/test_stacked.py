@@ -32,11 +32,11 @@ def configs(dropout=0.0, rank_pattern=None):
     }
 
 
-def models(backend, **cfg):
+def models(backend, share_dropout=False, **cfg):
     """(shared, unshared, stock PEFT) copies of one model with the same weights."""
     shared = peft_model(configs=configs(**cfg))
     unshared, ref = twin(shared), twin(shared)
-    fast_multilora.patch(shared, backend=backend)
+    fast_multilora.patch(shared, backend=backend, share_dropout=share_dropout)
     fast_multilora.patch(unshared, backend=backend, share_shrink=False)
     return shared, unshared, ref
 
@@ -172,14 +172,24 @@ def test_outputs_and_grads_match_per_module_and_peft(backend, train, shrinks):
     assert_same(got, peft_per_sample(ref, ids, w))
 
 
-def test_dropout_shares_with_a_mask_per_slice(shrinks):
-    """Under dropout the siblings still share one shrink (a mask per slice); in eval, where dropout is off, the
+def test_dropout_shares_only_when_asked(shrinks):
+    """Under active dropout siblings run the per-module path by default (identical to share_shrink=False for the
+    same seeds); with share_dropout=True they share one shrink, a mask per slice; in eval, where dropout is off, the
     shared path equals the per-module one."""
     shared, unshared, _ = models("torch", dropout=0.2)
     ids, w = inputs()
     warm(shared, ids)
     for m in (shared, unshared):
         m.train()
+    shrinks.clear()
+    torch.manual_seed(7)
+    got = step(shared, ids, w)
+    assert shrinks == UNSHARED_PER_LAYER * 2
+    torch.manual_seed(7)  # the same per-module dropout seeds: identical to share_shrink=False
+    assert_same(got, step(unshared, ids, w), exact=True)
+
+    fast_multilora.patch(shared, backend="torch", share_dropout=True)
+    warm(shared, ids)
     shrinks.clear()
     out, grads, dx = step(shared, ids, w)
     assert shrinks == SHARED_PER_LAYER * 2
@@ -204,7 +214,7 @@ def test_stacked_dropout_gradcheck_float64(backend, stacked_kinds):
     model.add_adapter("b", LoraConfig(r=2, lora_alpha=5, target_modules=["q", "k", "v"], init_lora_weights=False,
                                       lora_dropout=0.25))
     model = model.double()
-    fast_multilora.patch(model, backend=backend)
+    fast_multilora.patch(model, backend=backend, share_dropout=True)
     model.train()
     names = ["b", "default", "__base__", "b"]
     x = torch.randn(4, 3, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2), requires_grad=True)
@@ -260,9 +270,9 @@ def test_unequal_ranks_are_not_stacked(backend, shrinks):
 def test_gradient_checkpointing(reentrant, dropout, shrinks):
     """Recomputation stacks the same siblings and, under dropout, redraws the same per-slice masks (the stack's seed
     comes from the CPU RNG, which checkpointing restores)."""
-    shared, unshared, _ = models("torch", dropout=dropout)
+    shared, unshared, _ = models("torch", dropout=dropout, share_dropout=True)
     ck = twin(shared)
-    fast_multilora.patch(ck, backend="torch")
+    fast_multilora.patch(ck, backend="torch", share_dropout=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers 5 renames it activation_checkpointing_enable
         ck.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
