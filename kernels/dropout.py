@@ -3,8 +3,8 @@
 Every kernel that reads ``x~`` (the shrink forward, the ``dx``/``dA`` backward) calls :func:`keep_block` with the
 *physical* row index, so the mask is regenerated in backward and never stored. A stacked call (``stack_num > 1``:
 siblings sharing one shrink) draws an independent mask per slice, keyed by :func:`slice_seed`, as PEFT's separate
-dropout modules do. ``dropout_keep_mask`` materialises
-the same mask for tests (it feeds the reference's ``keep=`` argument).
+dropout modules do. ``dropout_keep_mask`` materialises the same masks for tests (they feed the reference's ``keep=``
+argument).
 """
 
 from __future__ import annotations
