@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from . import reference
+from .kernels.dropout import quantize_p
 from .kernels.segments import AdapterTable, Segments
 
 
@@ -144,6 +145,20 @@ def as_rows(x_in: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
+def lora_dropout_rate(drop: torch.nn.Module) -> float:
+    """The rate a PEFT ``lora_dropout`` module applies in this call, as the kernels draw it (rounded to 2^-16 by
+    ``quantize_p``); 0 for ``nn.Identity`` or a module in eval mode."""
+    return quantize_p(float(drop.p)) if isinstance(drop, torch.nn.Dropout) and drop.training else 0.0
+
+
+def linear_with_delta(backend, x, W, bias, h, B_cat, segs, table, stack_num, slice_idx) -> torch.Tensor:
+    """``x Wᵀ (+ bias) + delta``: the expand writes the delta into a fresh ``y`` (write mode, bias folded in, every
+    row defined) and cuBLAS accumulates the base GEMM into it (``addmm_``, beta 1)."""
+    y = torch.empty(x.shape[0], W.shape[0], dtype=x.dtype, device=x.device)
+    backend.expand(h, B_cat, segs, table, y, stack_num, slice_idx, accumulate=False, bias=bias)
+    return y.addmm_(x, W.t())
+
+
 class LoraDelta(torch.autograd.Function):
     """``y += delta(x)`` for a mixed batch; inputs ``x[S, K]``, ``y[S, N]`` then every present adapter's ``A``
     (``[r, K]``), ``B`` (``[N, r]``) and, with ``lora_bias``, bias (``[N]``)."""
@@ -214,9 +229,7 @@ class FusedLinearDelta(torch.autograd.Function):
         B_cat = torch.cat(weights[n : 2 * n], 1)
         be = spec.backend
         h = be.shrink(x, A_cat, spec.segs, spec.table, 1, spec.seed)
-        y = torch.empty(x.shape[0], W.shape[0], dtype=x.dtype, device=x.device)
-        be.expand(h, B_cat, spec.segs, spec.table, y, 1, 0, accumulate=False, bias=bias)
-        y.addmm_(x, W.t())
+        y = linear_with_delta(be, x, W, bias, h, B_cat, spec.segs, spec.table, 1, 0)
         ctx.save_for_backward(x, h, A_cat, B_cat, W)
         ctx.w_dtypes = [w.dtype for w in weights]
         ctx.spec = spec

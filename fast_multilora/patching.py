@@ -29,8 +29,7 @@ from peft.tuners.lora import LoraLayer
 from torch.nn.modules import module as _nn_module  # its global forward hooks are read per call
 
 from . import stacked
-from .function import DeltaSpec, FusedLinearDelta, LoraDelta, get_backend
-from .kernels.dropout import quantize_p
+from .function import DeltaSpec, FusedLinearDelta, LoraDelta, get_backend, lora_dropout_rate
 from .kernels.segments import AdapterTable
 from .plan import BASE, Router
 
@@ -141,11 +140,10 @@ def _layer_table(layer, plan, device):
     ranks, scales, ps, present = [], [], [], []
     for name in plan.slot_names:
         if name in layer.lora_A and name not in layer.lora_variant:
-            drop = layer.lora_dropout[name]
             ranks.append(layer.r[name])
             scales.append(float(layer.scaling[name]))
             # the kernels draw the mask at 2^-16 resolution: the table holds the rate they draw exactly
-            ps.append(quantize_p(float(drop.p)) if isinstance(drop, torch.nn.Dropout) and drop.training else 0.0)
+            ps.append(lora_dropout_rate(layer.lora_dropout[name]))
             present.append(name)
         else:
             ranks.append(0)

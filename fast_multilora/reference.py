@@ -78,8 +78,9 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
     keeps = _slice_keeps(keep, stack_num)
     for _, rows, r, off, _, p in _slot_rows(segs, table):
         w = A_cat[stack_num * off : stack_num * (off + r)].to(acc)
+        xr = x[rows].to(acc)
         for s, k in enumerate(keeps):
-            h[rows, s * r : (s + 1) * r] = _dropped(x[rows].to(acc), k, rows, p) @ w[s * r : (s + 1) * r].T
+            h[rows, s * r : (s + 1) * r] = _dropped(xr, k, rows, p) @ w[s * r : (s + 1) * r].T
     return h
 
 
@@ -131,11 +132,11 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     for _, rows, r, off, _, p in _slot_rows(segs, table):
         g = dh[rows, : stack_num * r].to(acc)
         w = A_cat[stack_num * off : stack_num * (off + r)].to(acc)
+        xr = x[rows].to(acc)
         g_x = torch.zeros(rows.numel(), x.shape[1], dtype=acc, device=x.device)
         for s, k in enumerate(keeps):
             cols = slice(s * r, (s + 1) * r)
-            dA[stack_num * off + s * r : stack_num * off + (s + 1) * r] = g[:, cols].T @ _dropped(
-                x[rows].to(acc), k, rows, p)
+            dA[stack_num * off + s * r : stack_num * off + (s + 1) * r] = g[:, cols].T @ _dropped(xr, k, rows, p)
             g_x += _dropped(g[:, cols] @ w[cols], k, rows, p)
         if need_dx:
             dx[rows] = g_x.to(x.dtype)

@@ -48,8 +48,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .function import _split_grads, as_rows, get_backend
-from .kernels.dropout import quantize_p
+from .function import _split_grads, as_rows, get_backend, linear_with_delta, lora_dropout_rate
 from .kernels.segments import AdapterTable, Segments
 
 GROUP_ATTR = "_fml_group"  # on a member module: (its SiblingGroup, its index in the group)
@@ -201,9 +200,7 @@ class StackedLinear(torch.autograd.Function):
         stack = part.stack
         x = as_rows(x_in)
         B_cat = torch.cat(b_weights, 1)
-        y = torch.empty(x.shape[0], W.shape[0], dtype=x.dtype, device=x.device)
-        stack.backend.expand(h, B_cat, stack.segs, part.table, y, stack.num, part.index, accumulate=False, bias=bias)
-        y.addmm_(x, W.t())
+        y = linear_with_delta(stack.backend, x, W, bias, h, B_cat, stack.segs, part.table, stack.num, part.index)
         ctx.save_for_backward(h, B_cat, W)
         ctx.part = part
         ctx.b_dtypes = [w.dtype for w in b_weights]
@@ -361,8 +358,7 @@ def _dropout_rates(layer, present) -> tuple:
     """The dropout rate each present adapter applies in this call (0 when its dropout is off), as the layer table
     holds them: members stack only with equal rates, since the stack's shrink reads one table's rates."""
     drops = layer._modules["lora_dropout"]._modules
-    return tuple(quantize_p(float(d.p)) if isinstance(d, torch.nn.Dropout) and d.training else 0.0
-                 for d in (drops[n] for n in present))
+    return tuple(lora_dropout_rate(drops[n]) for n in present)
 
 
 def _expand(h, x, result, base, part: _Slice, layer, present) -> torch.Tensor:
