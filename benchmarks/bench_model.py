@@ -129,7 +129,7 @@ class Run:
                 verify=None, **extra):
         """Time ``fn`` (after ``setup()``), store ``{"ms", "peak_mib", ...}``; a raising provider is recorded, not
         fatal. ``verify()`` (after the timing) returns fields to record; ``teardown`` always runs."""
-        from harness import time_steps
+        from harness import split_call, time_steps
 
         est = self.sz.est_provider * (2 if slow else 1)
         if not self.budget.allows(est):
@@ -146,6 +146,8 @@ class Run:
             if setup is not None:
                 setup()
             r = time_steps(fn, self.device, warm=warm, iters=iters)
+            if layer:  # a layer call is short: how much of it is kernel time, how much the host's
+                r.update(split_call(fn, self.device))
             r.update(extra)
             if verify is not None:
                 r.update(verify())
@@ -672,6 +674,8 @@ def render_md(res) -> str:
             note = e.get("error") or e.get("skipped") or ""
             if "optimizer" in e:
                 note += f"{e['optimizer']} "
+            if "gpu_ms" in e:
+                note += f"kernels {e['gpu_ms']:.2f} ms, host {e['host_ms']:.2f} ms per call "
             if "all_adapters_got_grads" in e:
                 note += f"every adapter got gradients: {'yes' if e['all_adapters_got_grads'] else 'NO'}"
             if "diff_rms_over_lora_effect_rms" in e:

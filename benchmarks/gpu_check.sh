@@ -8,8 +8,8 @@
 # Stages: tests (tests marked gpu; with 2+ GPUs the hypothesis fuzz sweep runs on the second GPU meanwhile,
 # FML_FUZZ_EXAMPLES examples per test), kernels, model, profile (benchmarks/profile_step.py), multi
 # (benchmarks/multi_gpu.sh, needs 2 GPUs), ktests (the kernel and fused-path test files whole, every dtype, on the
-# GPU, in parallel processes), tune (benchmarks/tune_kernels.py --parts model: block sweep at the training step's
-# shapes), ab (benchmarks/ab_step.py: patch settings A/B on the train step).
+# GPU, in parallel processes), tune (benchmarks/tune_kernels.py --parts $TUNE_PARTS, default model: block sweep
+# at the training step's shapes), ab (benchmarks/ab_step.py: patch settings A/B on the train step).
 # Default: "tests kernels model".
 #
 # Every stage runs under its own `timeout`; a stage that fails or times out does not stop the later ones, and the
@@ -110,7 +110,7 @@ main() {
         stage ktests "$T_KTESTS" bash -c 'set -o pipefail; FML_TEST_DEVICE=cuda "$0" benchmarks/run_tests_parallel.py --procs 12 --timeout $(($2 - 15)) --log-dir "$1.d" tests/test_kernels_forward.py tests/test_kernels_backward.py tests/test_fused.py 2>&1 | tee "$1"; rc=$?; cat "$1".d/*.log > "$1.all"; rm -rf "$1.d"; exit $rc' "$PY" "$OUT/pytest_kernels_gpu.log" "$T_KTESTS"
     fi
     if want tune; then
-        stage tune "$T_TUNE" "$PY" benchmarks/tune_kernels.py --parts model --out "$OUT/tune_model.json"
+        stage tune "$T_TUNE" "$PY" benchmarks/tune_kernels.py --parts "${TUNE_PARTS:-model}" --out "$OUT/tune_model.json"
     fi
     if want ab; then
         stage ab "$T_AB" "$PY" benchmarks/ab_step.py --out "$OUT/ab_step.txt"

@@ -104,6 +104,29 @@ def time_steps(fn, device: str, *, warm: int, iters: int) -> dict:
     return {"ms": statistics.median(ts), "peak_mib": peak, "min_ms": min(ts), "iters": iters}
 
 
+def split_call(fn, device: str) -> dict:
+    """One more call of ``fn`` split into its parts (CUDA only; ``{}`` elsewhere): ``gpu_ms``, the summed device time
+    of its kernels (torch profiler, one profiled call), and ``host_ms``, the time until ``fn`` returns (the median of
+    5 unprofiled calls, each after a synchronize). A call whose ``ms`` exceeds its ``gpu_ms`` leaves the GPU idle for
+    the difference (host-side work, launch latency)."""
+    import torch
+
+    if device != "cuda":
+        return {}
+    host = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    gpu_us = sum(e.device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return {"gpu_ms": gpu_us / 1e3, "host_ms": statistics.median(host)}
+
+
 def write_json(path: str, obj) -> None:
     """Write atomically (a killed run leaves the previous complete file, never half of one)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -13,7 +13,6 @@ import math
 import time
 
 import torch
-import triton
 from fast_multilora.kernels import backward as kb
 from fast_multilora.kernels import forward as kf
 from fast_multilora.kernels.segments import AdapterTable, segments_from_token_slots
@@ -40,10 +39,17 @@ def make_case(S=8192, Kd=4096, N=4096, r=16, A=8, dtype=torch.bfloat16, grouped=
     return segs, table, x, y, dy, A_cat, B_cat
 
 
-def bench(fn):
+def bench(fn, reps=10):
+    """ms per call of ``fn``: the summed device time of its kernels (torch profiler over ``reps`` calls). Not
+    ``triton.testing.do_bench``: its CUDA events around a short launcher measure the host's launch time."""
     fn()
     torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=5, rep=30)  # ms, median
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    us = sum(e.device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return us / reps / 1e3
 
 
 def record(rows, op, family, config, fn):
@@ -93,6 +99,48 @@ def sweep_bwd(rows, case, family):
             record(rows, "shrink_bwd", family, (pps, bs, bk, w), lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table))
         kb._SHRINK_BLOCKS.update(saved_s)
     kb._PROGRAMS_PER_SM = saved_p
+
+
+def sweep_model_expand(rows):
+    """The expand (write mode, as ``FusedLinearDelta``'s forward runs it), the expand backward and the shrink
+    backward reading the forward's packed dropout mask, at the training step's shapes (S = 16 x 1024, 8 adapters,
+    r = 16, bf16, dropout 0.05); kernel time by the profiler. Rows: ``op`` = kernel, ``family`` = shape."""
+    for Kd, N in ((2048, 2048), (2048, 5632), (2048, 256), (5632, 2048)):
+        _sweep_model_expand_shape(rows, 16384, Kd, N)
+
+
+def _sweep_model_expand_shape(rows, S, Kd, N):
+    """One shape of :func:`sweep_model_expand` (its own function: the timed lambdas close over its tensors)."""
+    shape = f"S{S}-K{Kd}-N{N}"
+    segs, table, x, y, dy, A_cat, B_cat = make_case(S=S, Kd=Kd, N=N, dropout=0.05)
+    keep = K.keep_bits_buffer(x)
+    h = K.lora_shrink(x, A_cat, segs, table, seed=5, keep_out=keep)
+    dh, _ = K.lora_expand_bwd(dy, h, B_cat, segs, table)
+    if Kd == 2048:  # the expand and its backward depend on N only
+        saved = kf.EXPAND_WRITE_BLOCKS["gpu"]
+        for bs, bn, w in itertools.product((64, 128, 256), (64, 128, 256), (4, 8)):
+            kf.EXPAND_WRITE_BLOCKS["gpu"] = [(math.inf, bs, bn, 64, w, 1)]
+            record(rows, "m_expand_write", shape, (bs, bn, w),
+                   lambda: K.lora_expand(h, B_cat, segs, table, y, accumulate=False))
+        kf.EXPAND_WRITE_BLOCKS["gpu"] = saved
+        saved_e = dict(kb._EXPAND_BLOCKS)
+        for bs, bn, w in itertools.product((64, 128, 256), (64, 128), (4, 8)):
+            kb._EXPAND_BLOCKS[16] = ((bs, bn, w, True), saved_e[16][1])
+            record(rows, "m_expand_bwd", shape, (bs, bn, w), lambda: K.lora_expand_bwd(dy, h, B_cat, segs, table))
+        kb._EXPAND_BLOCKS.update(saved_e)
+    if N == 2048:  # the shrink backward depends on K only
+        saved_s = dict(kb._SHRINK_BLOCKS)
+        for bs, bk, w in itertools.product((32, 64), (64, 128, 256), (4, 8)):
+            kb._SHRINK_BLOCKS[16] = ((bs, bk, w, 3), saved_s[16][1])
+            record(rows, "m_shrink_bwd_stored_mask", shape, (bs, bk, w),
+                   lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table, seed=5, keep=keep))
+        kb._SHRINK_BLOCKS.update(saved_s)
+        record(rows, "m_shrink_bwd_redrawn_mask", shape, ("default",),
+               lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table, seed=5))
+        record(rows, "m_shrink_dropout_store", shape, ("default",),
+               lambda: K.lora_shrink(x, A_cat, segs, table, seed=5, keep_out=keep))
+        record(rows, "m_shrink_dropout", shape, ("default",), lambda: K.lora_shrink(x, A_cat, segs, table, seed=5))
+    print(shape, "done", flush=True)
 
 
 def sweep_model_shapes(rows):
@@ -227,7 +275,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune.json")
     ap.add_argument("--parts", default="profile,layer,shrink,expand,bwd", help="any of profile, layer, shrink, "
-                    "expand, bwd (headline shape) and model (the training step's shapes)")
+                    "expand, bwd (headline shape), model and model_expand (the training step's shapes)")
     args = ap.parse_args()
     parts = args.parts.split(",")
     rows = []
@@ -235,6 +283,10 @@ def main():
     t0 = time.time()
     if "model" in parts:
         sweep_model_shapes(rows)
+        with open(args.out, "w") as f:
+            json.dump(out, f)
+    if "model_expand" in parts:
+        sweep_model_expand(rows)
         with open(args.out, "w") as f:
             json.dump(out, f)
     for family, grouped in (("sgemm", False), ("chunked", True)):

@@ -31,6 +31,11 @@ def _no_autocast(fn):
     return wrapper
 
 
+# A training forward under dropout stores its keep-mask (one bit per element of x) for the backward, which then
+# reads it instead of drawing it again; FML_STORE_DROPOUT_MASK=0 redraws it in the backward (saves that memory).
+STORE_DROPOUT_MASK = os.environ.get("FML_STORE_DROPOUT_MASK", "1") != "0"
+
+
 class TorchBackend:
     """Pure-PyTorch segmented ops (``fast_multilora.reference``); dropout masks drawn from the seed on the device."""
 
@@ -48,8 +53,13 @@ class TorchBackend:
         shape = (stack_num, *x.shape) if stack_num > 1 else x.shape
         return torch.rand(shape, generator=g, device=x.device) >= p[:, None]
 
+    @staticmethod
+    def keep_buffer(x, seed, table):
+        """No stored mask: the backward redraws it from the seed."""
+        return None
+
     @_no_autocast
-    def shrink(self, x, A_cat, segs, table, stack_num, seed):
+    def shrink(self, x, A_cat, segs, table, stack_num, seed, keep_out=None):
         keep = self._keep(x, segs, table, seed, stack_num)
         return reference.lora_shrink(x, A_cat, segs, table, stack_num=stack_num, keep=keep)
 
@@ -63,7 +73,7 @@ class TorchBackend:
         return reference.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx, dh=dh)
 
     @_no_autocast
-    def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx):
+    def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx, keep=None):
         keep = self._keep(x, segs, table, seed, stack_num)
         return reference.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, keep=keep, need_dx=need_dx)
 
@@ -87,7 +97,16 @@ class TritonBackend:
     def _impl(self):
         return self.ops if torch.compiler.is_compiling() else self.k
 
-    def shrink(self, x, A_cat, segs, table, stack_num, seed):
+    def keep_buffer(self, x, seed, table):
+        """A buffer for the packed dropout mask the forward shrink stores and the backward reads (eager only: the
+        custom ops redraw it), or ``None`` without dropout."""
+        if seed is None or not table.has_dropout or not STORE_DROPOUT_MASK or torch.compiler.is_compiling():
+            return None
+        return self.k.keep_bits_buffer(x)
+
+    def shrink(self, x, A_cat, segs, table, stack_num, seed, keep_out=None):
+        if keep_out is not None:
+            return self.k.lora_shrink(x, A_cat, segs, table, stack_num=stack_num, seed=seed, keep_out=keep_out)
         return self._impl().lora_shrink(x, A_cat, segs, table, stack_num=stack_num, seed=seed)
 
     def expand(self, h, B_cat, segs, table, y, stack_num, slice_idx, accumulate=True, bias=None):
@@ -101,7 +120,10 @@ class TritonBackend:
         return self._impl().lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx,
                                             dh=dh)
 
-    def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx):
+    def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx, keep=None):
+        if keep is not None:
+            return self.k.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed,
+                                          need_dx=need_dx, keep=keep)
         return self._impl().lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed,
                                             need_dx=need_dx)
 
@@ -171,12 +193,13 @@ class LoraDelta(torch.autograd.Function):
         A_cat = torch.cat(weights[:n]) if n else x.new_zeros(0, x.shape[1])
         B_cat = torch.cat(weights[n : 2 * n], 1) if n else y.new_zeros(y.shape[1], 0)
         be = spec.backend
-        h = be.shrink(x, A_cat, spec.segs, spec.table, 1, spec.seed)
+        keep = _keep_buffer(ctx, be, x, spec)
+        h = be.shrink(x, A_cat, spec.segs, spec.table, 1, spec.seed, keep)
         be.expand(h, B_cat, spec.segs, spec.table, y, 1, 0)
         if spec.has_bias:
             _add_bias(y, weights[2 * n :], spec)
         ctx.mark_dirty(y_in)
-        ctx.save_for_backward(x, h, A_cat, B_cat)  # the weights' values live in the concatenations
+        ctx.save_for_backward(x, h, A_cat, B_cat, keep)  # the weights' values live in the concatenations
         ctx.w_dtypes = [w.dtype for w in weights]
         ctx.spec = spec
         ctx.x_shape = x_in.shape
@@ -185,7 +208,7 @@ class LoraDelta(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_in):
         spec: DeltaSpec = ctx.spec
-        x, h, A_cat, B_cat = ctx.saved_tensors
+        x, h, A_cat, B_cat, keep = ctx.saved_tensors
         w_dtypes = ctx.w_dtypes
         n = spec.num_adapters
         needs = ctx.needs_input_grad
@@ -197,7 +220,7 @@ class LoraDelta(torch.autograd.Function):
             dy = dy.contiguous()
             be = spec.backend
             dh, dB = be.expand_bwd(dy, h, B_cat, spec.segs, spec.table, 1, 0)
-            dx, dA = be.shrink_bwd(dh, x, A_cat, spec.segs, spec.table, 1, spec.seed, need_dx)
+            dx, dA = be.shrink_bwd(dh, x, A_cat, spec.segs, spec.table, 1, spec.seed, need_dx, keep)
             grads[:n] = _split_grads(dA, spec.ranks, w_dtypes[:n], dim=0)
             grads[n : 2 * n] = _split_grads(dB, spec.ranks, w_dtypes[n : 2 * n], dim=1)
             if spec.has_bias:
@@ -228,9 +251,10 @@ class FusedLinearDelta(torch.autograd.Function):
         A_cat = torch.cat(weights[:n])
         B_cat = torch.cat(weights[n : 2 * n], 1)
         be = spec.backend
-        h = be.shrink(x, A_cat, spec.segs, spec.table, 1, spec.seed)
+        keep = _keep_buffer(ctx, be, x, spec)
+        h = be.shrink(x, A_cat, spec.segs, spec.table, 1, spec.seed, keep)
         y = linear_with_delta(be, x, W, bias, h, B_cat, spec.segs, spec.table, 1, 0)
-        ctx.save_for_backward(x, h, A_cat, B_cat, W)
+        ctx.save_for_backward(x, h, A_cat, B_cat, W, keep)
         ctx.w_dtypes = [w.dtype for w in weights]
         ctx.spec = spec
         ctx.x_shape = x_in.shape
@@ -239,7 +263,7 @@ class FusedLinearDelta(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_in):
         spec: DeltaSpec = ctx.spec
-        x, h, A_cat, B_cat, W = ctx.saved_tensors
+        x, h, A_cat, B_cat, W, keep = ctx.saved_tensors
         n = spec.num_adapters
         needs = ctx.needs_input_grad
         need_dx, need_w = needs[0], any(needs[4:])
@@ -249,7 +273,7 @@ class FusedLinearDelta(torch.autograd.Function):
             be = spec.backend
             dh, dB = be.expand_bwd(dy, h, B_cat, spec.segs, spec.table, 1, 0)
             # one pass over x for dA and the LoRA part of dx (written, base rows zero; the dropout mask drawn once)
-            dx, dA = be.shrink_bwd(dh, x, A_cat, spec.segs, spec.table, 1, spec.seed, need_dx)
+            dx, dA = be.shrink_bwd(dh, x, A_cat, spec.segs, spec.table, 1, spec.seed, need_dx, keep)
             if need_w:
                 grads[:n] = _split_grads(dA, spec.ranks, ctx.w_dtypes[:n], dim=0)
                 grads[n : 2 * n] = _split_grads(dB, spec.ranks, ctx.w_dtypes[n : 2 * n], dim=1)
@@ -257,6 +281,11 @@ class FusedLinearDelta(torch.autograd.Function):
                 dx.addmm_(dy, W)
                 dx = dx.view(ctx.x_shape)
         return (dx, None, None, None, *grads)
+
+
+def _keep_buffer(ctx, backend, x, spec: DeltaSpec):
+    """Where the forward shrink stores its dropout mask for the backward: only when a gradient will be taken."""
+    return backend.keep_buffer(x, spec.seed, spec.table) if any(ctx.needs_input_grad) else None
 
 
 def _split_grads(g_cat: torch.Tensor, ranks: tuple, dtypes: list, dim: int) -> list:

@@ -4,8 +4,9 @@ Installed as ``fast_multilora.kernels``.
 """
 
 from .backward import lora_expand_bwd, lora_shrink_bwd
+from .dropout import keep_bits_buffer
 from .forward import lora_expand, lora_shrink
 from .segments import AdapterTable, Segments, segments_from_token_slots
 
 __all__ = ["AdapterTable", "Segments", "segments_from_token_slots", "lora_expand", "lora_shrink", "lora_expand_bwd",
-           "lora_shrink_bwd"]
+           "lora_shrink_bwd", "keep_bits_buffer"]

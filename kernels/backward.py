@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dropout import check_stacked_seed, keep_block
+from .dropout import check_keep_bits, check_stacked_seed, keep_block, unpack_keep
 from .launch import cdiv, checked, launch, mark_checked, next_power_of_2
 from .segments import AdapterTable, Segments
 
@@ -320,11 +320,12 @@ def _expand_bwd_finish(
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed per step must not compile new variants
 def _shrink_bwd_kernel(
-    dh, x, A, dx, part_dA, order, info, ranks, offsets, dropout, seed,
+    dh, x, A, dx, part_dA, keep_bits, order, info, ranks, offsets, dropout, seed,
     K, stack_num,
     stride_dhs, stride_dhr, stride_xs, stride_xk, stride_ar, stride_ak, stride_dxs, stride_dxk,
-    stride_pac, stride_par, stride_pak,
-    NEED_DX: tl.constexpr, HAS_DROPOUT: tl.constexpr, HOIST_A: tl.constexpr, EVEN_K: tl.constexpr,
+    stride_pac, stride_par, stride_pak, stride_ms,
+    NEED_DX: tl.constexpr, HAS_DROPOUT: tl.constexpr, LOAD_MASK: tl.constexpr, HOIST_A: tl.constexpr,
+    EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     DROP_STACK: tl.constexpr,
 ):
@@ -332,6 +333,7 @@ def _shrink_bwd_kernel(
 
     ``DROP_STACK > 1`` (dropout on a stack of that many slices): column ``j`` of dh (row of A) belongs to slice
     ``j // rank``, whose own mask (key ``slice_seed(seed, s)``) multiplies that slice's terms of dx and dA.
+    ``LOAD_MASK`` (``DROP_STACK == 1``): the mask is read from the forward's packed ``keep_bits`` instead of drawn.
     """
     i_c = tl.program_id(0).to(tl.int64)
     i_k = tl.program_id(1).to(tl.int64)
@@ -408,10 +410,14 @@ def _shrink_bwd_kernel(
                     tl.store(p_dx, (b_dx * inv_keep).to(dx.dtype.element_ty), mask=m_s[:, None] & m_k[None, :])
         else:
             if HAS_DROPOUT:
-                # 0/1 in x's dtype, not a bool: it crosses into the dot layout for dx, and i1 cannot live in shared
-                # memory; [BLOCK_S, BLOCK_K], the forward's draw
-                b_keep = keep_block(seed, o_t, o_k, K, p_drop).to(b_x.dtype)
-                b_x = b_x * b_keep
+                if LOAD_MASK:  # the forward's draw, packed: [BLOCK_S, BLOCK_K // 8] bytes
+                    o_b = i_k * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+                    p_m = keep_bits + o_t[:, None] * stride_ms + o_b[None, :]
+                    b_bits = tl.load(p_m, mask=m_s[:, None] & (o_b < (K + 7) // 8)[None, :], other=0)
+                    b_keep = unpack_keep(b_bits, BLOCK_K)
+                else:  # [BLOCK_S, BLOCK_K], the forward's draw regenerated
+                    b_keep = keep_block(seed, o_t, o_k, K, p_drop)
+                b_x = tl.where(b_keep, b_x, 0.0)
             p_dh = dh + o_t[:, None] * stride_dhs + o_r[None, :] * stride_dhr
             # [BLOCK_S, BLOCK_R]
             b_dh = tl.load(p_dh, mask=m_s[:, None] & m_r[None, :], other=0.0).to(x.dtype.element_ty)
@@ -433,10 +439,12 @@ def _shrink_bwd_kernel(
                             b_aj = tl.load(p_aj, mask=m_j[:, None] & m_k[None, :],
                                            other=0.0).to(x.dtype.element_ty)
                             b_dx += tl.dot(b_dhj, b_aj, input_precision=DOT_PRECISION, out_dtype=b_da.dtype)
-                    if HAS_DROPOUT:
-                        b_dx = b_dx * (b_keep.to(b_dx.dtype) * inv_keep)
+                    if HAS_DROPOUT:  # scaled before the rounding, masked after it (in the store's layout)
+                        b_dx = tl.where(b_keep, (b_dx * inv_keep).to(dx.dtype.element_ty), 0.0)
+                    else:
+                        b_dx = b_dx.to(dx.dtype.element_ty)
                     p_dx = dx + o_t[:, None] * stride_dxs + o_k[None, :] * stride_dxk
-                    tl.store(p_dx, b_dx.to(dx.dtype.element_ty), mask=m_s[:, None] & m_k[None, :])
+                    tl.store(p_dx, b_dx, mask=m_s[:, None] & m_k[None, :])
     if HAS_DROPOUT:
         b_da = b_da * inv_keep
     p_pa = part_dA + i_c * stride_pac + o_r[:, None] * stride_par + o_k[None, :] * stride_pak
@@ -577,10 +585,11 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
 
 def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1,
                     seed: Optional[int] = None, need_dx: bool = True, dx_out: Optional[torch.Tensor] = None,
-                    dA_out: Optional[torch.Tensor] = None):
+                    dA_out: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None):
     """Returns ``(dx, dA_cat)``: ``dx`` in ``x``'s dtype, every row written (zero for base tokens, slot -1 and rank
     0; ``None`` unless ``need_dx``) and ``dA_cat`` float32 ``[stack_num*total_rank, K]`` (every row written, zero for
-    slots without tokens). ``seed`` (Philox, or ``None``) regenerates the forward's dropout mask."""
+    slots without tokens). ``seed`` (Philox, or ``None``) regenerates the forward's dropout mask; ``keep``, the
+    packed mask ``lora_shrink(..., keep_out=)`` stored for the same seed, is read instead of drawn again."""
     name = "lora_shrink_bwd"
     _check_common(name, x, segs, table, stack_num)
     S, K = x.shape
@@ -591,6 +600,8 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     if not (seed is None or isinstance(seed, int)):
         raise ValueError(f"{name}: seed must be an int or None, got {type(seed)}")
     check_stacked_seed(name, seed, stack_num)
+    if keep is not None:
+        check_keep_bits(name, keep, x, stack_num)
     if not (need_dx or dx_out is None):
         raise ValueError(f"{name}: dx_out given but need_dx=False")
     dx = None
@@ -619,15 +630,16 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     chunk = BLOCK_S * min(next_power_of_2(n_sub), 64)
     info, cptr, order, capacity = _chunks(segs, n_slots, chunk)
     part_dA = torch.empty(capacity, stack_num * R, K, dtype=acc, device=dev)
+    load_mask = has_dropout and keep is not None
     launch(_shrink_bwd_kernel, (capacity, tiles_k, tiles_r), (
-        dh, x, A_cat, dx if need_dx else x, part_dA, order, info, table.ranks, table.offsets, table.dropout,
-        seed if has_dropout else 0,
+        dh, x, A_cat, dx if need_dx else x, part_dA, keep if load_mask else x, order, info, table.ranks,
+        table.offsets, table.dropout, seed if has_dropout else 0,
         K, stack_num,
         dh.stride(0), dh.stride(1), x.stride(0), x.stride(1), A_cat.stride(0), A_cat.stride(1),
-        *(dx.stride() if need_dx else (0, 0)), *part_dA.stride(),
+        *(dx.stride() if need_dx else (0, 0)), *part_dA.stride(), keep.stride(0) if load_mask else 0,
     ), dict(
         # not for FMA (fp32) dots, whose operand layout would hold A's tile replicated and spill
-        NEED_DX=need_dx, HAS_DROPOUT=has_dropout, HOIST_A=tiles_r == 1 and x.element_size() == 2,
+        NEED_DX=need_dx, HAS_DROPOUT=has_dropout, LOAD_MASK=load_mask, HOIST_A=tiles_r == 1 and x.element_size() == 2,
         EVEN_K=K % BLOCK_K == 0, DOT_PRECISION=_dot_precision(x.dtype),
         BLOCK_S=BLOCK_S, BLOCK_K=BLOCK_K, BLOCK_R=BLOCK_R, num_warps=num_warps, num_stages=num_stages,
         DROP_STACK=stack_num if has_dropout else 1,  # a mask per stacked slice

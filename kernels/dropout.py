@@ -1,10 +1,12 @@
 """Dropout drawn inside the kernels: a keep-mask from Philox-4x32 counters of ``(row, col // 8)``, 16 bits per element.
 
 Every kernel that reads ``x~`` (the shrink forward, the ``dx``/``dA`` backward) calls :func:`keep_block` with the
-*physical* row index, so the mask is regenerated in backward and never stored. A stacked call (``stack_num > 1``:
-siblings sharing one shrink) draws an independent mask per slice, keyed by :func:`slice_seed`, as PEFT's separate
-dropout modules do. ``dropout_keep_mask`` materialises the same masks for tests (they feed the reference's ``keep=``
-argument).
+*physical* row index, so the backward can regenerate the mask. A training forward instead stores it, one bit per
+element (:func:`keep_block_packed`, ``[S, cdiv(K, 8)]`` uint8, 1/16 of ``x``'s bf16 bytes), and the backward reads
+it back (:func:`unpack_keep`): the Philox draw is paid once per step instead of twice. A stacked call
+(``stack_num > 1``: siblings sharing one shrink) draws an independent mask per slice, keyed by :func:`slice_seed`,
+as PEFT's separate dropout modules do, and redraws them in the backward. ``dropout_keep_mask`` materialises the same
+masks for tests (they feed the reference's ``keep=`` argument).
 """
 
 from __future__ import annotations
@@ -18,30 +20,110 @@ from .segments import AdapterTable, Segments
 
 
 @triton.jit
-def keep_block(seed, o_rows, o_cols, K, p):
-    """Boolean keep-mask of the block ``[rows, cols]``: element ``(t, k)`` is 16-bit half ``k % 8`` of the
-    Philox-4x32 draw at counter ``t * cdiv(K, 8) + k // 8`` (halves in order: word 0 low, word 0 high, word 1 low,
-    ...), kept when that half ``>= round(p * 2^16)``.
-
-    One Philox call serves eight columns (an eighth of ``tl.rand``'s cost per element); the drop probability is
-    ``round(p * 2^16) / 2^16``, which is exactly ``p`` for the rates the patched layers pass (rounded to multiples of
-    ``2^-16`` by :func:`quantize_p`). ``o_cols`` must be a contiguous block starting at a multiple of 8 whose length
-    is a multiple of 8; ``p`` broadcasts to the block.
-    """
-    BLOCK_R: tl.constexpr = o_rows.shape[0]
+def _draw(seed, o_rows, o_cols, K):
+    """The four Philox-4x32 words of each (row, 8-column group) of the block: ``[BLOCK_R, BLOCK_C // 8]`` each."""
     BLOCK_C: tl.constexpr = o_cols.shape[0]
     tl.static_assert(BLOCK_C % 8 == 0)
     o_grp = tl.max(tl.reshape(o_cols, (BLOCK_C // 8, 8)), axis=1) // 8  # [BLOCK_C // 8] column groups
     n_grp = (K + 7) // 8
     ctr = o_rows.to(tl.int64)[:, None] * n_grp + o_grp.to(tl.int64)[None, :]  # [BLOCK_R, BLOCK_C // 8]
     # 32-bit counters select Philox-4x32 (64-bit ones would select 4x64); they wrap only past 2^35 elements
-    r0, r1, r2, r3 = tl.randint4x(seed, ctr.to(tl.uint32))
-    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [BLOCK_R, BLOCK_C // 8, 2, 2]: order r0 r1 r2 r3
+    return tl.randint4x(seed, ctr.to(tl.uint32))
+
+
+@triton.jit
+def _threshold(p):
+    return (p * 65536.0 + 0.5).to(tl.uint32)  # p < 1
+
+
+@triton.jit
+def _keep_of(r0, r1, r2, r3, thresh):
+    BLOCK_R: tl.constexpr = r0.shape[0]
+    BLOCK_C: tl.constexpr = r0.shape[1] * 8
+    # [BLOCK_R, BLOCK_C // 8, 2, 2]; the outer join is the last axis, so the words run r0 r2 r1 r3
+    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))
     words = tl.reshape(words, (BLOCK_R, BLOCK_C // 2))  # uint32
     halves = tl.join(words & 0xFFFF, words >> 16)  # [BLOCK_R, BLOCK_C // 2, 2]: low half first
     halves = tl.reshape(halves, (BLOCK_R, BLOCK_C))
-    thresh = (p * 65536.0 + 0.5).to(tl.uint32)  # p < 1
     return halves >= thresh
+
+
+@triton.jit
+def _bits_of(r0, r1, r2, r3, thresh):
+    """The keep bits of each 8-column group as one byte (bit ``i`` = column ``8 j + i``), computed in the words'
+    own layout (no reshape)."""
+    b = ((r0 & 0xFFFF) >= thresh).to(tl.int32) | (((r0 >> 16) >= thresh).to(tl.int32) << 1)
+    b |= (((r2 & 0xFFFF) >= thresh).to(tl.int32) << 2) | (((r2 >> 16) >= thresh).to(tl.int32) << 3)
+    b |= (((r1 & 0xFFFF) >= thresh).to(tl.int32) << 4) | (((r1 >> 16) >= thresh).to(tl.int32) << 5)
+    b |= (((r3 & 0xFFFF) >= thresh).to(tl.int32) << 6) | (((r3 >> 16) >= thresh).to(tl.int32) << 7)
+    return b.to(tl.uint8)
+
+
+@triton.jit
+def keep_block(seed, o_rows, o_cols, K, p):
+    """Boolean keep-mask of the block ``[rows, cols]``: element ``(t, k)`` is 16-bit half ``k % 8`` of the
+    Philox-4x32 draw at counter ``t * cdiv(K, 8) + k // 8`` (halves in order: word 0 low, word 0 high, word 2 low,
+    word 2 high, word 1 low, ..., word 3 high), kept when that half ``>= round(p * 2^16)``.
+
+    One Philox call serves eight columns (an eighth of ``tl.rand``'s cost per element); the drop probability is
+    ``round(p * 2^16) / 2^16``, which is exactly ``p`` for the rates the patched layers pass (rounded to multiples of
+    ``2^-16`` by :func:`quantize_p`). ``o_cols`` must be a contiguous block starting at a multiple of 8 whose length
+    is a multiple of 8; ``p`` broadcasts to the block.
+    """
+    r0, r1, r2, r3 = _draw(seed, o_rows, o_cols, K)
+    return _keep_of(r0, r1, r2, r3, _threshold(p))
+
+
+@triton.jit
+def keep_block_packed(seed, o_rows, o_cols, K, p):
+    """:func:`keep_block` and the same mask packed (:func:`pack_keep`'s format, ``[rows, cols // 8]`` uint8) from
+    one draw."""
+    r0, r1, r2, r3 = _draw(seed, o_rows, o_cols, K)
+    thresh = _threshold(p)
+    return _keep_of(r0, r1, r2, r3, thresh), _bits_of(r0, r1, r2, r3, thresh)
+
+
+@triton.jit
+def unpack_keep(packed, C: tl.constexpr):
+    """The packed mask of :func:`keep_block_packed` (bit ``i`` of byte ``j`` is column ``8 j + i``), ``[R, C // 8]``
+    uint8, as the boolean ``[R, C]`` block."""
+    R: tl.constexpr = packed.shape[0]
+    bits = (packed.to(tl.int32)[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
+    return tl.reshape(bits, (R, C)) != 0
+
+
+def keep_bits_buffer(x: torch.Tensor) -> torch.Tensor:
+    """An uninitialised buffer for the packed keep-mask of ``x[S, K]``: uint8 ``[S, cdiv(K, 8)]``."""
+    return torch.empty(x.shape[0], cdiv(x.shape[1], 8), dtype=torch.uint8, device=x.device)
+
+
+def check_keep_bits(name: str, bits, x: torch.Tensor, stack_num: int) -> None:
+    """``bits`` is a packed keep-mask buffer for ``x`` (uint8 ``[S, cdiv(K, 8)]``, rows contiguous, on x's
+    device) of an unstacked call."""
+    shape = (x.shape[0], cdiv(x.shape[1], 8))
+    if not (isinstance(bits, torch.Tensor) and bits.dtype == torch.uint8 and tuple(bits.shape) == shape
+            and bits.device == x.device and (shape[1] <= 1 or bits.stride(1) == 1)):
+        raise ValueError(f"{name}: the packed keep-mask must be a uint8 tensor of shape {shape} on {x.device} with "
+                         f"contiguous rows (dropout.keep_bits_buffer(x)), got "
+                         f"{getattr(bits, 'dtype', type(bits))} {tuple(getattr(bits, 'shape', ()))}")
+    if stack_num != 1:
+        raise ValueError(f"{name}: a packed keep-mask holds one mask; stack_num={stack_num} draws one per slice")
+
+
+def pack_keep_bits(keep: torch.Tensor) -> torch.Tensor:
+    """Host-side packing in the kernels' format (for tests): boolean ``[S, K]`` -> uint8 ``[S, cdiv(K, 8)]``."""
+    S, K = keep.shape
+    padded = torch.zeros(S, cdiv(K, 8) * 8, dtype=torch.int32, device=keep.device)
+    padded[:, :K] = keep.to(torch.int32)
+    shifts = torch.arange(8, device=keep.device, dtype=torch.int32)
+    return (padded.view(S, -1, 8) << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack_keep_bits(bits: torch.Tensor, K: int) -> torch.Tensor:
+    """Host-side inverse of the kernels' packing (for tests): uint8 ``[S, cdiv(K, 8)]`` -> boolean ``[S, K]``."""
+    shifts = torch.arange(8, device=bits.device, dtype=torch.int32)
+    full = (bits.to(torch.int32)[:, :, None] >> shifts) & 1
+    return full.reshape(bits.shape[0], -1)[:, :K].bool()
 
 
 # a stack's slice s draws its mask with key seed ^ (s << 24) (31-bit seeds stay 31-bit); the kernels spell it

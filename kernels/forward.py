@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from .dropout import check_stacked_seed
+from .dropout import check_keep_bits, check_stacked_seed
 from .launch import cdiv, checked, launch, mark_checked, next_power_of_2
 from .segments import AdapterTable, Segments
 from .sgemm import sgemm_expand_kernel, sgemm_shrink_kernel
@@ -155,11 +155,13 @@ def _check_layout(segs: Segments, table: AdapterTable, S: int, device, stack_num
 
 
 def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1, seed: Optional[int] = None,
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                out: Optional[torch.Tensor] = None, keep_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``h[S, stack_num*max_rank]`` (float32; float64 for float64 ``x``): ``h[t] = dropout(x[t]) @ A_a^T``.
 
     Dropout runs when ``seed`` is an int and ``table.has_dropout``; ``out`` (same shape and dtype) is filled in place.
     Only rows of adapter tokens and their columns ``< stack_num*rank`` are written.
+    ``keep_out`` (``dropout.keep_bits_buffer(x)``, ``stack_num == 1``): under dropout, the drawn mask is stored
+    there packed, for ``lora_shrink_bwd(..., keep=keep_out)``; rows of adapter tokens only.
     """
     _check_2d("x", x, getattr(x, "device", None))
     device = x.device
@@ -174,6 +176,8 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
     if seed is not None and not isinstance(seed, int):
         raise ValueError(f"seed must be an int or None, got {type(seed).__name__}")
     check_stacked_seed("lora_shrink", seed, stack_num)
+    if keep_out is not None:
+        check_keep_bits("lora_shrink", keep_out, x, stack_num)
     if x.dtype == torch.float64 and segs.perm is not None and device.type == "cuda":
         # Triton 3.6 fails in ConvertTritonGPUToLLVM on the gathered fp64 dot (measured on H200); float64 exists
         # for gradcheck, which runs on CPU (interpreter) or with the SGEMM family
@@ -192,21 +196,24 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
 
     has_dropout = seed is not None and table.has_dropout
     BLOCK_S, BLOCK_N, BLOCK_K, num_warps, num_stages = _shrink_blocks(segs, width, x, A_cat, has_dropout, stack_num)
-    common = (A_cat.stride(0), A_cat.stride(1), out.stride(0), out.stride(1))
-    meta = dict(STACK=stack_num, HAS_DROPOUT=has_dropout, EVEN_K=K % BLOCK_K == 0,
+    store_mask = has_dropout and keep_out is not None
+    common = (A_cat.stride(0), A_cat.stride(1), out.stride(0), out.stride(1), keep_out.stride(0) if store_mask else 0)
+    keep_arg = keep_out if store_mask else out
+    meta = dict(STACK=stack_num, HAS_DROPOUT=has_dropout, STORE_MASK=store_mask, EVEN_K=K % BLOCK_K == 0,
                 DOT_PRECISION=_dot_precision(x.dtype), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps,
                 num_stages=num_stages)
     seed = seed if has_dropout else 0
     if segs.perm is None:
         grid = (segs.num_segments, cdiv(segs.max_len, BLOCK_S), cdiv(width, BLOCK_N))
         launch(sgemm_shrink_kernel, grid, (
-            x, A_cat, out, segs.indptr, segs.slot, table.ranks, table.offsets, table.dropout, seed, K,
+            x, A_cat, out, keep_arg, segs.indptr, segs.slot, table.ranks, table.offsets, table.dropout, seed, K,
             x.stride(0), x.stride(1), *common), dict(meta, BLOCK_S=BLOCK_S))
     else:
         chunks = chunk_table(segs, BLOCK_S)
         grid = (chunks.shape[1], cdiv(width, BLOCK_N))
         launch(sgmv_shrink_kernel, grid, (
-            x, A_cat, out, chunks, segs.indptr, segs.slot, segs.perm, table.ranks, table.offsets, table.dropout,
+            x, A_cat, out, keep_arg, chunks, segs.indptr, segs.slot, segs.perm, table.ranks, table.offsets,
+            table.dropout,
             seed, chunks.shape[1], x.stride(0), x.stride(1), *common), dict(K=K, N=width, BLOCK_M=BLOCK_S, **meta))
     return out
 

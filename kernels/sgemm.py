@@ -22,17 +22,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .dropout import keep_block
+from .dropout import keep_block, keep_block_packed
 
 
 @triton.jit
 def shrink_tile(
-    x, A, h, o_s, m_s, i_n, w_row0, n_a, K, seed, p,
-    stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn,
-    HAS_DROPOUT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    x, A, h, keep_bits, o_s, m_s, i_n, w_row0, n_a, K, seed, p,
+    stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn, stride_ms,
+    HAS_DROPOUT: tl.constexpr, STORE_MASK: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DROP_STACK: tl.constexpr,
 ):
     """h[o_s, n] = (x[o_s] * keep / (1-p)) . A[w_row0 + n] for the columns n < n_a of N-tile ``i_n``.
+
+    ``STORE_MASK`` (dropout, ``DROP_STACK == 1``): N-tile 0 also stores the keep-mask it drew, packed
+    (``dropout.pack_keep``), into ``keep_bits[o_s, k // 8]`` for the backward to read.
 
     ``DROP_STACK > 1`` (dropout on a stack of that many slices): column ``n`` belongs to slice ``n // rank`` and sees
     that slice's own mask (key ``slice_seed(seed, s)``); the x tile is loaded once and masked once per slice, each
@@ -62,7 +65,15 @@ def shrink_tile(
                 b_acc = tl.dot(b_xs, b_as, b_acc, input_precision=DOT_PRECISION, out_dtype=b_acc.dtype)
         else:
             if HAS_DROPOUT:
-                b_x = tl.where(keep_block(seed, o_s, k0 + o_k, K, p), b_x, 0.0)
+                if STORE_MASK:
+                    b_keep, b_bits = keep_block_packed(seed, o_s, k0 + o_k, K, p)
+                    o_b = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # bytes of this K step
+                    n_b = tl.where(i_n == 0, (K + 7) // 8, 0)  # bytes per row; N-tile 0 stores them
+                    m_b = m_s[:, None] & (o_b < n_b)[None, :]
+                    tl.store(keep_bits + o_s[:, None] * stride_ms + o_b[None, :], b_bits, mask=m_b)
+                else:
+                    b_keep = keep_block(seed, o_s, k0 + o_k, K, p)
+                b_x = tl.where(b_keep, b_x, 0.0)
             # weights may be fp32 under 16-bit activations: the dot runs in the activation dtype, accumulates fp32
             b_acc = tl.dot(b_x, b_a.to(b_x.dtype), b_acc, input_precision=DOT_PRECISION, out_dtype=b_acc.dtype)
         p_x += BLOCK_K * stride_xk
@@ -131,9 +142,10 @@ def fill_tile(y, bias, o_s, m_s, i_n, N, stride_ys, stride_yn, HAS_BIAS: tl.cons
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed per call must not pick new variants
 def sgemm_shrink_kernel(
-    x, A, h, indptr, seg_slot, ranks, offsets, dropout, seed, K,
-    stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn,
-    STACK: tl.constexpr, HAS_DROPOUT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    x, A, h, keep_bits, indptr, seg_slot, ranks, offsets, dropout, seed, K,
+    stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn, stride_ms,
+    STACK: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_MASK: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """h[t, :STACK*r] = dropout(x[t]) @ A_cat[STACK*off : STACK*(off+r)]^T for the rows t of segment ``i_g``."""
@@ -157,9 +169,9 @@ def sgemm_shrink_kernel(
         p = tl.load(dropout + slot)
     w_row0 = STACK * tl.load(offsets + slot).to(tl.int64)
     shrink_tile(
-        x, A, h, o_s, o_s < eos, i_n, w_row0, n_a, K, seed, p,
-        stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn,
-        HAS_DROPOUT, EVEN_K, DOT_PRECISION, BLOCK_S, BLOCK_N, BLOCK_K, STACK if HAS_DROPOUT else 1,
+        x, A, h, keep_bits, o_s, o_s < eos, i_n, w_row0, n_a, K, seed, p,
+        stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn, stride_ms,
+        HAS_DROPOUT, STORE_MASK, EVEN_K, DOT_PRECISION, BLOCK_S, BLOCK_N, BLOCK_K, STACK if HAS_DROPOUT else 1,
     )
 
 

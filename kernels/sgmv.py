@@ -48,10 +48,10 @@ def chunk_table(segs: Segments, block_m: int) -> torch.Tensor:
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed per call must not pick new variants
 def sgmv_shrink_kernel(
-    x, A, h, chunks, indptr, seg_slot, perm, ranks, offsets, dropout, seed, capacity,
-    stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn,
+    x, A, h, keep_bits, chunks, indptr, seg_slot, perm, ranks, offsets, dropout, seed, capacity,
+    stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn, stride_ms,
     K: tl.constexpr, N: tl.constexpr, STACK: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, STORE_MASK: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """h[perm[j], :STACK*r] = dropout(x[perm[j]]) @ A_cat[STACK*off : STACK*(off+r)]^T for the chunk's positions j."""
@@ -74,9 +74,9 @@ def sgmv_shrink_kernel(
         p = tl.load(dropout + slot)
     w_row0 = STACK * tl.load(offsets + slot).to(tl.int64)
     shrink_tile(
-        x, A, h, o_s, m_s, i_n, w_row0, n_a, K, seed, p,
-        stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn,
-        HAS_DROPOUT, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, STACK if HAS_DROPOUT else 1,
+        x, A, h, keep_bits, o_s, m_s, i_n, w_row0, n_a, K, seed, p,
+        stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn, stride_ms,
+        HAS_DROPOUT, STORE_MASK, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, STACK if HAS_DROPOUT else 1,
     )
 
 

@@ -88,19 +88,22 @@ def test_fused_linear_gradcheck_float64(backend, grouped, dropout):
     torch.testing.assert_close(fn(x, *As, *Bs), want, rtol=1e-12, atol=1e-12)
 
 
-def test_dropout_keep_rate_seed_and_consistency():
-    """Reproducible under a seed, keep-rate ~ 1-p, and the gradient uses the forward's mask."""
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_dropout_keep_rate_seed_and_consistency(backend):
+    """Reproducible under a seed, keep-rate ~ 1-p, and the gradient uses the forward's mask (Triton: the mask the
+    forward stored, packed)."""
+    _need_interpreter(backend)
     g = torch.Generator().manual_seed(2)
     S, K, N, p = 64, 64, 8, 0.3
     ts = torch.zeros(S, dtype=torch.long)
     As, Bs = _weights([1], K, N, torch.float64, g)
     x = torch.randn(S, K, generator=g, dtype=torch.float64, requires_grad=True)
     y0 = torch.zeros(S, N, dtype=torch.float64)
-    spec = _spec(ts, [1], False, dropout=[p], seed=77)
+    spec = _spec(ts, [1], False, dropout=[p], seed=77, backend=backend)
     out1 = LoraDelta.apply(x, y0.clone(), spec, *As, *Bs)
     out2 = LoraDelta.apply(x, y0.clone(), spec, *As, *Bs)
     assert torch.equal(out1, out2)
-    other = LoraDelta.apply(x, y0.clone(), _spec(ts, [1], False, dropout=[p], seed=78), *As, *Bs)
+    other = LoraDelta.apply(x, y0.clone(), _spec(ts, [1], False, dropout=[p], seed=78, backend=backend), *As, *Bs)
     assert not torch.equal(out1, other)
     # rank-1 adapter with B = e_0: out[t, 0] = scale * sum_k x~[t,k] A[0,k]; recover the mask from dx
     dy = torch.zeros(S, N, dtype=torch.float64)

@@ -12,7 +12,7 @@ from typing import Optional
 import pytest
 import torch
 from fast_multilora.kernels.backward import lora_expand_bwd, lora_shrink_bwd
-from fast_multilora.kernels.dropout import dropout_keep_mask
+from fast_multilora.kernels.dropout import dropout_keep_mask, pack_keep_bits
 from helpers import KERNEL_DTYPES, make_segments, make_table, poisoned, random_token_slots
 
 from fast_multilora import reference as ref
@@ -167,6 +167,18 @@ def test_shrink_bwd_matches_reference(case, dtype, grouped, device):
         if not bool((d["ts"] == a).any()):
             rows = slot_cols(case, a, st)
             assert torch.equal(dA[rows], torch.zeros_like(dA[rows])), f"dA of slot {a} (no tokens) not zero"
+    if d["seed"] is not None and st == 1:
+        # the forward's packed mask instead of the seed: the same draw, so the same bits out
+        packed = pack_keep_bits(d["keep"])
+        dx2, dA2 = lora_shrink_bwd(d["dh_in"], d["x"], d["A"], d["segs"], d["table"], seed=d["seed"], keep=packed)
+        assert torch.equal(bits(dx2), bits(dx)) and torch.equal(bits(dA2), bits(dA)), "stored mask != redrawn mask"
+        # and the mask is read, not redrawn: another mask gives that mask's gradients
+        other = dropout_keep_mask(d["seed"] + 1, d["segs"], d["table"], K)
+        dx3, dA3 = lora_shrink_bwd(d["dh_in"], d["x"], d["A"], d["segs"], d["table"], seed=d["seed"],
+                                   keep=pack_keep_bits(other))
+        want_dx, want_dA = ref.lora_shrink_bwd(d["dh_in"], d["x"], d["A"], d["segs"], d["table"], keep=other)
+        assert_close(dx3, want_dx, dtype, "dx from a stored mask")
+        assert_close(dA3, want_dA, dtype, "dA from a stored mask")
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
@@ -186,6 +198,12 @@ def test_da_alone_matches_reference(case, dtype, grouped, device):
     assert none is None
     assert_close(dA, want, dtype, "dA alone")
     assert_close(dA, full, dtype, "dA alone vs the full pass")
+    if d["seed"] is not None:  # from the forward's packed mask (here: another seed's, so reading it is visible)
+        other = dropout_keep_mask(d["seed"] + 1, d["segs"], d["table"], case.K)
+        _, dA2 = lora_shrink_bwd(d["dh_in"], d["x"], d["A"], d["segs"], d["table"], seed=d["seed"], need_dx=False,
+                                 keep=pack_keep_bits(other))
+        _, want2 = ref.lora_shrink_bwd(d["dh_in"], d["x"], d["A"], d["segs"], d["table"], keep=other, need_dx=False)
+        assert_close(dA2, want2, dtype, "dA alone from a stored mask")
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
@@ -400,6 +418,7 @@ act = "bf16"
 ptr = {n: "*fp32" for n in ("h", "dh", "part_dh", "part_dB", "scales", "dB", "part_dA", "dropout")}
 ptr.update({n: "*" + act for n in ("dy", "B", "x", "A", "dx")})
 ptr.update({n: "*i32" for n in ("order", "info", "ranks", "offsets", "cptr")})
+ptr["keep_bits"] = "*u8"
 BS, BN, nw, fused = B._EXPAND_BLOCKS[16][0]
 bad = spills(B._expand_bwd_kernel, ptr, dict(DIRECT_DH=False, STORE_DB=fused, EVEN_N=True, DOT_PRECISION="tf32",
                                              BLOCK_S=BS, BLOCK_N=BN, BLOCK_R=16), nw)
@@ -410,16 +429,22 @@ for need_dx, table in ((True, B._SHRINK_BLOCKS), (False, B._SHRINK_DA_BLOCKS)):
         BS, BK, nw, _stages = table[block_r][0]
         if stack > 1:  # the launcher's rule for a mask per slice
             BS, nw = min(BS, 32), max(nw, 8)
-        bad += spills(B._shrink_bwd_kernel, ptr, dict(NEED_DX=need_dx, HAS_DROPOUT=True, HOIST_A=True, EVEN_K=True,
-                                                      DOT_PRECISION="tf32", BLOCK_S=BS, BLOCK_K=BK, BLOCK_R=block_r,
-                                                      DROP_STACK=stack), nw)
+        for load_mask in ((False, True) if stack == 1 else (False,)):  # the forward's stored mask, or redrawn
+            bad += spills(B._shrink_bwd_kernel, ptr, dict(NEED_DX=need_dx, HAS_DROPOUT=True, LOAD_MASK=load_mask,
+                                                          HOIST_A=True, EVEN_K=True, DOT_PRECISION="tf32",
+                                                          BLOCK_S=BS, BLOCK_K=BK, BLOCK_R=block_r, DROP_STACK=stack),
+                          nw)
 # the forward shrink with a mask per slice (dropout on a q/k/v stack), the dropout table's r <= 32 row
 from fast_multilora.kernels import forward as F
 from fast_multilora.kernels.sgemm import sgemm_shrink_kernel
 _, BS, BN, BK, nw, _stages = F.SHRINK_DROPOUT_BLOCKS["gpu"][-1]
 ptr.update({n: "*i32" for n in ("indptr", "seg_slot")})
-bad += spills(sgemm_shrink_kernel, ptr, dict(STACK=3, HAS_DROPOUT=True, EVEN_K=True, DOT_PRECISION="tf32",
-                                             BLOCK_S=BS, BLOCK_N=64, BLOCK_K=min(BK, 64)), nw)  # launcher's rule
+bad += spills(sgemm_shrink_kernel, ptr, dict(STACK=3, HAS_DROPOUT=True, STORE_MASK=False, EVEN_K=True,
+                                             DOT_PRECISION="tf32", BLOCK_S=BS, BLOCK_N=64, BLOCK_K=min(BK, 64)),
+              nw)  # launcher's rule
+_, BS, BN, BK, nw, _stages = F.SHRINK_DROPOUT_BLOCKS["gpu"][0]  # r <= 32, storing the mask it draws
+bad += spills(sgemm_shrink_kernel, ptr, dict(STACK=1, HAS_DROPOUT=True, STORE_MASK=True, EVEN_K=True,
+                                             DOT_PRECISION="tf32", BLOCK_S=BS, BLOCK_N=16, BLOCK_K=BK), nw)
 sys.exit(1 if bad else 0)
 '''
 

@@ -15,7 +15,7 @@ Tolerances:
 
 import pytest
 import torch
-from fast_multilora.kernels.dropout import dropout_keep_mask
+from fast_multilora.kernels.dropout import dropout_keep_mask, keep_bits_buffer, unpack_keep_bits
 from fast_multilora.kernels.forward import lora_expand, lora_shrink
 from fast_multilora.kernels.sgmv import chunk_table
 from helpers import DEVICE, KERNEL_DTYPES, make_segments, make_table, poisoned, random_token_slots
@@ -88,6 +88,13 @@ def _run_case(S, K, N, ranks, stack, layout, ps, w_lowp, grouped, dtype, device,
     h64 = ref.lora_shrink(x.to(hi), A.to(hi), segs, table, stack_num=stack, keep=keep)
     h_lowp = ref.lora_shrink(x, A.to(dtype), segs, table, stack_num=stack, keep=keep).to(dtype)
     _check_close(h[defined], h64[defined], h_lowp[defined], dtype, "shrink")
+    if ps is not None and stack == 1:  # a training forward stores the mask it drew, packed, for the backward
+        bits = keep_bits_buffer(x).fill_(0xA5)  # a sentinel pattern: rows the kernel does not own keep it
+        h2 = lora_shrink(x, A, segs, table, seed=seed, out=poisoned(S, width, dtype=h_dtype, device=device),
+                         keep_out=bits)
+        assert torch.equal(h2[defined], h[defined]), "storing the mask changed h"
+        assert torch.equal(unpack_keep_bits(bits, K)[live], keep[live]), "stored mask != the mask the kernel drew"
+        assert (bits[~live] == 0xA5).all(), "mask bytes written for rows without an adapter"
 
     # expand, every slice, from the fp64 reference h rounded to h's dtype with every don't-care entry NaN
     h_in = torch.where(defined, h64, torch.nan).to(h_dtype)
