@@ -143,6 +143,41 @@ def _sweep_model_expand_shape(rows, S, Kd, N):
     print(shape, "done", flush=True)
 
 
+def sweep_model_shrink(rows):
+    """The shrink backward (dropout 0, dropout with the mask redrawn, dropout with the forward's stored mask) and the
+    shrink forward under dropout (storing the mask or not) at the training step's shapes; kernel time by the
+    profiler. Rows: ``op`` = kernel and mode, ``family`` = shape."""
+    for Kd in (2048, 5632):
+        _sweep_model_shrink_shape(rows, 16384, Kd, 2048)
+
+
+def _sweep_model_shrink_shape(rows, S, Kd, N):
+    """One shape of :func:`sweep_model_shrink` (its own function: the timed lambdas close over its tensors)."""
+    shape = f"S{S}-K{Kd}-N{N}"
+    segs, table, x, y, dy, A_cat, B_cat = make_case(S=S, Kd=Kd, N=N, dropout=0.05)
+    table0 = make_case(S=S, Kd=16, N=16, dropout=0.0)[1]  # the same layout without dropout
+    keep = K.keep_bits_buffer(x)
+    h = K.lora_shrink(x, A_cat, segs, table, seed=5, keep_out=keep)
+    dh, _ = K.lora_expand_bwd(dy, h, B_cat, segs, table)
+    modes = {"p0": lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table0),
+             "redrawn": lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table, seed=5),
+             "stored": lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table, seed=5, keep=keep)}
+    saved_s = dict(kb._SHRINK_BLOCKS)
+    for bs, bk, w, st in itertools.product((32, 64), (64, 128, 256), (4, 8), (2, 3)):
+        kb._SHRINK_BLOCKS[16] = ((bs, bk, w, st), saved_s[16][1])
+        for mode, fn in modes.items():
+            record(rows, f"m_shrink_bwd_{mode}", shape, (bs, bk, w, st), fn)
+    kb._SHRINK_BLOCKS.update(saved_s)
+    saved = kf.SHRINK_DROPOUT_BLOCKS["gpu"]
+    for bs, bk, w, st in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4)):
+        kf.SHRINK_DROPOUT_BLOCKS["gpu"] = [(math.inf, bs, 32, bk, w, st)]
+        record(rows, "m_shrink_dropout", shape, (bs, bk, w, st), lambda: K.lora_shrink(x, A_cat, segs, table, seed=5))
+        record(rows, "m_shrink_dropout_store", shape, (bs, bk, w, st),
+               lambda: K.lora_shrink(x, A_cat, segs, table, seed=5, keep_out=keep))
+    kf.SHRINK_DROPOUT_BLOCKS["gpu"] = saved
+    print(shape, "done", flush=True)
+
+
 def sweep_model_shapes(rows):
     """The kernels of a training step at the benchmark model's shapes (S = 16 x 1024 tokens, 8 adapters of 2 rows,
     r = 16, bf16, dropout 0.05): shrink with dropout, the expand in write mode (``FusedLinearDelta``'s forward) and
@@ -275,7 +310,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune.json")
     ap.add_argument("--parts", default="profile,layer,shrink,expand,bwd", help="any of profile, layer, shrink, "
-                    "expand, bwd (headline shape), model and model_expand (the training step's shapes)")
+                    "expand, bwd (headline shape), model, model_expand and model_shrink (the training step's shapes)")
     args = ap.parse_args()
     parts = args.parts.split(",")
     rows = []
@@ -285,10 +320,11 @@ def main():
         sweep_model_shapes(rows)
         with open(args.out, "w") as f:
             json.dump(out, f)
-    if "model_expand" in parts:
-        sweep_model_expand(rows)
-        with open(args.out, "w") as f:
-            json.dump(out, f)
+    for part, sweep in (("model_expand", sweep_model_expand), ("model_shrink", sweep_model_shrink)):
+        if part in parts:
+            sweep(rows)
+            with open(args.out, "w") as f:
+                json.dump(out, f)
     for family, grouped in (("sgemm", False), ("chunked", True)):
         if not {"profile", "shrink", "expand", "bwd"} & set(parts):
             break

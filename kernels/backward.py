@@ -47,7 +47,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # partials (dy read once; the partials cost ~8*r/(BLOCK_S*itemsize) of dy's bytes); unfused, where that would exceed
 # a second read of dy: the finish pass recomputes dB from dy.
 _EXPAND_BLOCKS = {
-    16: ((128, 64, 8, True), (64, 64, 8, True)),  # 16-bit entry measured best on H200 (S=8192, N=4096, r=16)
+    # 16-bit entry: best summed over a decoder layer's N (2048 x 3, 5632 x 2, 256 x 2) at S=16384, r=16 on H200
+    # (kernel time, tune_kernels.py --parts model_expand: 364 us per layer vs 396 for (128, 64, 8))
+    16: ((256, 64, 8, True), (64, 64, 8, True)),
     32: ((256, 64, 8, True), (64, 32, 8, False)),
     64: ((128, 64, 8, False), (32, 32, 8, False)),
     128: ((64, 64, 8, False), (32, 16, 8, False)),
@@ -415,9 +417,12 @@ def _shrink_bwd_kernel(
                     p_m = keep_bits + o_t[:, None] * stride_ms + o_b[None, :]
                     b_bits = tl.load(p_m, mask=m_s[:, None] & (o_b < (K + 7) // 8)[None, :], other=0)
                     b_keep = unpack_keep(b_bits, BLOCK_K)
-                else:  # [BLOCK_S, BLOCK_K], the forward's draw regenerated
-                    b_keep = keep_block(seed, o_t, o_k, K, p_drop)
-                b_x = tl.where(b_keep, b_x, 0.0)
+                    b_x = tl.where(b_keep, b_x, 0.0)
+                else:
+                    # the forward's draw regenerated, [BLOCK_S, BLOCK_K]; 0/1 in x's dtype, not a bool: it crosses
+                    # into the dot layout for dx, and i1 cannot live in shared memory
+                    b_keep = keep_block(seed, o_t, o_k, K, p_drop).to(b_x.dtype)
+                    b_x = b_x * b_keep
             p_dh = dh + o_t[:, None] * stride_dhs + o_r[None, :] * stride_dhr
             # [BLOCK_S, BLOCK_R]
             b_dh = tl.load(p_dh, mask=m_s[:, None] & m_r[None, :], other=0.0).to(x.dtype.element_ty)
@@ -439,8 +444,10 @@ def _shrink_bwd_kernel(
                             b_aj = tl.load(p_aj, mask=m_j[:, None] & m_k[None, :],
                                            other=0.0).to(x.dtype.element_ty)
                             b_dx += tl.dot(b_dhj, b_aj, input_precision=DOT_PRECISION, out_dtype=b_da.dtype)
-                    if HAS_DROPOUT:  # scaled before the rounding, masked after it (in the store's layout)
+                    if LOAD_MASK:  # scaled before the rounding, masked after it
                         b_dx = tl.where(b_keep, (b_dx * inv_keep).to(dx.dtype.element_ty), 0.0)
+                    elif HAS_DROPOUT:
+                        b_dx = (b_dx * (b_keep.to(b_dx.dtype) * inv_keep)).to(dx.dtype.element_ty)
                     else:
                         b_dx = b_dx.to(dx.dtype.element_ty)
                     p_dx = dx + o_t[:, None] * stride_dxs + o_k[None, :] * stride_dxk
