@@ -52,6 +52,24 @@ def bench(fn, reps=10):
     return us / reps / 1e3
 
 
+class shrink_bwd_rows:
+    """Within the block: every 16-bit shrink-backward launch with one rank tile of 16 takes ``cfg`` (BLOCK_S,
+    BLOCK_K, num_warps, num_stages) -- the generic table's row and every row of the per-mode table; restored after."""
+
+    def __init__(self, cfg):
+        self.cfg = tuple(cfg)
+
+    def __enter__(self):
+        self.saved = dict(kb._SHRINK_BLOCKS), dict(kb._SHRINK_R16)
+        kb._SHRINK_BLOCKS[16] = (self.cfg, kb._SHRINK_BLOCKS[16][1])
+        for mode in kb._SHRINK_R16:
+            kb._SHRINK_R16[mode] = ((math.inf, *self.cfg),)
+
+    def __exit__(self, *exc):
+        kb._SHRINK_BLOCKS.update(self.saved[0])
+        kb._SHRINK_R16.update(self.saved[1])
+
+
 def record(rows, op, family, config, fn):
     """Time ``fn`` (us) and append a row; a configuration that fails (out of resources etc.) records ``None``."""
     try:
@@ -86,7 +104,7 @@ def sweep_bwd(rows, case, family):
     segs, table, x, y, dy, A_cat, B_cat = case
     h = K.lora_shrink(x, A_cat, segs, table)
     dh, _ = K.lora_expand_bwd(dy, h, B_cat, segs, table)
-    saved_e, saved_s, saved_p = dict(kb._EXPAND_BLOCKS), dict(kb._SHRINK_BLOCKS), kb._PROGRAMS_PER_SM
+    saved_e, saved_p = dict(kb._EXPAND_BLOCKS), kb._PROGRAMS_PER_SM
     for pps in (2, 8):
         kb._PROGRAMS_PER_SM = pps
         for bs, bn, w, fused in itertools.product((128, 256), (64, 128), (4, 8), (True,)):
@@ -95,9 +113,9 @@ def sweep_bwd(rows, case, family):
                    lambda: K.lora_expand_bwd(dy, h, B_cat, segs, table))
         kb._EXPAND_BLOCKS.update(saved_e)
         for bs, bk, w in itertools.product((32, 64), (64, 128), (4, 8)):
-            kb._SHRINK_BLOCKS[16] = ((bs, bk, w, 3), saved_s[16][1])
-            record(rows, "shrink_bwd", family, (pps, bs, bk, w), lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table))
-        kb._SHRINK_BLOCKS.update(saved_s)
+            with shrink_bwd_rows((bs, bk, w, 3)):
+                record(rows, "shrink_bwd", family, (pps, bs, bk, w),
+                       lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table))
     kb._PROGRAMS_PER_SM = saved_p
 
 
@@ -129,12 +147,10 @@ def _sweep_model_expand_shape(rows, S, Kd, N):
             record(rows, "m_expand_bwd", shape, (bs, bn, w), lambda: K.lora_expand_bwd(dy, h, B_cat, segs, table))
         kb._EXPAND_BLOCKS.update(saved_e)
     if N == 2048:  # the shrink backward depends on K only
-        saved_s = dict(kb._SHRINK_BLOCKS)
         for bs, bk, w in itertools.product((32, 64), (64, 128, 256), (4, 8)):
-            kb._SHRINK_BLOCKS[16] = ((bs, bk, w, 3), saved_s[16][1])
-            record(rows, "m_shrink_bwd_stored_mask", shape, (bs, bk, w),
-                   lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table, seed=5, keep=keep))
-        kb._SHRINK_BLOCKS.update(saved_s)
+            with shrink_bwd_rows((bs, bk, w, 3)):
+                record(rows, "m_shrink_bwd_stored_mask", shape, (bs, bk, w),
+                       lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table, seed=5, keep=keep))
         record(rows, "m_shrink_bwd_redrawn_mask", shape, ("default",),
                lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table, seed=5))
         record(rows, "m_shrink_dropout_store", shape, ("default",),
@@ -162,19 +178,17 @@ def _sweep_model_shrink_shape(rows, S, Kd, N):
     modes = {"p0": lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table0),
              "redrawn": lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table, seed=5),
              "stored": lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table, seed=5, keep=keep)}
-    saved_s = dict(kb._SHRINK_BLOCKS)
     for bs, bk, w, st in itertools.product((32, 64), (64, 128, 256), (4, 8), (2, 3)):
-        kb._SHRINK_BLOCKS[16] = ((bs, bk, w, st), saved_s[16][1])
-        for mode, fn in modes.items():
-            record(rows, f"m_shrink_bwd_{mode}", shape, (bs, bk, w, st), fn)
-    kb._SHRINK_BLOCKS.update(saved_s)
-    saved = kf.SHRINK_DROPOUT_BLOCKS["gpu"]
+        with shrink_bwd_rows((bs, bk, w, st)):
+            for mode, fn in modes.items():
+                record(rows, f"m_shrink_bwd_{mode}", shape, (bs, bk, w, st), fn)
+    saved = kf.SHRINK_DROPOUT_BLOCKS["gpu"], kf.SHRINK_DROPOUT_STORE_BLOCKS["gpu"]
     for bs, bk, w, st in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4)):
-        kf.SHRINK_DROPOUT_BLOCKS["gpu"] = [(math.inf, bs, 32, bk, w, st)]
+        kf.SHRINK_DROPOUT_BLOCKS["gpu"] = kf.SHRINK_DROPOUT_STORE_BLOCKS["gpu"] = [(math.inf, bs, 32, bk, w, st)]
         record(rows, "m_shrink_dropout", shape, (bs, bk, w, st), lambda: K.lora_shrink(x, A_cat, segs, table, seed=5))
         record(rows, "m_shrink_dropout_store", shape, (bs, bk, w, st),
                lambda: K.lora_shrink(x, A_cat, segs, table, seed=5, keep_out=keep))
-    kf.SHRINK_DROPOUT_BLOCKS["gpu"] = saved
+    kf.SHRINK_DROPOUT_BLOCKS["gpu"], kf.SHRINK_DROPOUT_STORE_BLOCKS["gpu"] = saved
     print(shape, "done", flush=True)
 
 
@@ -201,14 +215,12 @@ def _sweep_model_shape(rows, S, Kd, N):
             record(rows, "m_shrink_dropout", shape, (bs, bk, w, st),
                    lambda: K.lora_shrink(x, A_cat, segs, table, seed=5))
         kf.SHRINK_DROPOUT_BLOCKS["gpu"] = saved
-        saved_s = dict(kb._SHRINK_BLOCKS)
         for pps in (2, 4):
             kb._PROGRAMS_PER_SM = pps
             for bs, bk, w, st in itertools.product((32, 64), (64, 128, 256), (4, 8), (2, 3)):
-                kb._SHRINK_BLOCKS[16] = ((bs, bk, w, st), saved_s[16][1])
-                record(rows, "m_shrink_bwd", shape, (pps, bs, bk, w, st),
-                       lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table, seed=5))
-        kb._SHRINK_BLOCKS.update(saved_s)
+                with shrink_bwd_rows((bs, bk, w, st)):
+                    record(rows, "m_shrink_bwd", shape, (pps, bs, bk, w, st),
+                           lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table, seed=5))
         kb._PROGRAMS_PER_SM = saved_p
         record(rows, "m_da", shape, ("default",),
                lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table, seed=5, need_dx=False))

@@ -63,6 +63,16 @@ _SHRINK_BLOCKS = {
     64: ((64, 64, 8, 3), (16, 32, 8, 3)),
     128: ((64, 32, 8, 3), (16, 32, 8, 3)),
 }
+# The training step's case -- 16-bit activations, one unstacked rank tile of 16 (r <= 16), dx needed -- by where the
+# dropout mask comes from ("none": no dropout; "redrawn": Philox again; "stored": the forward's packed mask), then
+# by K (first row whose bound covers K): (bound, BLOCK_S, BLOCK_K, num_warps, num_stages). Kernel time on H200 at
+# S=16384, 8 adapters (tune_kernels.py --parts model_shrink), K=2048 / 5632 in us: none 49.7 / 137.6, redrawn
+# 80.9 / 247.8, stored 65.3 / 181.3 (the generic (32, 128, 8, 3) row: 61.9 / 134.5, 80.9 / 259.7, 85.0 / 296.8).
+_SHRINK_R16 = {
+    "none": ((float("inf"), 32, 256, 8, 3),),
+    "redrawn": ((4096, 32, 128, 8, 3), (float("inf"), 32, 128, 4, 2)),
+    "stored": ((4096, 32, 256, 4, 3), (float("inf"), 32, 128, 4, 3)),
+}
 # dA alone (``need_dx=False``: an input that needs no gradient): no dx tile, so wider K tiles and a pipelined row
 # loop. BLOCK_R -> (BLOCK_S, BLOCK_K, num_warps, num_stages), 16-bit entry then fp32/fp64.
 _SHRINK_DA_BLOCKS = {
@@ -622,9 +632,14 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
         return dx, dA_out
 
     BLOCK_R = min(_block_r(stack_num * R), _SHRINK_MAX_R)
-    blocks = _SHRINK_BLOCKS if need_dx else _SHRINK_DA_BLOCKS
-    BLOCK_S, BLOCK_K, num_warps, num_stages = blocks[BLOCK_R][x.element_size() >= 4]
     has_dropout = seed is not None and table.has_dropout
+    load_mask = has_dropout and keep is not None
+    if BLOCK_R == 16 and need_dx and stack_num == 1 and x.element_size() == 2 and not _INTERPRET:
+        rows = _SHRINK_R16["stored" if load_mask else "redrawn" if has_dropout else "none"]
+        BLOCK_S, BLOCK_K, num_warps, num_stages = next(row[1:] for row in rows if K <= row[0])
+    else:
+        blocks = _SHRINK_BLOCKS if need_dx else _SHRINK_DA_BLOCKS
+        BLOCK_S, BLOCK_K, num_warps, num_stages = blocks[BLOCK_R][x.element_size() >= 4]
     if has_dropout and stack_num > 1 and not _INTERPRET:
         # a mask per slice: the tables' tiles spill registers on sm_90 for a q/k/v stack (Triton 3.6: 64-row tiles
         # with dx, 4-warp dA-only tiles)
@@ -637,7 +652,6 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     chunk = BLOCK_S * min(next_power_of_2(n_sub), 64)
     info, cptr, order, capacity = _chunks(segs, n_slots, chunk)
     part_dA = torch.empty(capacity, stack_num * R, K, dtype=acc, device=dev)
-    load_mask = has_dropout and keep is not None
     launch(_shrink_bwd_kernel, (capacity, tiles_k, tiles_r), (
         dh, x, A_cat, dx if need_dx else x, part_dA, keep if load_mask else x, order, info, table.ranks,
         table.offsets, table.dropout, seed if has_dropout else 0,

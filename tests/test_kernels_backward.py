@@ -171,7 +171,9 @@ def test_shrink_bwd_matches_reference(case, dtype, grouped, device):
         # the forward's packed mask instead of the seed: the same draw, so the same bits out
         packed = pack_keep_bits(d["keep"])
         dx2, dA2 = lora_shrink_bwd(d["dh_in"], d["x"], d["A"], d["segs"], d["table"], seed=d["seed"], keep=packed)
-        assert torch.equal(bits(dx2), bits(dx)) and torch.equal(bits(dA2), bits(dA)), "stored mask != redrawn mask"
+        # (values, not bits: a dropped element's dx is +0 from the stored mask's select, -0 or +0 from the redrawn
+        # mask's multiply)
+        assert torch.equal(dx2, dx) and torch.equal(dA2, dA), "stored mask != redrawn mask"
         # and the mask is read, not redrawn: another mask gives that mask's gradients
         other = dropout_keep_mask(d["seed"] + 1, d["segs"], d["table"], K)
         dx3, dA3 = lora_shrink_bwd(d["dh_in"], d["x"], d["A"], d["segs"], d["table"], seed=d["seed"],
@@ -434,6 +436,13 @@ for need_dx, table in ((True, B._SHRINK_BLOCKS), (False, B._SHRINK_DA_BLOCKS)):
                                                           HOIST_A=True, EVEN_K=True, DOT_PRECISION="tf32",
                                                           BLOCK_S=BS, BLOCK_K=BK, BLOCK_R=block_r, DROP_STACK=stack),
                           nw)
+# the training step's rows: 16-bit, one rank tile of 16, by the dropout mask's source
+for mode, rows in B._SHRINK_R16.items():
+    for _bound, BS, BK, nw, _stages in rows:
+        bad += spills(B._shrink_bwd_kernel, ptr, dict(NEED_DX=True, HAS_DROPOUT=mode != "none",
+                                                      LOAD_MASK=mode == "stored", HOIST_A=True, EVEN_K=True,
+                                                      DOT_PRECISION="tf32", BLOCK_S=BS, BLOCK_K=BK, BLOCK_R=16,
+                                                      DROP_STACK=1), nw)
 # the forward shrink with a mask per slice (dropout on a q/k/v stack), the dropout table's r <= 32 row
 from fast_multilora.kernels import forward as F
 from fast_multilora.kernels.sgemm import sgemm_shrink_kernel
@@ -442,7 +451,7 @@ ptr.update({n: "*i32" for n in ("indptr", "seg_slot")})
 bad += spills(sgemm_shrink_kernel, ptr, dict(STACK=3, HAS_DROPOUT=True, STORE_MASK=False, EVEN_K=True,
                                              DOT_PRECISION="tf32", BLOCK_S=BS, BLOCK_N=64, BLOCK_K=min(BK, 64)),
               nw)  # launcher's rule
-_, BS, BN, BK, nw, _stages = F.SHRINK_DROPOUT_BLOCKS["gpu"][0]  # r <= 32, storing the mask it draws
+_, BS, BN, BK, nw, _stages = F.SHRINK_DROPOUT_STORE_BLOCKS["gpu"][0]  # r <= 32, storing the mask it draws
 bad += spills(sgemm_shrink_kernel, ptr, dict(STACK=1, HAS_DROPOUT=True, STORE_MASK=True, EVEN_K=True,
                                              DOT_PRECISION="tf32", BLOCK_S=BS, BLOCK_N=16, BLOCK_K=BK), nw)
 sys.exit(1 if bad else 0)
