@@ -16,8 +16,9 @@ Choices (each explained in the doc):
 * Shrink backward (``_shrink_bwd_kernel``): one program per (chunk, K tile, rank tile) loops over the chunk's rows in
   ``BLOCK_S`` steps: reads ``x`` once, writes ``dx`` once (rank-tile 0 program) and accumulates a per-chunk partial
   ``dA`` in registers; ``_shrink_bwd_finish`` sums the partials per slot in fixed order.
-* Dropout is fused (``HAS_DROPOUT`` constexpr, compiled away without a seed): the mask is regenerated with
-  ``keep_block`` on physical rows exactly as the forward shrink draws it; ``1/(1-p)`` is applied after the dot.
+* Dropout is fused (``HAS_DROPOUT`` constexpr, compiled away without a seed): the mask is read from the bits the
+  forward stored (``keep=``, ``LOAD_MASK``) or regenerated with ``keep_block`` on physical rows exactly as the
+  forward shrink draws it; ``1/(1-p)`` is applied after the dot.
 * Dtypes: dots run in the activation dtype (``dy`` / ``x``) with an fp32 accumulator; 16-bit tiles of fp32 operands
   (``h``, ``dh``, fp32 weights) are cast down right before ``tl.dot`` (marked ``# cast:``). fp32 uses
   ``input_precision="ieee"``; float64 inputs accumulate in float64 (works in the interpreter, for gradcheck).

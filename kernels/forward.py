@@ -2,8 +2,8 @@
 
 Same signatures and semantics as ``fast_multilora.reference`` except dropout: the reference takes a ``keep=`` mask,
 these take a Philox ``seed`` (``None`` = no dropout; the mask is ``kernels.dropout.keep_block`` on physical rows, so
-backward kernels regenerate it). ``segs.perm is None`` picks the SGEMM family (``sgemm.py``), otherwise the chunked
-SGMV family (``sgmv.py``).
+backward kernels can regenerate it, or read the packed copy ``keep_out=`` stores). ``segs.perm is None`` picks the
+SGEMM family (``sgemm.py``), otherwise the chunked SGMV family (``sgmv.py``).
 
 Block sizes are data, not autotuned: the tables below, one row per size bucket, first row whose bound covers the
 op's ``N`` wins, then two fixed rules (4-byte activations halve ``BLOCK_K``; stages, then ``BLOCK_K``, shrink until
