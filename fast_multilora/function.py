@@ -159,6 +159,7 @@ class DeltaSpec:
     ranks: tuple  # host ranks of those adapters, in slot order
     has_bias: bool  # lora_bias: one bias per adapter follows the B weights
     bias_slots: Optional[torch.Tensor] = None  # [S] slot-table row per token for the bias gather
+    grad: bool = True  # autograd records the call (grad mode at the call; inside a Function's forward it is off)
 
 
 def as_rows(x_in: torch.Tensor) -> torch.Tensor:
@@ -284,8 +285,9 @@ class FusedLinearDelta(torch.autograd.Function):
 
 
 def _keep_buffer(ctx, backend, x, spec: DeltaSpec):
-    """Where the forward shrink stores its dropout mask for the backward: only when a gradient will be taken."""
-    return backend.keep_buffer(x, spec.seed, spec.table) if any(ctx.needs_input_grad) else None
+    """Where the forward shrink stores its dropout mask for the backward: only when a gradient will be taken
+    (``needs_input_grad`` alone does not tell: it ignores an enclosing ``torch.no_grad``)."""
+    return backend.keep_buffer(x, spec.seed, spec.table) if spec.grad and any(ctx.needs_input_grad) else None
 
 
 def _split_grads(g_cat: torch.Tensor, ranks: tuple, dtypes: list, dim: int) -> list:

@@ -236,6 +236,7 @@ def _delta_inputs(layer, x, plan, table, present, bias_row, router):
     spec = DeltaSpec(
         segs=plan.segments, table=table, backend=backend, seed=seed, num_adapters=len(present),
         ranks=tuple(w.shape[0] for w in weights[: len(present)]), has_bias=has_bias, bias_slots=bias_slots,
+        grad=torch.is_grad_enabled(),
     )
     return x, spec, weights
 

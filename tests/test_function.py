@@ -1,6 +1,7 @@
 """The LoraDelta and FusedLinearDelta autograd Functions: float64 gradcheck, dropout semantics, zero grads for absent
 adapters."""
 
+import dataclasses
 import os
 
 import pytest
@@ -151,3 +152,70 @@ def test_gradients_split_per_adapter(ranks, wdtype):
     for w_ref, w in zip([*As, *Bs], low, strict=True):
         assert w.grad.dtype == w.dtype and w.grad.shape == w.shape and w.grad.is_contiguous()
         torch.testing.assert_close(w.grad.float(), w_ref.grad, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["LoraDelta", "FusedLinearDelta"])
+def test_stored_dropout_mask_equals_redrawn(fused, monkeypatch):
+    """The Triton backend's training forward stores the dropout mask and its backward reads it; with
+    ``FML_STORE_DROPOUT_MASK=0`` (``function.STORE_DROPOUT_MASK``) the backward redraws it from the seed. Both give
+    the same output and gradients; the mask buffer is allocated only when a gradient will be taken."""
+    _need_interpreter("triton")
+    from fast_multilora.kernels import dropout as D
+
+    from fast_multilora import function as F
+
+    g = torch.Generator().manual_seed(5)
+    S, K, N, ranks = 21, 19, 7, [2, 0, 3]  # K not a multiple of 8: a partial mask byte per row
+    ts = random_token_slots(S, len(ranks), g)
+    spec = _spec(ts, ranks, True, backend="triton", dropout=[0.3, 0.0, 0.5], seed=4321)
+    As, Bs = _weights(ranks, K, N, torch.float32, g)
+    x = torch.randn(S, K, generator=g, requires_grad=True)
+    W, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    y0 = torch.randn(S, N, generator=g)
+    dy = torch.randn(S, N, generator=g)
+    buffers = []
+    real = D.keep_bits_buffer
+    monkeypatch.setattr(D, "keep_bits_buffer", lambda t: buffers.append(t.shape) or real(t))
+    monkeypatch.setattr(get_backend("triton", torch.device("cpu")).k, "keep_bits_buffer", D.keep_bits_buffer)
+
+    def run():
+        out = (FusedLinearDelta.apply(x, W, b, spec, *As, *Bs) if fused
+               else LoraDelta.apply(x, y0.clone(), spec, *As, *Bs))
+        return (out, *torch.autograd.grad(out, (x, *As, *Bs), dy))
+
+    stored = run()
+    assert len(buffers) == 1, "the training forward did not store its mask"
+    monkeypatch.setattr(F, "STORE_DROPOUT_MASK", False)
+    redrawn = run()
+    assert len(buffers) == 1, "a mask buffer was allocated with FML_STORE_DROPOUT_MASK=0"
+    for a, r in zip(stored, redrawn, strict=True):
+        assert torch.equal(a, r)
+    monkeypatch.setattr(F, "STORE_DROPOUT_MASK", True)
+    with torch.no_grad():  # no gradient: nothing to store (the patched layers set spec.grad from the grad mode)
+        LoraDelta.apply(x, y0.clone(), dataclasses.replace(spec, grad=False), *As, *Bs)
+    assert len(buffers) == 1, "a mask buffer was allocated without a gradient to take"
+
+
+def test_patched_layers_store_masks_only_when_training(monkeypatch):
+    """A patched model with active LoRA dropout stores masks in a forward that autograd records, not under
+    ``torch.no_grad`` (evaluation with dropout modules left in train mode)."""
+    _need_interpreter("triton")
+    from fast_multilora.kernels import dropout as D
+    from models import peft_model
+
+    import fast_multilora
+
+    model = peft_model("llama", dropout=0.3)
+    fast_multilora.patch(model, backend="triton", share_shrink=False)
+    model.train()
+    buffers = []
+    real = D.keep_bits_buffer
+    monkeypatch.setattr(get_backend("triton", torch.device("cpu")).k, "keep_bits_buffer",
+                        lambda t: buffers.append(t.shape) or real(t))
+    ids = torch.randint(0, 97, (3, 5), generator=torch.Generator().manual_seed(0))
+    names = ["a0", "__base__", "a1"]
+    with torch.no_grad():
+        model(input_ids=ids, adapter_names=names)
+    assert buffers == [], "masks stored under torch.no_grad"
+    model(input_ids=ids, adapter_names=names).logits.sum().backward()
+    assert len(buffers) == 2 * 7, "every LoRA Linear of both layers stores its mask in a training forward"
