@@ -168,6 +168,14 @@ def as_rows(x_in: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
+def own_storage(result: torch.Tensor) -> torch.Tensor:
+    """``result`` as a tensor the delta may be added to in place: itself when it owns contiguous storage, else a
+    contiguous copy (a view -- GPT-2's Conv1D returns one -- must not be written through)."""
+    if not result.is_contiguous() or result._base is not None:
+        return result.contiguous() if not result.is_contiguous() else result.clone()
+    return result
+
+
 def lora_dropout_rate(drop: torch.nn.Module) -> float:
     """The rate a PEFT ``lora_dropout`` module applies in this call, as the kernels draw it (rounded to 2^-16 by
     ``quantize_p``); 0 for ``nn.Identity`` or a module in eval mode."""

@@ -29,7 +29,7 @@ from peft.tuners.lora import LoraLayer
 from torch.nn.modules import module as _nn_module  # its global forward hooks are read per call
 
 from . import stacked
-from .function import DeltaSpec, FusedLinearDelta, LoraDelta, get_backend, lora_dropout_rate
+from .function import DeltaSpec, FusedLinearDelta, LoraDelta, get_backend, lora_dropout_rate, own_storage
 from .kernels.segments import AdapterTable
 from .plan import BASE, Router
 
@@ -196,11 +196,8 @@ def _fused_base(layer, x, args, kwargs, present, router):
 
 
 def _apply_delta(layer, x, result, plan, table, present, bias_row, router):
-    if not result.is_contiguous() or result._base is not None:
-        # the delta is added in place; a view (GPT-2's Conv1D returns one) gets its own storage first
-        result = result.contiguous() if not result.is_contiguous() else result.clone()
     x, spec, weights = _delta_inputs(layer, x, plan, table, present, bias_row, router)
-    return LoraDelta.apply(x, result, spec, *weights)
+    return LoraDelta.apply(x, own_storage(result), spec, *weights)  # the delta is added in place
 
 
 def _delta_inputs(layer, x, plan, table, present, bias_row, router):

@@ -48,7 +48,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .function import _split_grads, as_rows, get_backend, linear_with_delta, lora_dropout_rate
+from .function import _split_grads, as_rows, get_backend, linear_with_delta, lora_dropout_rate, own_storage
 from .kernels.segments import AdapterTable, Segments
 
 GROUP_ATTR = "_fml_group"  # on a member module: (its SiblingGroup, its index in the group)
@@ -365,10 +365,7 @@ def _expand(h, x, result, base, part: _Slice, layer, present) -> torch.Tensor:
     b_weights = [layer.lora_B[n].weight for n in present]
     if result is None:
         return StackedLinear.apply(h, x, base.weight, base.bias, part, *b_weights)
-    if not result.is_contiguous() or result._base is not None:
-        # the delta is added in place; a view (GPT-2's Conv1D returns one) gets its own storage first
-        result = result.contiguous() if not result.is_contiguous() else result.clone()
-    return StackedExpand.apply(h, result, part, *b_weights)
+    return StackedExpand.apply(h, own_storage(result), part, *b_weights)  # the delta is added in place
 
 
 def may_share(layer, x, table, present, router) -> bool:
