@@ -76,8 +76,8 @@ def keep_block(seed, o_rows, o_cols, K, p):
 
 @triton.jit
 def keep_block_packed(seed, o_rows, o_cols, K, p):
-    """:func:`keep_block` and the same mask packed (:func:`pack_keep`'s format, ``[rows, cols // 8]`` uint8) from
-    one draw."""
+    """:func:`keep_block` and the same mask packed, ``[rows, cols // 8]`` uint8 (bit ``i`` of byte ``j`` is column
+    ``8 j + i``; :func:`unpack_keep` inverts it), from one draw."""
     r0, r1, r2, r3 = _draw(seed, o_rows, o_cols, K)
     thresh = _threshold(p)
     return _keep_of(r0, r1, r2, r3, thresh), _bits_of(r0, r1, r2, r3, thresh)

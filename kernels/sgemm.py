@@ -35,7 +35,7 @@ def shrink_tile(
     """h[o_s, n] = (x[o_s] * keep / (1-p)) . A[w_row0 + n] for the columns n < n_a of N-tile ``i_n``.
 
     ``STORE_MASK`` (dropout, ``DROP_STACK == 1``): N-tile 0 also stores the keep-mask it drew, packed
-    (``dropout.pack_keep``), into ``keep_bits[o_s, k // 8]`` for the backward to read.
+    (``dropout.keep_block_packed``'s bytes), into ``keep_bits[o_s, k // 8]`` for the backward to read.
 
     ``DROP_STACK > 1`` (dropout on a stack of that many slices): column ``n`` belongs to slice ``n // rank`` and sees
     that slice's own mask (key ``slice_seed(seed, s)``); the x tile is loaded once and masked once per slice, each

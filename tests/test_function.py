@@ -154,14 +154,23 @@ def test_gradients_split_per_adapter(ranks, wdtype):
         torch.testing.assert_close(w.grad.float(), w_ref.grad, rtol=tol, atol=tol)
 
 
+@pytest.fixture
+def mask_buffers(monkeypatch):
+    """Shapes of the packed dropout-mask buffers the Triton backend allocates, in call order."""
+    from fast_multilora.kernels import dropout as D
+
+    buffers = []
+    monkeypatch.setattr(get_backend("triton", torch.device("cpu")).k, "keep_bits_buffer",
+                        lambda t: buffers.append(t.shape) or D.keep_bits_buffer(t))
+    return buffers
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["LoraDelta", "FusedLinearDelta"])
-def test_stored_dropout_mask_equals_redrawn(fused, monkeypatch):
+def test_stored_dropout_mask_equals_redrawn(fused, mask_buffers, monkeypatch):
     """The Triton backend's training forward stores the dropout mask and its backward reads it; with
     ``FML_STORE_DROPOUT_MASK=0`` (``function.STORE_DROPOUT_MASK``) the backward redraws it from the seed. Both give
     the same output and gradients; the mask buffer is allocated only when a gradient will be taken."""
     _need_interpreter("triton")
-    from fast_multilora.kernels import dropout as D
-
     from fast_multilora import function as F
 
     g = torch.Generator().manual_seed(5)
@@ -173,10 +182,7 @@ def test_stored_dropout_mask_equals_redrawn(fused, monkeypatch):
     W, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
     y0 = torch.randn(S, N, generator=g)
     dy = torch.randn(S, N, generator=g)
-    buffers = []
-    real = D.keep_bits_buffer
-    monkeypatch.setattr(D, "keep_bits_buffer", lambda t: buffers.append(t.shape) or real(t))
-    monkeypatch.setattr(get_backend("triton", torch.device("cpu")).k, "keep_bits_buffer", D.keep_bits_buffer)
+    buffers = mask_buffers
 
     def run():
         out = (FusedLinearDelta.apply(x, W, b, spec, *As, *Bs) if fused
@@ -196,11 +202,10 @@ def test_stored_dropout_mask_equals_redrawn(fused, monkeypatch):
     assert len(buffers) == 1, "a mask buffer was allocated without a gradient to take"
 
 
-def test_patched_layers_store_masks_only_when_training(monkeypatch):
+def test_patched_layers_store_masks_only_when_training(mask_buffers):
     """A patched model with active LoRA dropout stores masks in a forward that autograd records, not under
     ``torch.no_grad`` (evaluation with dropout modules left in train mode)."""
     _need_interpreter("triton")
-    from fast_multilora.kernels import dropout as D
     from models import peft_model
 
     import fast_multilora
@@ -208,10 +213,7 @@ def test_patched_layers_store_masks_only_when_training(monkeypatch):
     model = peft_model("llama", dropout=0.3)
     fast_multilora.patch(model, backend="triton", share_shrink=False)
     model.train()
-    buffers = []
-    real = D.keep_bits_buffer
-    monkeypatch.setattr(get_backend("triton", torch.device("cpu")).k, "keep_bits_buffer",
-                        lambda t: buffers.append(t.shape) or real(t))
+    buffers = mask_buffers
     ids = torch.randint(0, 97, (3, 5), generator=torch.Generator().manual_seed(0))
     names = ["a0", "__base__", "a1"]
     with torch.no_grad():
