@@ -1,6 +1,10 @@
 """Where a train step's time goes (issue-4 step: 8 adapters mixed, 16 x 1024, Llama shape, bf16, r=16, dropout
 0.05): host time per step, kernel launches per step by kernel, the top Python functions by own time (cProfile) and
-the top torch ops by self CPU time. Usage (GPU): ``python benchmarks/profile_step.py [--out FILE]``."""
+the top torch ops by self CPU time. Usage (GPU): ``python benchmarks/profile_step.py [--out FILE]``.
+
+``--layer``: the same for one call of the harness's ``layer_4096`` scenario (a 4096x4096 ``nn.Linear`` in a
+``PeftModel``, 8 x 1024 tokens, forward + backward), ours with 8 adapters mixed against stock PEFT's single adapter:
+where a lone layer call's host time goes."""
 
 from __future__ import annotations
 
@@ -89,11 +93,126 @@ def cuda_kernels(prof, width: int = 70):
     return launches, us
 
 
+def build_layer(ours: bool, K=4096, rows=8, T=1024):
+    """The harness's layer scenario: ``(call, params)``, one forward + backward of a LoRA'd ``nn.Linear``."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(K, K, bias=False)).to("cuda", torch.bfloat16).requires_grad_(False)
+    lc = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=["0"])
+    pm = get_peft_model(base, lc, adapter_name="a0")
+    for i in range(1, 8):
+        pm.add_adapter(f"a{i}", lc)
+    pm.to("cuda", torch.bfloat16)
+    x = torch.randn(rows, T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(rows, T, K, device="cuda", dtype=torch.bfloat16)
+    names = sorted(f"a{i % 8}" for i in range(rows))
+    if ours:
+        for n, p in pm.named_parameters():
+            p.requires_grad_("lora_" in n)
+        fast_multilora.patch(pm, backend="triton")
+    else:
+        pm.set_adapter("a0")
+    params = [p for p in pm.parameters() if p.requires_grad]
+
+    def call():
+        x.grad = None
+        for p in params:
+            p.grad = None
+        out = pm(x, adapter_names=names) if ours else pm(x)
+        out.backward(gy)
+
+    call.forward_only = lambda: pm(x, adapter_names=names) if ours else pm(x)
+    return call
+
+
+def _host_ms(fn, n=21) -> float:
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return round(statistics.median(times), 3)
+
+
+def host_split(call, ours: bool) -> dict:
+    """Host ms of one layer call (median of 21, each after a sync) with parts of it left out: forward only (under
+    ``no_grad``), and for ours the same with every Triton launch skipped (the Python and torch work around them)."""
+    out = {"fwd_bwd": _host_ms(call)}
+    with torch.no_grad():
+        out["fwd_no_grad"] = _host_ms(call.forward_only)
+    if ours:
+        from fast_multilora.kernels import backward as kb
+        from fast_multilora.kernels import forward as kf
+
+        saved = kf.launch, kb.launch
+        kf.launch = kb.launch = lambda *a, **k: None
+        try:
+            out["fwd_bwd_launches_skipped"] = _host_ms(call)
+            with torch.no_grad():
+                out["fwd_no_grad_launches_skipped"] = _host_ms(call.forward_only)
+        finally:
+            kf.launch, kb.launch = saved
+    return out
+
+
+def profile_layer(say):
+    from fast_multilora.kernels import launch
+
+    for ours in (True, False):
+        label = "fast_multilora, 8 adapters" if ours else "peft_single"
+        call = build_layer(ours)
+        for _ in range(5):
+            call()
+        torch.cuda.synchronize()
+        host = []
+        for _ in range(21):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            call()
+            host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        say(f"=== layer_4096 call, {label}: host {statistics.median(host):.3f} ms (median of 21, each after a sync)")
+        say(f"host split: {host_split(call, ours)}")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                call()
+            torch.cuda.synchronize()
+        kernels, cuda_us = cuda_kernels(prof)
+        say(f"kernel launches per call: {sum(kernels.values()) / 10:.1f}; "
+            f"CUDA time {sum(cuda_us.values()) / 1e4:.3f} ms")
+        for k, n in kernels.most_common(20):
+            say(f"  {n / 10:5.1f} x {cuda_us[k] / n:8.1f} us  {k}")
+        say("--- torch ops by self CPU time (10 calls)")
+        say(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=55))
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(20):
+            call()
+        torch.cuda.synchronize()
+        pr.disable()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(35)
+        say("--- cProfile, 20 calls, by own time")
+        say(s.getvalue())
+        if ours:
+            say(f"launch paths since import: {launch.stats()}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--layer", action="store_true", help="profile the layer_4096 call instead of the train step")
     a = ap.parse_args(argv)
     say, buf = tee()
+    if a.layer:
+        profile_layer(say)
+        if a.out:
+            Path(a.out).write_text(buf.getvalue())
+        return
 
     _, step = build()
     for _ in range(3):

@@ -95,7 +95,7 @@ def sweep_expand(rows, case, family):
     h = K.lora_shrink(x, A_cat, segs, table)
     saved = kf.EXPAND_BLOCKS["gpu"]
     for bs, bn, w, st in itertools.product((32, 64, 128), (128, 256), (4, 8), (1,)):
-        kf.EXPAND_BLOCKS["gpu"] = [(math.inf, bs, bn, 64, w, st)]
+        kf.EXPAND_BLOCKS["gpu"] = [(math.inf, bs, bn, 64, w, st, 1)]
         record(rows, "expand", family, (bs, bn, w, st), lambda: K.lora_expand(h, B_cat, segs, table, y))
     kf.EXPAND_BLOCKS["gpu"] = saved
 

@@ -586,8 +586,8 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
     launch(_expand_bwd_kernel, (capacity, n_splits), (
         dy, h, B_cat, dh, part_dh, part_dB, order, info, table.ranks, table.offsets, table.scales,
         N, slice_idx, tiles_per_split,
-        dy.stride(0), dy.stride(1), h.stride(0), h.stride(1), B_cat.stride(0), B_cat.stride(1),
-        dh.stride(0), dh.stride(1), *pd_strides, *pb_strides,
+        *dy.stride(), *h.stride(), *B_cat.stride(),
+        *dh.stride(), *pd_strides, *pb_strides,
     ), dict(DIRECT_DH=direct_dh, STORE_DB=fused, EVEN_N=N % BLOCK_N == 0, DOT_PRECISION=prec,
             BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, num_warps=num_warps))
     BLOCK_NF = min(128, max(16, _FINISH_TILE // BLOCK_R)) if fused else BLOCK_N
@@ -596,8 +596,8 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
     launch(_expand_bwd_finish, (n_db + (0 if direct_dh else capacity),), (
         dy, h, dB_out, dh, part_dh, part_dB, order, info, cptr, table.ranks, table.offsets, table.scales,
         N, slice_idx, n_splits, n_db, tiles_nf,
-        dy.stride(0), dy.stride(1), h.stride(0), h.stride(1), dB_out.stride(0), dB_out.stride(1),
-        dh.stride(0), dh.stride(1), *pd_strides, *pb_strides,
+        *dy.stride(), *h.stride(), *dB_out.stride(),
+        *dh.stride(), *pd_strides, *pb_strides,
     ), dict(FROM_PARTS=fused, DOT_PRECISION=prec, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_NF, BLOCK_R=BLOCK_R, num_warps=8))
     return dh, dB_out
 
@@ -658,7 +658,7 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
         dh, x, A_cat, dx if need_dx else x, part_dA, keep if load_mask else x, order, info, table.ranks,
         table.offsets, table.dropout, seed if has_dropout else 0,
         K, stack_num,
-        dh.stride(0), dh.stride(1), x.stride(0), x.stride(1), A_cat.stride(0), A_cat.stride(1),
+        *dh.stride(), *x.stride(), *A_cat.stride(),
         *(dx.stride() if need_dx else (0, 0)), *part_dA.stride(), keep.stride(0) if load_mask else 0,
     ), dict(
         # not for FMA (fp32) dots, whose operand layout would hold A's tile replicated and spill
@@ -671,7 +671,7 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
         BLOCK_KF = min(128, max(16, _FINISH_TILE // BLOCK_R))
         launch(_shrink_bwd_finish, (n_slots, tiles_r, cdiv(K, BLOCK_KF)), (
             dA_out, part_dA, cptr, table.ranks, table.offsets, K, stack_num,
-            dA_out.stride(0), dA_out.stride(1), *part_dA.stride(),
+            *dA_out.stride(), *part_dA.stride(),
         ), dict(BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_KF, num_warps=4))
     return dx, dA_out
 

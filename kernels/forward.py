@@ -60,22 +60,30 @@ SHRINK_DROPOUT_STORE_BLOCKS = {
     "gpu": [(32, 32, 32, 64, 4, 3), (_INF, 32, 128, 128, 8, 3)],
     "interpreter": [(_INF, 16, 32, 32, 1, 1)],
 }
-# (bound on N = output dim, BLOCK_S, BLOCK_N cap, BLOCK_R cap, num_warps, num_stages)
+# (bound on N = output dim, BLOCK_S, BLOCK_N cap, BLOCK_R cap, num_warps, num_stages, N-tiles per program (SGEMM
+# family))
+# add mode (y read and written): 4 N-tiles per program, profiler kernel time at S=16384, N = 2048 / 5632 on H200
+# 49.9 / 126.2 us against 56.5 / 151.1 with one (benchmarks/bench_bandwidth.py; copy floor 33.1 / 87.6)
 EXPAND_BLOCKS = {
-    "gpu": [(_INF, 64, 128, 64, 4, 1)],
-    "interpreter": [(_INF, 16, 512, 16, 1, 1)],
+    "gpu": [(_INF, 64, 128, 64, 4, 1, 4)],
+    "interpreter": [(_INF, 16, 64, 16, 1, 1, 2)],
 }
 # write mode (``accumulate=False``: y only written): taller tiles, best at S=16384, N in {2048, 5632} on H200
 EXPAND_WRITE_BLOCKS = {
-    "gpu": [(_INF, 128, 128, 64, 4, 1)],
-    "interpreter": [(_INF, 16, 512, 16, 1, 1)],
+    "gpu": [(_INF, 128, 128, 64, 4, 1, 1)],
+    "interpreter": [(_INF, 16, 64, 16, 1, 1, 2)],
 }
+# output tiles from which the expand gives a program several N-tiles (the interpreter: always, so tests cover it)
+_LOOP_MIN_TILES = {"gpu": 2048, "interpreter": 0}
 SMEM_BUDGET = 144 * 1024  # bytes of pipelined shrink tiles; leaves headroom under Hopper's 228 KB (A100: 164 KB)
 _ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+_TARGET = "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "gpu"  # as Triton decides, at import
+
+
 def _target() -> str:
-    return "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "gpu"
+    return _TARGET
 
 
 def _pick(rows, n):
@@ -205,7 +213,7 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
     store_mask = has_dropout and keep_out is not None
     BLOCK_S, BLOCK_N, BLOCK_K, num_warps, num_stages = _shrink_blocks(segs, width, x, A_cat, has_dropout, stack_num,
                                                                       store_mask)
-    common = (A_cat.stride(0), A_cat.stride(1), out.stride(0), out.stride(1), keep_out.stride(0) if store_mask else 0)
+    common = (*A_cat.stride(), *out.stride(), keep_out.stride(0) if store_mask else 0)
     keep_arg = keep_out if store_mask else out
     meta = dict(STACK=stack_num, HAS_DROPOUT=has_dropout, STORE_MASK=store_mask, EVEN_K=K % BLOCK_K == 0,
                 DOT_PRECISION=_dot_precision(x.dtype), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps,
@@ -215,14 +223,14 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
         grid = (segs.num_segments, cdiv(segs.max_len, BLOCK_S), cdiv(width, BLOCK_N))
         launch(sgemm_shrink_kernel, grid, (
             x, A_cat, out, keep_arg, segs.indptr, segs.slot, table.ranks, table.offsets, table.dropout, seed, K,
-            x.stride(0), x.stride(1), *common), dict(meta, BLOCK_S=BLOCK_S))
+            *x.stride(), *common), dict(meta, BLOCK_S=BLOCK_S))
     else:
         chunks = chunk_table(segs, BLOCK_S)
         grid = (chunks.shape[1], cdiv(width, BLOCK_N))
         launch(sgmv_shrink_kernel, grid, (
             x, A_cat, out, keep_arg, chunks, segs.indptr, segs.slot, segs.perm, table.ranks, table.offsets,
             table.dropout,
-            seed, chunks.shape[1], x.stride(0), x.stride(1), *common), dict(K=K, N=width, BLOCK_M=BLOCK_S, **meta))
+            seed, chunks.shape[1], *x.stride(), *common), dict(K=K, N=width, BLOCK_M=BLOCK_S, **meta))
     return out
 
 
@@ -279,11 +287,11 @@ def _expand_launch(h, B_cat, segs: Segments, table: AdapterTable, y, *, slice_id
         return
     fp64 = torch.float64 in (y.dtype, h.dtype)
     blocks = EXPAND_BLOCKS if accumulate else EXPAND_WRITE_BLOCKS
-    S_BLK, N_CAP, R_CAP, num_warps, num_stages = _pick(blocks[_target()], N)
+    S_BLK, N_CAP, R_CAP, num_warps, num_stages, n_tiles = _pick(blocks[_target()], N)
     BLOCK_N = _pow2_clamp(N, 16, N_CAP)
     BLOCK_R = _pow2_clamp(table.max_rank, 16, R_CAP)
     BLOCK_S = _rows_block(segs, S_BLK)
-    common = (h.stride(0), h.stride(1), B_cat.stride(0), B_cat.stride(1), y.stride(0), y.stride(1))
+    common = (*h.stride(), *B_cat.stride(), *y.stride())
     meta = dict(FP64=fp64, DOT_PRECISION=_dot_precision(torch.float64 if fp64 else y.dtype),
                 # after a bias fill the kernel adds to it; after a zero fill (or defining every row) it writes
                 ACCUMULATE=accumulate or (not write_all and bias is not None), HAS_BIAS=write_all and bias is not None,
@@ -291,10 +299,14 @@ def _expand_launch(h, B_cat, segs: Segments, table: AdapterTable, y, *, slice_id
     bias_arg = bias if meta["HAS_BIAS"] else y
     if segs.perm is None:
         rows = max(segs.max_len, segs.base_max_len) if write_all else segs.max_len
-        grid = (segs.num_segments, cdiv(rows, BLOCK_S), cdiv(N, BLOCK_N))
+        tiles_n = cdiv(N, BLOCK_N)
+        # several N-tiles per program only when the grid has tiles to spare (small batches keep every tile apart)
+        tiles = segs.num_segments * cdiv(rows, BLOCK_S) * tiles_n
+        n_tiles = min(n_tiles, tiles_n) if tiles >= _LOOP_MIN_TILES[_target()] else 1
+        grid = (segs.num_segments, cdiv(rows, BLOCK_S), cdiv(N, BLOCK_N * n_tiles))
         launch(sgemm_expand_kernel, grid, (
             h, B_cat, y, bias_arg, segs.indptr, segs.slot, table.ranks, table.offsets, table.scales, slice_idx, N,
-            *common), dict(meta, BLOCK_S=BLOCK_S))
+            *common), dict(meta, BLOCK_S=BLOCK_S, N_TILES=n_tiles))
     else:
         chunks = chunk_table(segs, BLOCK_S)
         grid = (chunks.shape[1], cdiv(N, BLOCK_N))

@@ -47,16 +47,19 @@ _KERNELS: dict = {}
 _stats = {"fast": 0, "slow": 0, "off": 0, "hooks": 0, "not_cachable": 0}
 
 
-def _spec(i, a, nospec):
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() & 15 == 0
-    if isinstance(a, bool) or a is None:
-        return a
-    if isinstance(a, int):
-        if i in nospec:
-            return -_I32 <= a < _I32
-        return a == 1, a & 15 == 0, -_I32 <= a < _I32
-    return type(a)
+def _arg_key(args, nospec) -> tuple:
+    """Per argument, what Triton specialises on: a tensor's dtype and 16-byte alignment; an int's value when it is
+    -1, 0 or 1, else whether it divides by 16 and fits in int32 (only the latter for ``do_not_specialize``
+    parameters); ``None`` and bools as themselves; any other type by its type. One comprehension (this runs for every
+    launch: a per-argument function call cost twice as much host time)."""
+    key = [(a if -1 <= a <= 1 else 2 + (a & 15 == 0) + 2 * (-_I32 <= a < _I32)) if type(a) is int
+           else (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
+           else a if a is None or type(a) is bool else type(a)
+           for a in args]
+    for i in nospec:
+        if i < len(args) and type(args[i]) is int:
+            key[i] = -_I32 <= args[i] < _I32
+    return tuple(key)
 
 
 def _active(hook) -> bool:
@@ -79,10 +82,8 @@ def launch(fn, grid, args, meta) -> None:
     k = _KERNELS.get(fn)
     if k is None:
         k = _KERNELS[fn] = _Kernel(fn)
-    nospec = k.nospec
-    key = (tuple([_spec(i, a, nospec) for i, a in enumerate(args)]), tuple(meta.items()))
     dev = args[0].device.index
-    key = (dev, key)
+    key = (dev, tuple(meta.items()), _arg_key(args, k.nospec))
     hit = k.compiled.get(key)
     if hit is None:
         if len(args) != k.n_args:

@@ -180,16 +180,17 @@ def sgemm_expand_kernel(
     h, B, y, bias, indptr, seg_slot, ranks, offsets, scales, slice_idx, N,
     stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
     FP64: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_TILES: tl.constexpr,
 ):
     """y[t] += scale_a * h[t, slice*r : (slice+1)*r] @ B_cat[:, off : off+r]^T for the rows t of segment ``i_g``.
 
     Write mode (``ACCUMULATE=False``): y[t] = that product (+ bias), and rows of base segments / rank-0 slots are
-    written too (bias or zero), so every row of y is defined.
+    written too (bias or zero), so every row of y is defined. A program covers ``N_TILES`` consecutive N-tiles: the
+    segment's table reads (a chain of dependent loads) are paid once per program, not once per output tile.
     """
     i_g = tl.program_id(0)
     i_s = tl.program_id(1).to(tl.int64)
-    i_n = tl.program_id(2)
+    i_n0 = tl.program_id(2) * N_TILES
     bos = tl.load(indptr + i_g).to(tl.int64)
     eos = tl.load(indptr + i_g + 1).to(tl.int64)
     if bos + i_s * BLOCK_S >= eos:
@@ -199,10 +200,14 @@ def sgemm_expand_kernel(
     rank = tl.load(ranks + tl.maximum(slot, 0), mask=slot >= 0, other=0)
     if rank == 0:  # base segment or absent adapter
         if not ACCUMULATE:
-            fill_tile(y, bias, o_s, o_s < eos, i_n, N, stride_ys, stride_yn, HAS_BIAS, BLOCK_S, BLOCK_N)
+            for j in range(N_TILES):
+                fill_tile(y, bias, o_s, o_s < eos, i_n0 + j, N, stride_ys, stride_yn, HAS_BIAS, BLOCK_S, BLOCK_N)
         return
-    expand_tile(
-        h, B, y, bias, o_s, o_s < eos, i_n, slice_idx * rank, tl.load(offsets + slot), rank, tl.load(scales + slot),
-        N, stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
-        FP64, DOT_PRECISION, ACCUMULATE, HAS_BIAS, BLOCK_S, BLOCK_N, BLOCK_R,
-    )
+    b_col0 = tl.load(offsets + slot)
+    scale = tl.load(scales + slot)
+    for j in range(N_TILES):
+        expand_tile(
+            h, B, y, bias, o_s, o_s < eos, i_n0 + j, slice_idx * rank, b_col0, rank, scale,
+            N, stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
+            FP64, DOT_PRECISION, ACCUMULATE, HAS_BIAS, BLOCK_S, BLOCK_N, BLOCK_R,
+        )

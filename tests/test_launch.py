@@ -153,3 +153,16 @@ def test_repeat_launches_match_reference(device):
                 err = (got - want).abs().max() / want.abs().max().clamp(min=1e-6)
                 assert err < 3e-2, f"{what} grouped={grouped}: max error {err:.3g} of the largest value"
         assert L.stats()["fast"] > before, L.stats()
+
+
+def test_arg_key_separates_what_triton_specialises():
+    """Keys differ where Triton compiles another variant (int == 1, divisibility by 16, int64, dtype, alignment) and
+    agree where it does not (two multiples of 16; any int32 value of a do_not_specialize parameter)."""
+    x = torch.zeros(64)
+    k = L._arg_key
+    assert k((x, 32), set()) == k((x, 48), set())
+    for a, b in [(1, 2), (16, 17), (0, 1), (-1, 0), (16, 2**31 + 16), (2**31 - 1, 2**31)]:
+        assert k((x, a), set()) != k((x, b), set()), (a, b)
+    assert k((x, 7), {1}) == k((x, 16), {1}) == k((x, 1), {1}) != k((x, 2**40), {1})
+    assert k((x,), set()) != k((x.double(),), set()) and k((x,), set()) != k((x[1:],), set())
+    assert k((None, True), set()) != k((None, False), set()) and k((0.5,), set()) == k((0.25,), set())
