@@ -69,11 +69,12 @@ class TorchBackend:
                                      accumulate=accumulate, bias=bias)
 
     @_no_autocast
-    def expand_bwd(self, dy, h, B_cat, segs, table, stack_num, slice_idx, dh=None):
+    def expand_bwd(self, dy, h, B_cat, segs, table, stack_num, slice_idx, dh=None, grad_dtype=None):
+        # grad_dtype: a hint the reference does not take (its weight gradients stay float32 [N, total_rank])
         return reference.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx, dh=dh)
 
     @_no_autocast
-    def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx, keep=None):
+    def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx, keep=None, grad_dtype=None):
         keep = self._keep(x, segs, table, seed, stack_num)
         return reference.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, keep=keep, need_dx=need_dx)
 
@@ -116,14 +117,25 @@ class TritonBackend:
         return self.k.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx,
                                   accumulate=False, bias=bias)
 
-    def expand_bwd(self, dy, h, B_cat, segs, table, stack_num, slice_idx, dh=None):
+    def expand_bwd(self, dy, h, B_cat, segs, table, stack_num, slice_idx, dh=None, grad_dtype=None):
+        """``(dh, dB)``. With ``grad_dtype`` (eager only), ``dB`` comes in that dtype as one contiguous ``[N, r_a]``
+        block per adapter, flat (``_split_grads`` takes it apart without a copy); otherwise float32
+        ``[N, total_rank]``."""
+        if grad_dtype is not None and not torch.compiler.is_compiling():
+            dB = torch.empty(table.total_rank * B_cat.shape[0], dtype=grad_dtype, device=dy.device)
+            return self.k.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx,
+                                          dh=dh, dB_out=dB, dB_blocked=True)
         return self._impl().lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx,
                                             dh=dh)
 
-    def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx, keep=None):
-        if keep is not None:
+    def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx, keep=None, grad_dtype=None):
+        """``(dx, dA)``; with ``grad_dtype`` (eager only) ``dA`` comes in that dtype, else float32."""
+        eager = keep is not None or (grad_dtype is not None and not torch.compiler.is_compiling())
+        if eager:
+            dA = None if grad_dtype is None else torch.empty(stack_num * table.total_rank, x.shape[1],
+                                                             dtype=grad_dtype, device=x.device)
             return self.k.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed,
-                                          need_dx=need_dx, keep=keep)
+                                          need_dx=need_dx, keep=keep, dA_out=dA)
         return self._impl().lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed,
                                             need_dx=need_dx)
 
@@ -228,10 +240,11 @@ class LoraDelta(torch.autograd.Function):
         if (need_dx or need_w) and n:
             dy = dy.contiguous()
             be = spec.backend
-            dh, dB = be.expand_bwd(dy, h, B_cat, spec.segs, spec.table, 1, 0)
-            dx, dA = be.shrink_bwd(dh, x, A_cat, spec.segs, spec.table, 1, spec.seed, need_dx, keep)
+            gd = _grad_dtype(w_dtypes[: 2 * n])
+            dh, dB = be.expand_bwd(dy, h, B_cat, spec.segs, spec.table, 1, 0, grad_dtype=gd)
+            dx, dA = be.shrink_bwd(dh, x, A_cat, spec.segs, spec.table, 1, spec.seed, need_dx, keep, grad_dtype=gd)
             grads[:n] = _split_grads(dA, spec.ranks, w_dtypes[:n], dim=0)
-            grads[n : 2 * n] = _split_grads(dB, spec.ranks, w_dtypes[n : 2 * n], dim=1)
+            grads[n : 2 * n] = _split_grads(dB, spec.ranks, w_dtypes[n : 2 * n], dim=1, n_rows=B_cat.shape[0])
             if spec.has_bias:
                 for i, gbias in enumerate(_bias_grad(dy, spec)):
                     grads[2 * n + i] = gbias.to(w_dtypes[2 * n + i])
@@ -280,12 +293,14 @@ class FusedLinearDelta(torch.autograd.Function):
         if need_dx or need_w:
             dy = dy_in.reshape(-1, dy_in.shape[-1]).contiguous()
             be = spec.backend
-            dh, dB = be.expand_bwd(dy, h, B_cat, spec.segs, spec.table, 1, 0)
+            gd = _grad_dtype(ctx.w_dtypes[: 2 * n])
+            dh, dB = be.expand_bwd(dy, h, B_cat, spec.segs, spec.table, 1, 0, grad_dtype=gd)
             # one pass over x for dA and the LoRA part of dx (written, base rows zero; the dropout mask drawn once)
-            dx, dA = be.shrink_bwd(dh, x, A_cat, spec.segs, spec.table, 1, spec.seed, need_dx, keep)
+            dx, dA = be.shrink_bwd(dh, x, A_cat, spec.segs, spec.table, 1, spec.seed, need_dx, keep, grad_dtype=gd)
             if need_w:
                 grads[:n] = _split_grads(dA, spec.ranks, ctx.w_dtypes[:n], dim=0)
-                grads[n : 2 * n] = _split_grads(dB, spec.ranks, ctx.w_dtypes[n : 2 * n], dim=1)
+                grads[n : 2 * n] = _split_grads(dB, spec.ranks, ctx.w_dtypes[n : 2 * n], dim=1,
+                                                n_rows=B_cat.shape[0])
             if need_dx:
                 dx.addmm_(dy, W)
                 dx = dx.view(ctx.x_shape)
@@ -298,13 +313,24 @@ def _keep_buffer(ctx, backend, x, spec: DeltaSpec):
     return backend.keep_buffer(x, spec.seed, spec.table) if spec.grad and any(ctx.needs_input_grad) else None
 
 
-def _split_grads(g_cat: torch.Tensor, ranks: tuple, dtypes: list, dim: int) -> list:
-    """Per-adapter gradients from a concatenated fp32 buffer, in each parameter's dtype.
+def _grad_dtype(dtypes: list):
+    """The one dtype every adapter weight of the call has (the kernels then write the weight gradients in it, in
+    the parameters' layout), else ``None``."""
+    return dtypes[0] if dtypes and all(d == dtypes[0] for d in dtypes) else None
 
-    One cast kernel for the whole buffer instead of one per adapter (the per-call cost that dominated a layer's
-    CPU time); the pieces are views, contiguous where the parameters are (``dim=0``, or equal ranks along
-    ``dim=1`` through a blocked copy), so autograd keeps them as ``.grad`` without another copy.
+
+def _split_grads(g_cat: torch.Tensor, ranks: tuple, dtypes: list, dim: int, n_rows: int = 0) -> list:
+    """Per-adapter gradients from a concatenated buffer, in each parameter's dtype.
+
+    A 1-D ``g_cat`` (``dim=1``) is already blocked: adapter ``a``'s ``[n_rows, r_a]`` gradient is one contiguous
+    piece, in its dtype (``TritonBackend.expand_bwd(grad_dtype=...)``): the pieces are views. Otherwise one cast kernel
+    for the whole buffer instead of one per adapter (the per-call cost that dominated a layer's CPU time); the
+    pieces are views, contiguous where the parameters are (``dim=0``, or equal ranks along ``dim=1`` through a
+    blocked copy), so autograd keeps them as ``.grad`` without another copy.
     """
+    if g_cat.dim() == 1:
+        pieces = g_cat.split([n_rows * r for r in ranks])
+        return [g.view(n_rows, r).to(dt) for g, r, dt in zip(pieces, ranks, dtypes, strict=True)]
     if len(set(dtypes)) != 1:
         return [g.to(dt) for g, dt in zip(g_cat.split(ranks, dim=dim), dtypes, strict=True)]
     dtype = dtypes[0]

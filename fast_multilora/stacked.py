@@ -48,7 +48,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .function import _split_grads, as_rows, get_backend, linear_with_delta, lora_dropout_rate, own_storage
+from .function import _grad_dtype, _split_grads, as_rows, get_backend, linear_with_delta, lora_dropout_rate, own_storage
 from .kernels.segments import AdapterTable, Segments
 
 GROUP_ATTR = "_fml_group"  # on a member module: (its SiblingGroup, its index in the group)
@@ -140,7 +140,8 @@ class StackedShrink(torch.autograd.Function):
         x, A_cat = ctx.saved_tensors
         need_dx = ctx.needs_input_grad[0]
         dh, written, base_dx = stack.take_dh()
-        dx, dA = stack.backend.shrink_bwd(dh, x, A_cat, stack.segs, stack.table, stack.num, stack.seed, need_dx)
+        dx, dA = stack.backend.shrink_bwd(dh, x, A_cat, stack.segs, stack.table, stack.num, stack.seed, need_dx,
+                                          grad_dtype=_grad_dtype(stack.a_dtypes))
         if need_dx:
             for dy, W in base_dx:  # fused members' base GEMMs, accumulated by cuBLAS (beta 1): no dx per member
                 dx.addmm_(dy, W)
@@ -178,9 +179,10 @@ class StackedExpand(torch.autograd.Function):
         if need_dh or need_w:
             dy = dy_in.reshape(-1, dy_in.shape[-1]).contiguous()
             dh = stack.dh(part.index) if need_dh else None  # this slice's columns go into the shared buffer
-            _, dB = stack.backend.expand_bwd(dy, h, B_cat, stack.segs, part.table, stack.num, part.index, dh=dh)
+            _, dB = stack.backend.expand_bwd(dy, h, B_cat, stack.segs, part.table, stack.num, part.index, dh=dh,
+                                             grad_dtype=_grad_dtype(ctx.b_dtypes))
             if need_w:
-                grads = _split_grads(dB, part.ranks, ctx.b_dtypes, dim=1)
+                grads = _split_grads(dB, part.ranks, ctx.b_dtypes, dim=1, n_rows=B_cat.shape[0])
         return (None, dy_in, None, *grads)
 
 
@@ -218,9 +220,10 @@ class StackedLinear(torch.autograd.Function):
             dy = dy_in.reshape(-1, dy_in.shape[-1]).contiguous()
             if need_dh or need_w:
                 dh = stack.dh(part.index) if need_dh else None
-                _, dB = stack.backend.expand_bwd(dy, h, B_cat, stack.segs, part.table, stack.num, part.index, dh=dh)
+                _, dB = stack.backend.expand_bwd(dy, h, B_cat, stack.segs, part.table, stack.num, part.index, dh=dh,
+                                                 grad_dtype=_grad_dtype(ctx.b_dtypes))
                 if need_w:
-                    grads = _split_grads(dB, part.ranks, ctx.b_dtypes, dim=1)
+                    grads = _split_grads(dB, part.ranks, ctx.b_dtypes, dim=1, n_rows=B_cat.shape[0])
             if need_dx:
                 stack.add_base_dx(dy, W)
         return (None, None, None, None, None, *grads)

@@ -243,9 +243,12 @@ def _finish_db_tile(
     dy, h, dB, part_dB, order, info, cptr, ranks, offsets, scales, slot, i_n, N, slice_idx,
     stride_dys, stride_dyn, stride_hs, stride_hr, stride_dbn, stride_dbr, stride_pbc, stride_pbn, stride_pbr,
     FROM_PARTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DB_BLOCKED: tl.constexpr,
 ):
-    """dB[n, off+i] = c * sum over the slot's chunks (ascending) of part_dB, or of dy[chunk]^T h[chunk] (unfused)."""
+    """dB[n, off+i] = c * sum over the slot's chunks (ascending) of part_dB, or of dy[chunk]^T h[chunk] (unfused).
+
+    Summed in h's (float) dtype, stored in dB's. ``DB_BLOCKED``: dB is flat, the slot's ``[N, rank]`` gradient one
+    contiguous block at ``off * N`` (a parameter's own layout: no copy after)."""
     rank = tl.load(ranks + slot)
     if rank > 0:
         off = tl.load(offsets + slot).to(tl.int64)
@@ -256,7 +259,7 @@ def _finish_db_tile(
         m_r = o_r < rank
         c0 = tl.load(cptr + slot + 1).to(tl.int64)  # int64 loop index: partial offsets can pass 2**31
         c1 = tl.load(cptr + slot + 2)
-        b_db = tl.zeros([BLOCK_N, BLOCK_R], dtype=dB.dtype.element_ty)  # [BLOCK_N, BLOCK_R]
+        b_db = tl.zeros([BLOCK_N, BLOCK_R], dtype=h.dtype.element_ty)  # [BLOCK_N, BLOCK_R], fp32 (fp64)
         for i_c in range(c0, c1):  # fixed order: deterministic
             if FROM_PARTS:
                 p_pb = part_dB + i_c * stride_pbc + o_n[:, None] * stride_pbn + o_r[None, :] * stride_pbr
@@ -272,8 +275,11 @@ def _finish_db_tile(
                 p_h = h + o_t[:, None] * stride_hs + (slice_idx * rank + o_r)[None, :] * stride_hr
                 b_h = tl.load(p_h, mask=m_s[:, None] & m_r[None, :], other=0.0).to(b_dy.dtype)  # cast: dot dtype
                 b_db += tl.dot(tl.trans(b_dy), b_h, input_precision=DOT_PRECISION, out_dtype=b_db.dtype)
-        p_db = dB + o_n[:, None] * stride_dbn + (off + o_r)[None, :] * stride_dbr
-        tl.store(p_db, b_db * scale.to(b_db.dtype), mask=m_n[:, None] & m_r[None, :])
+        if DB_BLOCKED:
+            p_db = dB + off * N + o_n[:, None] * rank + o_r[None, :]
+        else:
+            p_db = dB + o_n[:, None] * stride_dbn + (off + o_r)[None, :] * stride_dbr
+        tl.store(p_db, (b_db * scale.to(b_db.dtype)).to(dB.dtype.element_ty), mask=m_n[:, None] & m_r[None, :])
 
 
 @triton.jit
@@ -310,7 +316,7 @@ def _expand_bwd_finish(
     stride_dys, stride_dyn, stride_hs, stride_hr, stride_dbn, stride_dbr, stride_dhs, stride_dhr,
     stride_pds, stride_pdt, stride_pdr, stride_pbc, stride_pbn, stride_pbr,
     FROM_PARTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DB_BLOCKED: tl.constexpr,
 ):
     """Programs [0, n_db_programs): dB tiles (slot, N tile), every column written; the rest: dh rows of one chunk."""
     i_g = tl.program_id(0).to(tl.int64)
@@ -318,7 +324,7 @@ def _expand_bwd_finish(
         _finish_db_tile(
             dy, h, dB, part_dB, order, info, cptr, ranks, offsets, scales, i_g // tiles_n, i_g % tiles_n, N, slice_idx,
             stride_dys, stride_dyn, stride_hs, stride_hr, stride_dbn, stride_dbr, stride_pbc, stride_pbn, stride_pbr,
-            FROM_PARTS, DOT_PRECISION, BLOCK_S, BLOCK_N, BLOCK_R,
+            FROM_PARTS, DOT_PRECISION, BLOCK_S, BLOCK_N, BLOCK_R, DB_BLOCKED,
         )
     else:
         _finish_dh_chunk(
@@ -477,7 +483,8 @@ def _shrink_bwd_finish(
     stride_dar, stride_dak, stride_pac, stride_par, stride_pak,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """dA[stack*off + j, k] = sum over the slot's chunks (ascending) of part_dA[chunk, j, k]; zero without tokens."""
+    """dA[stack*off + j, k] = sum over the slot's chunks (ascending) of part_dA[chunk, j, k]; zero without tokens.
+    Summed in the partials' dtype, stored in dA's."""
     i_a = tl.program_id(0).to(tl.int64)
     i_r = tl.program_id(1).to(tl.int64)
     i_k = tl.program_id(2).to(tl.int64)
@@ -490,11 +497,12 @@ def _shrink_bwd_finish(
     m_rk = (o_r < n_r)[:, None] & (o_k < K)[None, :]
     c0 = tl.load(cptr + i_a + 1).to(tl.int64)  # int64 loop index: partial offsets can pass 2**31
     c1 = tl.load(cptr + i_a + 2)
-    b_da = tl.zeros([BLOCK_R, BLOCK_K], dtype=dA.dtype.element_ty)
+    b_da = tl.zeros([BLOCK_R, BLOCK_K], dtype=part_dA.dtype.element_ty)
     for i_c in range(c0, c1):
         p_pa = part_dA + i_c * stride_pac + o_r[:, None] * stride_par + o_k[None, :] * stride_pak
         b_da += tl.load(p_pa, mask=m_rk, other=0.0)
-    tl.store(dA + (row0 + o_r)[:, None] * stride_dar + o_k[None, :] * stride_dak, b_da, mask=m_rk)
+    tl.store(dA + (row0 + o_r)[:, None] * stride_dar + o_k[None, :] * stride_dak, b_da.to(dA.dtype.element_ty),
+             mask=m_rk)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -506,6 +514,12 @@ _ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _grad_dtypes(acc: torch.dtype) -> tuple:
+    """dtypes a weight gradient may be written in: the accumulation dtype, or (float32 accumulation) a 16-bit one
+    -- the finish kernels sum in the accumulation dtype and round once as they store."""
+    return (acc,) if acc == torch.float64 else (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check(cond: bool, msg: str):
@@ -547,10 +561,15 @@ def _check_tensor(name: str, what: str, t: torch.Tensor, shape, dtypes, device):
 
 
 def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1, slice_idx: int = 0,
-                    dh: Optional[torch.Tensor] = None, dB_out: Optional[torch.Tensor] = None):
+                    dh: Optional[torch.Tensor] = None, dB_out: Optional[torch.Tensor] = None,
+                    dB_blocked: bool = False):
     """Returns ``(dh, dB_cat)``: ``dh`` float32 ``[S, stack_num*max_rank]`` (only this slice's columns of adapter
     tokens written; a given ``dh`` is filled in place) and ``dB_cat`` float32 ``[N, total_rank]`` (every column
-    written, zero for slots without tokens). float64 ``dy`` gives float64 outputs."""
+    written, zero for slots without tokens). float64 ``dy`` gives float64 outputs.
+
+    ``dB_blocked``: ``dB_cat`` is flat ``[total_rank * N]`` instead, slot ``a``'s ``[N, r_a]`` gradient the contiguous
+    block at ``offsets[a] * N`` (each adapter's ``lora_B`` weight layout). A given ``dB_out`` may be bfloat16 or
+    float16 (for float32 accumulation): the sums are rounded once, as they are stored."""
     name = "lora_expand_bwd"
     _check_common(name, dy, segs, table, stack_num)
     if not 0 <= slice_idx < stack_num:
@@ -563,9 +582,10 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
     if dh is None:
         dh = torch.zeros(S, stack_num * R, dtype=acc, device=dev)
     _check_tensor(name, "dh", dh, (S, stack_num * R), (acc,), dev)
+    db_shape = (R_tot * N,) if dB_blocked else (N, R_tot)
     if dB_out is None:
-        dB_out = torch.empty(N, R_tot, dtype=acc, device=dev)
-    _check_tensor(name, "dB_out", dB_out, (N, R_tot), (acc,), dev)
+        dB_out = torch.empty(db_shape, dtype=acc, device=dev)
+    _check_tensor(name, "dB_out", dB_out, db_shape, _grad_dtypes(acc), dev)
     if N == 0 or R_tot == 0 or n_slots == 0:
         return dh, dB_out.zero_()
 
@@ -596,9 +616,10 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
     launch(_expand_bwd_finish, (n_db + (0 if direct_dh else capacity),), (
         dy, h, dB_out, dh, part_dh, part_dB, order, info, cptr, table.ranks, table.offsets, table.scales,
         N, slice_idx, n_splits, n_db, tiles_nf,
-        *dy.stride(), *h.stride(), *dB_out.stride(),
+        *dy.stride(), *h.stride(), *((0, 0) if dB_blocked else dB_out.stride()),
         *dh.stride(), *pd_strides, *pb_strides,
-    ), dict(FROM_PARTS=fused, DOT_PRECISION=prec, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_NF, BLOCK_R=BLOCK_R, num_warps=8))
+    ), dict(FROM_PARTS=fused, DOT_PRECISION=prec, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_NF, BLOCK_R=BLOCK_R,
+            DB_BLOCKED=dB_blocked, num_warps=8))
     return dh, dB_out
 
 
@@ -608,7 +629,8 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     """Returns ``(dx, dA_cat)``: ``dx`` in ``x``'s dtype, every row written (zero for base tokens, slot -1 and rank
     0; ``None`` unless ``need_dx``) and ``dA_cat`` float32 ``[stack_num*total_rank, K]`` (every row written, zero for
     slots without tokens). ``seed`` (Philox, or ``None``) regenerates the forward's dropout mask; ``keep``, the
-    packed mask ``lora_shrink(..., keep_out=)`` stored for the same seed, is read instead of drawn again."""
+    packed mask ``lora_shrink(..., keep_out=)`` stored for the same seed, is read instead of drawn again. A given
+    ``dA_out`` may be bfloat16 or float16 (float32 accumulation): the sums are rounded once, as they are stored."""
     name = "lora_shrink_bwd"
     _check_common(name, x, segs, table, stack_num)
     S, K = x.shape
@@ -629,7 +651,7 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
         _check_tensor(name, "dx_out", dx, (S, K), (x.dtype,), dev)
     if dA_out is None:
         dA_out = torch.empty(stack_num * R_tot, K, dtype=acc, device=dev)
-    _check_tensor(name, "dA_out", dA_out, (stack_num * R_tot, K), (acc,), dev)
+    _check_tensor(name, "dA_out", dA_out, (stack_num * R_tot, K), _grad_dtypes(acc), dev)
     if K == 0:
         return dx, dA_out
 

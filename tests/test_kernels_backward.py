@@ -184,6 +184,34 @@ def test_shrink_bwd_matches_reference(case, dtype, grouped, device):
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
+@pytest.mark.parametrize("case,dtype", _params([CASES[0], CASES[5]], KERNEL_DTYPES))
+def test_weight_grads_in_weight_dtype_and_blocked(case, dtype, grouped, device):
+    """Weight gradients written in a 16-bit dtype (and dB blocked, one contiguous [N, r_a] piece per slot) are the
+    float32 ones rounded once: bit for bit the same sums, cast as they are stored."""
+    if dtype == torch.float64:
+        pytest.skip("float64 accumulates and stores in float64")
+    gen = torch.Generator().manual_seed(4)
+    d = build(case, dtype, grouped, device, gen)
+    N, K, R_tot = case.N, case.K, sum(case.ranks)
+    _, dB32 = lora_expand_bwd(d["dy"], d["h"], d["B"], d["segs"], d["table"])
+    dh, _ = lora_expand_bwd(d["dy"], d["h"], d["B"], d["segs"], d["table"])
+    _, dA32 = lora_shrink_bwd(dh, d["x"], d["A"], d["segs"], d["table"], seed=d["seed"])
+    for gdt in (torch.float32, dtype):
+        flat = poisoned(R_tot * N, dtype=gdt, device=device)
+        _, got = lora_expand_bwd(d["dy"], d["h"], d["B"], d["segs"], d["table"], dB_out=flat, dB_blocked=True)
+        assert got is flat
+        for a, r in enumerate(case.ranks):
+            off = sum(case.ranks[:a])
+            piece = flat[off * N : (off + r) * N].view(N, r)
+            assert torch.equal(piece, dB32[:, off : off + r].to(gdt)), f"dB of slot {a} ({gdt})"
+        dA = poisoned(R_tot, K, dtype=gdt, device=device)
+        _, got = lora_shrink_bwd(dh, d["x"], d["A"], d["segs"], d["table"], seed=d["seed"], dA_out=dA)
+        assert got is dA and torch.equal(dA, dA32.to(gdt)), f"dA ({gdt})"
+    with pytest.raises(ValueError, match="dB_out"):  # the blocked buffer is flat
+        lora_expand_bwd(d["dy"], d["h"], d["B"], d["segs"], d["table"], dB_out=dB32, dB_blocked=True)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
 @pytest.mark.parametrize("case,dtype", _params([c for c in CASES if c.stack == 1] + [
     Case(41, 123, 30, [5, 16, 2], layout="runs", dropout=[0.5, 0.0, 0.2]),
 ], KERNEL_DTYPES))
@@ -305,8 +333,8 @@ def test_validation_errors(device):
         lora_expand_bwd(dy, h, B[:, :4], segs, table)
     with pytest.raises(ValueError, match="slice_idx"):
         lora_expand_bwd(dy, h, B, segs, table, slice_idx=1)
-    with pytest.raises(ValueError, match="dB_out dtype"):
-        lora_expand_bwd(dy, h, B, segs, table, dB_out=torch.empty(5, 5, dtype=torch.float16, device=device))
+    with pytest.raises(ValueError, match="dB_out dtype"):  # float32 sums are stored as float32 or 16-bit, not wider
+        lora_expand_bwd(dy, h, B, segs, table, dB_out=torch.empty(5, 5, dtype=torch.float64, device=device))
     with pytest.raises(ValueError, match="B_cat dtype"):
         lora_expand_bwd(dy, h, B.double(), segs, table)
     with pytest.raises(ValueError, match="activation dtype"):
