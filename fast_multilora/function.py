@@ -307,6 +307,30 @@ class FusedLinearDelta(torch.autograd.Function):
         return (dx, None, None, None, *grads)
 
 
+class _NoGradCtx:
+    """Stands in for an autograd ctx when a Function's forward runs with autograd off: it records nothing."""
+
+    needs_input_grad = ()
+
+    def save_for_backward(self, *tensors):
+        pass
+
+    def mark_dirty(self, *tensors):
+        pass
+
+    def set_materialize_grads(self, value):
+        pass
+
+
+def run(fn_cls, *args):
+    """``fn_cls.apply(*args)``; with autograd off (``no_grad``, ``inference_mode``; not while ``torch.compile``
+    traces) the Function's forward alone: nothing would be recorded, and the Function machinery's host time per call
+    (argument unwrapping, the ctx) is a visible part of an eval forward's per-layer host time."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return fn_cls.apply(*args)
+    return fn_cls.forward(_NoGradCtx(), *args)
+
+
 def _keep_buffer(ctx, backend, x, spec: DeltaSpec):
     """Where the forward shrink stores its dropout mask for the backward: only when a gradient will be taken
     (``needs_input_grad`` alone does not tell: it ignores an enclosing ``torch.no_grad``)."""

@@ -29,7 +29,7 @@ from peft.tuners.lora import LoraLayer
 from torch.nn.modules import module as _nn_module  # its global forward hooks are read per call
 
 from . import stacked
-from .function import DeltaSpec, FusedLinearDelta, LoraDelta, get_backend, lora_dropout_rate, own_storage
+from .function import DeltaSpec, FusedLinearDelta, LoraDelta, get_backend, lora_dropout_rate, own_storage, run
 from .kernels.segments import AdapterTable
 from .plan import BASE, Router
 
@@ -101,7 +101,7 @@ class _FastLinearMixin:
             if out is not None:
                 return out
             x_d, spec, weights = _delta_inputs(self, x, plan, table, present, bias_row, router)
-            return FusedLinearDelta.apply(x_d, base.weight, base.bias, spec, *weights)
+            return run(FusedLinearDelta, x_d, base.weight, base.bias, spec, *weights)
         result = self.base_layer(x, *args, **kwargs)
         if share:
             out = stacked.shared_delta(self, x, result, plan, table, present, router)
@@ -197,7 +197,7 @@ def _fused_base(layer, x, args, kwargs, present, router):
 
 def _apply_delta(layer, x, result, plan, table, present, bias_row, router):
     x, spec, weights = _delta_inputs(layer, x, plan, table, present, bias_row, router)
-    return LoraDelta.apply(x, own_storage(result), spec, *weights)  # the delta is added in place
+    return run(LoraDelta, x, own_storage(result), spec, *weights)  # the delta is added in place
 
 
 def _delta_inputs(layer, x, plan, table, present, bias_row, router):

@@ -48,7 +48,16 @@ from typing import Callable, Optional
 
 import torch
 
-from .function import _grad_dtype, _split_grads, as_rows, get_backend, linear_with_delta, lora_dropout_rate, own_storage
+from .function import (
+    _grad_dtype,
+    _split_grads,
+    as_rows,
+    get_backend,
+    linear_with_delta,
+    lora_dropout_rate,
+    own_storage,
+    run,
+)
 from .kernels.segments import AdapterTable, Segments
 
 GROUP_ATTR = "_fml_group"  # on a member module: (its SiblingGroup, its index in the group)
@@ -340,7 +349,7 @@ class SiblingGroup:
             [r for r in ranks for _ in slices], [dt for dt in a_dtypes for _ in slices], y_dtype, seed,
         )
         weights = [self.members[m].lora_A[n].weight for n in present for m in slices]
-        h = StackedShrink.apply(x, stack, *weights)
+        h = run(StackedShrink, x, stack, *weights)
         for s, (c, c_table) in enumerate(joined, start=1):
             self._pending[c] = _Pending(_Slice(stack, s, c_table, ranks), h, plan)
         return _expand(h, x_in, result, base, _Slice(stack, 0, table, ranks), layer, present)
@@ -367,8 +376,8 @@ def _dropout_rates(layer, present) -> tuple:
 def _expand(h, x, result, base, part: _Slice, layer, present) -> torch.Tensor:
     b_weights = [layer.lora_B[n].weight for n in present]
     if result is None:
-        return StackedLinear.apply(h, x, base.weight, base.bias, part, *b_weights)
-    return StackedExpand.apply(h, own_storage(result), part, *b_weights)  # the delta is added in place
+        return run(StackedLinear, h, x, base.weight, base.bias, part, *b_weights)
+    return run(StackedExpand, h, own_storage(result), part, *b_weights)  # the delta is added in place
 
 
 def may_share(layer, x, table, present, router) -> bool:

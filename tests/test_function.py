@@ -221,3 +221,37 @@ def test_patched_layers_store_masks_only_when_training(mask_buffers):
     assert buffers == [], "masks stored under torch.no_grad"
     model(input_ids=ids, adapter_names=names).logits.sum().backward()
     assert len(buffers) == 2 * 7, "every LoRA Linear of both layers stores its mask in a training forward"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_no_grad_runs_the_forward_without_the_function(backend, monkeypatch):
+    """With autograd off, ``function.run`` calls a Function's forward directly (no ``apply``): the same outputs as
+    through ``apply``, nothing recorded, and ``apply`` itself not called."""
+    _need_interpreter(backend)
+    from fast_multilora import function as F
+
+    g = torch.Generator().manual_seed(7)
+    S, K, N, ranks = 19, 6, 5, [2, 0, 3]
+    ts = random_token_slots(S, len(ranks), g)
+    spec = _spec(ts, ranks, False, backend=backend, dropout=[0.25, 0.0, 0.5], seed=99)
+    As, Bs = _weights(ranks, K, N, torch.float32, g)
+    x = torch.randn(S, K, generator=g)
+    y = torch.randn(S, N, generator=g)
+    W = torch.randn(N, K, generator=g)
+    with torch.no_grad():  # the reference: through apply (a spy would not see a direct forward call)
+        want_fused = FusedLinearDelta.apply(x, W, None, dataclasses.replace(spec, grad=False), *As, *Bs)
+        want_delta = LoraDelta.apply(x, y.clone(), dataclasses.replace(spec, grad=False), *As, *Bs)
+    calls = []
+    for cls in (FusedLinearDelta, LoraDelta):
+        monkeypatch.setattr(cls, "apply", lambda *a, _c=cls: calls.append(_c))
+    with torch.no_grad():
+        got_fused = F.run(FusedLinearDelta, x, W, None, dataclasses.replace(spec, grad=False), *As, *Bs)
+        y2 = y.clone()
+        got_delta = F.run(LoraDelta, x, y2, dataclasses.replace(spec, grad=False), *As, *Bs)
+    assert not calls
+    assert got_delta is y2, "LoraDelta adds into y in place"
+    assert torch.equal(got_fused, want_fused) and torch.equal(got_delta, want_delta)
+    assert got_fused.grad_fn is None and not got_fused.requires_grad
+    with torch.enable_grad():  # autograd on: through apply
+        F.run(FusedLinearDelta, x, W, None, spec, *As, *Bs)
+    assert calls == [FusedLinearDelta]
