@@ -125,10 +125,12 @@ class Run:
             torch.backends.cuda.matmul.allow_tf32 = True  # as the anchors
 
     # -- helpers ------------------------------------------------------------------------------------------------------
-    def measure(self, scenario: str, provider: str, fn, *, slow=False, layer=False, setup=None, teardown=None,
-                verify=None, **extra):
+    def measure(self, scenario: str, provider: str, fn, *, slow=False, layer=False, split=False, setup=None,
+                teardown=None, verify=None, **extra):
         """Time ``fn`` (after ``setup()``), store ``{"ms", "peak_mib", ...}``; a raising provider is recorded, not
-        fatal. ``verify()`` (after the timing) returns fields to record; ``teardown`` always runs."""
+        fatal. ``verify()`` (after the timing) returns fields to record; ``teardown`` always runs. Layer calls and
+        ``split`` rows also record ``gpu_ms`` / ``host_ms`` (``harness.split_call``): whether the row is bound by
+        the GPU or by the host."""
         from harness import split_call, time_steps
 
         est = self.sz.est_provider * (2 if slow else 1)
@@ -146,7 +148,7 @@ class Run:
             if setup is not None:
                 setup()
             r = time_steps(fn, self.device, warm=warm, iters=iters)
-            if layer:  # a layer call is short: how much of it is kernel time, how much the host's
+            if layer or split:  # how much of a call is kernel time, how much the host's
                 r.update(split_call(fn, self.device))
             r.update(extra)
             if verify is not None:
@@ -287,7 +289,7 @@ class Run:
             emb = base.model.embed_tokens(ids).detach().requires_grad_(True)
             base(inputs_embeds=emb, labels=ids).loss.backward()
 
-        self.measure(scenario, "frozen", frozen)
+        self.measure(scenario, "frozen", frozen, split=scenario == "train_step_8")
 
     def train(self, scenario: str, n_adapters: int, eval_after: bool = False):
         torch = self.torch
@@ -318,7 +320,8 @@ class Run:
             opt["o"].step()
             opt["o"].zero_grad(set_to_none=True)
 
-        self.measure(scenario, "peft_single", single, setup=single_setup, teardown=opt.clear)
+        self.measure(scenario, "peft_single", single, setup=single_setup, teardown=opt.clear,
+                     split=scenario == "train_step_8")
 
         # stock PEFT, adapters one after another on their own rows
         if n_adapters > 1:
@@ -386,7 +389,8 @@ class Run:
             return {"loss": loss.item(), "all_adapters_got_grads": all(got)}
 
         self.measure(scenario, "fast_multilora", fast, setup=fast_setup, teardown=fast_teardown,
-                     verify=grads_check, adapters=n_adapters, loss_fn="per_adapter_loss")
+                     verify=grads_check, adapters=n_adapters, loss_fn="per_adapter_loss",
+                     split=scenario == "train_step_8")
         if n_adapters == 8:
             self.measure(scenario, "fast_multilora_plain_loss", fast_plain, setup=fast_setup,
                          teardown=fast_teardown, adapters=n_adapters, loss_fn="HF .loss (mean over all tokens)")
@@ -483,21 +487,24 @@ class Run:
         def enable():
             disabled.pop("cm").__exit__(None, None, None)
 
-        self.measure(scenario, "frozen", no_grad(lambda: pm(input_ids=ids)), setup=disable, teardown=enable)
-        self.measure(scenario, "peft_single", no_grad(lambda: pm(input_ids=ids)), setup=lambda: pm.set_adapter("a0"))
+        self.measure(scenario, "frozen", no_grad(lambda: pm(input_ids=ids)), setup=disable, teardown=enable,
+                     split=True)
+        self.measure(scenario, "peft_single", no_grad(lambda: pm(input_ids=ids)), setup=lambda: pm.set_adapter("a0"),
+                     split=True)
         self.measure(scenario, "peft_mixed_loop", no_grad(lambda: pm(input_ids=ids, adapter_names=names)))
-        def reference():  # stock PEFT's logits for the same mixed batch (and the base's), before patching
+        def reference():  # stock PEFT's logits for the same mixed batch (and the base's), before patching; kept in
+            # host memory, so the timed calls' peak is the forward's own
             with torch.no_grad():
-                state["ref"] = pm(input_ids=ids, adapter_names=names).logits
+                state["ref"] = pm(input_ids=ids, adapter_names=names).logits.cpu()
                 with pm.disable_adapter():
-                    state["base"] = pm(input_ids=ids).logits
+                    state["base"] = pm(input_ids=ids).logits.cpu()
 
         def compare():
             """fast_multilora's logits against stock PEFT's: max |diff|, and the RMS of the difference relative to
             the RMS of the LoRA effect (PEFT's logits minus the base's)."""
             with torch.no_grad():
                 got = pm(input_ids=ids, adapter_names=names).logits.float()
-                want, base = state.pop("ref").float(), state.pop("base").float()
+                want, base = (state.pop(k).to(got.device).float() for k in ("ref", "base"))
                 diff = got - want
                 effect = (want - base).pow(2).mean().sqrt()
                 return {"max_abs_diff_vs_peft": float(diff.abs().max()),
@@ -505,7 +512,7 @@ class Run:
 
         self.measure(scenario, "fast_multilora", no_grad(lambda: pm(input_ids=ids, adapter_names=names)),
                      setup=lambda: (reference(), self.patch(pm)), teardown=lambda: self.unpatch(pm),
-                     verify=compare, adapters=8, base_rows=2)
+                     verify=compare, adapters=8, base_rows=2, split=True)
         # the same without the shared shrink of sibling layers (q/k/v, gate/up; active in eval): that lever alone
         self.measure(scenario, "fast_multilora_unshared", no_grad(lambda: pm(input_ids=ids, adapter_names=names)),
                      setup=lambda: self.patch(pm, share_shrink=False), teardown=lambda: self.unpatch(pm))
