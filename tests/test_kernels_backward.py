@@ -452,8 +452,9 @@ ptr["keep_bits"] = "*u8"
 BS, BN, nw, fused = B._EXPAND_BLOCKS[16][0]
 bad = spills(B._expand_bwd_kernel, ptr, dict(DIRECT_DH=False, STORE_DB=fused, EVEN_N=True, DOT_PRECISION="tf32",
                                              BLOCK_S=BS, BLOCK_N=BN, BLOCK_R=16), nw)
-bad += spills(B._expand_bwd_finish, ptr, dict(FROM_PARTS=fused, DOT_PRECISION="tf32", BLOCK_S=BS,
-                                              BLOCK_N=B._FINISH_TILE // 16, BLOCK_R=16), 8)
+for blocked in (False, True):  # dB as [N, total_rank], or blocked in the weights' layout
+    bad += spills(B._expand_bwd_finish, ptr, dict(FROM_PARTS=fused, DOT_PRECISION="tf32", BLOCK_S=BS,
+                                                  BLOCK_N=B._FINISH_TILE // 16, BLOCK_R=16, DB_BLOCKED=blocked), 8)
 for need_dx, table in ((True, B._SHRINK_BLOCKS), (False, B._SHRINK_DA_BLOCKS)):
     for stack, block_r in ((1, 16), (3, 64)):  # one mask; a mask per slice of a q/k/v stack (3 x r=16 in one tile)
         BS, BK, nw, _stages = table[block_r][0]
@@ -482,6 +483,14 @@ bad += spills(sgemm_shrink_kernel, ptr, dict(STACK=3, HAS_DROPOUT=True, STORE_MA
 _, BS, BN, BK, nw, _stages = F.SHRINK_DROPOUT_STORE_BLOCKS["gpu"][0]  # r <= 32, storing the mask it draws
 bad += spills(sgemm_shrink_kernel, ptr, dict(STACK=1, HAS_DROPOUT=True, STORE_MASK=True, EVEN_K=True,
                                              DOT_PRECISION="tf32", BLOCK_S=BS, BLOCK_N=16, BLOCK_K=BK), nw)
+# the forward expand's rows, add and write mode (16-bit y, one rank tile of 16)
+from fast_multilora.kernels.sgemm import sgemm_expand_kernel
+ptr.update(y="*" + act, bias="*" + act)
+for accumulate, rows in ((True, F.EXPAND_BLOCKS["gpu"]), (False, F.EXPAND_WRITE_BLOCKS["gpu"])):
+    for _bound, BS, BN, _r_cap, nw, _stages, n_tiles in rows:
+        bad += spills(sgemm_expand_kernel, dict(ptr, stride_hn=None), dict(
+            FP64=False, DOT_PRECISION="tf32", ACCUMULATE=accumulate, HAS_BIAS=False, BLOCK_S=BS, BLOCK_N=BN,
+            BLOCK_R=16, N_TILES=n_tiles, stride_hn=1, stride_yn=1), nw)
 sys.exit(1 if bad else 0)
 '''
 
