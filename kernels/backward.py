@@ -586,6 +586,7 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
     if dB_out is None:
         dB_out = torch.empty(db_shape, dtype=acc, device=dev)
     _check_tensor(name, "dB_out", dB_out, db_shape, _grad_dtypes(acc), dev)
+    _check(not dB_blocked or dB_out.is_contiguous(), f"{name}: a blocked dB_out must be contiguous")
     if N == 0 or R_tot == 0 or n_slots == 0:
         return dh, dB_out.zero_()
 

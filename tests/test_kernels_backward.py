@@ -209,6 +209,9 @@ def test_weight_grads_in_weight_dtype_and_blocked(case, dtype, grouped, device):
         assert got is dA and torch.equal(dA, dA32.to(gdt)), f"dA ({gdt})"
     with pytest.raises(ValueError, match="dB_out"):  # the blocked buffer is flat
         lora_expand_bwd(d["dy"], d["h"], d["B"], d["segs"], d["table"], dB_out=dB32, dB_blocked=True)
+    with pytest.raises(ValueError, match="blocked dB_out must be contiguous"):
+        strided = torch.empty(2 * R_tot * N, device=device)[::2]
+        lora_expand_bwd(d["dy"], d["h"], d["B"], d["segs"], d["table"], dB_out=strided, dB_blocked=True)
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
