@@ -353,6 +353,8 @@ def _split_grads(g_cat: torch.Tensor, ranks: tuple, dtypes: list, dim: int, n_ro
     blocked copy), so autograd keeps them as ``.grad`` without another copy.
     """
     if g_cat.dim() == 1:
+        if len(set(ranks)) == 1 and all(dt == g_cat.dtype for dt in dtypes):  # one view, unbound: 2 torch calls
+            return list(g_cat.view(len(ranks), n_rows, ranks[0]).unbind(0))
         pieces = g_cat.split([n_rows * r for r in ranks])
         return [g.view(n_rows, r).to(dt) for g, r, dt in zip(pieces, ranks, dtypes, strict=True)]
     if len(set(dtypes)) != 1:

@@ -255,3 +255,22 @@ def test_no_grad_runs_the_forward_without_the_function(backend, monkeypatch):
     with torch.enable_grad():  # autograd on: through apply
         F.run(FusedLinearDelta, x, W, None, spec, *As, *Bs)
     assert calls == [FusedLinearDelta]
+
+
+@pytest.mark.parametrize("ranks", [(4, 4, 4), (2, 5, 1)], ids=["equal", "unequal"])
+def test_split_grads_of_a_blocked_buffer(ranks):
+    """A flat blocked dB (adapter a's [N, r_a] gradient contiguous at offset sum(r_<a) * N) splits into views of the
+    buffer, each [N, r_a], contiguous, in the buffer's dtype; another parameter dtype casts that piece."""
+    from fast_multilora.function import _split_grads
+
+    N = 6
+    flat = torch.randn(sum(ranks) * N, dtype=torch.bfloat16)
+    got = _split_grads(flat, ranks, [torch.bfloat16] * len(ranks), dim=1, n_rows=N)
+    off = 0
+    for g, r in zip(got, ranks, strict=True):
+        assert g.shape == (N, r) and g.is_contiguous() and g.dtype == torch.bfloat16
+        assert g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(), "a copy, not a view"
+        assert torch.equal(g, flat[off * N : (off + r) * N].view(N, r))
+        off += r
+    mixed = _split_grads(flat, ranks, [torch.float32] + [torch.bfloat16] * (len(ranks) - 1), dim=1, n_rows=N)
+    assert mixed[0].dtype == torch.float32 and torch.equal(mixed[0], got[0].float())
