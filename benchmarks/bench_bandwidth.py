@@ -6,7 +6,8 @@ writes ``y``: both are memory-bound. This script times, by profiler kernel time 
 * the bandwidth floor: PyTorch's ``zero_`` (write only), ``copy_`` (read + write) and a row sum (read only) over
   the same tensors;
 * our kernels as shipped (shrink without dropout, with dropout, storing its mask; expand in write and add mode);
-* a block sweep of the shrink (no dropout) and the write-mode expand;
+* a sweep of expand rows, write and add mode (tile shape, warps, N-tiles per program); ``--sweep-shrink`` adds a
+  block sweep of the shrink without dropout;
 * cuBLAS doing the same bytes: ``x @ A_catᵀ`` (every adapter's rank for every token) and ``H @ B_catᵀ`` (a
   block-diagonal ``H``), the dense alternatives for few adapters.
 

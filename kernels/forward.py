@@ -69,7 +69,7 @@ EXPAND_BLOCKS = {
     "interpreter": [(_INF, 16, 64, 16, 1, 1, 2)],
 }
 # write mode (``accumulate=False``: y only written): 64x128 tiles, 8 warps, 4 N-tiles per program -- as fast as the
-# 128x128 / 4-warp tiles it replaces (31.7 / 78.8 against 31.2 / 80.3 us at S=16384, N = 2048 / 5632 on H200;
+# 128x128 / 4-warp tiles it replaces (31.8 / 78.2 against 31.2 / 80.3 us at S=16384, N = 2048 / 5632 on H200;
 # benchmarks/bench_bandwidth.py; zero_() of y: 20.7 / 55.1), which spilled registers (255 per thread, ncu)
 EXPAND_WRITE_BLOCKS = {
     "gpu": [(_INF, 64, 128, 64, 8, 1, 4)],
