@@ -94,7 +94,8 @@ def cuda_kernels(prof, width: int = 70):
 
 
 def build_layer(ours: bool, K=4096, rows=8, T=1024):
-    """The harness's layer scenario: ``(call, params)``, one forward + backward of a LoRA'd ``nn.Linear``."""
+    """The harness's layer scenario: ``call()`` runs one forward + backward of a LoRA'd ``nn.Linear``,
+    ``call.forward_only()`` the forward alone."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)

@@ -193,8 +193,7 @@ def test_weight_grads_in_weight_dtype_and_blocked(case, dtype, grouped, device):
     gen = torch.Generator().manual_seed(4)
     d = build(case, dtype, grouped, device, gen)
     N, K, R_tot = case.N, case.K, sum(case.ranks)
-    _, dB32 = lora_expand_bwd(d["dy"], d["h"], d["B"], d["segs"], d["table"])
-    dh, _ = lora_expand_bwd(d["dy"], d["h"], d["B"], d["segs"], d["table"])
+    dh, dB32 = lora_expand_bwd(d["dy"], d["h"], d["B"], d["segs"], d["table"])  # float32, [N, total_rank]
     _, dA32 = lora_shrink_bwd(dh, d["x"], d["A"], d["segs"], d["table"], seed=d["seed"])
     for gdt in (torch.float32, dtype):
         flat = poisoned(R_tot * N, dtype=gdt, device=device)
