@@ -119,10 +119,13 @@ class TritonBackend:
 
     def expand_bwd(self, dy, h, B_cat, segs, table, stack_num, slice_idx, dh=None, grad_dtype=None):
         """``(dh, dB)``. With ``grad_dtype`` (eager only), ``dB`` comes in that dtype as one contiguous ``[N, r_a]``
-        block per adapter, flat (``_split_grads`` takes it apart without a copy); otherwise float32
-        ``[N, total_rank]``."""
+        block per adapter, flat (``_split_grads`` takes it apart without a copy), and a new ``dh`` is not
+        zero-filled: only the cells the shrink backward reads (adapter rows, their rank's columns) are written, as
+        the kernel tests check with NaN in the rest; otherwise float32 ``[N, total_rank]`` and a zero-filled ``dh``."""
         if grad_dtype is not None and not torch.compiler.is_compiling():
             dB = torch.empty(table.total_rank * B_cat.shape[0], dtype=grad_dtype, device=dy.device)
+            if dh is None:  # for this backend's shrink backward, which reads only the cells the expand writes
+                dh = torch.empty(dy.shape[0], stack_num * table.max_rank, dtype=h.dtype, device=dy.device)
             return self.k.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx,
                                           dh=dh, dB_out=dB, dB_blocked=True)
         return self._impl().lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx,

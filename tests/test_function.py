@@ -274,3 +274,39 @@ def test_split_grads_of_a_blocked_buffer(ranks):
         off += r
     mixed = _split_grads(flat, ranks, [torch.float32] + [torch.bfloat16] * (len(ranks) - 1), dim=1, n_rows=N)
     assert mixed[0].dtype == torch.float32 and torch.equal(mixed[0], got[0].float())
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
+def test_triton_functions_with_nan_filled_allocations(grouped, monkeypatch):
+    """Every float buffer ``torch.empty`` hands out while the Triton-backed Functions run forward and backward is
+    NaN-filled (as uninitialised memory may be): the outputs and gradients still equal the torch backend's, so no
+    kernel reads a cell it did not write (``dh`` is allocated without a zero fill on this path)."""
+    _need_interpreter("triton")
+    g = torch.Generator().manual_seed(11)
+    S, K, N, ranks = 23, 7, 9, [3, 0, 2, 3]
+    ts = random_token_slots(S, len(ranks), g)
+    As, Bs = _weights(ranks, K, N, torch.float32, g)
+    W = torch.randn(N, K, generator=g)
+    x = torch.randn(S, K, generator=g)
+    dy = torch.randn(S, N, generator=g)
+
+    def run_fused(backend):
+        spec = _spec(ts, ranks, grouped, backend=backend)
+        xx = x.clone().requires_grad_()
+        out = FusedLinearDelta.apply(xx, W, None, spec, *As, *Bs)
+        grads = torch.autograd.grad(out, (xx, *As, *Bs), dy)
+        return out.detach(), grads
+
+    want_out, want_grads = run_fused("torch")
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    out, grads = run_fused("triton")
+    monkeypatch.undo()
+    torch.testing.assert_close(out, want_out, rtol=2e-5, atol=2e-5)
+    for got, want in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
