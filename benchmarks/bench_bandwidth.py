@@ -26,19 +26,9 @@ import torch
 from fast_multilora.kernels import forward as kf
 from fast_multilora.kernels.dropout import keep_bits_buffer
 from fast_multilora.kernels.segments import AdapterTable, segments_from_token_slots
+from harness import kernel_ms  # benchmarks/ is on sys.path when this runs as a script
 
 from fast_multilora import kernels as K
-
-
-def kernel_us(fn, reps: int) -> float:
-    """Summed device time of ``fn``'s kernels per call (torch profiler over ``reps`` calls), in us."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / reps
 
 
 def case(S, Kd, N, r=16, A=8, dropout=0.05, dev="cuda", dtype=torch.bfloat16):
@@ -59,7 +49,7 @@ class Rows:
 
     def add(self, op, shape, config, nbytes, fn):
         try:
-            us = kernel_us(fn, self.reps)
+            us = kernel_ms(fn, self.reps) * 1e3
         except Exception as e:  # noqa: BLE001 - a configuration that does not fit (resources) is recorded, not fatal
             print(f"{op:28s} {shape:18s} {str(config):24s} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
             self.rows.append({"op": op, "shape": shape, "config": config, "us": None})

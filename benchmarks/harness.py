@@ -104,27 +104,47 @@ def time_steps(fn, device: str, *, warm: int, iters: int) -> dict:
     return {"ms": statistics.median(ts), "peak_mib": peak, "min_ms": min(ts), "iters": iters}
 
 
+def host_ms(fn, n: int) -> float:
+    """Median host ms until ``fn`` returns, over ``n`` calls each started after a ``torch.cuda.synchronize()`` (the
+    time the host spends on a call, not waiting for earlier work)."""
+    import torch
+
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def kernel_ms(fn, reps: int = 1, warmup: bool = True) -> float:
+    """ms per call of ``fn``: the summed device time of its kernels (torch profiler over ``reps`` calls, after one
+    unprofiled call with ``warmup``). Not ``triton.testing.do_bench``: its CUDA events around a short launcher
+    measure the host's launch time."""
+    import torch
+
+    if warmup:
+        fn()
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    us = sum(e.device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return us / reps / 1e3
+
+
 def split_call(fn, device: str) -> dict:
     """One more call of ``fn`` split into its parts (CUDA only; ``{}`` elsewhere): ``gpu_ms``, the summed device time
     of its kernels (torch profiler, one profiled call), and ``host_ms``, the time until ``fn`` returns (the median of
     5 unprofiled calls, each after a synchronize). A call whose ``ms`` exceeds its ``gpu_ms`` leaves the GPU idle for
     the difference (host-side work, launch latency)."""
-    import torch
-
     if device != "cuda":
         return {}
-    host = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        host.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    gpu_us = sum(e.device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return {"gpu_ms": gpu_us / 1e3, "host_ms": statistics.median(host)}
+    host = host_ms(fn, 5)
+    return {"gpu_ms": kernel_ms(fn, warmup=False), "host_ms": host}
 
 
 def write_json(path: str, obj) -> None:

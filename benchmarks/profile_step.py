@@ -19,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from harness import host_ms  # benchmarks/ is on sys.path when this runs as a script
 
 import fast_multilora
 
@@ -93,6 +94,36 @@ def cuda_kernels(prof, width: int = 70):
     return launches, us
 
 
+def report(say, fn, unit: str, *, n_prof: int, n_cprof: int, top_kernels: int, op_rows: int, cprof_rows: int,
+           cumulative_rows: int = 0):
+    """Profile ``n_prof`` calls of ``fn`` (kernel launches and CUDA time per ``unit``, the top kernels, torch ops by
+    self CPU time), then ``n_cprof`` calls under cProfile (by own time; with ``cumulative_rows`` also cumulative)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n_prof):
+            fn()
+        torch.cuda.synchronize()
+    kernels, cuda_us = cuda_kernels(prof)
+    say(f"kernel launches per {unit}: {sum(kernels.values()) / n_prof:.1f}; "
+        f"CUDA time {sum(cuda_us.values()) / n_prof / 1e3:.3f} ms")
+    for k, n in kernels.most_common(top_kernels):
+        say(f"  {n / n_prof:7.1f} x {cuda_us[k] / n:8.1f} us  {k}")
+    say(f"--- torch ops by self CPU time ({n_prof} x {unit})")
+    say(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=op_rows, max_name_column_width=55))
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n_cprof):
+        fn()
+    torch.cuda.synchronize()
+    pr.disable()
+    for order, rows in (("tottime", cprof_rows), ("cumulative", cumulative_rows)):
+        if rows:
+            out = io.StringIO()
+            pstats.Stats(pr, stream=out).sort_stats(order).print_stats(rows)
+            say(f"--- cProfile, {n_cprof} x {unit}, by {'own time' if order == 'tottime' else 'cumulative time'}")
+            say(out.getvalue())
+
+
 def build_layer(ours: bool, K=4096, rows=8, T=1024):
     """The harness's layer scenario: ``call()`` runs one forward + backward of a LoRA'd ``nn.Linear``,
     ``call.forward_only()`` the forward alone."""
@@ -127,15 +158,8 @@ def build_layer(ours: bool, K=4096, rows=8, T=1024):
     return call
 
 
-def _host_ms(fn, n=21) -> float:
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return round(statistics.median(times), 3)
+def _host_ms(fn) -> float:
+    return round(host_ms(fn, 21), 3)
 
 
 def host_split(call, ours: bool) -> dict:
@@ -177,28 +201,7 @@ def profile_layer(say):
         torch.cuda.synchronize()
         say(f"=== layer_4096 call, {label}: host {statistics.median(host):.3f} ms (median of 21, each after a sync)")
         say(f"host split: {host_split(call, ours)}")
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                call()
-            torch.cuda.synchronize()
-        kernels, cuda_us = cuda_kernels(prof)
-        say(f"kernel launches per call: {sum(kernels.values()) / 10:.1f}; "
-            f"CUDA time {sum(cuda_us.values()) / 1e4:.3f} ms")
-        for k, n in kernels.most_common(20):
-            say(f"  {n / 10:5.1f} x {cuda_us[k] / n:8.1f} us  {k}")
-        say("--- torch ops by self CPU time (10 calls)")
-        say(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=55))
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(20):
-            call()
-        torch.cuda.synchronize()
-        pr.disable()
-        s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(35)
-        say("--- cProfile, 20 calls, by own time")
-        say(s.getvalue())
+        report(say, call, "call", n_prof=10, n_cprof=20, top_kernels=20, op_rows=30, cprof_rows=35)
         if ours:
             say(f"launch paths since import: {launch.stats()}")
 
@@ -230,31 +233,7 @@ def main(argv=None):
     say(f"step: wall {statistics.median(total):.1f} ms, host (until the last launch returns) "
         f"{statistics.median(host):.1f} ms (medians of 7)")
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    kernels, cuda_us = cuda_kernels(prof)
-    say(f"kernel launches per step: {sum(kernels.values())}; CUDA time {sum(cuda_us.values()) / 1e3:.1f} ms")
-    for k, n in kernels.most_common(30):
-        say(f"  {n:5d} x {cuda_us[k] / n:8.1f} us  {k}")
-    say("--- torch ops by self CPU time (one step)")
-    say(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=35, max_name_column_width=55))
-
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    pr.disable()
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(45)
-    say("--- cProfile, 3 steps, by own time")
-    say(s.getvalue())
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(60)
-    say("--- cProfile, 3 steps, cumulative")
-    say(s.getvalue())
+    report(say, step, "step", n_prof=1, n_cprof=3, top_kernels=30, op_rows=35, cprof_rows=45, cumulative_rows=60)
     if a.out:
         Path(a.out).write_text(buf.getvalue())
 

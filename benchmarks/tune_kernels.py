@@ -16,6 +16,7 @@ import torch
 from fast_multilora.kernels import backward as kb
 from fast_multilora.kernels import forward as kf
 from fast_multilora.kernels.segments import AdapterTable, segments_from_token_slots
+from harness import kernel_ms  # benchmarks/ is on sys.path when this runs as a script
 
 from fast_multilora import kernels as K
 
@@ -39,19 +40,6 @@ def make_case(S=8192, Kd=4096, N=4096, r=16, A=8, dtype=torch.bfloat16, grouped=
     return segs, table, x, y, dy, A_cat, B_cat
 
 
-def bench(fn, reps=10):
-    """ms per call of ``fn``: the summed device time of its kernels (torch profiler over ``reps`` calls). Not
-    ``triton.testing.do_bench``: its CUDA events around a short launcher measure the host's launch time."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    us = sum(e.device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return us / reps / 1e3
-
-
 class shrink_bwd_rows:
     """Within the block: every 16-bit shrink-backward launch with one rank tile of 16 takes ``cfg`` (BLOCK_S,
     BLOCK_K, num_warps, num_stages) -- the generic table's row and every row of the per-mode table; restored after."""
@@ -73,7 +61,7 @@ class shrink_bwd_rows:
 def record(rows, op, family, config, fn):
     """Time ``fn`` (us) and append a row; a configuration that fails (out of resources etc.) records ``None``."""
     try:
-        us = bench(fn) * 1e3
+        us = kernel_ms(fn, 10) * 1e3
     except Exception as e:  # noqa: BLE001 - out of resources etc.
         us = None
         print(op, family, *config, "failed", type(e).__name__)
