@@ -96,7 +96,7 @@ def sweep_bwd(rows, case, family):
     for pps in (2, 8):
         kb._PROGRAMS_PER_SM = pps
         for bs, bn, w, fused in itertools.product((128, 256), (64, 128), (4, 8), (True,)):
-            kb._EXPAND_BLOCKS[16] = ((bs, bn, w, fused), saved_e[16][1])
+            kb._EXPAND_BLOCKS[16] = (((math.inf, bs, bn, w, fused),), saved_e[16][1])
             record(rows, "expand_bwd", family, (pps, bs, bn, w, fused),
                    lambda: K.lora_expand_bwd(dy, h, B_cat, segs, table))
         kb._EXPAND_BLOCKS.update(saved_e)
@@ -115,6 +115,37 @@ def sweep_model_expand(rows):
         _sweep_model_expand_shape(rows, 16384, Kd, N)
 
 
+def sweep_model_expand_bwd(rows):
+    """The expand backward as the training step calls it (dh given, dB in bf16 blocked per adapter), at the step's N
+    (S = 16 x 1024, 8 adapters, r = 16, bf16): the shipped rows (config ``shipped``) beside every swept row, kernel
+    time of both kernels by the profiler."""
+    for N in (256, 2048, 5632):
+        _sweep_expand_bwd_step(rows, 16384, N)
+
+
+def _sweep_expand_bwd_step(rows, S, N):
+    """One N of :func:`sweep_model_expand_bwd` (its own function: the timed call closes over its tensors)."""
+    family = f"S{S}-N{N}"
+    segs, table, x, y, dy, A_cat, B_cat = make_case(S=S, Kd=2048, N=N, dropout=0.05)
+    h = K.lora_shrink(x, A_cat, segs, table)
+    dh = torch.empty(h.shape, dtype=torch.float32, device=h.device)
+    dB = torch.empty(table.total_rank * N, dtype=torch.bfloat16, device=h.device)
+
+    def call():
+        K.lora_expand_bwd(dy, h, B_cat, segs, table, dh=dh, dB_out=dB, dB_blocked=True)
+
+    record(rows, "m_expand_bwd_step", family, ("shipped",), call)
+    saved = dict(kb._EXPAND_BLOCKS)
+    for bs, bn, w in itertools.product((64, 128, 256), (64, 128), (4, 8)):
+        kb._EXPAND_BLOCKS[16] = (((math.inf, bs, bn, w, True),), saved[16][1])
+        record(rows, "m_expand_bwd_step", family, (bs, bn, w), call)
+    kb._EXPAND_BLOCKS.update(saved)
+    mine = [r for r in rows if r["family"] == family and r["us"]]
+    shipped = next(r["us"] for r in mine if r["config"] == ["shipped"])
+    best = ", ".join(f"{r['config']} {r['us']:.1f}" for r in sorted(mine, key=lambda r: r["us"])[:6])
+    print(f"{family}: shipped {shipped:.1f} us; best {best}", flush=True)
+
+
 def _sweep_model_expand_shape(rows, S, Kd, N):
     """One shape of :func:`sweep_model_expand` (its own function: the timed lambdas close over its tensors)."""
     shape = f"S{S}-K{Kd}-N{N}"
@@ -131,7 +162,7 @@ def _sweep_model_expand_shape(rows, S, Kd, N):
         kf.EXPAND_WRITE_BLOCKS["gpu"] = saved
         saved_e = dict(kb._EXPAND_BLOCKS)
         for bs, bn, w in itertools.product((64, 128, 256), (64, 128), (4, 8)):
-            kb._EXPAND_BLOCKS[16] = ((bs, bn, w, True), saved_e[16][1])
+            kb._EXPAND_BLOCKS[16] = (((math.inf, bs, bn, w, True),), saved_e[16][1])
             record(rows, "m_expand_bwd", shape, (bs, bn, w), lambda: K.lora_expand_bwd(dy, h, B_cat, segs, table))
         kb._EXPAND_BLOCKS.update(saved_e)
     if N == 2048:  # the shrink backward depends on K only
@@ -225,7 +256,7 @@ def _sweep_model_shape(rows, S, Kd, N):
         for pps in (2, 4):
             kb._PROGRAMS_PER_SM = pps
             for bs, bn, w in itertools.product((64, 128, 256), (64, 128), (4, 8)):
-                kb._EXPAND_BLOCKS[16] = ((bs, bn, w, True), saved_e[16][1])
+                kb._EXPAND_BLOCKS[16] = (((math.inf, bs, bn, w, True),), saved_e[16][1])
                 record(rows, "m_expand_bwd", shape, (pps, bs, bn, w),
                        lambda: K.lora_expand_bwd(dy, h, B_cat, segs, table))
         kb._EXPAND_BLOCKS.update(saved_e)
@@ -310,7 +341,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune.json")
     ap.add_argument("--parts", default="profile,layer,shrink,expand,bwd", help="any of profile, layer, shrink, "
-                    "expand, bwd (headline shape), model, model_expand and model_shrink (the training step's shapes)")
+                    "expand, bwd (headline shape), model, model_expand, model_shrink and model_expand_bwd (the "
+                    "training step's shapes)")
     args = ap.parse_args()
     parts = args.parts.split(",")
     rows = []
@@ -320,7 +352,8 @@ def main():
         sweep_model_shapes(rows)
         with open(args.out, "w") as f:
             json.dump(out, f)
-    for part, sweep in (("model_expand", sweep_model_expand), ("model_shrink", sweep_model_shrink)):
+    for part, sweep in (("model_expand", sweep_model_expand), ("model_shrink", sweep_model_shrink),
+                        ("model_expand_bwd", sweep_model_expand_bwd)):
         if part in parts:
             sweep(rows)
             with open(args.out, "w") as f:

@@ -44,19 +44,21 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Block tables, keyed by the rank tile BLOCK_R (a power of 2 >= 16), one entry for 16-bit activations (tensor-core
 # dots) and one for fp32/fp64 (FMA dots under input_precision="ieee": smaller tiles, else registers spill).
-# Expand backward: BLOCK_R = next_pow2(max_rank) -> (BLOCK_S, BLOCK_N, num_warps, fused). fused: dB from per-chunk
-# partials (dy read once; the partials cost ~8*r/(BLOCK_S*itemsize) of dy's bytes); unfused, where that would exceed
-# a second read of dy: the finish pass recomputes dB from dy.
+# Expand backward: BLOCK_R = next_pow2(max_rank) -> (16-bit rows by N, fp32/fp64 entry); a row is (bound on N,
+# BLOCK_S, BLOCK_N, num_warps, fused), the first whose bound covers N applies, the other entry is (BLOCK_S, BLOCK_N,
+# num_warps, fused). fused: dB from per-chunk partials (dy read once; the partials cost ~8*r/(BLOCK_S*itemsize) of
+# dy's bytes); unfused, where that would exceed a second read of dy: the finish pass recomputes dB from dy.
+_INF = float("inf")
 _EXPAND_BLOCKS = {
-    # 16-bit entry measured best on H200 (S=8192, N=4096, r=16). A kernel-time sweep at the training step's shapes
-    # (tune_kernels.py --parts model_expand) preferred (256, 64, 8) (364 vs 396 us summed over a decoder layer's N),
-    # but in the step itself it ran 43.7 vs 43.0 us per call (h200_ab_step.txt at 75f7bb3 vs 41507ef): kept
-    16: ((128, 64, 8, True), (64, 64, 8, True)),
-    32: ((256, 64, 8, True), (64, 32, 8, False)),
-    64: ((128, 64, 8, False), (32, 32, 8, False)),
-    128: ((64, 64, 8, False), (32, 16, 8, False)),
-    256: ((32, 64, 8, False), (16, 16, 8, False)),
-    512: ((16, 32, 8, False), (16, 16, 8, False)),
+    # 16-bit rows: kernel time of both kernels (profiler) at the training step's shapes on H200 (S=16384, 8 adapters,
+    # r=16; tune_kernels.py --parts model_expand), N = 256 / 2048 / 5632 in us: 11.5 / 44.3 / 99.2 against 16.5 /
+    # 49.6 / 107.2 with the one row (128, 64, 8) used before for every N (a decoder layer: 354 vs 396 us)
+    16: (((1024, 256, 128, 8, True), (4096, 256, 64, 8, True), (_INF, 128, 64, 4, True)), (64, 64, 8, True)),
+    32: (((_INF, 256, 64, 8, True),), (64, 32, 8, False)),
+    64: (((_INF, 128, 64, 8, False),), (32, 32, 8, False)),
+    128: (((_INF, 64, 64, 8, False),), (32, 16, 8, False)),
+    256: (((_INF, 32, 64, 8, False),), (16, 16, 8, False)),
+    512: (((_INF, 16, 32, 8, False),), (16, 16, 8, False)),
 }
 # Shrink backward: BLOCK_R = min(next_pow2(stack*max_rank), 128) -> (BLOCK_S, BLOCK_K, num_warps, num_stages).
 _SHRINK_BLOCKS = {
@@ -93,7 +95,7 @@ _PROGRAMS_PER_SM = 2
 _DA_PROGRAMS_PER_SM = 4
 
 if _INTERPRET:  # tiny blocks: fast on CPU, and small test shapes still hit splits, multi-chunk slots, unfused mode
-    _EXPAND_BLOCKS = {r: ((16, 64, 1, r <= 32),) * 2 for r in (16, 32, 64, 128, 256, 512)}
+    _EXPAND_BLOCKS = {r: (((_INF, 16, 64, 1, r <= 32),), (16, 64, 1, r <= 32)) for r in (16, 32, 64, 128, 256, 512)}
     _SHRINK_BLOCKS = {16: ((16, 64, 1, 1),) * 2, 32: ((16, 64, 1, 1),) * 2}
     _SHRINK_DA_BLOCKS = {16: ((16, 64, 1, 1),) * 2, 32: ((16, 64, 1, 1),) * 2}
     _SHRINK_MAX_R = 32
@@ -591,7 +593,8 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
         return dh, dB_out.zero_()
 
     BLOCK_R = _block_r(R)
-    BLOCK_S, BLOCK_N, num_warps, fused = _EXPAND_BLOCKS[BLOCK_R][dy.element_size() >= 4]
+    rows16, wide = _EXPAND_BLOCKS[BLOCK_R]
+    BLOCK_S, BLOCK_N, num_warps, fused = wide if dy.element_size() >= 4 else next(r[1:] for r in rows16 if N <= r[0])
     info, cptr, order, capacity = _chunks(segs, n_slots, BLOCK_S)
     tiles_n = cdiv(N, BLOCK_N)
     # enough programs to fill the GPU: split N when there are few chunks (dh partials: ~4*splits*r/N of dy's bytes)

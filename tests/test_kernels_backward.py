@@ -451,9 +451,10 @@ ptr = {n: "*fp32" for n in ("h", "dh", "part_dh", "part_dB", "scales", "dB", "pa
 ptr.update({n: "*" + act for n in ("dy", "B", "x", "A", "dx")})
 ptr.update({n: "*i32" for n in ("order", "info", "ranks", "offsets", "cptr")})
 ptr["keep_bits"] = "*u8"
-BS, BN, nw, fused = B._EXPAND_BLOCKS[16][0]
-bad = spills(B._expand_bwd_kernel, ptr, dict(DIRECT_DH=False, STORE_DB=fused, EVEN_N=True, DOT_PRECISION="tf32",
-                                             BLOCK_S=BS, BLOCK_N=BN, BLOCK_R=16), nw)
+bad = 0
+for _bound, BS, BN, nw, fused in B._EXPAND_BLOCKS[16][0]:  # the 16-bit rows, by N
+    bad += spills(B._expand_bwd_kernel, ptr, dict(DIRECT_DH=False, STORE_DB=fused, EVEN_N=True, DOT_PRECISION="tf32",
+                                                  BLOCK_S=BS, BLOCK_N=BN, BLOCK_R=16), nw)
 for blocked in (False, True):  # dB as [N, total_rank], or blocked in the weights' layout
     bad += spills(B._expand_bwd_finish, ptr, dict(FROM_PARTS=fused, DOT_PRECISION="tf32", BLOCK_S=BS,
                                                   BLOCK_N=B._FINISH_TILE // 16, BLOCK_R=16, DB_BLOCKED=blocked), 8)
