@@ -210,16 +210,28 @@ def lora_dropout_rate(drop: torch.nn.Module) -> float:
 DENSE_MAX_RANK = 128
 
 
+_DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def dense_scale(backend, x: torch.Tensor, table, b_weights, y_dtype=None) -> Optional[float]:
     """The scale for a dense expand of this call (see ``DENSE_MAX_RANK``), or ``None`` for the expand kernel: eager
-    Triton backend, autograd off (the caller's grad mode), one scale for the present adapters, total rank at most
-    ``DENSE_MAX_RANK``, and ``x``, the B weights (and the output ``y_dtype``) of one float dtype."""
+    Triton backend (the caller checks that autograd is off), one scale for the present adapters, total rank at most
+    ``DENSE_MAX_RANK``, ``x`` (and the output, ``y_dtype``) of one dtype, B weights of float dtypes (concatenated in
+    ``x``'s dtype by :func:`cat_b`, as the expand kernel casts their tiles)."""
     if (table.scale is None or not 0 < table.total_rank <= DENSE_MAX_RANK
             or not hasattr(backend, "shrink_block_diag") or torch.compiler.is_compiling()
-            or x.dtype not in (torch.float16, torch.bfloat16, torch.float32)
-            or (y_dtype is not None and y_dtype != x.dtype) or any(w.dtype != x.dtype for w in b_weights)):
+            or x.dtype not in _DENSE_DTYPES or (y_dtype is not None and y_dtype != x.dtype)
+            or any(w.dtype not in _DENSE_DTYPES for w in b_weights)):
         return None
     return table.scale
+
+
+def cat_b(b_weights, dtype: torch.dtype) -> torch.Tensor:
+    """``B_cat[N, total_rank]`` in ``dtype``: one concatenation kernel that also casts (fp32 adapters on a 16-bit
+    model: PEFT's default)."""
+    out = torch.empty(b_weights[0].shape[0], sum(w.shape[1] for w in b_weights), dtype=dtype,
+                      device=b_weights[0].device)
+    return torch.cat(b_weights, 1, out=out)
 
 
 def dense_linear_with_delta(x, W, bias, h_bd, B_cat, scale: float) -> torch.Tensor:
@@ -251,12 +263,13 @@ class LoraDelta(torch.autograd.Function):
         x = as_rows(x_in)
         y = y_in.view(-1, y_in.shape[-1])  # the caller passes a contiguous base output
         A_cat = torch.cat(weights[:n]) if n else x.new_zeros(0, x.shape[1])
-        B_cat = torch.cat(weights[n : 2 * n], 1) if n else y.new_zeros(y.shape[1], 0)
         be = spec.backend
         scale = None if spec.grad or spec.has_bias else dense_scale(be, x, spec.table, weights[n : 2 * n], y.dtype)
         if scale is not None:  # autograd off: nothing to save
-            y.addmm_(be.shrink_block_diag(x, A_cat, spec.segs, spec.table, 1, spec.seed), B_cat.t(), alpha=scale)
+            h_bd = be.shrink_block_diag(x, A_cat, spec.segs, spec.table, 1, spec.seed)
+            y.addmm_(h_bd, cat_b(weights[n : 2 * n], x.dtype).t(), alpha=scale)
             return y_in
+        B_cat = torch.cat(weights[n : 2 * n], 1) if n else y.new_zeros(y.shape[1], 0)
         keep = _keep_buffer(ctx, be, x, spec)
         h = be.shrink(x, A_cat, spec.segs, spec.table, 1, spec.seed, keep)
         be.expand(h, B_cat, spec.segs, spec.table, y, 1, 0)
@@ -314,12 +327,13 @@ class FusedLinearDelta(torch.autograd.Function):
         n = spec.num_adapters
         x = as_rows(x_in)
         A_cat = torch.cat(weights[:n])
-        B_cat = torch.cat(weights[n : 2 * n], 1)
         be = spec.backend
         scale = None if spec.grad else dense_scale(be, x, spec.table, weights[n : 2 * n])
         if scale is not None:  # autograd off: nothing to save
             h_bd = be.shrink_block_diag(x, A_cat, spec.segs, spec.table, 1, spec.seed)
-            return dense_linear_with_delta(x, W, bias, h_bd, B_cat, scale).view(*x_in.shape[:-1], W.shape[0])
+            y = dense_linear_with_delta(x, W, bias, h_bd, cat_b(weights[n : 2 * n], x.dtype), scale)
+            return y.view(*x_in.shape[:-1], W.shape[0])
+        B_cat = torch.cat(weights[n : 2 * n], 1)
         keep = _keep_buffer(ctx, be, x, spec)
         h = be.shrink(x, A_cat, spec.segs, spec.table, 1, spec.seed, keep)
         y = linear_with_delta(be, x, W, bias, h, B_cat, spec.segs, spec.table, 1, 0)

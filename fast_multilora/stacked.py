@@ -52,6 +52,7 @@ from .function import (
     _grad_dtype,
     _split_grads,
     as_rows,
+    cat_b,
     dense_linear_with_delta,
     dense_scale,
     get_backend,
@@ -177,10 +178,10 @@ class StackedExpand(torch.autograd.Function):
     def forward(ctx, h, y_in, part: _Slice, *b_weights):
         stack = part.stack
         y = y_in.view(-1, y_in.shape[-1])
-        B_cat = torch.cat(b_weights, 1)
         if stack.dense:  # autograd off: nothing to save
-            y.addmm_(_dense_slice(h, part), B_cat.t(), alpha=part.table.scale)
+            y.addmm_(_dense_slice(h, part), cat_b(b_weights, y.dtype).t(), alpha=part.table.scale)
             return y_in
+        B_cat = torch.cat(b_weights, 1)
         stack.backend.expand(h, B_cat, stack.segs, part.table, y, stack.num, part.index)
         ctx.mark_dirty(y_in)
         ctx.save_for_backward(h, B_cat)
@@ -220,10 +221,10 @@ class StackedLinear(torch.autograd.Function):
     def forward(ctx, h, x_in, W, bias, part: _Slice, *b_weights):
         stack = part.stack
         x = as_rows(x_in)
-        B_cat = torch.cat(b_weights, 1)
         if stack.dense:  # autograd off: nothing to save
-            y = dense_linear_with_delta(x, W, bias, _dense_slice(h, part), B_cat, part.table.scale)
+            y = dense_linear_with_delta(x, W, bias, _dense_slice(h, part), cat_b(b_weights, x.dtype), part.table.scale)
             return y.view(*x_in.shape[:-1], W.shape[0])
+        B_cat = torch.cat(b_weights, 1)
         y = linear_with_delta(stack.backend, x, W, bias, h, B_cat, stack.segs, part.table, stack.num, part.index)
         ctx.save_for_backward(h, B_cat, W)
         ctx.part = part
