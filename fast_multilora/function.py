@@ -110,11 +110,6 @@ class TritonBackend:
             return self.k.lora_shrink(x, A_cat, segs, table, stack_num=stack_num, seed=seed, keep_out=keep_out)
         return self._impl().lora_shrink(x, A_cat, segs, table, stack_num=stack_num, seed=seed)
 
-    def shrink_block_diag(self, x, A_cat, segs, table, stack_num, seed):
-        """The block-diagonal ``H[S, stack_num * total_rank]`` in ``x``'s dtype (eager only; see
-        :func:`dense_scale`)."""
-        return self.k.lora_shrink(x, A_cat, segs, table, stack_num=stack_num, seed=seed, block_diag=True)
-
     def expand(self, h, B_cat, segs, table, y, stack_num, slice_idx, accumulate=True, bias=None):
         if accumulate:
             return self._impl().lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx)
@@ -202,49 +197,6 @@ def lora_dropout_rate(drop: torch.nn.Module) -> float:
     return quantize_p(float(drop.p)) if isinstance(drop, torch.nn.Dropout) and drop.training else 0.0
 
 
-# With autograd off, a layer whose adapters share one scale and whose total rank is at most this runs its expand as
-# one dense cuBLAS GEMM from the block-diagonal h (``lora_shrink(block_diag=True)``): at S = 16384, total rank 128,
-# bf16, H200, it writes y in 24.9 / 62.8 us against the expand kernel's 31.8 / 78.2 at N = 2048 / 5632
-# (benchmarks/bench_bandwidth.py), and cuBLAS follows cuBLAS with shorter gaps between kernels
-# (benchmarks/kernel_gaps.py). Its FLOPs grow with the total rank, the kernel's do not: above this, the kernel.
-DENSE_MAX_RANK = 128
-
-
-_DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def dense_scale(backend, x: torch.Tensor, table, b_weights, y_dtype=None) -> Optional[float]:
-    """The scale for a dense expand of this call (see ``DENSE_MAX_RANK``), or ``None`` for the expand kernel: eager
-    Triton backend (the caller checks that autograd is off), one scale for the present adapters, total rank at most
-    ``DENSE_MAX_RANK``, ``x`` (and the output, ``y_dtype``) of one dtype, B weights of float dtypes (concatenated in
-    ``x``'s dtype by :func:`cat_b`, as the expand kernel casts their tiles)."""
-    if (table.scale is None or not 0 < table.total_rank <= DENSE_MAX_RANK
-            or not hasattr(backend, "shrink_block_diag") or torch.compiler.is_compiling()
-            or x.dtype not in _DENSE_DTYPES or (y_dtype is not None and y_dtype != x.dtype)
-            or any(w.dtype not in _DENSE_DTYPES for w in b_weights)):
-        return None
-    return table.scale
-
-
-def cat_b(b_weights, dtype: torch.dtype) -> torch.Tensor:
-    """``B_cat[N, total_rank]`` in ``dtype``: the concatenation, then one cast where the weights have another dtype
-    (fp32 adapters on a 16-bit model: PEFT's default). Not ``torch.cat(out=)`` of another dtype: on CUDA that copies
-    each weight with its own kernel (measured: 8 copy kernels per layer call)."""
-    b_cat = torch.cat(b_weights, 1)
-    return b_cat if b_cat.dtype == dtype else b_cat.to(dtype)
-
-
-def dense_linear_with_delta(x, W, bias, h_bd, B_cat, scale: float) -> torch.Tensor:
-    """``x Wᵀ (+ bias) + scale · H B_catᵀ`` by cuBLAS alone (``H``: a block-diagonal h, ``[S, total_rank]``, possibly
-    a column slice): the delta GEMM writes y (beta 0, or onto the bias), the base GEMM accumulates into it."""
-    if bias is None:
-        y = torch.empty(x.shape[0], W.shape[0], dtype=x.dtype, device=x.device)
-        torch.addmm(y, h_bd, B_cat.t(), beta=0, alpha=scale, out=y)  # beta 0: y's contents are not read
-    else:
-        y = torch.addmm(bias, h_bd, B_cat.t(), alpha=scale)
-    return y.addmm_(x, W.t())
-
-
 def linear_with_delta(backend, x, W, bias, h, B_cat, segs, table, stack_num, slice_idx) -> torch.Tensor:
     """``x Wᵀ (+ bias) + delta``: the expand writes the delta into a fresh ``y`` (write mode, bias folded in, every
     row defined) and cuBLAS accumulates the base GEMM into it (``addmm_``, beta 1)."""
@@ -263,13 +215,8 @@ class LoraDelta(torch.autograd.Function):
         x = as_rows(x_in)
         y = y_in.view(-1, y_in.shape[-1])  # the caller passes a contiguous base output
         A_cat = torch.cat(weights[:n]) if n else x.new_zeros(0, x.shape[1])
-        be = spec.backend
-        scale = None if spec.grad or spec.has_bias else dense_scale(be, x, spec.table, weights[n : 2 * n], y.dtype)
-        if scale is not None:  # autograd off: nothing to save
-            h_bd = be.shrink_block_diag(x, A_cat, spec.segs, spec.table, 1, spec.seed)
-            y.addmm_(h_bd, cat_b(weights[n : 2 * n], x.dtype).t(), alpha=scale)
-            return y_in
         B_cat = torch.cat(weights[n : 2 * n], 1) if n else y.new_zeros(y.shape[1], 0)
+        be = spec.backend
         keep = _keep_buffer(ctx, be, x, spec)
         h = be.shrink(x, A_cat, spec.segs, spec.table, 1, spec.seed, keep)
         be.expand(h, B_cat, spec.segs, spec.table, y, 1, 0)
@@ -327,13 +274,8 @@ class FusedLinearDelta(torch.autograd.Function):
         n = spec.num_adapters
         x = as_rows(x_in)
         A_cat = torch.cat(weights[:n])
-        be = spec.backend
-        scale = None if spec.grad else dense_scale(be, x, spec.table, weights[n : 2 * n])
-        if scale is not None:  # autograd off: nothing to save
-            h_bd = be.shrink_block_diag(x, A_cat, spec.segs, spec.table, 1, spec.seed)
-            y = dense_linear_with_delta(x, W, bias, h_bd, cat_b(weights[n : 2 * n], x.dtype), scale)
-            return y.view(*x_in.shape[:-1], W.shape[0])
         B_cat = torch.cat(weights[n : 2 * n], 1)
+        be = spec.backend
         keep = _keep_buffer(ctx, be, x, spec)
         h = be.shrink(x, A_cat, spec.segs, spec.table, 1, spec.seed, keep)
         y = linear_with_delta(be, x, W, bias, h, B_cat, spec.segs, spec.table, 1, 0)

@@ -159,18 +159,12 @@ def _layer_table(layer, plan, device):
         ranks=host[0].to(device, non_blocking=True), offsets=host[1].to(device, non_blocking=True),
         scales=fl[0].to(device, non_blocking=True), dropout=fl[1].to(device, non_blocking=True),
         max_rank=max(ranks, default=0), total_rank=acc, has_dropout=any(p > 0 for p in ps),
-        scale=_one_scale([sc for sc, r in zip(scales, ranks, strict=True) if r > 0]),
     )
     # row of each slot among present adapters (for lora_bias), last row = none
     row = {n: i for i, n in enumerate(present)}
     bias_row = torch.tensor([row.get(n, len(present)) for n in plan.slot_names] + [len(present)], dtype=torch.int64)
     layer.__dict__["_fml_table"] = (sig, table, present, bias_row)
     return table, present, bias_row
-
-
-def _one_scale(scales: list):
-    """The scale every listed adapter has, or ``None`` (several scales, or none)."""
-    return scales[0] if scales and all(sc == scales[0] for sc in scales) else None
 
 
 def _fused_base(layer, x, args, kwargs, present, router):

@@ -52,9 +52,6 @@ from .function import (
     _grad_dtype,
     _split_grads,
     as_rows,
-    cat_b,
-    dense_linear_with_delta,
-    dense_scale,
     get_backend,
     linear_with_delta,
     lora_dropout_rate,
@@ -83,9 +80,6 @@ class _Stack:
         self.block_ranks = block_ranks  # rows of each A weight in the stacked A_cat (adapter-major)
         self.a_dtypes = a_dtypes
         self.y_dtype = y_dtype  # every member's base output has it (so one dh dtype)
-        # autograd off, members of one scale each (function.dense_scale): h is block-diagonal, [S, num * total_rank]
-        # in x's dtype, and each member's expand is one cuBLAS GEMM from its column slice
-        self.dense = False
         self._dh: Optional[torch.Tensor] = None
         self._dh_task: Optional[int] = None
         self._written: set = set()  # slices whose expand backward wrote into _dh
@@ -143,8 +137,6 @@ class StackedShrink(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # the expands pass no gradient for h: dh comes through the stack's buffer
         x = as_rows(x_in)
         A_cat = torch.cat(a_weights)
-        if stack.dense:  # autograd off: nothing to save
-            return stack.backend.shrink_block_diag(x, A_cat, stack.segs, stack.table, stack.num, stack.seed)
         h = stack.backend.shrink(x, A_cat, stack.segs, stack.table, stack.num, stack.seed)
         ctx.save_for_backward(x, A_cat)
         ctx.stack = stack
@@ -178,9 +170,6 @@ class StackedExpand(torch.autograd.Function):
     def forward(ctx, h, y_in, part: _Slice, *b_weights):
         stack = part.stack
         y = y_in.view(-1, y_in.shape[-1])
-        if stack.dense:  # autograd off: nothing to save
-            y.addmm_(_dense_slice(h, part), cat_b(b_weights, y.dtype).t(), alpha=part.table.scale)
-            return y_in
         B_cat = torch.cat(b_weights, 1)
         stack.backend.expand(h, B_cat, stack.segs, part.table, y, stack.num, part.index)
         ctx.mark_dirty(y_in)
@@ -221,9 +210,6 @@ class StackedLinear(torch.autograd.Function):
     def forward(ctx, h, x_in, W, bias, part: _Slice, *b_weights):
         stack = part.stack
         x = as_rows(x_in)
-        if stack.dense:  # autograd off: nothing to save
-            y = dense_linear_with_delta(x, W, bias, _dense_slice(h, part), cat_b(b_weights, x.dtype), part.table.scale)
-            return y.view(*x_in.shape[:-1], W.shape[0])
         B_cat = torch.cat(b_weights, 1)
         y = linear_with_delta(stack.backend, x, W, bias, h, B_cat, stack.segs, part.table, stack.num, part.index)
         ctx.save_for_backward(h, B_cat, W)
@@ -326,8 +312,7 @@ class SiblingGroup:
         pending = self._pending.pop(i, None)
         if pending is not None:
             stack = pending.part.stack
-            if (pending.plan is plan and pending.part.table is table and y_dtype == stack.y_dtype
-                    and not (stack.dense and torch.is_grad_enabled())):  # a dense h serves autograd-off calls only
+            if pending.plan is plan and pending.part.table is table and y_dtype == stack.y_dtype:
                 return _expand(pending.h, x, result, base, pending.part, self.members[i], present)
         return self._lead(i, x, result, base, y_dtype, plan, table, present, router)
 
@@ -363,27 +348,11 @@ class SiblingGroup:
             get_backend(router.backend, x.device), plan.segments, table, len(slices),
             [r for r in ranks for _ in slices], [dt for dt in a_dtypes for _ in slices], y_dtype, seed,
         )
-        stack.dense = _dense(stack.backend, x, y_dtype, [(layer, table, present)] + [
-            (self.members[c], c_table, present) for c, c_table in joined])
         weights = [self.members[m].lora_A[n].weight for n in present for m in slices]
         h = run(StackedShrink, x, stack, *weights)
         for s, (c, c_table) in enumerate(joined, start=1):
             self._pending[c] = _Pending(_Slice(stack, s, c_table, ranks), h, plan)
         return _expand(h, x_in, result, base, _Slice(stack, 0, table, ranks), layer, present)
-
-
-def _dense_slice(h_bd: torch.Tensor, part: _Slice) -> torch.Tensor:
-    """A member's ``[S, total_rank]`` column slice of a dense stack's block-diagonal h."""
-    width = part.stack.table.total_rank
-    return h_bd[:, part.index * width : (part.index + 1) * width]
-
-
-def _dense(backend, x, y_dtype, members: list) -> bool:
-    """Whether a stack runs dense (``_Stack.dense``): autograd off and ``function.dense_scale`` allows every member,
-    given as ``(layer, table, present)``."""
-    return not torch.is_grad_enabled() and all(
-        dense_scale(backend, x, table, [layer.lora_B[n].weight for n in present], y_dtype) is not None
-        for layer, table, present in members)
 
 
 def _same_rank(member, layer, present) -> bool:

@@ -172,19 +172,13 @@ def _check_layout(segs: Segments, table: AdapterTable, S: int, device, stack_num
 
 
 def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1, seed: Optional[int] = None,
-                out: Optional[torch.Tensor] = None, keep_out: Optional[torch.Tensor] = None,
-                block_diag: bool = False) -> torch.Tensor:
+                out: Optional[torch.Tensor] = None, keep_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``h[S, stack_num*max_rank]`` (float32; float64 for float64 ``x``): ``h[t] = dropout(x[t]) @ A_a^T``.
 
     Dropout runs when ``seed`` is an int and ``table.has_dropout``; ``out`` (same shape and dtype) is filled in place.
     Only rows of adapter tokens and their columns ``< stack_num*rank`` are written.
     ``keep_out`` (``dropout.keep_bits_buffer(x)``, ``stack_num == 1``): under dropout, the drawn mask is stored
     there packed, for ``lora_shrink_bwd(..., keep=keep_out)``; rows of adapter tokens only.
-
-    ``block_diag``: returns instead the block-diagonal ``H[S, stack_num*total_rank]`` in ``x``'s dtype, every cell
-    defined: slice ``s`` of a token of adapter ``a`` at columns ``s*total_rank + offsets[a]`` onward (``r_a`` of
-    them), zero elsewhere (base rows all zero). Slice ``s``'s delta is then one dense GEMM, ``scale * H_s B_catᵀ``
-    (``H_s`` its ``total_rank`` columns), for adapters of one scale.
     """
     _check_2d("x", x, getattr(x, "device", None))
     device = x.device
@@ -208,11 +202,7 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
                                   "use float32, or family='sgemm' (patch(..., family='sgemm'))")
     h_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     width = stack_num * table.max_rank
-    if block_diag:
-        if out is not None or keep_out is not None or x.dtype == torch.float64:
-            raise ValueError("lora_shrink: block_diag=True takes neither out nor keep_out, nor float64 x")
-        out = torch.zeros(S, stack_num * table.total_rank, dtype=x.dtype, device=device)
-    elif out is None:
+    if out is None:
         out = torch.empty(S, width, dtype=h_dtype, device=device)
     else:
         _check_2d("out", out, device)
@@ -229,21 +219,20 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
     keep_arg = keep_out if store_mask else out
     meta = dict(STACK=stack_num, HAS_DROPOUT=has_dropout, STORE_MASK=store_mask, EVEN_K=K % BLOCK_K == 0,
                 DOT_PRECISION=_dot_precision(x.dtype), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps,
-                num_stages=num_stages, BLOCK_DIAG=block_diag)
+                num_stages=num_stages)
     seed = seed if has_dropout else 0
-    bd_width = table.total_rank if block_diag else 0
     if segs.perm is None:
         grid = (segs.num_segments, cdiv(segs.max_len, BLOCK_S), cdiv(width, BLOCK_N))
         launch(sgemm_shrink_kernel, grid, (
             x, A_cat, out, keep_arg, segs.indptr, segs.slot, table.ranks, table.offsets, table.dropout, seed, K,
-            bd_width, *x.stride(), *common), dict(meta, BLOCK_S=BLOCK_S))
+            *x.stride(), *common), dict(meta, BLOCK_S=BLOCK_S))
     else:
         chunks = chunk_table(segs, BLOCK_S)
         grid = (chunks.shape[1], cdiv(width, BLOCK_N))
         launch(sgmv_shrink_kernel, grid, (
             x, A_cat, out, keep_arg, chunks, segs.indptr, segs.slot, segs.perm, table.ranks, table.offsets,
-            table.dropout, seed, chunks.shape[1], bd_width, *x.stride(), *common),
-            dict(K=K, N=width, BLOCK_M=BLOCK_S, **meta))
+            table.dropout,
+            seed, chunks.shape[1], *x.stride(), *common), dict(K=K, N=width, BLOCK_M=BLOCK_S, **meta))
     return out
 
 

@@ -55,7 +55,6 @@ class AdapterTable(NamedTuple):
     max_rank: int  # max over ranks (host int)
     total_rank: int  # sum of ranks (host int)
     has_dropout: bool  # any dropout p > 0 (host bool)
-    scale: Optional[float] = None  # the one scale of every slot with rank > 0, when they share one (host float)
 
 
 def segments_from_token_slots(token_slots: torch.Tensor, grouped: bool, device=None) -> Segments:

@@ -27,17 +27,12 @@ from .dropout import keep_block, keep_block_packed
 
 @triton.jit
 def shrink_tile(
-    x, A, h, keep_bits, o_s, m_s, i_n, w_row0, n_a, K, seed, p, rank, bd_width, bd_off,
+    x, A, h, keep_bits, o_s, m_s, i_n, w_row0, n_a, K, seed, p,
     stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn, stride_ms,
     HAS_DROPOUT: tl.constexpr, STORE_MASK: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DROP_STACK: tl.constexpr,
-    BLOCK_DIAG: tl.constexpr,
 ):
     """h[o_s, n] = (x[o_s] * keep / (1-p)) . A[w_row0 + n] for the columns n < n_a of N-tile ``i_n``.
-
-    ``BLOCK_DIAG``: ``h`` is the block-diagonal ``[S, stack * bd_width]`` instead (``bd_width``: the total rank),
-    column ``n`` (slice ``n // rank``) stored at ``(n // rank) * bd_width + bd_off + n % rank`` (``bd_off``: the
-    adapter's offset), in ``h``'s dtype; the caller zero-fills the rest.
 
     ``STORE_MASK`` (dropout, ``DROP_STACK == 1``): N-tile 0 also stores the keep-mask it drew, packed
     (``dropout.keep_block_packed``'s bytes), into ``keep_bits[o_s, k // 8]`` for the backward to read.
@@ -53,10 +48,7 @@ def shrink_tile(
         n_slice = o_n // (n_a // DROP_STACK)  # [BLOCK_N] slice of each column
     p_x = x + o_s[:, None] * stride_xs + o_k[None, :] * stride_xk  # [BLOCK_S, BLOCK_K]
     p_a = A + (w_row0 + o_n)[None, :] * stride_an + o_k[:, None] * stride_ak  # [BLOCK_K, BLOCK_N]
-    if BLOCK_DIAG:  # h is in x's dtype (not fp64): accumulate in fp32
-        b_acc = tl.zeros([BLOCK_S, BLOCK_N], dtype=tl.float32)
-    else:
-        b_acc = tl.zeros([BLOCK_S, BLOCK_N], dtype=h.dtype.element_ty)  # fp32 (fp64 for fp64 x)
+    b_acc = tl.zeros([BLOCK_S, BLOCK_N], dtype=h.dtype.element_ty)  # fp32 (fp64 for fp64 x)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             b_x = tl.load(p_x, mask=m_s[:, None], other=0.0)
@@ -88,10 +80,7 @@ def shrink_tile(
         p_a += BLOCK_K * stride_ak
     if HAS_DROPOUT:
         b_acc = b_acc / (1.0 - p.to(b_acc.dtype))
-    o_hn = o_n
-    if BLOCK_DIAG:
-        o_hn = o_n + (o_n // rank) * (bd_width - rank) + bd_off
-    p_h = h + o_s[:, None] * stride_hs + o_hn[None, :] * stride_hn  # [BLOCK_S, BLOCK_N]
+    p_h = h + o_s[:, None] * stride_hs + o_n[None, :] * stride_hn  # [BLOCK_S, BLOCK_N]
     tl.store(p_h, b_acc.to(h.dtype.element_ty), mask=m_s[:, None] & m_n[None, :])
 
 
@@ -153,11 +142,11 @@ def fill_tile(y, bias, o_s, m_s, i_n, N, stride_ys, stride_yn, HAS_BIAS: tl.cons
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed per call must not pick new variants
 def sgemm_shrink_kernel(
-    x, A, h, keep_bits, indptr, seg_slot, ranks, offsets, dropout, seed, K, bd_width,
+    x, A, h, keep_bits, indptr, seg_slot, ranks, offsets, dropout, seed, K,
     stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn, stride_ms,
     STACK: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_MASK: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DIAG: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """h[t, :STACK*r] = dropout(x[t]) @ A_cat[STACK*off : STACK*(off+r)]^T for the rows t of segment ``i_g``."""
     i_g = tl.program_id(0)
@@ -178,13 +167,11 @@ def sgemm_shrink_kernel(
     p = 0.0
     if HAS_DROPOUT:
         p = tl.load(dropout + slot)
-    off = tl.load(offsets + slot)
-    w_row0 = STACK * off.to(tl.int64)
+    w_row0 = STACK * tl.load(offsets + slot).to(tl.int64)
     shrink_tile(
-        x, A, h, keep_bits, o_s, o_s < eos, i_n, w_row0, n_a, K, seed, p, rank, bd_width, off,
+        x, A, h, keep_bits, o_s, o_s < eos, i_n, w_row0, n_a, K, seed, p,
         stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn, stride_ms,
         HAS_DROPOUT, STORE_MASK, EVEN_K, DOT_PRECISION, BLOCK_S, BLOCK_N, BLOCK_K, STACK if HAS_DROPOUT else 1,
-        BLOCK_DIAG,
     )
 
 

@@ -48,11 +48,11 @@ def chunk_table(segs: Segments, block_m: int) -> torch.Tensor:
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed per call must not pick new variants
 def sgmv_shrink_kernel(
-    x, A, h, keep_bits, chunks, indptr, seg_slot, perm, ranks, offsets, dropout, seed, capacity, bd_width,
+    x, A, h, keep_bits, chunks, indptr, seg_slot, perm, ranks, offsets, dropout, seed, capacity,
     stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn, stride_ms,
     K: tl.constexpr, N: tl.constexpr, STACK: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_MASK: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DIAG: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """h[perm[j], :STACK*r] = dropout(x[perm[j]]) @ A_cat[STACK*off : STACK*(off+r)]^T for the chunk's positions j."""
     i_c = tl.program_id(0)
@@ -63,8 +63,7 @@ def sgmv_shrink_kernel(
     slot = tl.load(seg_slot + i_g)
     if slot < 0:
         return
-    rank = tl.load(ranks + slot)
-    n_a = tl.minimum(N, STACK * rank)
+    n_a = tl.minimum(N, STACK * tl.load(ranks + slot))
     if i_n * BLOCK_N >= n_a:  # also rank 0
         return
     o_m = tl.load(chunks + capacity + i_c) + tl.arange(0, BLOCK_M)  # [BLOCK_M] logical positions
@@ -73,13 +72,11 @@ def sgmv_shrink_kernel(
     p = 0.0
     if HAS_DROPOUT:
         p = tl.load(dropout + slot)
-    off = tl.load(offsets + slot)
-    w_row0 = STACK * off.to(tl.int64)
+    w_row0 = STACK * tl.load(offsets + slot).to(tl.int64)
     shrink_tile(
-        x, A, h, keep_bits, o_s, m_s, i_n, w_row0, n_a, K, seed, p, rank, bd_width, off,
+        x, A, h, keep_bits, o_s, m_s, i_n, w_row0, n_a, K, seed, p,
         stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn, stride_ms,
         HAS_DROPOUT, STORE_MASK, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, STACK if HAS_DROPOUT else 1,
-        BLOCK_DIAG,
     )
 
 

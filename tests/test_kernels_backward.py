@@ -481,17 +481,11 @@ from fast_multilora.kernels.sgemm import sgemm_shrink_kernel
 _, BS, BN, BK, nw, _stages = F.SHRINK_DROPOUT_BLOCKS["gpu"][-1]
 ptr.update({n: "*i32" for n in ("indptr", "seg_slot")})
 bad += spills(sgemm_shrink_kernel, ptr, dict(STACK=3, HAS_DROPOUT=True, STORE_MASK=False, EVEN_K=True,
-                                             DOT_PRECISION="tf32", BLOCK_S=BS, BLOCK_N=64, BLOCK_K=min(BK, 64),
-                                             BLOCK_DIAG=False), nw)  # launcher's rule
+                                             DOT_PRECISION="tf32", BLOCK_S=BS, BLOCK_N=64, BLOCK_K=min(BK, 64)),
+              nw)  # launcher's rule
 _, BS, BN, BK, nw, _stages = F.SHRINK_DROPOUT_STORE_BLOCKS["gpu"][0]  # r <= 32, storing the mask it draws
 bad += spills(sgemm_shrink_kernel, ptr, dict(STACK=1, HAS_DROPOUT=True, STORE_MASK=True, EVEN_K=True,
-                                             DOT_PRECISION="tf32", BLOCK_S=BS, BLOCK_N=16, BLOCK_K=BK,
-                                             BLOCK_DIAG=False), nw)
-# the eval shrink of a q/k/v stack writing the block-diagonal h (16-bit) for the dense expand
-_, BS, BN, BK, nw, _stages = F.SHRINK_BLOCKS["gpu"][1]
-bad += spills(sgemm_shrink_kernel, dict(ptr, h="*" + act), dict(STACK=3, HAS_DROPOUT=False, STORE_MASK=False,
-                                                                EVEN_K=True, DOT_PRECISION="tf32", BLOCK_S=BS,
-                                                                BLOCK_N=64, BLOCK_K=BK, BLOCK_DIAG=True), nw)
+                                             DOT_PRECISION="tf32", BLOCK_S=BS, BLOCK_N=16, BLOCK_K=BK), nw)
 # the forward expand's rows, add and write mode (16-bit y, one rank tile of 16)
 from fast_multilora.kernels.sgemm import sgemm_expand_kernel
 ptr.update(y="*" + act, bias="*" + act)
