@@ -25,21 +25,15 @@ import math
 import torch
 from fast_multilora.kernels import forward as kf
 from fast_multilora.kernels.dropout import keep_bits_buffer
-from fast_multilora.kernels.segments import AdapterTable, segments_from_token_slots
 from harness import kernel_ms  # benchmarks/ is on sys.path when this runs as a script
+from tune_kernels import make_case
 
 from fast_multilora import kernels as K
 
 
 def case(S, Kd, N, r=16, A=8, dropout=0.05, dev="cuda", dtype=torch.bfloat16):
-    ts = torch.arange(A).repeat_interleave(S // A)
-    segs = segments_from_token_slots(ts, grouped=False, device=dev)
-    table = AdapterTable(torch.full((A,), r, dtype=torch.int32, device=dev),
-                         (torch.arange(A, dtype=torch.int32) * r).to(dev), torch.full((A,), 2.0, device=dev),
-                         torch.full((A,), dropout, device=dev), r, r * A, dropout > 0)
-    x = torch.randn(S, Kd, device=dev, dtype=dtype)
-    A_cat = torch.randn(A * r, Kd, device=dev, dtype=dtype) * 0.02
-    B_cat = torch.randn(N, A * r, device=dev, dtype=dtype) * 0.02
+    """``tune_kernels.make_case``'s SGEMM layout (A adapters in equal runs), without its y and dy."""
+    segs, table, x, _y, _dy, A_cat, B_cat = make_case(S, Kd, N, r, A, dtype, dropout=dropout, dev=dev)
     return segs, table, x, A_cat, B_cat
 
 

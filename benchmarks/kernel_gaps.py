@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
-from harness import host_ms  # benchmarks/ is on sys.path when this runs as a script
+from harness import host_ms, time_steps  # benchmarks/ is on sys.path when this runs as a script
 from profile_step import TARGETS, tee
 
 import fast_multilora
@@ -83,19 +82,10 @@ def main(argv=None):
 
     def run(fn, label):
         with torch.no_grad():
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            wall = []
-            for _ in range(11):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fn()
-                torch.cuda.synchronize()
-                wall.append((time.perf_counter() - t0) * 1e3)
+            wall = time_steps(fn, "cuda", warm=3, iters=11)["ms"]
             g = gaps(kernel_spans(fn))
             host = host_ms(fn, 11)
-        say(f"=== {label}: wall {statistics.median(wall):.2f} ms, host {host:.2f} ms; profiled: {g['kernels']} "
+        say(f"=== {label}: wall {wall:.2f} ms, host {host:.2f} ms; profiled: {g['kernels']} "
             f"kernels, busy {g['busy_ms']:.2f} ms, span {g['span_ms']:.2f} ms, idle {g['idle_ms']:.2f} ms")
         say("  idle between kernels by (ending kind -> starting kind): count, total us, median us")
         for (k0, k1), (n, tot, med) in sorted(g["pairs"].items(), key=lambda kv: -kv[1][1])[:16]:

@@ -191,15 +191,7 @@ def profile_layer(say):
         call = build_layer(ours)
         for _ in range(5):
             call()
-        torch.cuda.synchronize()
-        host = []
-        for _ in range(21):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            call()
-            host.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
-        say(f"=== layer_4096 call, {label}: host {statistics.median(host):.3f} ms (median of 21, each after a sync)")
+        say(f"=== layer_4096 call, {label}: host {host_ms(call, 21):.3f} ms (median of 21, each after a sync)")
         say(f"host split: {host_split(call, ours)}")
         report(say, call, "call", n_prof=10, n_cprof=20, top_kernels=20, op_rows=30, cprof_rows=35)
         if ours:
