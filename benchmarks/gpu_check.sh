@@ -9,7 +9,8 @@
 # FML_FUZZ_EXAMPLES examples per test), kernels, model, profile (benchmarks/profile_step.py), multi
 # (benchmarks/multi_gpu.sh, needs 2 GPUs), ktests (the kernel and fused-path test files whole, every dtype, on the
 # GPU, in parallel processes), tune (benchmarks/tune_kernels.py --parts $TUNE_PARTS, default model: block sweep
-# at the training step's shapes), ab (benchmarks/ab_step.py: patch settings A/B on the train step).
+# at the training step's shapes), ab (benchmarks/ab_step.py: patch settings A/B on the train step), gaps
+# (benchmarks/kernel_gaps.py: an eval forward's kernel gaps, and its wall-time A/B).
 # Default: "tests kernels model".
 #
 # Every stage runs under its own `timeout`; a stage that fails or times out does not stop the later ones, and the
@@ -34,6 +35,7 @@ T_MULTI=${T_MULTI:-420}
 T_KTESTS=${T_KTESTS:-150}
 T_TUNE=${T_TUNE:-240}
 T_AB=${T_AB:-150}
+T_GAPS=${T_GAPS:-150}
 FML_FUZZ_EXAMPLES=${FML_FUZZ_EXAMPLES:-30}
 PYTEST_STOP=${PYTEST_STOP:--x}  # e.g. PYTEST_STOP=--maxfail=20 to see more than the first failure
 PY=${PYTHON:-$(command -v python3 || command -v python)}
@@ -107,13 +109,16 @@ main() {
         fi
     fi
     if want ktests; then
-        stage ktests "$T_KTESTS" bash -c 'set -o pipefail; FML_TEST_DEVICE=cuda "$0" benchmarks/run_tests_parallel.py --procs 12 --timeout $(($2 - 15)) --log-dir "$1.d" tests/test_kernels_forward.py tests/test_kernels_backward.py tests/test_fused.py 2>&1 | tee "$1"; rc=$?; cat "$1".d/*.log > "$1.all"; rm -rf "$1.d"; exit $rc' "$PY" "$OUT/pytest_kernels_gpu.log" "$T_KTESTS"
+        stage ktests "$T_KTESTS" bash -c 'set -o pipefail; FML_TEST_DEVICE=cuda "$0" benchmarks/run_tests_parallel.py --procs 12 --timeout $(($2 - 15)) --log-dir "$1.d" tests/test_kernels_forward.py tests/test_kernels_backward.py tests/test_fused.py tests/test_slot_weights.py 2>&1 | tee "$1"; rc=$?; cat "$1".d/*.log > "$1.all"; rm -rf "$1.d"; exit $rc' "$PY" "$OUT/pytest_kernels_gpu.log" "$T_KTESTS"
     fi
     if want tune; then
         stage tune "$T_TUNE" "$PY" benchmarks/tune_kernels.py --parts "${TUNE_PARTS:-model}" --out "$OUT/tune_model.json"
     fi
     if want ab; then
         stage ab "$T_AB" "$PY" benchmarks/ab_step.py --out "$OUT/ab_step.txt"
+    fi
+    if want gaps; then
+        stage gaps "$T_GAPS" "$PY" benchmarks/kernel_gaps.py --out "$OUT/kernel_gaps.txt"
     fi
     if want kernels; then
         stage kernels "$T_KERNELS" "$PY" benchmarks/bench_kernels.py --out-dir "$OUT" \

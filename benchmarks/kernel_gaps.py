@@ -3,7 +3,9 @@ tokens, 8 adapters mixed over 14 rows + 2 ``__base__`` rows, bf16, r=16): the ba
 fast_multilora's mixed forward. From one profiled forward each (CUDA activity only, so the host is not slowed by
 CPU-op recording): the kernels' busy time, the forward's span, and the idle time between consecutive kernels summed
 by the kind of kernel that ends and the kind that starts -- which transitions cost the time that a wall clock
-shows over the kernel time. Usage (GPU): ``python benchmarks/kernel_gaps.py [--out FILE]``."""
+shows over the kernel time. Then the same for the adapters' weights concatenated per call (the path before they were
+read in place), and an interleaved wall-time A/B of the three. Usage (GPU):
+``python benchmarks/kernel_gaps.py [--out FILE] [--rounds 5]``."""
 
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ def gaps(spans) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args(argv)
     say, buf = tee()
     from multi_adapter_tasks import BENCH_LLAMA
@@ -92,10 +95,34 @@ def main(argv=None):
             say(f"    {k0:>14s} -> {k1:<14s} {n:5d} {tot:9.1f} {med:7.2f}")
         return g
 
-    with pm.disable_adapter():
-        run(lambda: pm(input_ids=ids), "base forward (adapters disabled)")
+    def base():
+        with pm.disable_adapter():
+            pm(input_ids=ids)
+
+    def ours():
+        pm(input_ids=ids, adapter_names=names)
+
+    def concat():  # the adapters' weights concatenated per layer call, as before they were read in place
+        fast_multilora.function.WEIGHTS_IN_PLACE = False
+        try:
+            pm(input_ids=ids, adapter_names=names)
+        finally:
+            fast_multilora.function.WEIGHTS_IN_PLACE = True
+
+    run(base, "base forward (adapters disabled)")
     fast_multilora.patch(pm, backend="triton")
-    run(lambda: pm(input_ids=ids, adapter_names=names), "fast_multilora, 8 adapters mixed + 2 base rows")
+    run(ours, "fast_multilora, 8 adapters mixed + 2 base rows")
+    run(concat, "fast_multilora, weights concatenated per call (FML_WEIGHTS_IN_PLACE=0)")
+    say(f"interleaved wall-time A/B, {a.rounds} rounds of 11 forwards each (ms, medians per round):")
+    walls = {"base": [], "in place": [], "concatenated": []}
+    with torch.no_grad():
+        for _ in range(a.rounds):
+            for label, fn in zip(walls, (base, ours, concat), strict=True):
+                walls[label].append(time_steps(fn, "cuda", warm=2, iters=11)["ms"])
+    b = statistics.median(walls["base"])
+    for label, v in walls.items():
+        m = statistics.median(v)
+        say(f"  {label:13s} {m:7.2f} ms  x{m / b:.4f} of base   rounds {[round(t, 2) for t in v]}")
     if a.out:
         Path(a.out).write_text(buf.getvalue())
 

@@ -31,6 +31,10 @@ def _no_autocast(fn):
     return wrapper
 
 
+# The Triton backend reads each adapter's weights where they are (``kernels.SlotWeights``, a per-slot address table
+# cached per layer) instead of concatenating them on every call; FML_WEIGHTS_IN_PLACE=0 concatenates (for A/B runs).
+WEIGHTS_IN_PLACE = os.environ.get("FML_WEIGHTS_IN_PLACE", "1") != "0"
+
 # A training forward under dropout stores its keep-mask (one bit per element of x) for the backward, which then
 # reads it instead of drawing it again; FML_STORE_DROPOUT_MASK=0 redraws it in the backward (saves that memory).
 STORE_DROPOUT_MASK = os.environ.get("FML_STORE_DROPOUT_MASK", "1") != "0"
@@ -57,6 +61,11 @@ class TorchBackend:
     def keep_buffer(x, seed, table):
         """No stored mask: the backward redraws it from the seed."""
         return None
+
+    @staticmethod
+    def weights(ws, table, dim):
+        """One layer's adapter weights (slot order) as the ops take them: concatenated along ``dim``."""
+        return torch.cat(ws, dim)
 
     @_no_autocast
     def shrink(self, x, A_cat, segs, table, stack_num, seed, keep_out=None):
@@ -97,6 +106,16 @@ class TritonBackend:
 
     def _impl(self):
         return self.ops if torch.compiler.is_compiling() else self.k
+
+    def weights(self, ws, table, dim):
+        """One layer's adapter weights (slot order; ``dim=0``: A weights, ``dim=1``: B weights) as the kernels take
+        them: read in place (``kernels.SlotWeights``) in eager mode where ``kernels.slot_weights`` allows it, else
+        their concatenation along ``dim`` (and always while ``torch.compile`` traces: the custom ops take tensors)."""
+        if WEIGHTS_IN_PLACE and table.slots is not None and not torch.compiler.is_compiling():
+            w = self.k.slot_weights(ws, table.slots, table.ranks.numel(), dim)
+            if w is not None:
+                return w
+        return torch.cat(ws, dim)
 
     def keep_buffer(self, x, seed, table):
         """A buffer for the packed dropout mask the forward shrink stores and the backward reads (eager only: the
@@ -214,16 +233,16 @@ class LoraDelta(torch.autograd.Function):
         n = spec.num_adapters
         x = as_rows(x_in)
         y = y_in.view(-1, y_in.shape[-1])  # the caller passes a contiguous base output
-        A_cat = torch.cat(weights[:n]) if n else x.new_zeros(0, x.shape[1])
-        B_cat = torch.cat(weights[n : 2 * n], 1) if n else y.new_zeros(y.shape[1], 0)
         be = spec.backend
+        A = be.weights(weights[:n], spec.table, 0) if n else x.new_zeros(0, x.shape[1])
+        B = be.weights(weights[n : 2 * n], spec.table, 1) if n else y.new_zeros(y.shape[1], 0)
         keep = _keep_buffer(ctx, be, x, spec)
-        h = be.shrink(x, A_cat, spec.segs, spec.table, 1, spec.seed, keep)
-        be.expand(h, B_cat, spec.segs, spec.table, y, 1, 0)
+        h = be.shrink(x, A, spec.segs, spec.table, 1, spec.seed, keep)
+        be.expand(h, B, spec.segs, spec.table, y, 1, 0)
         if spec.has_bias:
             _add_bias(y, weights[2 * n :], spec)
         ctx.mark_dirty(y_in)
-        ctx.save_for_backward(x, h, A_cat, B_cat, keep)  # the weights' values live in the concatenations
+        ctx.save_for_backward(x, h, keep, *weights[: 2 * n])  # the backward reads the weights as the forward did
         ctx.w_dtypes = [w.dtype for w in weights]
         ctx.spec = spec
         ctx.x_shape = x_in.shape
@@ -232,7 +251,7 @@ class LoraDelta(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_in):
         spec: DeltaSpec = ctx.spec
-        x, h, A_cat, B_cat, keep = ctx.saved_tensors
+        x, h, keep, *weights = ctx.saved_tensors
         w_dtypes = ctx.w_dtypes
         n = spec.num_adapters
         needs = ctx.needs_input_grad
@@ -244,10 +263,11 @@ class LoraDelta(torch.autograd.Function):
             dy = dy.contiguous()
             be = spec.backend
             gd = _grad_dtype(w_dtypes[: 2 * n])
-            dh, dB = be.expand_bwd(dy, h, B_cat, spec.segs, spec.table, 1, 0, grad_dtype=gd)
-            dx, dA = be.shrink_bwd(dh, x, A_cat, spec.segs, spec.table, 1, spec.seed, need_dx, keep, grad_dtype=gd)
+            A, B = be.weights(weights[:n], spec.table, 0), be.weights(weights[n:], spec.table, 1)
+            dh, dB = be.expand_bwd(dy, h, B, spec.segs, spec.table, 1, 0, grad_dtype=gd)
+            dx, dA = be.shrink_bwd(dh, x, A, spec.segs, spec.table, 1, spec.seed, need_dx, keep, grad_dtype=gd)
             grads[:n] = _split_grads(dA, spec.ranks, w_dtypes[:n], dim=0)
-            grads[n : 2 * n] = _split_grads(dB, spec.ranks, w_dtypes[n : 2 * n], dim=1, n_rows=B_cat.shape[0])
+            grads[n : 2 * n] = _split_grads(dB, spec.ranks, w_dtypes[n : 2 * n], dim=1, n_rows=dy.shape[1])
             if spec.has_bias:
                 for i, gbias in enumerate(_bias_grad(dy, spec)):
                     grads[2 * n + i] = gbias.to(w_dtypes[2 * n + i])
@@ -273,13 +293,13 @@ class FusedLinearDelta(torch.autograd.Function):
     def forward(ctx, x_in, W, bias, spec: DeltaSpec, *weights):
         n = spec.num_adapters
         x = as_rows(x_in)
-        A_cat = torch.cat(weights[:n])
-        B_cat = torch.cat(weights[n : 2 * n], 1)
         be = spec.backend
+        A = be.weights(weights[:n], spec.table, 0)
+        B = be.weights(weights[n : 2 * n], spec.table, 1)
         keep = _keep_buffer(ctx, be, x, spec)
-        h = be.shrink(x, A_cat, spec.segs, spec.table, 1, spec.seed, keep)
-        y = linear_with_delta(be, x, W, bias, h, B_cat, spec.segs, spec.table, 1, 0)
-        ctx.save_for_backward(x, h, A_cat, B_cat, W, keep)
+        h = be.shrink(x, A, spec.segs, spec.table, 1, spec.seed, keep)
+        y = linear_with_delta(be, x, W, bias, h, B, spec.segs, spec.table, 1, 0)
+        ctx.save_for_backward(x, h, W, keep, *weights)  # the backward reads the weights as the forward did
         ctx.w_dtypes = [w.dtype for w in weights]
         ctx.spec = spec
         ctx.x_shape = x_in.shape
@@ -288,7 +308,7 @@ class FusedLinearDelta(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_in):
         spec: DeltaSpec = ctx.spec
-        x, h, A_cat, B_cat, W, keep = ctx.saved_tensors
+        x, h, W, keep, *weights = ctx.saved_tensors
         n = spec.num_adapters
         needs = ctx.needs_input_grad
         need_dx, need_w = needs[0], any(needs[4:])
@@ -297,13 +317,13 @@ class FusedLinearDelta(torch.autograd.Function):
             dy = dy_in.reshape(-1, dy_in.shape[-1]).contiguous()
             be = spec.backend
             gd = _grad_dtype(ctx.w_dtypes[: 2 * n])
-            dh, dB = be.expand_bwd(dy, h, B_cat, spec.segs, spec.table, 1, 0, grad_dtype=gd)
+            A, B = be.weights(weights[:n], spec.table, 0), be.weights(weights[n:], spec.table, 1)
+            dh, dB = be.expand_bwd(dy, h, B, spec.segs, spec.table, 1, 0, grad_dtype=gd)
             # one pass over x for dA and the LoRA part of dx (written, base rows zero; the dropout mask drawn once)
-            dx, dA = be.shrink_bwd(dh, x, A_cat, spec.segs, spec.table, 1, spec.seed, need_dx, keep, grad_dtype=gd)
+            dx, dA = be.shrink_bwd(dh, x, A, spec.segs, spec.table, 1, spec.seed, need_dx, keep, grad_dtype=gd)
             if need_w:
                 grads[:n] = _split_grads(dA, spec.ranks, ctx.w_dtypes[:n], dim=0)
-                grads[n : 2 * n] = _split_grads(dB, spec.ranks, ctx.w_dtypes[n : 2 * n], dim=1,
-                                                n_rows=B_cat.shape[0])
+                grads[n : 2 * n] = _split_grads(dB, spec.ranks, ctx.w_dtypes[n : 2 * n], dim=1, n_rows=W.shape[0])
             if need_dx:
                 dx.addmm_(dy, W)
                 dx = dx.view(ctx.x_shape)

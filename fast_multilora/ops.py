@@ -42,8 +42,10 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 
 def _layout(segs: Segments, table: AdapterTable) -> tuple:
-    """The op arguments of a layout: ``Segments`` less its cache, then every ``AdapterTable`` field."""
-    return (segs.indptr, segs.slot, segs.perm, segs.max_len, segs.num_tokens, *table)
+    """The op arguments of a layout: ``Segments`` less its cache, then the ``AdapterTable`` fields the kernels read
+    (not ``slots``: the ops take concatenated weights)."""
+    return (segs.indptr, segs.slot, segs.perm, segs.max_len, segs.num_tokens, table.ranks, table.offsets, table.scales,
+            table.dropout, table.max_rank, table.total_rank, table.has_dropout)
 
 
 def _unpack(indptr, slot, perm, max_len, num_tokens, ranks, offsets, scales, dropout, max_rank, total_rank,

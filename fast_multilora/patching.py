@@ -137,9 +137,10 @@ def _layer_table(layer, plan, device):
     cache = layer.__dict__.get("_fml_table")
     if cache is not None and cache[0] == sig:
         return cache[1], cache[2], cache[3]
-    ranks, scales, ps, present = [], [], [], []
-    for name in plan.slot_names:
+    ranks, scales, ps, present, slots = [], [], [], [], []
+    for slot, name in enumerate(plan.slot_names):
         if name in layer.lora_A and name not in layer.lora_variant:
+            slots.append(slot)
             ranks.append(layer.r[name])
             scales.append(float(layer.scaling[name]))
             # the kernels draw the mask at 2^-16 resolution: the table holds the rate they draw exactly
@@ -158,7 +159,7 @@ def _layer_table(layer, plan, device):
     table = AdapterTable(
         ranks=host[0].to(device, non_blocking=True), offsets=host[1].to(device, non_blocking=True),
         scales=fl[0].to(device, non_blocking=True), dropout=fl[1].to(device, non_blocking=True),
-        max_rank=max(ranks, default=0), total_rank=acc, has_dropout=any(p > 0 for p in ps),
+        max_rank=max(ranks, default=0), total_rank=acc, has_dropout=any(p > 0 for p in ps), slots=tuple(slots),
     )
     # row of each slot among present adapters (for lora_bias), last row = none
     row = {n: i for i, n in enumerate(present)}

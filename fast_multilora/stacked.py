@@ -170,10 +170,10 @@ class StackedExpand(torch.autograd.Function):
     def forward(ctx, h, y_in, part: _Slice, *b_weights):
         stack = part.stack
         y = y_in.view(-1, y_in.shape[-1])
-        B_cat = torch.cat(b_weights, 1)
-        stack.backend.expand(h, B_cat, stack.segs, part.table, y, stack.num, part.index)
+        B = stack.backend.weights(b_weights, part.table, 1)
+        stack.backend.expand(h, B, stack.segs, part.table, y, stack.num, part.index)
         ctx.mark_dirty(y_in)
-        ctx.save_for_backward(h, B_cat)
+        ctx.save_for_backward(h, *b_weights)  # the backward reads the weights as the forward did
         ctx.part = part
         ctx.b_dtypes = [w.dtype for w in b_weights]
         return y_in
@@ -182,16 +182,17 @@ class StackedExpand(torch.autograd.Function):
     def backward(ctx, dy_in):
         part: _Slice = ctx.part
         stack = part.stack
-        h, B_cat = ctx.saved_tensors
+        h, *b_weights = ctx.saved_tensors
         need_dh, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[3:])
         grads = [None] * len(ctx.b_dtypes)
         if need_dh or need_w:
             dy = dy_in.reshape(-1, dy_in.shape[-1]).contiguous()
             dh = stack.dh(part.index) if need_dh else None  # this slice's columns go into the shared buffer
-            _, dB = stack.backend.expand_bwd(dy, h, B_cat, stack.segs, part.table, stack.num, part.index, dh=dh,
+            B = stack.backend.weights(b_weights, part.table, 1)
+            _, dB = stack.backend.expand_bwd(dy, h, B, stack.segs, part.table, stack.num, part.index, dh=dh,
                                              grad_dtype=_grad_dtype(ctx.b_dtypes))
             if need_w:
-                grads = _split_grads(dB, part.ranks, ctx.b_dtypes, dim=1, n_rows=B_cat.shape[0])
+                grads = _split_grads(dB, part.ranks, ctx.b_dtypes, dim=1, n_rows=dy.shape[1])
         return (None, dy_in, None, *grads)
 
 
@@ -210,9 +211,9 @@ class StackedLinear(torch.autograd.Function):
     def forward(ctx, h, x_in, W, bias, part: _Slice, *b_weights):
         stack = part.stack
         x = as_rows(x_in)
-        B_cat = torch.cat(b_weights, 1)
-        y = linear_with_delta(stack.backend, x, W, bias, h, B_cat, stack.segs, part.table, stack.num, part.index)
-        ctx.save_for_backward(h, B_cat, W)
+        B = stack.backend.weights(b_weights, part.table, 1)
+        y = linear_with_delta(stack.backend, x, W, bias, h, B, stack.segs, part.table, stack.num, part.index)
+        ctx.save_for_backward(h, W, *b_weights)  # the backward reads the weights as the forward did
         ctx.part = part
         ctx.b_dtypes = [w.dtype for w in b_weights]
         return y.view(*x_in.shape[:-1], W.shape[0])
@@ -221,7 +222,7 @@ class StackedLinear(torch.autograd.Function):
     def backward(ctx, dy_in):
         part: _Slice = ctx.part
         stack = part.stack
-        h, B_cat, W = ctx.saved_tensors
+        h, W, *b_weights = ctx.saved_tensors
         needs = ctx.needs_input_grad
         need_dh, need_dx, need_w = needs[0], needs[1], any(needs[5:])
         grads = [None] * len(ctx.b_dtypes)
@@ -229,10 +230,11 @@ class StackedLinear(torch.autograd.Function):
             dy = dy_in.reshape(-1, dy_in.shape[-1]).contiguous()
             if need_dh or need_w:
                 dh = stack.dh(part.index) if need_dh else None
-                _, dB = stack.backend.expand_bwd(dy, h, B_cat, stack.segs, part.table, stack.num, part.index, dh=dh,
+                B = stack.backend.weights(b_weights, part.table, 1)
+                _, dB = stack.backend.expand_bwd(dy, h, B, stack.segs, part.table, stack.num, part.index, dh=dh,
                                                  grad_dtype=_grad_dtype(ctx.b_dtypes))
                 if need_w:
-                    grads = _split_grads(dB, part.ranks, ctx.b_dtypes, dim=1, n_rows=B_cat.shape[0])
+                    grads = _split_grads(dB, part.ranks, ctx.b_dtypes, dim=1, n_rows=W.shape[0])
             if need_dx:
                 stack.add_base_dx(dy, W)
         return (None, None, None, None, None, *grads)

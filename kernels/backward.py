@@ -38,7 +38,8 @@ import triton.language as tl
 
 from .dropout import check_keep_bits, check_stacked_seed, keep_block, unpack_keep
 from .launch import cdiv, checked, launch, mark_checked, next_power_of_2
-from .segments import AdapterTable, Segments
+from .segments import AdapterTable, Segments, SlotWeights
+from .sgemm import slot_weight
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -184,14 +185,16 @@ def _chunks(segs: Segments, n_slots: int, chunk: int):
 
 @triton.jit
 def _expand_bwd_kernel(
-    dy, h, B, dh, part_dh, part_dB, order, info, ranks, offsets, scales,
+    dy, h, B, dh, part_dh, part_dB, order, info, ranks, offsets, w_offs, scales,
     N, slice_idx, tiles_per_split,
     stride_dys, stride_dyn, stride_hs, stride_hr, stride_bn, stride_br, stride_dhs, stride_dhr,
     stride_pds, stride_pdt, stride_pdr, stride_pbc, stride_pbn, stride_pbr,
     DIRECT_DH: tl.constexpr, STORE_DB: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    W_OFFS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """dh[t, s*r+i] (+)= c * dy[t, n-range] . B[n-range, off+i];  part_dB[chunk, n, i] = sum_t dy[t, n] h[t, s*r+i]."""
+    """dh[t, s*r+i] (+)= c * dy[t, n-range] . B[n-range, off+i];  part_dB[chunk, n, i] = sum_t dy[t, n] h[t, s*r+i].
+
+    ``W_OFFS``: ``off = w_offs[slot]``, the slot's own ``[N, r]`` weight read in place (row stride ``r``)."""
     i_c = tl.program_id(0).to(tl.int64)
     i_p = tl.program_id(1).to(tl.int64)
     slot = tl.load(info + i_c * 3)
@@ -202,7 +205,7 @@ def _expand_bwd_kernel(
         return
     start = tl.load(info + i_c * 3 + 1).to(tl.int64)
     end = tl.load(info + i_c * 3 + 2)
-    off = tl.load(offsets + slot).to(tl.int64)
+    off = tl.load((w_offs if W_OFFS else offsets) + slot).to(tl.int64)
     col0 = slice_idx * rank  # this slice's first column of h / dh
 
     o_s = start + tl.arange(0, BLOCK_S)  # logical positions
@@ -343,12 +346,12 @@ def _expand_bwd_finish(
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed per step must not compile new variants
 def _shrink_bwd_kernel(
-    dh, x, A, dx, part_dA, keep_bits, order, info, ranks, offsets, dropout, seed,
+    dh, x, A, dx, part_dA, keep_bits, order, info, ranks, offsets, w_offs, dropout, seed,
     K, stack_num,
     stride_dhs, stride_dhr, stride_xs, stride_xk, stride_ar, stride_ak, stride_dxs, stride_dxk,
     stride_pac, stride_par, stride_pak, stride_ms,
     NEED_DX: tl.constexpr, HAS_DROPOUT: tl.constexpr, LOAD_MASK: tl.constexpr, HOIST_A: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, W_OFFS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     DROP_STACK: tl.constexpr,
 ):
@@ -357,6 +360,7 @@ def _shrink_bwd_kernel(
     ``DROP_STACK > 1`` (dropout on a stack of that many slices): column ``j`` of dh (row of A) belongs to slice
     ``j // rank``, whose own mask (key ``slice_seed(seed, s)``) multiplies that slice's terms of dx and dA.
     ``LOAD_MASK`` (``DROP_STACK == 1``): the mask is read from the forward's packed ``keep_bits`` instead of drawn.
+    ``W_OFFS`` (``stack_num == 1``): the slot's own A weight, read in place (``sgemm.slot_weight``).
     """
     i_c = tl.program_id(0).to(tl.int64)
     i_k = tl.program_id(1).to(tl.int64)
@@ -381,7 +385,7 @@ def _shrink_bwd_kernel(
     n_r = stack_num * rank  # rows of A_cat / columns of dh owned by the slot
     if i_r * BLOCK_R >= n_r:
         return
-    row0 = stack_num * tl.load(offsets + slot).to(tl.int64)
+    A, row0 = slot_weight(A, offsets, w_offs, slot, stack_num, W_OFFS)
     o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
     m_r = o_r < n_r
     if HOIST_A:  # one rank tile, 16-bit dots: A's tile stays in registers across the row loop
@@ -563,6 +567,22 @@ def _check_tensor(name: str, what: str, t: torch.Tensor, shape, dtypes, device):
     _check(t.device == device, f"{name}: {what} is on {t.device}, activations on {device}")
 
 
+def _weights(name: str, what: str, w, shape, dtypes, device, stack_num: int) -> tuple:
+    """``(pointer tensor, per-slot element offsets or None)`` of a concatenated weight or a ``SlotWeights``, checked
+    against the concatenation's ``shape``."""
+    if not isinstance(w, SlotWeights):
+        _check_tensor(name, what, w, shape, dtypes, device)
+        return w, None
+    if stack_num != 1:
+        raise ValueError(f"{name}: {what} as SlotWeights takes stack_num=1 (stacked weights are concatenated)")
+    if tuple(w.shape) != tuple(shape):
+        raise ValueError(f"{name}: {what} must stand for shape {tuple(shape)}, got {w.shape}")
+    _check_tensor(name, f"{what}.base", w.base, w.base.shape, dtypes, device)
+    if w.offsets.dtype != torch.int64 or w.offsets.device != device:
+        raise ValueError(f"{name}: {what}.offsets must be int64 on {device}")
+    return w.base, w.offsets
+
+
 def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1, slice_idx: int = 0,
                     dh: Optional[torch.Tensor] = None, dB_out: Optional[torch.Tensor] = None,
                     dB_blocked: bool = False):
@@ -581,7 +601,7 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
     dev, acc = dy.device, _acc_dtype(dy.dtype)
     n_slots, R, R_tot = table.ranks.numel(), table.max_rank, table.total_rank
     _check_tensor(name, "h", h, (S, stack_num * R), (torch.float32, torch.float64), dev)
-    _check_tensor(name, "B_cat", B_cat, (N, R_tot), (torch.float32, dy.dtype), dev)
+    B, w_offs = _weights(name, "B_cat", B_cat, (N, R_tot), (torch.float32, dy.dtype), dev, 1)
     if dh is None:
         dh = torch.zeros(S, stack_num * R, dtype=acc, device=dev)
     _check_tensor(name, "dh", dh, (S, stack_num * R), (acc,), dev)
@@ -609,12 +629,13 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
     pd_strides = part_dh.stride() if not direct_dh else (0, 0, 0)
     pb_strides = part_dB.stride() if fused else (0, 0, 0)
     launch(_expand_bwd_kernel, (capacity, n_splits), (
-        dy, h, B_cat, dh, part_dh, part_dB, order, info, table.ranks, table.offsets, table.scales,
+        dy, h, B, dh, part_dh, part_dB, order, info, table.ranks, table.offsets,
+        table.offsets if w_offs is None else w_offs, table.scales,
         N, slice_idx, tiles_per_split,
         *dy.stride(), *h.stride(), *B_cat.stride(),
         *dh.stride(), *pd_strides, *pb_strides,
     ), dict(DIRECT_DH=direct_dh, STORE_DB=fused, EVEN_N=N % BLOCK_N == 0, DOT_PRECISION=prec,
-            BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, num_warps=num_warps))
+            W_OFFS=w_offs is not None, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, num_warps=num_warps))
     BLOCK_NF = min(128, max(16, _FINISH_TILE // BLOCK_R)) if fused else BLOCK_N
     tiles_nf = cdiv(N, BLOCK_NF)
     n_db = n_slots * tiles_nf
@@ -642,7 +663,7 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     dev, acc = x.device, _acc_dtype(x.dtype)
     n_slots, R, R_tot = table.ranks.numel(), table.max_rank, table.total_rank
     _check_tensor(name, "dh", dh, (S, stack_num * R), (torch.float32, torch.float64), dev)
-    _check_tensor(name, "A_cat", A_cat, (stack_num * R_tot, K), (torch.float32, x.dtype), dev)
+    A, w_offs = _weights(name, "A_cat", A_cat, (stack_num * R_tot, K), (torch.float32, x.dtype), dev, stack_num)
     if not (seed is None or isinstance(seed, int)):
         raise ValueError(f"{name}: seed must be an int or None, got {type(seed)}")
     check_stacked_seed(name, seed, stack_num)
@@ -682,15 +703,15 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     info, cptr, order, capacity = _chunks(segs, n_slots, chunk)
     part_dA = torch.empty(capacity, stack_num * R, K, dtype=acc, device=dev)
     launch(_shrink_bwd_kernel, (capacity, tiles_k, tiles_r), (
-        dh, x, A_cat, dx if need_dx else x, part_dA, keep if load_mask else x, order, info, table.ranks,
-        table.offsets, table.dropout, seed if has_dropout else 0,
+        dh, x, A, dx if need_dx else x, part_dA, keep if load_mask else x, order, info, table.ranks,
+        table.offsets, table.offsets if w_offs is None else w_offs, table.dropout, seed if has_dropout else 0,
         K, stack_num,
         *dh.stride(), *x.stride(), *A_cat.stride(),
         *(dx.stride() if need_dx else (0, 0)), *part_dA.stride(), keep.stride(0) if load_mask else 0,
     ), dict(
         # not for FMA (fp32) dots, whose operand layout would hold A's tile replicated and spill
         NEED_DX=need_dx, HAS_DROPOUT=has_dropout, LOAD_MASK=load_mask, HOIST_A=tiles_r == 1 and x.element_size() == 2,
-        EVEN_K=K % BLOCK_K == 0, DOT_PRECISION=_dot_precision(x.dtype),
+        EVEN_K=K % BLOCK_K == 0, DOT_PRECISION=_dot_precision(x.dtype), W_OFFS=w_offs is not None,
         BLOCK_S=BLOCK_S, BLOCK_K=BLOCK_K, BLOCK_R=BLOCK_R, num_warps=num_warps, num_stages=num_stages,
         DROP_STACK=stack_num if has_dropout else 1,  # a mask per stacked slice
     ))

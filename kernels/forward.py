@@ -33,7 +33,7 @@ import torch
 
 from .dropout import check_keep_bits, check_stacked_seed
 from .launch import cdiv, checked, launch, mark_checked, next_power_of_2
-from .segments import AdapterTable, Segments
+from .segments import AdapterTable, Segments, SlotWeights
 from .sgemm import sgemm_expand_kernel, sgemm_shrink_kernel
 from .sgmv import chunk_table, sgmv_expand_kernel, sgmv_shrink_kernel
 
@@ -149,6 +149,20 @@ def _check_2d(name: str, t, device) -> None:
         raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
 
 
+def _weights(name: str, w, device, stack_num: int) -> tuple:
+    """``(pointer tensor, per-slot element offsets)`` of a :class:`SlotWeights` (one slice only: ``stack_num == 1``),
+    or ``(w, None)`` for a concatenated weight (the table's offsets locate its slots)."""
+    if not isinstance(w, SlotWeights):
+        _check_2d(name, w, device)
+        return w, None
+    if stack_num != 1:
+        raise ValueError(f"{name}: SlotWeights take stack_num=1, got {stack_num} (stacked weights are concatenated)")
+    _check_2d(f"{name}.base", w.base, device)
+    if w.offsets.device != device or w.offsets.dtype != torch.int64:
+        raise ValueError(f"{name}.offsets must be int64 on {device}, got {w.offsets.dtype} on {w.offsets.device}")
+    return w.base, w.offsets
+
+
 def _check_layout(segs: Segments, table: AdapterTable, S: int, device, stack_num: int) -> None:
     if not isinstance(stack_num, int) or stack_num < 1:
         raise ValueError(f"stack_num must be a positive int, got {stack_num!r}")
@@ -182,12 +196,13 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
     """
     _check_2d("x", x, getattr(x, "device", None))
     device = x.device
-    _check_2d("A_cat", A_cat, device)
+    A, w_offs = _weights("A_cat", A_cat, device, stack_num)
+    slotted = w_offs is not None
     if x.dtype not in _ACTIVATION_DTYPES:
         raise ValueError(f"x must be one of {_ACTIVATION_DTYPES}, got {x.dtype}")
     S, K = x.shape
     _check_layout(segs, table, S, device, stack_num)
-    if A_cat.shape != (stack_num * table.total_rank, K):
+    if tuple(A_cat.shape) != (stack_num * table.total_rank, K):
         raise ValueError(f"A_cat must be [stack_num*total_rank, K] = [{stack_num * table.total_rank}, {K}], "
                          f"got {list(A_cat.shape)}")
     if seed is not None and not isinstance(seed, int):
@@ -213,24 +228,25 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
 
     has_dropout = seed is not None and table.has_dropout
     store_mask = has_dropout and keep_out is not None
-    BLOCK_S, BLOCK_N, BLOCK_K, num_warps, num_stages = _shrink_blocks(segs, width, x, A_cat, has_dropout, stack_num,
+    BLOCK_S, BLOCK_N, BLOCK_K, num_warps, num_stages = _shrink_blocks(segs, width, x, A, has_dropout, stack_num,
                                                                       store_mask)
     common = (*A_cat.stride(), *out.stride(), keep_out.stride(0) if store_mask else 0)
     keep_arg = keep_out if store_mask else out
     meta = dict(STACK=stack_num, HAS_DROPOUT=has_dropout, STORE_MASK=store_mask, EVEN_K=K % BLOCK_K == 0,
-                DOT_PRECISION=_dot_precision(x.dtype), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps,
-                num_stages=num_stages)
+                DOT_PRECISION=_dot_precision(x.dtype), W_OFFS=slotted, BLOCK_N=BLOCK_N,
+                BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages)
     seed = seed if has_dropout else 0
+    w_offs = w_offs if slotted else table.offsets  # unread without W_OFFS
     if segs.perm is None:
         grid = (segs.num_segments, cdiv(segs.max_len, BLOCK_S), cdiv(width, BLOCK_N))
         launch(sgemm_shrink_kernel, grid, (
-            x, A_cat, out, keep_arg, segs.indptr, segs.slot, table.ranks, table.offsets, table.dropout, seed, K,
-            *x.stride(), *common), dict(meta, BLOCK_S=BLOCK_S))
+            x, A, out, keep_arg, segs.indptr, segs.slot, table.ranks, table.offsets, w_offs, table.dropout, seed,
+            K, *x.stride(), *common), dict(meta, BLOCK_S=BLOCK_S))
     else:
         chunks = chunk_table(segs, BLOCK_S)
         grid = (chunks.shape[1], cdiv(width, BLOCK_N))
         launch(sgmv_shrink_kernel, grid, (
-            x, A_cat, out, keep_arg, chunks, segs.indptr, segs.slot, segs.perm, table.ranks, table.offsets,
+            x, A, out, keep_arg, chunks, segs.indptr, segs.slot, segs.perm, table.ranks, table.offsets, w_offs,
             table.dropout,
             seed, chunks.shape[1], *x.stride(), *common), dict(K=K, N=width, BLOCK_M=BLOCK_S, **meta))
     return out
@@ -248,7 +264,7 @@ def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: 
     _check_2d("y", y, getattr(y, "device", None))
     device = y.device
     _check_2d("h", h, device)
-    _check_2d("B_cat", B_cat, device)
+    _weights("B_cat", B_cat, device, 1)
     if y.dtype not in _ACTIVATION_DTYPES:
         raise ValueError(f"y must be one of {_ACTIVATION_DTYPES}, got {y.dtype}")
     S, N = y.shape
@@ -258,7 +274,7 @@ def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: 
     if h.shape != (S, stack_num * table.max_rank):
         raise ValueError(f"h must be [S, stack_num*max_rank] = [{S}, {stack_num * table.max_rank}], "
                          f"got {list(h.shape)}")
-    if B_cat.shape != (N, table.total_rank):
+    if tuple(B_cat.shape) != (N, table.total_rank):
         raise ValueError(f"B_cat must be [N, total_rank] = [{N}, {table.total_rank}], got {list(B_cat.shape)}")
     if bias is not None:
         if accumulate:
@@ -294,7 +310,9 @@ def _expand_launch(h, B_cat, segs: Segments, table: AdapterTable, y, *, slice_id
     BLOCK_R = _pow2_clamp(table.max_rank, 16, R_CAP)
     BLOCK_S = _rows_block(segs, S_BLK)
     common = (*h.stride(), *B_cat.stride(), *y.stride())
-    meta = dict(FP64=fp64, DOT_PRECISION=_dot_precision(torch.float64 if fp64 else y.dtype),
+    slotted = isinstance(B_cat, SlotWeights)
+    B, w_offs = (B_cat.base, B_cat.offsets) if slotted else (B_cat, table.offsets)  # unread without W_OFFS
+    meta = dict(FP64=fp64, DOT_PRECISION=_dot_precision(torch.float64 if fp64 else y.dtype), W_OFFS=slotted,
                 # after a bias fill the kernel adds to it; after a zero fill (or defining every row) it writes
                 ACCUMULATE=accumulate or (not write_all and bias is not None), HAS_BIAS=write_all and bias is not None,
                 BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, num_warps=num_warps, num_stages=num_stages)
@@ -307,12 +325,12 @@ def _expand_launch(h, B_cat, segs: Segments, table: AdapterTable, y, *, slice_id
         n_tiles = min(n_tiles, tiles_n) if tiles >= _LOOP_MIN_TILES[_target()] else 1
         grid = (segs.num_segments, cdiv(rows, BLOCK_S), cdiv(N, BLOCK_N * n_tiles))
         launch(sgemm_expand_kernel, grid, (
-            h, B_cat, y, bias_arg, segs.indptr, segs.slot, table.ranks, table.offsets, table.scales, slice_idx, N,
-            *common), dict(meta, BLOCK_S=BLOCK_S, N_TILES=n_tiles))
+            h, B, y, bias_arg, segs.indptr, segs.slot, table.ranks, table.offsets, w_offs, table.scales, slice_idx,
+            N, *common), dict(meta, BLOCK_S=BLOCK_S, N_TILES=n_tiles))
     else:
         chunks = chunk_table(segs, BLOCK_S)
         grid = (chunks.shape[1], cdiv(N, BLOCK_N))
         launch(sgmv_expand_kernel, grid, (
-            h, B_cat, y, bias_arg, chunks, segs.indptr, segs.slot, segs.perm, table.ranks, table.offsets,
+            h, B, y, bias_arg, chunks, segs.indptr, segs.slot, segs.perm, table.ranks, table.offsets, w_offs,
             table.scales, slice_idx, chunks.shape[1], *common),
             dict(N=N, MAX_RANK=table.max_rank, BLOCK_M=BLOCK_S, **meta))

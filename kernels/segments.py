@@ -22,7 +22,7 @@ Conventions (every op follows them):
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -55,6 +55,83 @@ class AdapterTable(NamedTuple):
     max_rank: int  # max over ranks (host int)
     total_rank: int  # sum of ranks (host int)
     has_dropout: bool  # any dropout p > 0 (host bool)
+    slots: Optional[tuple] = None  # host: the slots of rank > 0, ascending (the order of a layer's weights), if known
+
+
+class SlotWeights(NamedTuple):
+    """One layer's adapter weights read where they are, standing in for ``A_cat`` / ``B_cat`` (no concatenated copy).
+
+    Slot ``a``'s weight starts ``offsets[a]`` elements after ``base``'s first element; ``base`` is the weight at the
+    lowest address, the kernels' pointer argument. Build it with :func:`slot_weights`, which checks what the kernels
+    assume: every weight contiguous, of one dtype and device, and at an offset that is a multiple of 16 elements (the
+    alignment the concatenation's rows have; the CUDA caching allocator hands out 512-byte aligned blocks).
+    A weights ``[r_a, K]`` (``stack_num == 1``); B weights ``[N, r]``, one rank ``r`` for all.
+    """
+
+    base: torch.Tensor
+    offsets: torch.Tensor  # int64 [n_slots] on the weights' device; 0 for slots without a weight (rank 0)
+    shape: tuple  # the concatenation it stands for: (total_rank, K) for A, (N, total_rank) for B
+    row_stride: int  # elements between a weight's rows: K for A weights, r for B weights
+
+    def stride(self) -> tuple:
+        """Row and column strides of each weight (where a concatenated weight has its own)."""
+        return self.row_stride, 1
+
+
+_ALIGN = 16  # elements
+_SLOT_WEIGHTS: dict = {}  # key of slot_weights -> (base index, device offsets, shape, row stride) or None
+
+
+def slot_weights(weights: Sequence[torch.Tensor], slots: tuple, n_slots: int, dim: int) -> Optional[SlotWeights]:
+    """``weights`` (slot ``slots[i]`` owns ``weights[i]``) as a :class:`SlotWeights`, or ``None`` when the kernels
+    cannot read them in place (mixed dtypes or devices, a non-contiguous weight, a misaligned address, B weights of
+    unequal ranks): the caller then concatenates. ``dim=0``: A weights ``[r_a, K]``; ``dim=1``: B weights ``[N, r]``.
+
+    Cached by what the result depends on -- per weight its address, shape, dtype and contiguity -- which in-place
+    optimizer updates keep: a training loop builds each layer's device table of offsets once. Per call: the key.
+    """
+    if not weights:
+        return None
+    key = (weights[0].device, n_slots, slots, dim,
+           *[(w.data_ptr(), w.shape, w.dtype, w.is_contiguous()) for w in weights])
+    hit = _SLOT_WEIGHTS.get(key, False)
+    if hit is False:
+        hit = _slot_offsets(weights, slots, n_slots, dim)
+        if len(_SLOT_WEIGHTS) >= 4096:  # bounded: entries are a few bytes of device memory each
+            _SLOT_WEIGHTS.clear()
+        _SLOT_WEIGHTS[key] = hit
+    if hit is None:
+        return None
+    index, offsets, shape, row_stride = hit
+    return SlotWeights(weights[index], offsets, shape, row_stride)
+
+
+def _slot_offsets(weights, slots, n_slots, dim):
+    """``(index of the base weight, int64 offsets [n_slots] on the device, shape, row stride)``, or ``None`` (see
+    :func:`slot_weights`)."""
+    w0 = weights[0]
+    if len(slots) != len(weights) or any(w.dim() != 2 or w.dtype != w0.dtype or w.device != w0.device
+                                         or not w.is_contiguous() for w in weights):
+        return None
+    if any(w.shape[1 - dim] != w0.shape[1 - dim] for w in weights):  # one K (A) or one N (B)
+        return None
+    if dim == 1 and any(w.shape[1] != w0.shape[1] for w in weights):  # B rows: one stride, the rank
+        return None
+    ptrs = [w.data_ptr() for w in weights]
+    index = min(range(len(ptrs)), key=ptrs.__getitem__)
+    size = w0.element_size()
+    host = [0] * n_slots
+    for s, p in zip(slots, ptrs, strict=True):
+        delta = p - ptrs[index]
+        if delta % (_ALIGN * size) or not 0 <= s < n_slots:
+            return None
+        host[s] = delta // size
+    offsets = torch.tensor(host, dtype=torch.int64)
+    if w0.device.type != "cpu":
+        offsets = offsets.to(w0.device, non_blocking=True)
+    total = sum(w.shape[dim] for w in weights)
+    shape = (total, w0.shape[1]) if dim == 0 else (w0.shape[0], total)
+    return index, offsets, shape, w0.shape[1]
 
 
 def segments_from_token_slots(token_slots: torch.Tensor, grouped: bool, device=None) -> Segments:

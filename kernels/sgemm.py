@@ -128,6 +128,20 @@ def expand_tile(
 
 
 @triton.jit
+def slot_weight(W, offsets, w_offs, slot, STACK: tl.constexpr, W_OFFS: tl.constexpr):
+    """``(W_a, row0)``: the slot's rows of a shrink weight start at row ``row0`` of ``W_a``. In the concatenation
+    ``A_cat`` (``W_a = W``, ``row0 = STACK*offsets[slot]``), or in place (``W_OFFS``, a ``segments.SlotWeights``: the
+    slot's own weight at ``W + w_offs[slot]`` elements, a multiple of 16, and ``row0 = 0``)."""
+    if W_OFFS:
+        W_a = W + tl.multiple_of(tl.load(w_offs + slot), 16)
+        row0 = 0
+    else:
+        W_a = W
+        row0 = STACK * tl.load(offsets + slot).to(tl.int64)
+    return W_a, row0
+
+
+@triton.jit
 def fill_tile(y, bias, o_s, m_s, i_n, N, stride_ys, stride_yn, HAS_BIAS: tl.constexpr,
               BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
     """y[o_s, n] = bias[n] (or 0) for the N-tile ``i_n``: the rows of a write-mode expand that no adapter touches."""
@@ -142,13 +156,14 @@ def fill_tile(y, bias, o_s, m_s, i_n, N, stride_ys, stride_yn, HAS_BIAS: tl.cons
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed per call must not pick new variants
 def sgemm_shrink_kernel(
-    x, A, h, keep_bits, indptr, seg_slot, ranks, offsets, dropout, seed, K,
+    x, A, h, keep_bits, indptr, seg_slot, ranks, offsets, w_offs, dropout, seed, K,
     stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn, stride_ms,
     STACK: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_MASK: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, W_OFFS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """h[t, :STACK*r] = dropout(x[t]) @ A_cat[STACK*off : STACK*(off+r)]^T for the rows t of segment ``i_g``."""
+    """h[t, :STACK*r] = dropout(x[t]) @ A_cat[STACK*off : STACK*(off+r)]^T for the rows t of segment ``i_g``
+    (``W_OFFS``: the slot's own weight, see :func:`slot_weight`)."""
     i_g = tl.program_id(0)
     i_s = tl.program_id(1).to(tl.int64)
     i_n = tl.program_id(2)
@@ -167,9 +182,9 @@ def sgemm_shrink_kernel(
     p = 0.0
     if HAS_DROPOUT:
         p = tl.load(dropout + slot)
-    w_row0 = STACK * tl.load(offsets + slot).to(tl.int64)
+    A_a, w_row0 = slot_weight(A, offsets, w_offs, slot, STACK, W_OFFS)
     shrink_tile(
-        x, A, h, keep_bits, o_s, o_s < eos, i_n, w_row0, n_a, K, seed, p,
+        x, A_a, h, keep_bits, o_s, o_s < eos, i_n, w_row0, n_a, K, seed, p,
         stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn, stride_ms,
         HAS_DROPOUT, STORE_MASK, EVEN_K, DOT_PRECISION, BLOCK_S, BLOCK_N, BLOCK_K, STACK if HAS_DROPOUT else 1,
     )
@@ -177,12 +192,14 @@ def sgemm_shrink_kernel(
 
 @triton.jit
 def sgemm_expand_kernel(
-    h, B, y, bias, indptr, seg_slot, ranks, offsets, scales, slice_idx, N,
+    h, B, y, bias, indptr, seg_slot, ranks, offsets, w_offs, scales, slice_idx, N,
     stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
     FP64: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    W_OFFS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_TILES: tl.constexpr,
 ):
-    """y[t] += scale_a * h[t, slice*r : (slice+1)*r] @ B_cat[:, off : off+r]^T for the rows t of segment ``i_g``.
+    """y[t] += scale_a * h[t, slice*r : (slice+1)*r] @ B_cat[:, off : off+r]^T for the rows t of segment ``i_g``
+    (``W_OFFS``: ``off = w_offs[slot]``, the slot's own ``[N, r]`` weight read in place with row stride ``r``).
 
     Write mode (``ACCUMULATE=False``): y[t] = that product (+ bias), and rows of base segments / rank-0 slots are
     written too (bias or zero), so every row of y is defined. A program covers ``N_TILES`` consecutive N-tiles: the
@@ -203,7 +220,7 @@ def sgemm_expand_kernel(
             for j in range(N_TILES):
                 fill_tile(y, bias, o_s, o_s < eos, i_n0 + j, N, stride_ys, stride_yn, HAS_BIAS, BLOCK_S, BLOCK_N)
         return
-    b_col0 = tl.load(offsets + slot)
+    b_col0 = tl.load((w_offs if W_OFFS else offsets) + slot)
     scale = tl.load(scales + slot)
     for j in range(N_TILES):
         expand_tile(

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .launch import cdiv
 from .segments import Segments
-from .sgemm import expand_tile, shrink_tile
+from .sgemm import expand_tile, shrink_tile, slot_weight
 
 
 def chunk_table(segs: Segments, block_m: int) -> torch.Tensor:
@@ -48,11 +48,11 @@ def chunk_table(segs: Segments, block_m: int) -> torch.Tensor:
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed per call must not pick new variants
 def sgmv_shrink_kernel(
-    x, A, h, keep_bits, chunks, indptr, seg_slot, perm, ranks, offsets, dropout, seed, capacity,
+    x, A, h, keep_bits, chunks, indptr, seg_slot, perm, ranks, offsets, w_offs, dropout, seed, capacity,
     stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn, stride_ms,
     K: tl.constexpr, N: tl.constexpr, STACK: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_MASK: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    W_OFFS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """h[perm[j], :STACK*r] = dropout(x[perm[j]]) @ A_cat[STACK*off : STACK*(off+r)]^T for the chunk's positions j."""
     i_c = tl.program_id(0)
@@ -72,9 +72,9 @@ def sgmv_shrink_kernel(
     p = 0.0
     if HAS_DROPOUT:
         p = tl.load(dropout + slot)
-    w_row0 = STACK * tl.load(offsets + slot).to(tl.int64)
+    A_a, w_row0 = slot_weight(A, offsets, w_offs, slot, STACK, W_OFFS)
     shrink_tile(
-        x, A, h, keep_bits, o_s, m_s, i_n, w_row0, n_a, K, seed, p,
+        x, A_a, h, keep_bits, o_s, m_s, i_n, w_row0, n_a, K, seed, p,
         stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn, stride_ms,
         HAS_DROPOUT, STORE_MASK, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, STACK if HAS_DROPOUT else 1,
     )
@@ -82,10 +82,11 @@ def sgmv_shrink_kernel(
 
 @triton.jit
 def sgmv_expand_kernel(
-    h, B, y, bias, chunks, indptr, seg_slot, perm, ranks, offsets, scales, slice_idx, capacity,
+    h, B, y, bias, chunks, indptr, seg_slot, perm, ranks, offsets, w_offs, scales, slice_idx, capacity,
     stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
     N: tl.constexpr, MAX_RANK: tl.constexpr,
     FP64: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    W_OFFS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """y[perm[j]] (+)= scale_a * h[perm[j], slice*r : (slice+1)*r] @ B_cat[:, off : off+r]^T for the chunk's j.
@@ -106,8 +107,9 @@ def sgmv_expand_kernel(
     o_m = tl.load(chunks + capacity + i_c) + tl.arange(0, BLOCK_M)  # [BLOCK_M] logical positions
     m_s = o_m < tl.load(indptr + i_g + 1)
     o_s = tl.load(perm + o_m, mask=m_s, other=0).to(tl.int64)  # [BLOCK_M] physical rows
+    b_col0 = tl.load((w_offs if W_OFFS else offsets) + slot)  # W_OFFS: the slot's own [N, r] weight, in place
     expand_tile(
-        h, B, y, bias, o_s, m_s, i_n, slice_idx * rank, tl.load(offsets + slot), rank, tl.load(scales + slot), N,
+        h, B, y, bias, o_s, m_s, i_n, slice_idx * rank, b_col0, rank, tl.load(scales + slot), N,
         stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
         FP64, DOT_PRECISION, ACCUMULATE, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_R,
     )

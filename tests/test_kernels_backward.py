@@ -443,7 +443,7 @@ def spills(kernel, types, consts, num_warps):
     out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     os.unlink(f.name)
     m = re.search(r"REG:(\d+) STACK:(\d+)", out)
-    print(fn.__name__, consts.get("BLOCK_S"), consts.get("BLOCK_R"), m.group(0))
+    print(fn.__name__, consts.get("BLOCK_S"), consts.get("BLOCK_R"), consts.get("W_OFFS"), m.group(0))
     return int(m.group(2))
 
 act = "bf16"
@@ -451,10 +451,13 @@ ptr = {n: "*fp32" for n in ("h", "dh", "part_dh", "part_dB", "scales", "dB", "pa
 ptr.update({n: "*" + act for n in ("dy", "B", "x", "A", "dx")})
 ptr.update({n: "*i32" for n in ("order", "info", "ranks", "offsets", "cptr")})
 ptr["keep_bits"] = "*u8"
+ptr["w_offs"] = "*i64"  # W_OFFS: each adapter's weight read in place (segments.SlotWeights), the layers' path
 bad = 0
 for _bound, BS, BN, nw, fused in B._EXPAND_BLOCKS[16][0]:  # the 16-bit rows, by N
-    bad += spills(B._expand_bwd_kernel, ptr, dict(DIRECT_DH=False, STORE_DB=fused, EVEN_N=True, DOT_PRECISION="tf32",
-                                                  BLOCK_S=BS, BLOCK_N=BN, BLOCK_R=16), nw)
+    for w_offs in (False, True):
+        bad += spills(B._expand_bwd_kernel, ptr, dict(DIRECT_DH=False, STORE_DB=fused, EVEN_N=True,
+                                                      DOT_PRECISION="tf32", W_OFFS=w_offs, BLOCK_S=BS, BLOCK_N=BN,
+                                                      BLOCK_R=16), nw)
 for blocked in (False, True):  # dB as [N, total_rank], or blocked in the weights' layout
     bad += spills(B._expand_bwd_finish, ptr, dict(FROM_PARTS=fused, DOT_PRECISION="tf32", BLOCK_S=BS,
                                                   BLOCK_N=B._FINISH_TILE // 16, BLOCK_R=16, DB_BLOCKED=blocked), 8)
@@ -466,34 +469,38 @@ for need_dx, table in ((True, B._SHRINK_BLOCKS), (False, B._SHRINK_DA_BLOCKS)):
         for load_mask in ((False, True) if stack == 1 else (False,)):  # the forward's stored mask, or redrawn
             bad += spills(B._shrink_bwd_kernel, ptr, dict(NEED_DX=need_dx, HAS_DROPOUT=True, LOAD_MASK=load_mask,
                                                           HOIST_A=True, EVEN_K=True, DOT_PRECISION="tf32",
-                                                          BLOCK_S=BS, BLOCK_K=BK, BLOCK_R=block_r, DROP_STACK=stack),
+                                                          W_OFFS=False, BLOCK_S=BS, BLOCK_K=BK, BLOCK_R=block_r,
+                                                          DROP_STACK=stack),
                           nw)
 # the training step's rows: 16-bit, one rank tile of 16, by the dropout mask's source
 for mode, rows in B._SHRINK_R16.items():
-    for _bound, BS, BK, nw, _stages in rows:
+    for (_bound, BS, BK, nw, _stages), w_offs in ((row, w) for row in rows for w in (False, True)):
         bad += spills(B._shrink_bwd_kernel, ptr, dict(NEED_DX=True, HAS_DROPOUT=mode != "none",
                                                       LOAD_MASK=mode == "stored", HOIST_A=True, EVEN_K=True,
-                                                      DOT_PRECISION="tf32", BLOCK_S=BS, BLOCK_K=BK, BLOCK_R=16,
-                                                      DROP_STACK=1), nw)
+                                                      DOT_PRECISION="tf32", W_OFFS=w_offs, BLOCK_S=BS, BLOCK_K=BK,
+                                                      BLOCK_R=16, DROP_STACK=1), nw)
 # the forward shrink with a mask per slice (dropout on a q/k/v stack), the dropout table's r <= 32 row
 from fast_multilora.kernels import forward as F
 from fast_multilora.kernels.sgemm import sgemm_shrink_kernel
 _, BS, BN, BK, nw, _stages = F.SHRINK_DROPOUT_BLOCKS["gpu"][-1]
 ptr.update({n: "*i32" for n in ("indptr", "seg_slot")})
 bad += spills(sgemm_shrink_kernel, ptr, dict(STACK=3, HAS_DROPOUT=True, STORE_MASK=False, EVEN_K=True,
-                                             DOT_PRECISION="tf32", BLOCK_S=BS, BLOCK_N=64, BLOCK_K=min(BK, 64)),
+                                             DOT_PRECISION="tf32", W_OFFS=False, BLOCK_S=BS, BLOCK_N=64,
+                                             BLOCK_K=min(BK, 64)),
               nw)  # launcher's rule
 _, BS, BN, BK, nw, _stages = F.SHRINK_DROPOUT_STORE_BLOCKS["gpu"][0]  # r <= 32, storing the mask it draws
-bad += spills(sgemm_shrink_kernel, ptr, dict(STACK=1, HAS_DROPOUT=True, STORE_MASK=True, EVEN_K=True,
-                                             DOT_PRECISION="tf32", BLOCK_S=BS, BLOCK_N=16, BLOCK_K=BK), nw)
+for w_offs in (False, True):
+    bad += spills(sgemm_shrink_kernel, ptr, dict(STACK=1, HAS_DROPOUT=True, STORE_MASK=True, EVEN_K=True,
+                                                 DOT_PRECISION="tf32", W_OFFS=w_offs, BLOCK_S=BS, BLOCK_N=16,
+                                                 BLOCK_K=BK), nw)
 # the forward expand's rows, add and write mode (16-bit y, one rank tile of 16)
 from fast_multilora.kernels.sgemm import sgemm_expand_kernel
 ptr.update(y="*" + act, bias="*" + act)
 for accumulate, rows in ((True, F.EXPAND_BLOCKS["gpu"]), (False, F.EXPAND_WRITE_BLOCKS["gpu"])):
-    for _bound, BS, BN, _r_cap, nw, _stages, n_tiles in rows:
+    for (_bound, BS, BN, _r_cap, nw, _stages, n_tiles), w_offs in ((row, w) for row in rows for w in (False, True)):
         bad += spills(sgemm_expand_kernel, dict(ptr, stride_hn=None), dict(
-            FP64=False, DOT_PRECISION="tf32", ACCUMULATE=accumulate, HAS_BIAS=False, BLOCK_S=BS, BLOCK_N=BN,
-            BLOCK_R=16, N_TILES=n_tiles, stride_hn=1, stride_yn=1), nw)
+            FP64=False, DOT_PRECISION="tf32", ACCUMULATE=accumulate, HAS_BIAS=False, W_OFFS=w_offs, BLOCK_S=BS,
+            BLOCK_N=BN, BLOCK_R=16, N_TILES=n_tiles, stride_hn=1, stride_yn=1), nw)
 sys.exit(1 if bad else 0)
 '''
 

@@ -1,0 +1,138 @@
+"""Weights read in place (``kernels.segments.SlotWeights``) against the concatenated weights, every kernel.
+
+The layer Functions hand the kernels each adapter's own ``lora_A`` / ``lora_B`` weight (a per-slot address table)
+instead of ``torch.cat`` copies. Here the four launchers run on both forms of the same weights -- separate tensors
+allocated out of slot order, with absent slots (rank 0) and unused memory between them -- and must give the same
+results: bit for bit (the kernels do the same arithmetic on the same values; only the addresses differ), and within
+the kernels' stated tolerances of the float64 reference (``test_kernels_forward.py``: fp32 1e-5 of max|ref|).
+Outputs are NaN-poisoned where the contract leaves them unwritten. Then the builder's rules: what it refuses
+(the caller concatenates instead) and its cache.
+"""
+
+import pytest
+import torch
+from fast_multilora.kernels.backward import lora_expand_bwd, lora_shrink_bwd
+from fast_multilora.kernels.forward import lora_expand, lora_shrink
+from fast_multilora.kernels.segments import SlotWeights, slot_weights
+from helpers import DEVICE, make_segments, make_table, poisoned, random_token_slots
+
+from fast_multilora import reference as ref
+
+FAMILIES = [pytest.param(False, id="sgemm"), pytest.param(True, id="chunked")]
+
+
+def _scattered(shapes, dtype, gen, device):
+    """One tensor per shape, allocated in reverse order with spare tensors between them (so slot 0 is not the lowest
+    address and the weights are not adjacent); the spares stay alive with the result."""
+    out, spares = [None] * len(shapes), []
+    for i in reversed(range(len(shapes))):
+        spares.append(torch.empty(37 + i, dtype=dtype, device=device))
+        out[i] = (torch.randn(*shapes[i], generator=gen) / 4).to(device, dtype)
+    return out, spares
+
+
+def _case(S, K, N, ranks, grouped, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    ts = random_token_slots(S, len(ranks), g, layout="random")
+    table = make_table(ranks, device=DEVICE)
+    segs = make_segments(ts, grouped, device=DEVICE)
+    slots = tuple(s for s, r in enumerate(ranks) if r > 0)
+    As, keep_a = _scattered([(ranks[s], K) for s in slots], dtype, g, DEVICE)
+    Bs, keep_b = _scattered([(N, ranks[s]) for s in slots], dtype, g, DEVICE)
+    x = torch.randn(S, K, generator=g).to(DEVICE, dtype)
+    A_slot = slot_weights(As, slots, len(ranks), 0)
+    B_slot = slot_weights(Bs, slots, len(ranks), 1)
+    assert A_slot is not None and B_slot is not None
+    return ts, table, segs, x, As, Bs, torch.cat(As), torch.cat(Bs, 1), A_slot, B_slot, (keep_a, keep_b)
+
+
+# S, K, N, ranks (one rank for the B weights; 0 = adapter absent from the layer), seed
+CASES = [
+    pytest.param(45, 123, 77, [4, 0, 4, 4, 0, 4], 1, id="S45-K123-N77-R4-A6-absent"),
+    pytest.param(33, 64, 130, [16, 16, 16], 2, id="S33-K64-N130-R16-A3"),
+    pytest.param(20, 16, 17, [1] * 9 + [0], 3, id="S20-K16-N17-R1-A10"),
+]
+
+
+@pytest.mark.parametrize("grouped", FAMILIES)
+@pytest.mark.parametrize("S,K,N,ranks,seed", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []),
+                         ids=["fp32", "fp16"] + (["bf16"] if DEVICE == "cuda" else []))  # bf16 dot: GPU only
+def test_forward_in_place_equals_concatenated(S, K, N, ranks, seed, grouped, dtype):
+    ts, table, segs, x, As, Bs, A_cat, B_cat, A_slot, B_slot, _ = _case(S, K, N, ranks, grouped, dtype, seed)
+    width = max(ranks)
+    h_cat = lora_shrink(x, A_cat, segs, table, out=poisoned(S, width, device=DEVICE))
+    h_slot = lora_shrink(x, A_slot, segs, table, out=poisoned(S, width, device=DEVICE))
+    torch.testing.assert_close(h_slot, h_cat, rtol=0, atol=0, equal_nan=True)  # NaN where unwritten, both
+    h = torch.nan_to_num(h_cat, nan=0.0)
+    y0 = torch.randn(S, N, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+    for accumulate in (False, True):
+        y_cat = lora_expand(h, B_cat, segs, table, y0.clone(), accumulate=accumulate)
+        y_slot = lora_expand(h, B_slot, segs, table, y0.clone(), accumulate=accumulate)
+        torch.testing.assert_close(y_slot, y_cat, rtol=0, atol=0)
+    if dtype == torch.float32:  # and the reference (add mode), at the forward kernels' fp32 tolerance
+        want = ref.lora_expand(ref.lora_shrink(x.double(), A_cat.double(), segs, table), B_cat.double(), segs, table,
+                               y0.double().clone())
+        torch.testing.assert_close(y_slot.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("grouped", FAMILIES)
+@pytest.mark.parametrize("S,K,N,ranks,seed", CASES)
+def test_backward_in_place_equals_concatenated(S, K, N, ranks, seed, grouped):
+    dtype = torch.float32
+    ts, table, segs, x, As, Bs, A_cat, B_cat, A_slot, B_slot, _ = _case(S, K, N, ranks, grouped, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    h = torch.randn(S, max(ranks), generator=g).to(DEVICE)
+    dy = torch.randn(S, N, generator=g).to(DEVICE, dtype)
+    outs = []
+    for B in (B_cat, B_slot):
+        dh, dB = lora_expand_bwd(dy, h, B, segs, table, dh=torch.zeros(S, max(ranks), device=DEVICE))
+        dx, dA = lora_shrink_bwd(dh, x, A_cat if B is B_cat else A_slot, segs, table)
+        outs.append((dh, dB, dx, dA))
+    for got, want, what in zip(outs[1], outs[0], ("dh", "dB", "dx", "dA"), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m, w=what: f"{w}: {m}")
+    dh_ref, dB_ref = ref.lora_expand_bwd(dy.double(), h.double(), B_cat.double(), segs, table)
+    torch.testing.assert_close(outs[1][0].double(), dh_ref, rtol=1e-5, atol=1e-5 * dh_ref.abs().max().item())
+    torch.testing.assert_close(outs[1][1].double(), dB_ref, rtol=1e-5, atol=1e-5 * dB_ref.abs().max().item())
+
+
+def test_builder_refuses_what_the_kernels_cannot_read():
+    n = 4
+    a = [torch.randn(2, 32, device=DEVICE) for _ in range(3)]
+    assert slot_weights(a, (0, 1, 3), n, 0) is not None
+    assert slot_weights([a[0], a[1].half(), a[2]], (0, 1, 3), n, 0) is None  # mixed dtypes
+    assert slot_weights([a[0], torch.randn(32, 2, device=DEVICE).t(), a[2]], (0, 1, 3), n, 0) is None  # strided
+    big = torch.randn(2 * 32 + 1, device=DEVICE)
+    assert slot_weights([a[0], big[1:].view(2, 32), a[2]], (0, 1, 3), n, 0) is None  # 1 element past alignment
+    assert slot_weights([a[0], torch.randn(2, 31, device=DEVICE), a[2]], (0, 1, 3), n, 0) is None  # K differs
+    b = [torch.randn(40, 2, device=DEVICE), torch.randn(40, 3, device=DEVICE)]
+    assert slot_weights(b, (0, 1), n, 1) is None  # B rows: one stride, the rank
+    assert slot_weights([], (), n, 0) is None
+
+
+def test_builder_cache_follows_addresses():
+    a = [torch.randn(2, 32, device=DEVICE) for _ in range(2)]
+    w1 = slot_weights(a, (1, 2), 3, 0)
+    assert slot_weights(a, (1, 2), 3, 0).offsets is w1.offsets  # in-place updates keep the addresses: cached
+    with torch.no_grad():
+        a[0].add_(1.0)
+    assert slot_weights(a, (1, 2), 3, 0).offsets is w1.offsets
+    ptrs = [t.data_ptr() for t in a]
+    base = min(ptrs)
+    size = a[0].element_size()
+    assert w1.offsets.tolist() == [0, (ptrs[0] - base) // size, (ptrs[1] - base) // size]
+    assert w1.shape == (4, 32) and w1.stride() == (32, 1) and w1.base.data_ptr() == base
+    a[1] = torch.randn(2, 32, device=DEVICE)  # a new tensor: its own address, a new table
+    w2 = slot_weights(a, (1, 2), 3, 0)
+    assert w2.offsets.tolist()[2] * size == a[1].data_ptr() - w2.base.data_ptr()
+
+
+def test_launchers_reject_stacked_slot_weights():
+    ranks = [2, 2]
+    table = make_table(ranks, device=DEVICE)
+    segs = make_segments(torch.tensor([0, 1, 1, 0]), False, device=DEVICE)
+    a = [torch.randn(2, 16, device=DEVICE) for _ in range(2)]
+    w = slot_weights(a, (0, 1), 2, 0)
+    w2 = SlotWeights(w.base, w.offsets, (8, 16), 16)
+    with pytest.raises(ValueError, match="stack_num=1"):
+        lora_shrink(torch.randn(4, 16, device=DEVICE), w2, segs, table, stack_num=2)
