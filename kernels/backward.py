@@ -205,7 +205,7 @@ def _expand_bwd_kernel(
         return
     start = tl.load(info + i_c * 3 + 1).to(tl.int64)
     end = tl.load(info + i_c * 3 + 2)
-    off = tl.load((w_offs if W_OFFS else offsets) + slot).to(tl.int64)
+    off = tl.load((w_offs if W_OFFS else offsets) + slot).to(tl.int64)  # W_OFFS: the slot's own [N, r] weight
     col0 = slice_idx * rank  # this slice's first column of h / dh
 
     o_s = start + tl.arange(0, BLOCK_S)  # logical positions

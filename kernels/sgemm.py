@@ -131,7 +131,8 @@ def expand_tile(
 def slot_weight(W, offsets, w_offs, slot, STACK: tl.constexpr, W_OFFS: tl.constexpr):
     """``(W_a, row0)``: the slot's rows of a shrink weight start at row ``row0`` of ``W_a``. In the concatenation
     ``A_cat`` (``W_a = W``, ``row0 = STACK*offsets[slot]``), or in place (``W_OFFS``, a ``segments.SlotWeights``: the
-    slot's own weight at ``W + w_offs[slot]`` elements, a multiple of 16, and ``row0 = 0``)."""
+    slot's own weight at ``W + w_offs[slot]`` elements, a multiple of 16, and ``row0 = 0``: the 64-bit offset is added
+    once to the pointer, so per-element offsets stay 32-bit)."""
     if W_OFFS:
         W_a = W + tl.multiple_of(tl.load(w_offs + slot), 16)
         row0 = 0
@@ -139,6 +140,20 @@ def slot_weight(W, offsets, w_offs, slot, STACK: tl.constexpr, W_OFFS: tl.conste
         W_a = W
         row0 = STACK * tl.load(offsets + slot).to(tl.int64)
     return W_a, row0
+
+
+@triton.jit
+def slot_b(B, offsets, w_offs, slot, W_OFFS: tl.constexpr):
+    """``(B_a, col0)``: the slot's columns of an expand weight start at column ``col0`` of ``B_a``: in ``B_cat``
+    (``B_a = B``, ``col0 = offsets[slot]``) or in place (``W_OFFS``: its own ``[N, r]`` weight at ``B + w_offs[slot]``
+    and ``col0 = 0``). The 64-bit offset is added once to the pointer, so per-element offsets stay 32-bit."""
+    if W_OFFS:
+        B_a = B + tl.multiple_of(tl.load(w_offs + slot), 16)
+        col0 = 0
+    else:
+        B_a = B
+        col0 = tl.load(offsets + slot)
+    return B_a, col0
 
 
 @triton.jit
@@ -220,11 +235,11 @@ def sgemm_expand_kernel(
             for j in range(N_TILES):
                 fill_tile(y, bias, o_s, o_s < eos, i_n0 + j, N, stride_ys, stride_yn, HAS_BIAS, BLOCK_S, BLOCK_N)
         return
-    b_col0 = tl.load((w_offs if W_OFFS else offsets) + slot)
+    B_a, b_col0 = slot_b(B, offsets, w_offs, slot, W_OFFS)
     scale = tl.load(scales + slot)
     for j in range(N_TILES):
         expand_tile(
-            h, B, y, bias, o_s, o_s < eos, i_n0 + j, slice_idx * rank, b_col0, rank, scale,
+            h, B_a, y, bias, o_s, o_s < eos, i_n0 + j, slice_idx * rank, b_col0, rank, scale,
             N, stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
             FP64, DOT_PRECISION, ACCUMULATE, HAS_BIAS, BLOCK_S, BLOCK_N, BLOCK_R,
         )

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .launch import cdiv
 from .segments import Segments
-from .sgemm import expand_tile, shrink_tile, slot_weight
+from .sgemm import expand_tile, shrink_tile, slot_b, slot_weight
 
 
 def chunk_table(segs: Segments, block_m: int) -> torch.Tensor:
@@ -107,9 +107,9 @@ def sgmv_expand_kernel(
     o_m = tl.load(chunks + capacity + i_c) + tl.arange(0, BLOCK_M)  # [BLOCK_M] logical positions
     m_s = o_m < tl.load(indptr + i_g + 1)
     o_s = tl.load(perm + o_m, mask=m_s, other=0).to(tl.int64)  # [BLOCK_M] physical rows
-    b_col0 = tl.load((w_offs if W_OFFS else offsets) + slot)  # W_OFFS: the slot's own [N, r] weight, in place
+    B_a, b_col0 = slot_b(B, offsets, w_offs, slot, W_OFFS)
     expand_tile(
-        h, B, y, bias, o_s, m_s, i_n, slice_idx * rank, b_col0, rank, tl.load(scales + slot), N,
+        h, B_a, y, bias, o_s, m_s, i_n, slice_idx * rank, b_col0, rank, tl.load(scales + slot), N,
         stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
         FP64, DOT_PRECISION, ACCUMULATE, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_R,
     )
