@@ -80,6 +80,7 @@ class SlotWeights(NamedTuple):
 
 _ALIGN = 16  # elements
 _SLOT_WEIGHTS: dict = {}  # key of slot_weights -> (base index, device offsets, shape, row stride) or None
+_CAPTURED: dict = {}  # the entries a CUDA graph capture used: kept when _SLOT_WEIGHTS is cleared
 
 
 def slot_weights(weights: Sequence[torch.Tensor], slots: tuple, n_slots: int, dim: int) -> Optional[SlotWeights]:
@@ -89,6 +90,8 @@ def slot_weights(weights: Sequence[torch.Tensor], slots: tuple, n_slots: int, di
 
     Cached by what the result depends on -- per weight its address, shape, dtype and contiguity -- which in-place
     optimizer updates keep: a training loop builds each layer's device table of offsets once. Per call: the key.
+    Tables looked up while a CUDA graph is being captured are kept for good (the graph reads them on every replay);
+    a capture needs them built beforehand (a warm-up call), as it needs the batch plan.
     """
     if not weights:
         return None
@@ -96,12 +99,16 @@ def slot_weights(weights: Sequence[torch.Tensor], slots: tuple, n_slots: int, di
            *[(w.data_ptr(), w.shape, w.dtype, w.is_contiguous()) for w in weights])
     hit = _SLOT_WEIGHTS.get(key, False)
     if hit is False:
-        hit = _slot_offsets(weights, slots, n_slots, dim)
+        hit = _CAPTURED.get(key, False)
+        if hit is False:
+            hit = _slot_offsets(weights, slots, n_slots, dim)
         if len(_SLOT_WEIGHTS) >= 4096:  # bounded: entries are a few bytes of device memory each
             _SLOT_WEIGHTS.clear()
         _SLOT_WEIGHTS[key] = hit
     if hit is None:
         return None
+    if weights[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        _CAPTURED[key] = hit  # a CUDA graph now reads this table: never freed
     index, offsets, shape, row_stride = hit
     return SlotWeights(weights[index], offsets, shape, row_stride)
 

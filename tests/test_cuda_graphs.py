@@ -182,3 +182,58 @@ def test_cuda_graph_replay_matches_eager(grouped, impl):
     for name, g, w, f in zip(("h", "y", "dh", "dB", "dx", "dA"), got, want, first, strict=True):
         assert torch.equal(g, w), f"{name}: replay differs from eager on the new values"
         assert not torch.equal(g, f), f"{name}: replay did not read the new values"
+
+
+@pytest.mark.gpu
+def test_patched_layer_graph_reads_weights_in_place():
+    """A patched layer reads each adapter's weights in place through a cached per-slot address table
+    (``kernels.slot_weights``): a CUDA graph of its forward replays on weights updated in place -- also after that
+    cache was cleared and the memory reused, since tables a capture used are kept."""
+    from fast_multilora.kernels import segments as seg
+    from peft import LoraConfig, get_peft_model
+
+    import fast_multilora
+
+    g = torch.Generator().manual_seed(3)
+    base = torch.nn.Sequential(torch.nn.Linear(64, 48)).cuda().requires_grad_(False)
+    lc = LoraConfig(r=4, lora_alpha=8, target_modules=["0"], init_lora_weights=False)
+    model = get_peft_model(base, lc, adapter_name="a0")
+    for i in range(1, 8):
+        model.add_adapter(f"a{i}", lc)
+    model.eval()
+    fast_multilora.patch(model, backend="triton")
+    x = torch.randn(8, 16, 64, generator=g).cuda()
+    names = [f"a{(3 * i) % 8}" for i in range(8)]
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+
+    def forward():
+        with torch.no_grad():
+            return model(x, adapter_names=names)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles, caches the plan, the layer table and the weights' table
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    layer = model.base_model.model[0]
+    A = [layer.lora_A[n].weight for n in sorted(layer.lora_A)]
+    assert seg.slot_weights(A, tuple(range(8)), 8, 0) is not None  # the path under test: weights read in place
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward()
+    graph.replay()
+    first = out.clone()
+
+    with torch.no_grad():
+        for p in lora:
+            p.add_(torch.randn(p.shape, generator=g).cuda() / 4)
+    seg._SLOT_WEIGHTS.clear()  # the graph's tables must survive the cache being emptied ...
+    junk = [torch.full((4096,), -1, dtype=torch.int64, device="cuda") for _ in range(64)]  # ... and memory reuse
+    graph.replay()
+    got = out.clone()
+    want = forward()
+    torch.cuda.synchronize()
+    del junk
+    assert not torch.equal(got, first), "replay did not read the updated weights"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
