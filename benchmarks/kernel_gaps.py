@@ -4,8 +4,9 @@ fast_multilora's mixed forward. From one profiled forward each (CUDA activity on
 CPU-op recording): the kernels' busy time, the forward's span, and the idle time between consecutive kernels summed
 by the kind of kernel that ends and the kind that starts -- which transitions cost the time that a wall clock
 shows over the kernel time. Then the same for the adapters' weights concatenated per call (the path before they were
-read in place), and an interleaved wall-time A/B of the three. Usage (GPU):
-``python benchmarks/kernel_gaps.py [--out FILE] [--rounds 5]``."""
+read in place), and an interleaved wall-time A/B of the three. ``--step``: the train step's gaps instead (wall vs
+host vs kernel time, idle by transition, the longest idle stretches). Usage (GPU):
+``python benchmarks/kernel_gaps.py [--out FILE] [--rounds 5] [--step]``."""
 
 from __future__ import annotations
 
@@ -61,12 +62,49 @@ def gaps(spans) -> dict:
             "pairs": {k: (len(v), sum(v), statistics.median(v)) for k, v in by_pair.items()}}
 
 
+def largest_gaps(spans, n: int = 12) -> list:
+    """The ``n`` longest idle stretches between consecutive kernels: ``(idle_us, offset_ms, ending, starting)``, the
+    offset from the first kernel's start."""
+    t0 = spans[0][0]
+    out = [(s1 - e0, (e0 - t0) / 1e3, n0, n1)
+           for (_s0, e0, n0), (s1, _e1, n1) in zip(spans, spans[1:], strict=False) if s1 > e0]
+    return sorted(out, reverse=True)[:n]
+
+
+def step_gaps(say) -> None:
+    """The same for the issue-4 train step (``profile_step.build``: 8 adapters mixed, foreach AdamW): wall and host
+    time, then the idle time between the step's kernels by transition, and its longest idle stretches."""
+    from profile_step import build
+
+    pm, step = build()
+    for _ in range(3):
+        step()
+    wall = time_steps(step, "cuda", warm=2, iters=11)["ms"]
+    host = host_ms(step, 7)
+    spans = kernel_spans(step)
+    g = gaps(spans)
+    say(f"=== train step, 8 adapters mixed: wall {wall:.2f} ms, host {host:.2f} ms; profiled: {g['kernels']} kernels, "
+        f"busy {g['busy_ms']:.2f} ms, span {g['span_ms']:.2f} ms, idle {g['idle_ms']:.2f} ms")
+    say("  idle between kernels by (ending kind -> starting kind): count, total us, median us")
+    for (k0, k1), (n, tot, med) in sorted(g["pairs"].items(), key=lambda kv: -kv[1][1])[:16]:
+        say(f"    {k0:>14s} -> {k1:<14s} {n:5d} {tot:9.1f} {med:7.2f}")
+    say("  longest idle stretches: us, at ms into the step, ending kernel -> starting kernel")
+    for idle, at, n0, n1 in largest_gaps(spans):
+        say(f"    {idle:8.1f} {at:8.2f}  {n0[:50]} -> {n1[:50]}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--step", action="store_true", help="the train step instead of the eval forward")
     a = ap.parse_args(argv)
     say, buf = tee()
+    if a.step:
+        step_gaps(say)
+        if a.out:
+            Path(a.out).write_text(buf.getvalue())
+        return
     from multi_adapter_tasks import BENCH_LLAMA
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
