@@ -136,3 +136,26 @@ def test_launchers_reject_stacked_slot_weights():
     w2 = SlotWeights(w.base, w.offsets, (8, 16), 16)
     with pytest.raises(ValueError, match="stack_num=1"):
         lora_shrink(torch.randn(4, 16, device=DEVICE), w2, segs, table, stack_num=2)
+
+
+@pytest.mark.parametrize("grouped", FAMILIES)
+def test_dropout_paths_in_place_equal_concatenated(grouped):
+    """Under dropout: the forward shrink storing its mask, the backward reading it, and the backward redrawing it
+    from the seed -- the same with the weights read in place as concatenated."""
+    from fast_multilora.kernels.dropout import keep_bits_buffer
+
+    S, K, N, ranks = 40, 64, 48, [8, 8, 0, 8]
+    ts, table, segs, x, As, Bs, A_cat, B_cat, A_slot, B_slot, _ = _case(S, K, N, ranks, grouped, torch.float32, 5)
+    table = table._replace(dropout=torch.tensor([0.25, 0.5, 0.0, 0.1], device=DEVICE), has_dropout=True)
+    seed = 1234
+    dy = torch.randn(S, N, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    outs = []
+    for A, B in ((A_cat, B_cat), (A_slot, B_slot)):
+        keep = keep_bits_buffer(x)
+        h = lora_shrink(x, A, segs, table, seed=seed, keep_out=keep, out=poisoned(S, max(ranks), device=DEVICE))
+        dh, dB = lora_expand_bwd(dy, torch.nan_to_num(h), B, segs, table, dh=torch.zeros_like(h))
+        stored = lora_shrink_bwd(dh, x, A, segs, table, seed=seed, keep=keep)
+        redrawn = lora_shrink_bwd(dh, x, A, segs, table, seed=seed)
+        outs.append((h, dB, *stored, *redrawn))
+    for got, want, what in zip(outs[1], outs[0], ("h", "dB", "dx", "dA", "dx redrawn", "dA redrawn"), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=lambda m, w=what: f"{w}: {m}")
