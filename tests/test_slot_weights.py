@@ -1,13 +1,15 @@
 """Weights read in place (``kernels.segments.SlotWeights``) against the concatenated weights, every kernel.
 
 The layer Functions hand the kernels each adapter's own ``lora_A`` / ``lora_B`` weight (a per-slot address table)
-instead of ``torch.cat`` copies. Here the four launchers run on both forms of the same weights -- separate tensors
-allocated out of slot order, with absent slots (rank 0) and unused memory between them -- and must give the same
+instead of ``torch.cat`` copies. Here the four launchers run on both forms of the same weights -- laid out in
+reverse slot order with NaN-filled gaps between them, with absent slots (rank 0) -- and must give the same
 results: bit for bit (the kernels do the same arithmetic on the same values; only the addresses differ), and within
 the kernels' stated tolerances of the float64 reference (``test_kernels_forward.py``: fp32 1e-5 of max|ref|).
 Outputs are NaN-poisoned where the contract leaves them unwritten. Then the builder's rules: what it refuses
 (the caller concatenates instead) and its cache.
 """
+
+import math
 
 import pytest
 import torch
@@ -22,13 +24,18 @@ FAMILIES = [pytest.param(False, id="sgemm"), pytest.param(True, id="chunked")]
 
 
 def _scattered(shapes, dtype, gen, device):
-    """One tensor per shape, allocated in reverse order with spare tensors between them (so slot 0 is not the lowest
-    address and the weights are not adjacent); the spares stay alive with the result."""
-    out, spares = [None] * len(shapes), []
+    """One tensor per shape: contiguous views of one buffer, laid out in reverse slot order with a 16-element gap
+    after each (so the last slot has the lowest address and no two weights are adjacent), each at an offset that is
+    a multiple of 16 elements. Returns the views and the buffer."""
+    sizes = [math.prod(shape) for shape in shapes]
+    padded = [-(-n // 16) * 16 + 16 for n in sizes]
+    buf = torch.full((sum(padded),), float("nan"), dtype=dtype, device=device)  # the gaps stay NaN
+    out, off = [None] * len(shapes), 0
     for i in reversed(range(len(shapes))):
-        spares.append(torch.empty(37 + i, dtype=dtype, device=device))
-        out[i] = (torch.randn(*shapes[i], generator=gen) / 4).to(device, dtype)
-    return out, spares
+        out[i] = buf[off : off + sizes[i]].view(shapes[i])
+        out[i].copy_(torch.randn(*shapes[i], generator=gen) / 4)
+        off += padded[i]
+    return out, buf
 
 
 def _case(S, K, N, ranks, grouped, dtype, seed):
@@ -43,6 +50,7 @@ def _case(S, K, N, ranks, grouped, dtype, seed):
     A_slot = slot_weights(As, slots, len(ranks), 0)
     B_slot = slot_weights(Bs, slots, len(ranks), 1)
     assert A_slot is not None and B_slot is not None
+    assert A_slot.base is As[-1] and B_slot.base is Bs[-1]  # the lowest address: the last slot's weight
     return ts, table, segs, x, As, Bs, torch.cat(As), torch.cat(Bs, 1), A_slot, B_slot, (keep_a, keep_b)
 
 
