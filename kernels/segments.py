@@ -15,7 +15,8 @@ Conventions (every op follows them):
 * Concatenated weights of one layer: ``A_cat[stack_num * R_total, K]`` where slot ``a`` owns rows
   ``stack_num*offsets[a] .. stack_num*(offsets[a]+ranks[a])`` (slice ``s`` of a stacked q/k/v group at
   ``stack_num*offsets[a] + s*ranks[a]``); ``B_cat[N, R_total]`` (one per slice) where slot ``a`` owns columns
-  ``offsets[a] .. offsets[a]+ranks[a]``.
+  ``offsets[a] .. offsets[a]+ranks[a]``. Every launcher also takes, for ``stack_num == 1``, a :class:`SlotWeights`
+  instead: each slot's own ``[r_a, K]`` / ``[N, r]`` weight read where it is (no copy).
 * The shrink output ``h[S, stack_num * max_rank]`` is float32; a token of slot ``a`` uses columns
   ``0 .. stack_num*ranks[a]`` (slice ``s`` at ``s*ranks[a]``). Columns beyond are don't-care.
 """
