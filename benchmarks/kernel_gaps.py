@@ -62,6 +62,15 @@ def gaps(spans) -> dict:
             "pairs": {k: (len(v), sum(v), statistics.median(v)) for k, v in by_pair.items()}}
 
 
+def say_gaps(say, label: str, wall: float, host: float, g: dict) -> None:
+    """One measured call: wall, host and profiled kernel time, then its idle time by transition (largest first)."""
+    say(f"=== {label}: wall {wall:.2f} ms, host {host:.2f} ms; profiled: {g['kernels']} kernels, "
+        f"busy {g['busy_ms']:.2f} ms, span {g['span_ms']:.2f} ms, idle {g['idle_ms']:.2f} ms")
+    say("  idle between kernels by (ending kind -> starting kind): count, total us, median us")
+    for (k0, k1), (n, tot, med) in sorted(g["pairs"].items(), key=lambda kv: -kv[1][1])[:16]:
+        say(f"    {k0:>14s} -> {k1:<14s} {n:5d} {tot:9.1f} {med:7.2f}")
+
+
 def largest_gaps(spans, n: int = 12) -> list:
     """The ``n`` longest idle stretches between consecutive kernels: ``(idle_us, offset_ms, ending, starting)``, the
     offset from the first kernel's start."""
@@ -83,28 +92,14 @@ def step_gaps(say) -> None:
     host = host_ms(step, 7)
     spans = kernel_spans(step)
     g = gaps(spans)
-    say(f"=== train step, 8 adapters mixed: wall {wall:.2f} ms, host {host:.2f} ms; profiled: {g['kernels']} kernels, "
-        f"busy {g['busy_ms']:.2f} ms, span {g['span_ms']:.2f} ms, idle {g['idle_ms']:.2f} ms")
-    say("  idle between kernels by (ending kind -> starting kind): count, total us, median us")
-    for (k0, k1), (n, tot, med) in sorted(g["pairs"].items(), key=lambda kv: -kv[1][1])[:16]:
-        say(f"    {k0:>14s} -> {k1:<14s} {n:5d} {tot:9.1f} {med:7.2f}")
+    say_gaps(say, "train step, 8 adapters mixed", wall, host, g)
     say("  longest idle stretches: us, at ms into the step, ending kernel -> starting kernel")
     for idle, at, n0, n1 in largest_gaps(spans):
         say(f"    {idle:8.1f} {at:8.2f}  {n0[:50]} -> {n1[:50]}")
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--step", action="store_true", help="the train step instead of the eval forward")
-    a = ap.parse_args(argv)
-    say, buf = tee()
-    if a.step:
-        step_gaps(say)
-        if a.out:
-            Path(a.out).write_text(buf.getvalue())
-        return
+def eval_gaps(say, rounds: int) -> None:
+    """The eval forward (the module docstring): base, ours in place, ours concatenated; then the wall-time A/B."""
     from multi_adapter_tasks import BENCH_LLAMA
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -126,12 +121,7 @@ def main(argv=None):
             wall = time_steps(fn, "cuda", warm=3, iters=11)["ms"]
             g = gaps(kernel_spans(fn))
             host = host_ms(fn, 11)
-        say(f"=== {label}: wall {wall:.2f} ms, host {host:.2f} ms; profiled: {g['kernels']} "
-            f"kernels, busy {g['busy_ms']:.2f} ms, span {g['span_ms']:.2f} ms, idle {g['idle_ms']:.2f} ms")
-        say("  idle between kernels by (ending kind -> starting kind): count, total us, median us")
-        for (k0, k1), (n, tot, med) in sorted(g["pairs"].items(), key=lambda kv: -kv[1][1])[:16]:
-            say(f"    {k0:>14s} -> {k1:<14s} {n:5d} {tot:9.1f} {med:7.2f}")
-        return g
+        say_gaps(say, label, wall, host, g)
 
     def base():  # run inside pm.disable_adapter(): entering and leaving it is not part of a base forward
         pm(input_ids=ids)
@@ -151,10 +141,10 @@ def main(argv=None):
     fast_multilora.patch(pm, backend="triton")
     run(ours, "fast_multilora, 8 adapters mixed + 2 base rows")
     run(concat, "fast_multilora, weights concatenated per call (FML_WEIGHTS_IN_PLACE=0)")
-    say(f"interleaved wall-time A/B, {a.rounds} rounds of 11 forwards each (ms, medians per round):")
+    say(f"interleaved wall-time A/B, {rounds} rounds of 11 forwards each (ms, medians per round):")
     walls = {"base": [], "in place": [], "concatenated": []}
     with torch.no_grad():
-        for _ in range(a.rounds):
+        for _ in range(rounds):
             with pm.disable_adapter():
                 walls["base"].append(time_steps(base, "cuda", warm=2, iters=11)["ms"])
             for label, fn in (("in place", ours), ("concatenated", concat)):
@@ -163,6 +153,19 @@ def main(argv=None):
     for label, v in walls.items():
         m = statistics.median(v)
         say(f"  {label:13s} {m:7.2f} ms  x{m / b:.4f} of base   rounds {[round(t, 2) for t in v]}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--step", action="store_true", help="the train step instead of the eval forward")
+    a = ap.parse_args(argv)
+    say, buf = tee()
+    if a.step:
+        step_gaps(say)
+    else:
+        eval_gaps(say, a.rounds)
     if a.out:
         Path(a.out).write_text(buf.getvalue())
 

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from .dropout import check_keep_bits, check_stacked_seed, keep_block, unpack_keep
 from .launch import cdiv, checked, launch, mark_checked, next_power_of_2
-from .segments import AdapterTable, Segments, SlotWeights
+from .segments import AdapterTable, Segments, weight_args
 from .sgemm import slot_weight
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -568,19 +568,16 @@ def _check_tensor(name: str, what: str, t: torch.Tensor, shape, dtypes, device):
 
 
 def _weights(name: str, what: str, w, shape, dtypes, device, stack_num: int) -> tuple:
-    """``(pointer tensor, per-slot element offsets or None)`` of a concatenated weight or a ``SlotWeights``, checked
-    against the concatenation's ``shape``."""
-    if not isinstance(w, SlotWeights):
-        _check_tensor(name, what, w, shape, dtypes, device)
-        return w, None
-    if stack_num != 1:
-        raise ValueError(f"{name}: {what} as SlotWeights takes stack_num=1 (stacked weights are concatenated)")
+    """``segments.weight_args`` of a launcher's weight, checked against the concatenation's ``shape`` (a
+    ``SlotWeights`` stands for it) and ``dtypes``."""
+    t, w_offs = weight_args(f"{name}: {what}", w, device, stack_num)
+    if w_offs is None:
+        _check_tensor(name, what, t, shape, dtypes, device)
+        return t, None
     if tuple(w.shape) != tuple(shape):
         raise ValueError(f"{name}: {what} must stand for shape {tuple(shape)}, got {w.shape}")
-    _check_tensor(name, f"{what}.base", w.base, w.base.shape, dtypes, device)
-    if w.offsets.dtype != torch.int64 or w.offsets.device != device:
-        raise ValueError(f"{name}: {what}.offsets must be int64 on {device}")
-    return w.base, w.offsets
+    _check_tensor(name, f"{what}.base", t, t.shape, dtypes, device)
+    return t, w_offs
 
 
 def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1, slice_idx: int = 0,

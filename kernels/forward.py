@@ -33,7 +33,7 @@ import torch
 
 from .dropout import check_keep_bits, check_stacked_seed
 from .launch import cdiv, checked, launch, mark_checked, next_power_of_2
-from .segments import AdapterTable, Segments, SlotWeights
+from .segments import AdapterTable, Segments, weight_args
 from .sgemm import sgemm_expand_kernel, sgemm_shrink_kernel
 from .sgmv import chunk_table, sgmv_expand_kernel, sgmv_shrink_kernel
 
@@ -150,17 +150,10 @@ def _check_2d(name: str, t, device) -> None:
 
 
 def _weights(name: str, w, device, stack_num: int) -> tuple:
-    """``(pointer tensor, per-slot element offsets)`` of a :class:`SlotWeights` (one slice only: ``stack_num == 1``),
-    or ``(w, None)`` for a concatenated weight (the table's offsets locate its slots)."""
-    if not isinstance(w, SlotWeights):
-        _check_2d(name, w, device)
-        return w, None
-    if stack_num != 1:
-        raise ValueError(f"{name}: SlotWeights take stack_num=1, got {stack_num} (stacked weights are concatenated)")
-    _check_2d(f"{name}.base", w.base, device)
-    if w.offsets.device != device or w.offsets.dtype != torch.int64:
-        raise ValueError(f"{name}.offsets must be int64 on {device}, got {w.offsets.dtype} on {w.offsets.device}")
-    return w.base, w.offsets
+    """``segments.weight_args`` of a launcher's weight, its pointer tensor checked as any 2-D operand."""
+    t, w_offs = weight_args(name, w, device, stack_num)
+    _check_2d(name if w_offs is None else f"{name}.base", t, device)
+    return t, w_offs
 
 
 def _check_layout(segs: Segments, table: AdapterTable, S: int, device, stack_num: int) -> None:
@@ -264,7 +257,7 @@ def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: 
     _check_2d("y", y, getattr(y, "device", None))
     device = y.device
     _check_2d("h", h, device)
-    _weights("B_cat", B_cat, device, 1)
+    B, w_offs = _weights("B_cat", B_cat, device, 1)
     if y.dtype not in _ACTIVATION_DTYPES:
         raise ValueError(f"y must be one of {_ACTIVATION_DTYPES}, got {y.dtype}")
     S, N = y.shape
@@ -281,7 +274,7 @@ def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: 
             raise ValueError("bias is only taken with accumulate=False")
         if not isinstance(bias, torch.Tensor) or bias.shape != (N,) or bias.device != device:
             raise ValueError(f"bias must be a [{N}] tensor on {device}, got {getattr(bias, 'shape', type(bias))}")
-    _expand_launch(h, B_cat, segs, table, y, slice_idx=slice_idx, accumulate=accumulate, bias=bias)
+    _expand_launch(h, B_cat, B, w_offs, segs, table, y, slice_idx=slice_idx, accumulate=accumulate, bias=bias)
     return y
 
 
@@ -292,8 +285,9 @@ def _fill_rows(y: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
         y.copy_(bias.to(y.dtype).expand_as(y))
 
 
-def _expand_launch(h, B_cat, segs: Segments, table: AdapterTable, y, *, slice_idx: int, accumulate: bool,
+def _expand_launch(h, B_cat, B, w_offs, segs: Segments, table: AdapterTable, y, *, slice_idx: int, accumulate: bool,
                    bias) -> None:
+    """The expand's launch; ``B``, ``w_offs``: ``B_cat``'s pointer tensor and per-slot offsets (``_weights``)."""
     S, N = y.shape
     live = not (S == 0 or N == 0 or table.max_rank == 0 or segs.num_segments == 0 or segs.max_len == 0)
     write_all = not accumulate and segs.covers_all_rows  # the SGEMM kernel defines base rows itself
@@ -310,8 +304,8 @@ def _expand_launch(h, B_cat, segs: Segments, table: AdapterTable, y, *, slice_id
     BLOCK_R = _pow2_clamp(table.max_rank, 16, R_CAP)
     BLOCK_S = _rows_block(segs, S_BLK)
     common = (*h.stride(), *B_cat.stride(), *y.stride())
-    slotted = isinstance(B_cat, SlotWeights)
-    B, w_offs = (B_cat.base, B_cat.offsets) if slotted else (B_cat, table.offsets)  # unread without W_OFFS
+    slotted = w_offs is not None
+    w_offs = w_offs if slotted else table.offsets  # unread without W_OFFS
     meta = dict(FP64=fp64, DOT_PRECISION=_dot_precision(torch.float64 if fp64 else y.dtype), W_OFFS=slotted,
                 # after a bias fill the kernel adds to it; after a zero fill (or defining every row) it writes
                 ACCUMULATE=accumulate or (not write_all and bias is not None), HAS_BIAS=write_all and bias is not None,

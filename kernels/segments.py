@@ -79,6 +79,20 @@ class SlotWeights(NamedTuple):
         return self.row_stride, 1
 
 
+def weight_args(name: str, w, device, stack_num: int) -> tuple:
+    """``(the tensor the kernels take as the weight pointer, per-slot element offsets or None)`` for a launcher's
+    weight argument: a concatenated weight as it is (the table's offsets locate its slots), or a :class:`SlotWeights`,
+    whose own invariants are checked here (one slice: ``stack_num == 1``; int64 offsets on ``device``). The launcher
+    checks the returned tensor itself."""
+    if not isinstance(w, SlotWeights):
+        return w, None
+    if stack_num != 1:
+        raise ValueError(f"{name}: SlotWeights take stack_num=1, got {stack_num} (stacked weights are concatenated)")
+    if w.offsets.device != device or w.offsets.dtype != torch.int64:
+        raise ValueError(f"{name}.offsets must be int64 on {device}, got {w.offsets.dtype} on {w.offsets.device}")
+    return w.base, w.offsets
+
+
 _ALIGN = 16  # elements
 _SLOT_WEIGHTS: dict = {}  # key of slot_weights -> (base index, device offsets, shape, row stride) or None
 _CAPTURED: dict = {}  # the entries a CUDA graph capture used: kept when _SLOT_WEIGHTS is cleared

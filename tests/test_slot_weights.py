@@ -26,7 +26,7 @@ FAMILIES = [pytest.param(False, id="sgemm"), pytest.param(True, id="chunked")]
 def _scattered(shapes, dtype, gen, device):
     """One tensor per shape: contiguous views of one buffer, laid out in reverse slot order with a 16-element gap
     after each (so the last slot has the lowest address and no two weights are adjacent), each at an offset that is
-    a multiple of 16 elements. Returns the views and the buffer."""
+    a multiple of 16 elements. The views keep the buffer alive."""
     sizes = [math.prod(shape) for shape in shapes]
     padded = [-(-n // 16) * 16 + 16 for n in sizes]
     buf = torch.full((sum(padded),), float("nan"), dtype=dtype, device=device)  # the gaps stay NaN
@@ -35,7 +35,7 @@ def _scattered(shapes, dtype, gen, device):
         out[i] = buf[off : off + sizes[i]].view(shapes[i])
         out[i].copy_(torch.randn(*shapes[i], generator=gen) / 4)
         off += padded[i]
-    return out, buf
+    return out
 
 
 def _case(S, K, N, ranks, grouped, dtype, seed):
@@ -44,14 +44,14 @@ def _case(S, K, N, ranks, grouped, dtype, seed):
     table = make_table(ranks, device=DEVICE)
     segs = make_segments(ts, grouped, device=DEVICE)
     slots = tuple(s for s, r in enumerate(ranks) if r > 0)
-    As, keep_a = _scattered([(ranks[s], K) for s in slots], dtype, g, DEVICE)
-    Bs, keep_b = _scattered([(N, ranks[s]) for s in slots], dtype, g, DEVICE)
+    As = _scattered([(ranks[s], K) for s in slots], dtype, g, DEVICE)
+    Bs = _scattered([(N, ranks[s]) for s in slots], dtype, g, DEVICE)
     x = torch.randn(S, K, generator=g).to(DEVICE, dtype)
     A_slot = slot_weights(As, slots, len(ranks), 0)
     B_slot = slot_weights(Bs, slots, len(ranks), 1)
     assert A_slot is not None and B_slot is not None
     assert A_slot.base is As[-1] and B_slot.base is Bs[-1]  # the lowest address: the last slot's weight
-    return ts, table, segs, x, As, Bs, torch.cat(As), torch.cat(Bs, 1), A_slot, B_slot, (keep_a, keep_b)
+    return table, segs, x, torch.cat(As), torch.cat(Bs, 1), A_slot, B_slot
 
 
 # S, K, N, ranks (one rank for the B weights; 0 = adapter absent from the layer), seed
@@ -67,7 +67,7 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []),
                          ids=["fp32", "fp16"] + (["bf16"] if DEVICE == "cuda" else []))  # bf16 dot: GPU only
 def test_forward_in_place_equals_concatenated(S, K, N, ranks, seed, grouped, dtype):
-    ts, table, segs, x, As, Bs, A_cat, B_cat, A_slot, B_slot, _ = _case(S, K, N, ranks, grouped, dtype, seed)
+    table, segs, x, A_cat, B_cat, A_slot, B_slot = _case(S, K, N, ranks, grouped, dtype, seed)
     width = max(ranks)
     h_cat = lora_shrink(x, A_cat, segs, table, out=poisoned(S, width, device=DEVICE))
     h_slot = lora_shrink(x, A_slot, segs, table, out=poisoned(S, width, device=DEVICE))
@@ -88,7 +88,7 @@ def test_forward_in_place_equals_concatenated(S, K, N, ranks, seed, grouped, dty
 @pytest.mark.parametrize("S,K,N,ranks,seed", CASES)
 def test_backward_in_place_equals_concatenated(S, K, N, ranks, seed, grouped):
     dtype = torch.float32
-    ts, table, segs, x, As, Bs, A_cat, B_cat, A_slot, B_slot, _ = _case(S, K, N, ranks, grouped, dtype, seed)
+    table, segs, x, A_cat, B_cat, A_slot, B_slot = _case(S, K, N, ranks, grouped, dtype, seed)
     g = torch.Generator().manual_seed(seed + 1)
     h = torch.randn(S, max(ranks), generator=g).to(DEVICE)
     dy = torch.randn(S, N, generator=g).to(DEVICE, dtype)
@@ -153,7 +153,7 @@ def test_dropout_paths_in_place_equal_concatenated(grouped):
     from fast_multilora.kernels.dropout import keep_bits_buffer
 
     S, K, N, ranks = 40, 64, 48, [8, 8, 0, 8]
-    ts, table, segs, x, As, Bs, A_cat, B_cat, A_slot, B_slot, _ = _case(S, K, N, ranks, grouped, torch.float32, 5)
+    table, segs, x, A_cat, B_cat, A_slot, B_slot = _case(S, K, N, ranks, grouped, torch.float32, 5)
     table = table._replace(dropout=torch.tensor([0.25, 0.5, 0.0, 0.1], device=DEVICE), has_dropout=True)
     seed = 1234
     dy = torch.randn(S, N, generator=torch.Generator().manual_seed(6)).to(DEVICE)
