@@ -20,8 +20,8 @@ import fast_multilora
 
 VARIANTS = {  # name: (lora dropout p, patch kwargs, optimizer: "foreach" AdamW as the anchors, or "fused")
     "fused": (0.05, {}, "foreach"),  # the defaults
-    "fused_redraw_mask": (0.05, {}, "foreach"),  # the backward redraws the dropout mask (FML_STORE_DROPOUT_MASK=0)
-    "fused_concat": (0.05, {}, "foreach"),  # adapter weights concatenated per call (FML_WEIGHTS_IN_PLACE=0)
+    "fused_redraw_mask": (0.05, {"store_dropout_mask": False}, "foreach"),  # the backward redraws the dropout mask
+    "fused_concat": (0.05, {"weights_in_place": False}, "foreach"),  # adapter weights concatenated per call
     "fused_adamw_fused": (0.05, {}, "fused"),
     "share_dropout": (0.05, {"share_dropout": True}, "foreach"),  # siblings stacked under dropout, a mask per slice
     "unfused": (0.05, {"fuse_base": False}, "foreach"),
@@ -45,12 +45,9 @@ def main(argv=None):
     def use(name):
         p, kw, optimizer = VARIANTS[name]
         step.set_optimizer(optimizer)
-        fast_multilora.function.STORE_DROPOUT_MASK = name != "fused_redraw_mask"
-        fast_multilora.function.WEIGHTS_IN_PLACE = name != "fused_concat"
         for m in drops:
             m.p = p
-        fast_multilora.patch(pm, backend="triton", **{"fuse_base": True, "share_shrink": True, "share_dropout": False,
-                                                     **kw})
+        fast_multilora.patch(pm, fast_multilora.PatchConfig(backend="triton", **kw))
 
     def timed(n=5):
         ts, hs = [], []
@@ -66,7 +63,7 @@ def main(argv=None):
         return statistics.median(ts), statistics.median(hs)
 
     res = {k: [] for k in VARIANTS}
-    for name in VARIANTS:  # warm-up: compiles, sibling groups learn their inputs
+    for name in VARIANTS:  # warm-up: kernel compiles
         use(name)
         for _ in range(3):
             step()

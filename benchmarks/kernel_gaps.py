@@ -129,26 +129,26 @@ def eval_gaps(say, rounds: int) -> None:
     def ours():
         pm(input_ids=ids, adapter_names=names)
 
-    def concat():  # the adapters' weights concatenated per layer call, as before they were read in place
-        fast_multilora.function.WEIGHTS_IN_PLACE = False
-        try:
-            pm(input_ids=ids, adapter_names=names)
-        finally:
-            fast_multilora.function.WEIGHTS_IN_PLACE = True
+    in_place = {"in place": True, "concatenated": False}  # the adapters' weights read in place or concatenated
+
+    def use(label):
+        fast_multilora.patch(pm, backend="triton", weights_in_place=in_place[label])
 
     with pm.disable_adapter():
         run(base, "base forward (adapters disabled)")
-    fast_multilora.patch(pm, backend="triton")
+    use("in place")
     run(ours, "fast_multilora, 8 adapters mixed + 2 base rows")
-    run(concat, "fast_multilora, weights concatenated per call (FML_WEIGHTS_IN_PLACE=0)")
+    use("concatenated")
+    run(ours, "fast_multilora, weights concatenated per call (weights_in_place=False)")
     say(f"interleaved wall-time A/B, {rounds} rounds of 11 forwards each (ms, medians per round):")
     walls = {"base": [], "in place": [], "concatenated": []}
     with torch.no_grad():
         for _ in range(rounds):
             with pm.disable_adapter():
                 walls["base"].append(time_steps(base, "cuda", warm=2, iters=11)["ms"])
-            for label, fn in (("in place", ours), ("concatenated", concat)):
-                walls[label].append(time_steps(fn, "cuda", warm=2, iters=11)["ms"])
+            for label in in_place:
+                use(label)
+                walls[label].append(time_steps(ours, "cuda", warm=2, iters=11)["ms"])
     b = statistics.median(walls["base"])
     for label, v in walls.items():
         m = statistics.median(v)

@@ -108,7 +108,7 @@ def sweep_bwd(rows, case, family):
 
 
 def sweep_model_expand(rows):
-    """The expand (write mode, as ``FusedLinearDelta``'s forward runs it), the expand backward and the shrink
+    """The expand (write mode, as the fused layer path's forward runs it), the expand backward and the shrink
     backward reading the forward's packed dropout mask, at the training step's shapes (S = 16 x 1024, 8 adapters,
     r = 16, bf16, dropout 0.05); kernel time by the profiler. Rows: ``op`` = kernel, ``family`` = shape."""
     for Kd, N in ((2048, 2048), (2048, 5632), (2048, 256), (5632, 2048)):
@@ -213,7 +213,7 @@ def _sweep_model_shrink_shape(rows, S, Kd, N):
 
 def sweep_model_shapes(rows):
     """The kernels of a training step at the benchmark model's shapes (S = 16 x 1024 tokens, 8 adapters of 2 rows,
-    r = 16, bf16, dropout 0.05): shrink with dropout, the expand in write mode (``FusedLinearDelta``'s forward) and
+    r = 16, bf16, dropout 0.05): shrink with dropout, the expand in write mode (the fused layer path's forward) and
     in add mode, the shrink backward (dx + dA, and dA alone), the expand backward, and cuBLAS's base GEMM with and
     without accumulating into its output. Rows carry ``op`` = kernel and ``family`` = shape."""
     for Kd, N in ((2048, 2048), (5632, 2048), (2048, 5632), (2048, 256)):

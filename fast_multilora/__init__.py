@@ -20,10 +20,11 @@ if _ilu.find_spec(__name__ + ".kernels") is None:
     _sys.modules[_spec.name] = _mod
     _spec.loader.exec_module(_mod)
 
+from .config import PatchConfig  # noqa: E402
 from .loss import per_adapter_loss, per_adapter_mean  # noqa: E402
 from .patching import PatchReport, patch, route, unpatch  # noqa: E402
 from .plan import BASE  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["BASE", "PatchReport", "patch", "per_adapter_loss", "per_adapter_mean", "route", "unpatch"]
+__all__ = ["BASE", "PatchConfig", "PatchReport", "patch", "per_adapter_loss", "per_adapter_mean", "route", "unpatch"]

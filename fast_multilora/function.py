@@ -1,8 +1,19 @@
-"""The autograd Function of one layer's LoRA delta over a mixed batch, and the two backends it runs on.
+"""The one autograd Function of a patched LoRA layer call over a mixed batch, and the two backends it runs on.
 
-``y = base(x) + sum over segments of scale_a * dropout_a(x_seg) @ A_a^T @ B_a^T`` -- the base layer stays opaque
-(it may be quantized); only the delta is ours. The delta is added in place into the base output ``y`` (the expand's
-fused add), so ``y`` is marked dirty and its gradient passes through unchanged.
+``out = base(x) + sum over segments of scale_a * dropout_a(x_seg) @ A_a^T @ B_a^T`` -- one Function,
+:class:`LoraLinear`, for every patched layer call, parameterised by its :class:`LayerCall`:
+
+* ``fused``: the base is a frozen ``nn.Linear`` whose GEMM runs inside the Function (the expand writes the delta, the
+  bias folded in, and cuBLAS accumulates ``x Wᵀ`` into it; backward likewise for ``dx``); otherwise the base layer
+  ran outside (it may be quantized or hooked) and the delta is added to its output.
+* ``stack_num`` / ``slice_idx`` / ``lead``: sibling layers called on one input (``fast_multilora.stacked``) share one
+  shrink. The stack's lead runs it over every member's A weights and returns ``h`` as a second output; each other
+  member takes ``h`` as an input and expands its own slice. Autograd sums the members' ``dh`` into the lead's
+  backward, whose one shrink backward gives ``dx`` and every member's ``dA``.
+
+Eager calls run the Triton launchers directly (their host time matters at 56 layer calls per step); while
+``torch.compile`` traces, the same calls go through the custom ops of ``fast_multilora.ops``, so the compiled forward
+and backward graphs hold them, with shapes that never depend on the adapter mix (see ``plan.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +30,10 @@ from .kernels.dropout import quantize_p
 from .kernels.segments import AdapterTable, Segments
 
 
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
 def _no_autocast(fn):
     """Run a reference op with autocast off: its matmuls must keep the dtypes the op contract names (as the
     kernels do), not autocast's."""
@@ -31,46 +46,31 @@ def _no_autocast(fn):
     return wrapper
 
 
-# The Triton backend reads each adapter's weights where they are (``kernels.SlotWeights``, a per-slot address table
-# cached per layer) instead of concatenating them on every call; FML_WEIGHTS_IN_PLACE=0 concatenates (for A/B runs).
-WEIGHTS_IN_PLACE = os.environ.get("FML_WEIGHTS_IN_PLACE", "1") != "0"
-
-# A training forward under dropout stores its keep-mask (one bit per element of x) for the backward, which then
-# reads it instead of drawing it again; FML_STORE_DROPOUT_MASK=0 redraws it in the backward (saves that memory).
-STORE_DROPOUT_MASK = os.environ.get("FML_STORE_DROPOUT_MASK", "1") != "0"
-
-
 class TorchBackend:
-    """Pure-PyTorch segmented ops (``fast_multilora.reference``); dropout masks drawn from the seed on the device."""
+    """Pure-PyTorch segmented ops (``fast_multilora.reference``, static shapes: they compile too). Dropout: the
+    shrink draws the keep-mask from torch's RNG on the device and the backward reads the mask it returned."""
 
     name = "torch"
 
     @staticmethod
-    def _keep(x, segs, table, seed, stack_num=1):
-        """The keep-mask for ``seed``: ``[S, K]``, or one per slice of a stack (``[stack_num, S, K]``)."""
-        if seed is None or not table.has_dropout:
-            return None
-        g = torch.Generator(device=x.device)
-        g.manual_seed(seed)
-        p = reference.token_slots(segs)
-        p = torch.where(p >= 0, table.dropout[p.clamp(min=0)], torch.zeros((), device=x.device))
-        shape = (stack_num, *x.shape) if stack_num > 1 else x.shape
-        return torch.rand(shape, generator=g, device=x.device) >= p[:, None]
+    def draw_seed(x):
+        return 0  # this backend draws its mask from torch's RNG; a non-None seed only says "dropout this call"
 
     @staticmethod
-    def keep_buffer(x, seed, table):
-        """No stored mask: the backward redraws it from the seed."""
-        return None
-
-    @staticmethod
-    def weights(ws, table, dim):
+    def weights(ws, table, dim, in_place=False):
         """One layer's adapter weights (slot order) as the ops take them: concatenated along ``dim``."""
         return torch.cat(ws, dim)
 
     @_no_autocast
-    def shrink(self, x, A_cat, segs, table, stack_num, seed, keep_out=None):
-        keep = self._keep(x, segs, table, seed, stack_num)
-        return reference.lora_shrink(x, A_cat, segs, table, stack_num=stack_num, keep=keep)
+    def shrink(self, x, A_cat, segs, table, stack_num, seed, store_mask=False):
+        """``(h, keep)``: ``keep`` is the mask the backward needs (``None`` without dropout)."""
+        keep = None
+        if seed is not None and table.has_dropout:
+            ts = reference.token_slots(segs)
+            p = torch.where(ts >= 0, table.dropout[ts.clamp(min=0)], 0.0)
+            shape = (stack_num, *x.shape) if stack_num > 1 else x.shape
+            keep = torch.rand(shape, device=x.device) >= p[:, None]
+        return reference.lora_shrink(x, A_cat, segs, table, stack_num=stack_num, keep=keep), keep
 
     @_no_autocast
     def expand(self, h, B_cat, segs, table, y, stack_num, slice_idx, accumulate=True, bias=None):
@@ -84,7 +84,6 @@ class TorchBackend:
 
     @_no_autocast
     def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx, keep=None, grad_dtype=None):
-        keep = self._keep(x, segs, table, seed, stack_num)
         return reference.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, keep=keep, need_dx=need_dx)
 
 
@@ -104,62 +103,67 @@ class TritonBackend:
         self.k = K
         self.ops = ops
 
-    def _impl(self):
-        return self.ops if torch.compiler.is_compiling() else self.k
+    @staticmethod
+    def draw_seed(x):
+        """The dropout seed of one call: a host int from the CPU RNG in eager mode (no launch, no sync; checkpoint
+        recomputation restores that RNG, so it redraws the same seed); while ``torch.compile`` traces, a one-element
+        int32 tensor drawn on the device inside the graph (a captured CUDA graph draws a fresh one per replay)."""
+        if _compiling():
+            return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=x.device)
+        return int(torch.randint(0, 2**31 - 1, (1,)))
 
-    def weights(self, ws, table, dim):
+    def weights(self, ws, table, dim, in_place=True):
         """One layer's adapter weights (slot order; ``dim=0``: A weights, ``dim=1``: B weights) as the kernels take
         them: read in place (``kernels.SlotWeights``) in eager mode where ``kernels.slot_weights`` allows it, else
         their concatenation along ``dim`` (and always while ``torch.compile`` traces: the custom ops take tensors)."""
-        if WEIGHTS_IN_PLACE and table.slots is not None and not torch.compiler.is_compiling():
+        if in_place and table.slots is not None and not _compiling():
             w = self.k.slot_weights(ws, table.slots, table.ranks.numel(), dim)
             if w is not None:
                 return w
         return torch.cat(ws, dim)
 
-    def keep_buffer(self, x, seed, table):
-        """A buffer for the packed dropout mask the forward shrink stores and the backward reads (eager only: the
-        custom ops redraw it), or ``None`` without dropout."""
-        if seed is None or not table.has_dropout or not STORE_DROPOUT_MASK or torch.compiler.is_compiling():
-            return None
-        return self.k.keep_bits_buffer(x)
-
-    def shrink(self, x, A_cat, segs, table, stack_num, seed, keep_out=None):
-        if keep_out is not None:
-            return self.k.lora_shrink(x, A_cat, segs, table, stack_num=stack_num, seed=seed, keep_out=keep_out)
-        return self._impl().lora_shrink(x, A_cat, segs, table, stack_num=stack_num, seed=seed)
+    def shrink(self, x, A_cat, segs, table, stack_num, seed, store_mask=False):
+        """``(h, keep_bits)``: with ``store_mask`` under dropout (one slice), the packed keep-mask the forward drew,
+        for the backward to read; else ``None``."""
+        if _compiling():
+            return self.ops.lora_shrink(x, A_cat, segs, table, stack_num=stack_num, seed=seed, store_mask=store_mask)
+        keep = None
+        if store_mask and seed is not None and table.has_dropout and stack_num == 1:
+            keep = self.k.keep_bits_buffer(x)
+        h = self.k.lora_shrink(x, A_cat, segs, table, stack_num=stack_num, seed=seed, keep_out=keep)
+        return h, keep
 
     def expand(self, h, B_cat, segs, table, y, stack_num, slice_idx, accumulate=True, bias=None):
-        if accumulate:
-            return self._impl().lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx)
-        # write mode: eager only (FusedLinearDelta, which is not used while torch.compile traces)
-        return self.k.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx,
-                                  accumulate=False, bias=bias)
+        impl = self.ops if _compiling() else self.k
+        return impl.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx,
+                                accumulate=accumulate, bias=bias)
 
     def expand_bwd(self, dy, h, B_cat, segs, table, stack_num, slice_idx, dh=None, grad_dtype=None):
-        """``(dh, dB)``. With ``grad_dtype`` (eager only), ``dB`` comes in that dtype as one contiguous ``[N, r_a]``
-        block per adapter, flat (``_split_grads`` takes it apart without a copy), and a new ``dh`` is not
-        zero-filled: only the cells the shrink backward reads (adapter rows, their rank's columns) are written, as
-        the kernel tests check with NaN in the rest; otherwise float32 ``[N, total_rank]`` and a zero-filled ``dh``."""
-        if grad_dtype is not None and not torch.compiler.is_compiling():
-            dB = torch.empty(table.total_rank * B_cat.shape[0], dtype=grad_dtype, device=dy.device)
-            if dh is None:  # for this backend's shrink backward, which reads only the cells the expand writes
-                dh = torch.empty(dy.shape[0], stack_num * table.max_rank, dtype=h.dtype, device=dy.device)
-            return self.k.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx,
-                                          dh=dh, dB_out=dB, dB_blocked=True)
-        return self._impl().lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx,
+        """``(dh, dB)``; a given ``dh`` is the starting content (written in place in eager mode). With
+        ``grad_dtype`` (eager only), ``dB`` comes in that dtype as one contiguous ``[N, r_a]`` block per adapter,
+        flat (``_split_grads`` takes it apart without a copy), and a new ``dh`` is not zero-filled: only the cells
+        the shrink backward reads (adapter rows, their rank's columns) are written, as the kernel tests check with
+        NaN in the rest; otherwise float32 ``[N, total_rank]`` and a zero-filled ``dh``."""
+        if _compiling():
+            return self.ops.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx,
                                             dh=dh)
+        if grad_dtype is None:
+            return self.k.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx, dh=dh)
+        dB = torch.empty(table.total_rank * B_cat.shape[0], dtype=grad_dtype, device=dy.device)
+        if dh is None:  # for this backend's shrink backward, which reads only the cells the expand writes
+            dh = torch.empty(dy.shape[0], stack_num * table.max_rank, dtype=h.dtype, device=dy.device)
+        return self.k.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx,
+                                      dh=dh, dB_out=dB, dB_blocked=True)
 
     def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx, keep=None, grad_dtype=None):
         """``(dx, dA)``; with ``grad_dtype`` (eager only) ``dA`` comes in that dtype, else float32."""
-        eager = keep is not None or (grad_dtype is not None and not torch.compiler.is_compiling())
-        if eager:
-            dA = None if grad_dtype is None else torch.empty(stack_num * table.total_rank, x.shape[1],
-                                                             dtype=grad_dtype, device=x.device)
-            return self.k.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed,
-                                          need_dx=need_dx, keep=keep, dA_out=dA)
-        return self._impl().lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed,
-                                            need_dx=need_dx)
+        if _compiling():
+            return self.ops.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed,
+                                            need_dx=need_dx, keep=keep)
+        dA = None if grad_dtype is None else torch.empty(stack_num * table.total_rank, x.shape[1],
+                                                         dtype=grad_dtype, device=x.device)
+        return self.k.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed, need_dx=need_dx,
+                                      keep=keep, dA_out=dA)
 
 
 _BACKENDS: dict = {}
@@ -181,33 +185,43 @@ def get_backend(name: str, device: torch.device):
     return _BACKENDS[name]
 
 
-@dataclass
-class DeltaSpec:
-    """Everything but tensors that one layer call needs (kept on ``ctx`` for backward)."""
+@dataclass(frozen=True, eq=False)
+class LayerCall:
+    """Everything but the weights that one patched layer call needs (kept on ``ctx`` for backward).
 
-    segs: Segments
-    table: AdapterTable
+    Weights passed to :class:`LoraLinear`, in order: the A weights (lead only: adapter-major over the stack,
+    ``A[a0][m0], A[a0][m1], ..., A[a1][m0], ...``, ``stack_num * n_adapters`` of them), this layer's B weights (slot
+    order) and, with ``lora_bias``, its B biases.
+    """
+
     backend: object
-    seed: Optional[int]  # dropout seed, None when no dropout this call
-    num_adapters: int  # adapters present in the layer (their A and B weights follow x, y in apply())
-    ranks: tuple  # host ranks of those adapters, in slot order
-    has_bias: bool  # lora_bias: one bias per adapter follows the B weights
-    bias_slots: Optional[torch.Tensor] = None  # [S] slot-table row per token for the bias gather
-    grad: bool = True  # autograd records the call (grad mode at the call; inside a Function's forward it is off)
+    segs: Segments
+    table: AdapterTable  # this layer's (its scales); the lead's also serves the stack's shrink (equal ranks, rates)
+    ranks: tuple  # host ranks of this layer's present adapters, slot order
+    stack_num: int = 1
+    slice_idx: int = 0
+    lead: bool = True  # runs the shrink; a stack's other members take its h
+    fused: bool = False
+    seed: object = None  # dropout this call: a host int or a device int32 tensor (TritonBackend.draw_seed)
+    store_mask: bool = False
+    in_place: bool = False  # eager Triton: weights read in place (kernels.SlotWeights)
+    has_bias: bool = False  # lora_bias
+    bias_rows: Optional[torch.Tensor] = None  # [S] row of each token's adapter among the present ones (n: none)
+    stack: object = None  # the stack's stacked.Pending: which members' outputs got a gradient (their A get dA)
+
+    @property
+    def n_adapters(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def n_a(self) -> int:
+        return self.stack_num * len(self.ranks) if self.lead else 0
 
 
 def as_rows(x_in: torch.Tensor) -> torch.Tensor:
     """``x[..., K]`` as contiguous rows ``[S, K]`` (a view when it already is)."""
     x = x_in.reshape(-1, x_in.shape[-1])
     return x if x.is_contiguous() else x.contiguous()
-
-
-def own_storage(result: torch.Tensor) -> torch.Tensor:
-    """``result`` as a tensor the delta may be added to in place: itself when it owns contiguous storage, else a
-    contiguous copy (a view -- GPT-2's Conv1D returns one -- must not be written through)."""
-    if not result.is_contiguous() or result._base is not None:
-        return result.contiguous() if not result.is_contiguous() else result.clone()
-    return result
 
 
 def lora_dropout_rate(drop: torch.nn.Module) -> float:
@@ -224,110 +238,107 @@ def linear_with_delta(backend, x, W, bias, h, B_cat, segs, table, stack_num, sli
     return y.addmm_(x, W.t())
 
 
-class LoraDelta(torch.autograd.Function):
-    """``y += delta(x)`` for a mixed batch; inputs ``x[S, K]``, ``y[S, N]`` then every present adapter's ``A``
-    (``[r, K]``), ``B`` (``[N, r]``) and, with ``lora_bias``, bias (``[N]``)."""
-
-    @staticmethod
-    def forward(ctx, x_in, y_in, spec: DeltaSpec, *weights):
-        n = spec.num_adapters
-        x = as_rows(x_in)
-        y = y_in.view(-1, y_in.shape[-1])  # the caller passes a contiguous base output
-        be = spec.backend
-        A = be.weights(weights[:n], spec.table, 0) if n else x.new_zeros(0, x.shape[1])
-        B = be.weights(weights[n : 2 * n], spec.table, 1) if n else y.new_zeros(y.shape[1], 0)
-        keep = _keep_buffer(ctx, be, x, spec)
-        h = be.shrink(x, A, spec.segs, spec.table, 1, spec.seed, keep)
-        be.expand(h, B, spec.segs, spec.table, y, 1, 0)
-        if spec.has_bias:
-            _add_bias(y, weights[2 * n :], spec)
+def _delta_target(ctx, y_in: torch.Tensor) -> tuple:
+    """``(returned tensor, its [S, N] rows)`` the delta is added into: in eager mode the base output itself when it
+    owns contiguous storage (marked dirty: no copy), else a contiguous copy -- a view (GPT-2's Conv1D returns one)
+    is never written through, and while ``torch.compile`` traces the op stays functional."""
+    if not _compiling() and y_in.is_contiguous() and y_in._base is None:
         ctx.mark_dirty(y_in)
-        ctx.save_for_backward(x, h, keep, *weights[: 2 * n])  # the backward reads the weights as the forward did
-        ctx.w_dtypes = [w.dtype for w in weights]
-        ctx.spec = spec
-        ctx.x_shape = x_in.shape
-        return y_in
-
-    @staticmethod
-    def backward(ctx, dy_in):
-        spec: DeltaSpec = ctx.spec
-        x, h, keep, *weights = ctx.saved_tensors
-        w_dtypes = ctx.w_dtypes
-        n = spec.num_adapters
-        needs = ctx.needs_input_grad
-        need_dx = needs[0]
-        need_w = any(needs[3:])
-        dx, grads = None, [None] * len(w_dtypes)
-        dy = dy_in.reshape(-1, dy_in.shape[-1])
-        if (need_dx or need_w) and n:
-            dy = dy.contiguous()
-            be = spec.backend
-            gd = _grad_dtype(w_dtypes[: 2 * n])
-            A, B = be.weights(weights[:n], spec.table, 0), be.weights(weights[n:], spec.table, 1)
-            dh, dB = be.expand_bwd(dy, h, B, spec.segs, spec.table, 1, 0, grad_dtype=gd)
-            dx, dA = be.shrink_bwd(dh, x, A, spec.segs, spec.table, 1, spec.seed, need_dx, keep, grad_dtype=gd)
-            grads[:n] = _split_grads(dA, spec.ranks, w_dtypes[:n], dim=0)
-            grads[n : 2 * n] = _split_grads(dB, spec.ranks, w_dtypes[n : 2 * n], dim=1, n_rows=dy.shape[1])
-            if spec.has_bias:
-                for i, gbias in enumerate(_bias_grad(dy, spec)):
-                    grads[2 * n + i] = gbias.to(w_dtypes[2 * n + i])
-        elif need_dx:
-            dx = torch.zeros_like(x)
-        if dx is not None:
-            dx = dx.view(ctx.x_shape)
-        return (dx, dy_in, None, *grads)
+        return y_in, y_in.view(-1, y_in.shape[-1])
+    out = y_in.clone(memory_format=torch.contiguous_format)
+    return out, out.view(-1, out.shape[-1])
 
 
-class FusedLinearDelta(torch.autograd.Function):
-    """``y = x Wᵀ (+ b) + delta(x)`` for a frozen ``nn.Linear`` base (``W``, ``b`` need no gradient): inputs
-    ``x[..., K]``, ``W[N, K]``, ``b`` (or ``None``), the spec, then the adapters' weights as for :class:`LoraDelta`.
+class LoraLinear(torch.autograd.Function):
+    """``out = base + delta`` for one patched layer call (see the module docstring and :class:`LayerCall`).
 
-    The delta is written first (the expand in write mode, the bias folded in, base rows set to the bias or zero) and
-    cuBLAS accumulates the base GEMM into it (``y.addmm_(x, Wᵀ)``, beta 1, read in the GEMM's epilogue), so the base
-    output is not written, read back and rewritten by a separate add. Backward likewise: the shrink backward writes
-    the LoRA part of ``dx`` (with ``dA``, one pass over ``x``) and cuBLAS accumulates ``dy W`` into it, instead of
-    two ``dx`` tensors summed by autograd.
+    Inputs: ``x[..., K]``; ``y``, the base layer's output (``None`` when ``call.fused``); ``W``, ``b``, the frozen
+    base weight and bias (``None`` unless fused); ``h``, the stack lead's shrink output (``None`` for a lead); the
+    call; then the weights. Outputs: ``out``, plus ``h`` for a lead.
     """
 
     @staticmethod
-    def forward(ctx, x_in, W, bias, spec: DeltaSpec, *weights):
-        n = spec.num_adapters
+    def forward(ctx, x_in, y_in, W, b, h_in, call: LayerCall, *weights):
+        ctx.set_materialize_grads(False)
+        be, segs, table = call.backend, call.segs, call.table
+        n, n_a = call.n_adapters, call.n_a
         x = as_rows(x_in)
-        be = spec.backend
-        A = be.weights(weights[:n], spec.table, 0)
-        B = be.weights(weights[n : 2 * n], spec.table, 1)
-        keep = _keep_buffer(ctx, be, x, spec)
-        h = be.shrink(x, A, spec.segs, spec.table, 1, spec.seed, keep)
-        y = linear_with_delta(be, x, W, bias, h, B, spec.segs, spec.table, 1, 0)
-        ctx.save_for_backward(x, h, W, keep, *weights)  # the backward reads the weights as the forward did
-        ctx.w_dtypes = [w.dtype for w in weights]
-        ctx.spec = spec
-        ctx.x_shape = x_in.shape
-        return y.view(*x_in.shape[:-1], W.shape[0])
+        keep = None
+        if call.lead:
+            A = be.weights(weights[:n_a], table, 0, call.in_place and call.stack_num == 1)
+            h, keep = be.shrink(x, A, segs, table, call.stack_num, call.seed, call.store_mask)
+        else:
+            h = h_in
+        B = be.weights(weights[n_a : n_a + n], table, 1, call.in_place)
+        if call.fused:
+            rows = linear_with_delta(be, x, W, b, h, B, segs, table, call.stack_num, call.slice_idx)
+            out = rows.view(*x_in.shape[:-1], W.shape[0])
+        else:
+            out, rows = _delta_target(ctx, y_in)
+            be.expand(h, B, segs, table, rows, call.stack_num, call.slice_idx)
+        if call.has_bias:
+            _add_bias(rows, weights[n_a + n :], call)
+        # the backward reads the weights as the forward did
+        ctx.save_for_backward(x if call.lead else None, h, W, keep, *weights[: n_a + n])
+        ctx.call = call
+        ctx.shapes = (x_in.shape, rows.shape[1])
+        ctx.w_dtypes = tuple(w.dtype for w in weights)
+        return (out, h) if call.lead else out
 
     @staticmethod
-    def backward(ctx, dy_in):
-        spec: DeltaSpec = ctx.spec
+    def backward(ctx, d_out, d_h=None):
+        call: LayerCall = ctx.call
         x, h, W, keep, *weights = ctx.saved_tensors
-        n = spec.num_adapters
-        needs = ctx.needs_input_grad
-        need_dx, need_w = needs[0], any(needs[4:])
-        dx, grads = None, [None] * len(ctx.w_dtypes)
-        if need_dx or need_w:
-            dy = dy_in.reshape(-1, dy_in.shape[-1]).contiguous()
-            be = spec.backend
-            gd = _grad_dtype(ctx.w_dtypes[: 2 * n])
-            A, B = be.weights(weights[:n], spec.table, 0), be.weights(weights[n:], spec.table, 1)
-            dh, dB = be.expand_bwd(dy, h, B, spec.segs, spec.table, 1, 0, grad_dtype=gd)
-            # one pass over x for dA and the LoRA part of dx (written, base rows zero; the dropout mask drawn once)
-            dx, dA = be.shrink_bwd(dh, x, A, spec.segs, spec.table, 1, spec.seed, need_dx, keep, grad_dtype=gd)
-            if need_w:
-                grads[:n] = _split_grads(dA, spec.ranks, ctx.w_dtypes[:n], dim=0)
-                grads[n : 2 * n] = _split_grads(dB, spec.ranks, ctx.w_dtypes[n : 2 * n], dim=1, n_rows=W.shape[0])
-            if need_dx:
-                dx.addmm_(dy, W)
-                dx = dx.view(ctx.x_shape)
-        return (dx, None, None, None, *grads)
+        be, segs, table, st = call.backend, call.segs, call.table, call.stack_num
+        n, n_a = call.n_adapters, call.n_a
+        x_shape, N = ctx.shapes
+        w_dtypes = ctx.w_dtypes
+        needs = ctx.needs_input_grad  # x, y, W, b, h, call, *weights
+        need_dx, need_a = needs[0], any(needs[6 : 6 + n_a])
+        need_b, need_bias = any(needs[6 + n_a : 6 + n_a + n]), any(needs[6 + n_a + n :])
+        grads = [None] * len(w_dtypes)
+        dx = d_y = dy = None
+        dh = d_h  # a lead's: the other members' slices, summed by autograd (None when none was reached)
+        if d_out is not None:
+            dy = d_out.reshape(-1, N).contiguous()
+            d_y = None if call.fused else d_out  # out = y + delta: the identity for y
+            need_dh = (need_dx or need_a) if call.lead else needs[4]
+            if need_dh or need_b:
+                if dh is None and (st > 1 or not call.lead):
+                    # a stack's other slices stay zero: their members' backwards did not run (or add theirs later)
+                    dh = torch.zeros(dy.shape[0], st * table.max_rank, dtype=h.dtype, device=dy.device)
+                B = be.weights(weights[n_a : n_a + n], table, 1, call.in_place)
+                dh, dB = be.expand_bwd(dy, h, B, segs, table, st, call.slice_idx, dh=dh,
+                                       grad_dtype=_grad_dtype(w_dtypes[n_a : n_a + n]))
+                if need_b:
+                    grads[n_a : n_a + n] = _split_grads(dB, call.ranks, w_dtypes[n_a : n_a + n], dim=1, n_rows=N)
+            if call.has_bias and need_bias:
+                for i, g in enumerate(_bias_grad(dy, call)):
+                    grads[n_a + n + i] = g.to(w_dtypes[n_a + n + i])
+        d_hin = None if call.lead else dh
+        reached = None
+        # which members' outputs got a gradient in this backward pass (eager: a traced Function may not mutate outer
+        # Python state; a compiled backward gives an unreached member a zero dA instead of None)
+        if call.stack is not None and not _compiling():
+            if d_out is not None:
+                call.stack.reached.add(call.slice_idx)
+            if call.lead:
+                reached, call.stack.reached = call.stack.reached, set()
+        if call.lead and dh is not None and (need_dx or need_a):
+            A = be.weights(weights[:n_a], table, 0, call.in_place and st == 1)
+            dx, dA = be.shrink_bwd(dh, x, A, segs, table, st, call.seed, need_dx, keep,
+                                   grad_dtype=_grad_dtype(w_dtypes[:n_a]))
+            if need_a:
+                a_ranks = tuple(r for r in call.ranks for _ in range(st))
+                a_grads = _split_grads(dA, a_ranks, w_dtypes[:n_a], dim=0)
+                if reached is not None:  # a member whose output got no gradient gets no dA, as unstacked
+                    a_grads = [g if i % st in reached else None for i, g in enumerate(a_grads)]
+                grads[:n_a] = a_grads
+        if call.fused and need_dx and dy is not None:
+            dx = dy @ W if dx is None else dx.addmm_(dy, W)  # cuBLAS accumulates the base part (beta 1)
+        if dx is not None:
+            dx = dx.view(x_shape)
+        return (dx, d_y, None, None, d_hin, None, *grads)
 
 
 class _NoGradCtx:
@@ -346,18 +357,12 @@ class _NoGradCtx:
 
 
 def run(fn_cls, *args):
-    """``fn_cls.apply(*args)``; with autograd off (``no_grad``, ``inference_mode``; not while ``torch.compile``
-    traces) the Function's forward alone: nothing would be recorded, and the Function machinery's host time per call
-    (argument unwrapping, the ctx) is a visible part of an eval forward's per-layer host time."""
-    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+    """``fn_cls.apply(*args)``; with autograd off (``no_grad``, ``inference_mode``) the Function's forward alone:
+    nothing would be recorded, the Function machinery's host time per call (argument unwrapping, the ctx) is a
+    visible part of an eval forward's per-layer host time, and ``torch.compile`` traces a plain function."""
+    if torch.is_grad_enabled():
         return fn_cls.apply(*args)
     return fn_cls.forward(_NoGradCtx(), *args)
-
-
-def _keep_buffer(ctx, backend, x, spec: DeltaSpec):
-    """Where the forward shrink stores its dropout mask for the backward: only when a gradient will be taken
-    (``needs_input_grad`` alone does not tell: it ignores an enclosing ``torch.no_grad``)."""
-    return backend.keep_buffer(x, spec.seed, spec.table) if spec.grad and any(ctx.needs_input_grad) else None
 
 
 def _grad_dtype(dtypes: list):
@@ -392,22 +397,31 @@ def _split_grads(g_cat: torch.Tensor, ranks: tuple, dtypes: list, dim: int, n_ro
     return list(g_cat.to(dtype).split(ranks, dim=1))
 
 
-def _onehot(spec: DeltaSpec, dtype) -> torch.Tensor:
-    """[num_adapters, S] one-hot of each token's present-adapter row (zeros for base/absent): a deterministic
+def _present_scales(call: LayerCall) -> torch.Tensor:
+    """float32 ``[n_adapters]``: the present adapters' scales, slot order (static indices: ``table.slots``)."""
+    return call.table.scales[list(call.table.slots)].to(torch.float32)
+
+
+def _onehot(call: LayerCall, dtype) -> torch.Tensor:
+    """[n_adapters, S] one-hot of each token's present-adapter row (zeros for base/absent): a deterministic
     segment-sum by matmul, used only for ``lora_bias``."""
-    idx = spec.bias_slots
-    oh = torch.zeros(spec.num_adapters + 1, idx.numel(), dtype=dtype, device=idx.device)
+    idx = call.bias_rows
+    oh = torch.zeros(call.n_adapters + 1, idx.numel(), dtype=dtype, device=idx.device)
     oh[idx, torch.arange(idx.numel(), device=idx.device)] = 1
     return oh[:-1]
 
 
-def _add_bias(y, biases, spec: DeltaSpec) -> None:
-    scales = spec.table.scales[spec.table.ranks > 0].to(torch.float32)  # present adapters, slot order
-    bias = torch.stack([b.float() for b in biases]) * scales[:, None]  # [n, N]
-    y += (_onehot(spec, torch.float32).T @ bias).to(y.dtype)
+def _acc(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _bias_grad(dy, spec: DeltaSpec):
-    scales = spec.table.scales[spec.table.ranks > 0].to(torch.float32)
-    g = _onehot(spec, torch.float32) @ dy.float()  # [n, N]
-    return list(g * scales[:, None])
+def _add_bias(y, biases, call: LayerCall) -> None:
+    acc = _acc(y)
+    bias = torch.stack([b.to(acc) for b in biases]) * _present_scales(call).to(acc)[:, None]  # [n, N]
+    y += (_onehot(call, acc).T @ bias).to(y.dtype)
+
+
+def _bias_grad(dy, call: LayerCall):
+    acc = _acc(dy)
+    g = _onehot(call, acc) @ dy.to(acc)  # [n, N]
+    return list(g * _present_scales(call).to(acc)[:, None])

@@ -1,18 +1,22 @@
-"""``patch`` / ``unpatch``: run a PEFT model's LoRA Linear layers through the mixed-batch Function.
+"""``patch`` / ``unpatch``: run a PEFT model's LoRA Linear layers through the mixed-batch layer Function.
 
 Patching swaps each LoRA layer's class for a subclass of the same name (so ``repr``, ``isinstance`` and every PEFT
 method behave as before) whose ``forward`` routes mixed batches. Parameters, buffers and module objects are not
 touched, so ``state_dict``, optimizers, ``save_pretrained`` and ``PeftModel.from_pretrained`` are unaffected.
 
 * ``peft.tuners.lora.Linear`` (vanilla LoRA adapters, incl. rsLoRA, ``lora_bias``, ``fan_in_fan_out`` Conv1D bases):
-  the delta runs on our backends.
+  the delta runs on our backends, one ``function.LoraLinear`` per layer call.
 * Every other LoRA layer (Embedding, Conv, quantized layers, ...) and PEFT's auxiliary wrappers
   (``modules_to_save``, trainable tokens): PEFT's own per-sample mixed-batch loop, which we call in training too.
   Listed in the report's ``fallback``.
 * Adapters with a LoRA variant (DoRA, aLoRA, ...): a mixed batch that names them raises (PEFT does not mix DoRA
   adapters in a batch either); without ``adapter_names`` PEFT's forward runs as usual.
-* Sibling LoRA Linear layers called on one input (q/k/v, gate/up) share one shrink pass (``fast_multilora.stacked``);
-  ``patch(..., share_shrink=False)`` turns that off.
+* Sibling LoRA Linear layers declared from the module tree (q/k/v, gate/up, ...) share one shrink pass when called
+  on the same input (``fast_multilora.stacked``); ``PatchConfig(share_shrink=False)`` turns that off.
+
+A routed layer call, top-down (:meth:`_FastLinearMixin.forward`): the routing (set at the model's entry), the
+layer's adapter table (refreshed there too), the layout of ``x``'s tokens, the base (fused into the Function or run
+by the base layer), then one ``LoraLinear`` -- as a stack's lead, a stack member taking its slice, or alone.
 """
 
 from __future__ import annotations
@@ -22,36 +26,43 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Optional
 
 import torch
-from peft.tuners.lora import Linear as LoraLinear
+from peft.tuners.lora import Linear as LoraLinearLayer
 from peft.tuners.lora import LoraLayer
 from torch.nn.modules import module as _nn_module  # its global forward hooks are read per call
 
 from . import stacked
-from .function import DeltaSpec, FusedLinearDelta, LoraDelta, get_backend, lora_dropout_rate, own_storage, run
+from .config import PatchConfig
+from .function import LayerCall, LoraLinear, get_backend, lora_dropout_rate, run
 from .kernels.segments import AdapterTable
 from .plan import BASE, Router
 
 _ROUTER_ATTR = "_fml_router"
 _HOOKS_ATTR = "_fml_hooks"
+_STATE_ATTR = "_fml_state"  # on a patched layer: its LayerState (None: no adapter of the routing's slots)
+_SIG_ATTR = "_fml_sig"  # what the state was built from
+_STACK_ATTR = "_fml_stack"  # (stacked.Stack, slice index) or None
+_LAYER_ATTRS = (_ROUTER_ATTR, _STATE_ATTR, _SIG_ATTR, _STACK_ATTR)
 
 
 @dataclass
 class PatchReport:
-    """What :func:`patch` did: modules on our kernels, modules left on PEFT's path and why, and the sibling groups
-    (``shared``, tuples of names) whose members share one shrink pass when called on the same input."""
+    """What :func:`patch` did: modules on our kernels, modules left on PEFT's path and why, and the declared sibling
+    groups (``shared``, tuples of names) whose members share one shrink pass when called on the same input."""
 
     backend: str
     patched: list = field(default_factory=list)
     fallback: dict = field(default_factory=dict)
     shared: list = field(default_factory=list)
+    config: Optional[PatchConfig] = None
 
     def __str__(self) -> str:
         lines = [f"fast_multilora: {len(self.patched)} LoRA Linear module(s) patched (backend={self.backend!r})"]
         if self.shared:
-            lines.append(f"{len(self.shared)} sibling group(s) share one shrink pass among members called on the same "
-                         "input, e.g.:")
+            lines.append(f"{len(self.shared)} sibling group(s) share one shrink pass when their members are called "
+                         "on the same input and their adapters agree, e.g.:")
             lines += [f"  {', '.join(group)}" for group in self.shared[:3]]
         if self.fallback:
             lines.append(f"{len(self.fallback)} module(s) run PEFT's own mixed-batch path:")
@@ -60,29 +71,139 @@ class PatchReport:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# per-layer state, refreshed at the model's entry
+
+
+@dataclass(eq=False)
+class LayerState:
+    """One patched layer's adapters in the routing's slot order: the kernels' table and what the call needs."""
+
+    table: AdapterTable
+    present: tuple  # names of the layer's adapters, slot order
+    ranks: tuple
+    rates: tuple  # dropout rate each applies in this mode
+    a_dtypes: tuple
+    device: torch.device
+    has_bias: bool  # lora_bias
+    variants: tuple  # adapters of the layer with a LoRA variant (not in the table)
+    bias_map: Optional[torch.Tensor]  # lora_bias: int64 [n_slots + 1], slot -> row among present (n = none)
+
+    @property
+    def lora_dtype(self):
+        """The adapters' one A dtype (PEFT casts an fp32 input to a 16-bit one), else ``None``."""
+        return self.a_dtypes[0] if len(set(self.a_dtypes)) == 1 else None
+
+
+def _state_signature(layer, slot_names) -> tuple:
+    """Everything a :class:`LayerState` depends on, read through the module dicts (no ``nn.Module.__getattr__``)."""
+    mods = layer._modules
+    a_mods, b_mods, drops = mods["lora_A"]._modules, mods["lora_B"]._modules, mods["lora_dropout"]._modules
+    r, scaling, lora_bias = layer.r, layer.scaling, layer.lora_bias
+    items = []
+    for n, a in a_mods.items():
+        w, bw = a._parameters["weight"], b_mods[n]._parameters["weight"]
+        items.append((n, a, b_mods[n], r[n], scaling[n], drops[n].__dict__.get("p", 0.0), drops[n].training,
+                      lora_bias[n], w.dtype, w.device, bw.dtype, b_mods[n]._parameters.get("bias") is not None))
+    return (slot_names, tuple(sorted(layer.lora_variant)), tuple(items))
+
+
+def _build_state(layer, slot_names) -> Optional[LayerState]:
+    variants = tuple(sorted(layer.lora_variant))
+    ranks, offsets, scales, ps, present, slots = [], [], [], [], [], []
+    acc = 0
+    for slot, name in enumerate(slot_names):
+        if name in layer.lora_A and name not in layer.lora_variant:
+            slots.append(slot)
+            present.append(name)
+            ranks.append(layer.r[name])
+            scales.append(float(layer.scaling[name]))
+            # the kernels draw the mask at 2^-16 resolution: the table holds the rate they draw exactly
+            ps.append(lora_dropout_rate(layer.lora_dropout[name]))
+        else:
+            ranks.append(0)
+            scales.append(0.0)
+            ps.append(0.0)
+        offsets.append(acc)
+        acc += ranks[-1]
+    if not present:
+        return None
+    a_weights = [layer.lora_A[n].weight for n in present]
+    device = a_weights[0].device
+    host = torch.tensor([ranks, offsets], dtype=torch.int32)
+    fl = torch.tensor([scales, ps], dtype=torch.float32)
+    table = AdapterTable(
+        ranks=host[0].to(device), offsets=host[1].to(device), scales=fl[0].to(device), dropout=fl[1].to(device),
+        max_rank=max(ranks), total_rank=acc, has_dropout=any(p > 0 for p in ps), slots=tuple(slots),
+        host=(tuple(ranks), tuple(offsets), tuple(scales), tuple(ps)),
+    )
+    has_bias = any(layer.lora_bias[n] for n in present)
+    bias_map = None
+    if has_bias:
+        for n in present:
+            if layer.lora_B[n].bias is None:
+                raise ValueError(f"adapter {n!r}: mixed lora_bias settings in one layer are not supported")
+        row = {n: i for i, n in enumerate(present)}
+        bias_map = torch.tensor([row.get(n, len(present)) for n in slot_names] + [len(present)],
+                                dtype=torch.int64).to(device)
+    return LayerState(
+        table=table, present=tuple(present), ranks=tuple(layer.r[n] for n in present),
+        rates=tuple(ps[s] for s in slots), a_dtypes=tuple(w.dtype for w in a_weights), device=device,
+        has_bias=has_bias, variants=variants, bias_map=bias_map,
+    )
+
+
+def refresh_layers(router: Router, routing) -> None:
+    """Bring every patched layer's :class:`LayerState` (and the sibling stacks) up to date with the routing's slot
+    order and the layers' adapters and modes; cheap when nothing changed (one signature per layer). Raises when the
+    routing names an adapter with a LoRA variant."""
+    slot_names = routing.slot_names
+    changed = False
+    get_backend(router.config.backend, router._weights_device())  # created outside any traced graph
+    for layer in router.fast_layers:
+        sig = _state_signature(layer, slot_names)
+        d = layer.__dict__
+        if d.get(_SIG_ATTR) != sig:
+            d[_STATE_ATTR] = _build_state(layer, slot_names)
+            d[_SIG_ATTR] = sig
+            changed = True
+    if changed:
+        for layer in router.fast_layers:
+            layer.__dict__[_STACK_ATTR] = None
+        for group in router.groups:
+            states = [m.__dict__.get(_STATE_ATTR) for m in group.members]
+            for i, stack, s in stacked.stacks_of(group, states, router.config.share_dropout):
+                group.members[i].__dict__[_STACK_ATTR] = (stack, s)
+    _check_variants(router, routing.names)
+
+
+def _check_variants(router: Router, names) -> None:
+    for layer in router.fast_layers:
+        for name in names:
+            if name in layer.lora_variant:
+                kind = type(layer.lora_variant[name]).__name__
+                peft_msg = "Cannot pass `adapter_names` when DoRA is enabled. " if "Dora" in kind else ""  # PEFT's
+                raise ValueError(
+                    f"{peft_msg}adapter {name!r} uses a LoRA variant ({kind}) in module "
+                    f"{type(layer.base_layer).__name__}; mixed batches run vanilla LoRA adapters only (PEFT does not "
+                    "mix DoRA adapters in a batch either)"
+                )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # layer mixins
-
-
-def _routing(module, kwargs):
-    """The active routing for this call: PEFT's injected ``adapter_names`` kwarg first, else the model's router."""
-    router: Router = module.__dict__.get(_ROUTER_ATTR)
-    names = kwargs.pop("adapter_names", None)
-    if router is None:
-        return None, names
-    if names is not None:
-        return router.routing_for_names(names), None
-    return router.current, None
 
 
 class _FastLinearMixin:
     """Mixed-batch forward for ``peft.tuners.lora.Linear``."""
 
     def forward(self, x, *args, **kwargs):
-        routing, names = _routing(self, kwargs)
-        if routing is None:
+        router: Optional[Router] = self.__dict__.get(_ROUTER_ATTR)
+        names = kwargs.pop("adapter_names", None)  # PEFT's own hooks (or a direct call) hand names to the layer
+        if router is None or (names is None and router.current is None):
             if names is not None:
                 kwargs["adapter_names"] = names
             return super().forward(x, *args, **kwargs)
+        routing = router.current if names is None else router.routing_for_names(names, x.device)
         if self.disable_adapters:  # PEFT: disabled adapters ignore adapter_names
             if self.merged:
                 self.unmerge()
@@ -91,89 +212,63 @@ class _FastLinearMixin:
             raise ValueError(
                 "Cannot pass `adapter_names` when there are merged adapters, please call `unmerge_adapter` first."
             )
-        router: Router = self.__dict__[_ROUTER_ATTR]
-        plan = router.plan_for(routing, x)
-        table, present, bias_row = _layer_table(self, plan, x.device)
-        share = stacked.may_share(self, x, table, present, router)  # records the call: always first
-        base = _fused_base(self, x, args, kwargs, present, router)
-        if base is not None:  # the base GEMM runs inside our Function, after the delta's expand wrote y
-            out = stacked.shared_delta(self, x, None, plan, table, present, router, base) if share else None
-            if out is not None:
-                return out
-            x_d, spec, weights = _delta_inputs(self, x, plan, table, present, bias_row, router)
-            return run(FusedLinearDelta, x_d, base.weight, base.bias, spec, *weights)
-        result = self.base_layer(x, *args, **kwargs)
-        if share:
-            out = stacked.shared_delta(self, x, result, plan, table, present, router)
-            if out is not None:
-                return out
-        if not present:
-            return result
-        return _apply_delta(self, x, result, plan, table, present, bias_row, router)
-
-
-def _layer_table(layer, plan, device):
-    """Per-slot ranks/offsets/scales/dropout for this layer, cached until the layer's adapters change."""
-    used = [plan.slot_names[s] for s in sorted(plan.used_slots)]
-    for name in used:
-        if name in layer.lora_variant:
-            kind = type(layer.lora_variant[name]).__name__
-            peft_msg = "Cannot pass `adapter_names` when DoRA is enabled. " if "Dora" in kind else ""  # PEFT's words
+        state: Optional[LayerState] = self.__dict__.get(_STATE_ATTR)
+        if state is None:  # none of the routing's adapters is in this layer
+            return self.base_layer(x, *args, **kwargs)
+        if x.device != state.device:
             raise ValueError(
-                f"{peft_msg}adapter {name!r} uses a LoRA variant ({kind}) in module {type(layer.base_layer).__name__}; "
-                "mixed batches run vanilla LoRA adapters only (PEFT does not mix DoRA adapters in a batch either)"
+                f"input is on {x.device} but the LoRA weights of this layer are on {state.device}; move the batch to "
+                "the model's device"
             )
-    # everything the table depends on, read through the module dicts (no nn.Module.__getattr__: this runs per call)
-    mods = layer._modules
-    a_mods, b_mods, drops = mods["lora_A"]._modules, mods["lora_B"]._modules, mods["lora_dropout"]._modules
-    r, scaling, lora_bias = layer.r, layer.scaling, layer.lora_bias
-    sig = (
-        plan.slot_names,
-        device,
-        layer.training,
-        tuple((n, a, b_mods[n], r[n], scaling[n], drops[n].__dict__.get("p", 0.0), drops[n].training, lora_bias[n])
-              for n, a in a_mods.items()),
-    )
-    cache = layer.__dict__.get("_fml_table")
-    if cache is not None and cache[0] == sig:
-        return cache[1], cache[2], cache[3]
-    ranks, scales, ps, present, slots = [], [], [], [], []
-    for slot, name in enumerate(plan.slot_names):
-        if name in layer.lora_A and name not in layer.lora_variant:
-            slots.append(slot)
-            ranks.append(layer.r[name])
-            scales.append(float(layer.scaling[name]))
-            # the kernels draw the mask at 2^-16 resolution: the table holds the rate they draw exactly
-            ps.append(lora_dropout_rate(layer.lora_dropout[name]))
-            present.append(name)
+        config = router.config
+        backend = get_backend(config.backend, x.device)
+        segs = router.segments(routing, x)
+        base = _fused_base(self, x, args, kwargs, state, config)
+        if base is not None:  # the base GEMM runs inside the Function, after the expand wrote the delta
+            y, W, b, x_d = None, base._parameters["weight"], base._parameters.get("bias"), x
         else:
-            ranks.append(0)
-            scales.append(0.0)
-            ps.append(0.0)
-    offsets, acc = [], 0
-    for r in ranks:
-        offsets.append(acc)
-        acc += r
-    host = torch.tensor([ranks, offsets], dtype=torch.int32)
-    fl = torch.tensor([scales, ps], dtype=torch.float32)
-    table = AdapterTable(
-        ranks=host[0].to(device, non_blocking=True), offsets=host[1].to(device, non_blocking=True),
-        scales=fl[0].to(device, non_blocking=True), dropout=fl[1].to(device, non_blocking=True),
-        max_rank=max(ranks, default=0), total_rank=acc, has_dropout=any(p > 0 for p in ps), slots=tuple(slots),
-    )
-    # row of each slot among present adapters (for lora_bias), last row = none
-    row = {n: i for i, n in enumerate(present)}
-    bias_row = torch.tensor([row.get(n, len(present)) for n in plan.slot_names] + [len(present)], dtype=torch.int64)
-    layer.__dict__["_fml_table"] = (sig, table, present, bias_row)
-    return table, present, bias_row
+            y, W, b = self.base_layer(x, *args, **kwargs), None, None
+            cast = state.lora_dtype
+            x_d = x.to(cast) if x.dtype == torch.float32 and cast in (torch.float16, torch.bfloat16) else x
+        b_mods = self._modules["lora_B"]._modules
+        b_weights = [b_mods[n]._parameters["weight"] for n in state.present]
+        biases = [b_mods[n]._parameters["bias"] for n in state.present] if state.has_bias else []
+        common = dict(
+            backend=backend, segs=segs, table=state.table, ranks=state.ranks, fused=base is not None,
+            in_place=config.weights_in_place and backend.name == "triton", has_bias=state.has_bias,
+            bias_rows=state.bias_map[segs.token_slots.long()] if state.has_bias else None,
+        )
+        entry = self.__dict__.get(_STACK_ATTR) if config.share_shrink else None
+        stack, index = entry if entry is not None else (None, 0)
+        if stack is not None:  # a stack member called on the input its lead shrank: take the slice
+            pending = stack.group.pending
+            if (pending is not None and pending.stack is stack and pending.x is x and pending.segs is segs
+                    and index not in pending.taken):
+                pending.taken.add(index)
+                if len(pending.taken) == stack.size:
+                    stack.group.pending = None
+                call = LayerCall(**common, stack_num=stack.size, slice_idx=index, lead=False, stack=pending)
+                return run(LoraLinear, x_d, y, W, b, pending.h, call, *b_weights, *biases)
+        members = stack.members if stack is not None else (self,)
+        a_weights = [m._modules["lora_A"]._modules[n]._parameters["weight"] for n in state.present for m in members]
+        pending = stacked.Pending(x, segs, {index}, stack=stack) if stack is not None else None
+        call = LayerCall(
+            **common, stack_num=len(members), slice_idx=index, lead=True,
+            seed=backend.draw_seed(x) if state.table.has_dropout else None,
+            store_mask=config.store_dropout_mask and torch.is_grad_enabled(), stack=pending,
+        )
+        out, h = run(LoraLinear, x_d, y, W, b, None, call, *a_weights, *b_weights, *biases)
+        if pending is not None:
+            pending.h = h
+            stack.group.pending = pending
+        return out
 
 
-def _fused_base(layer, x, args, kwargs, present, router):
-    """The base ``nn.Linear`` when this call can run :class:`FusedLinearDelta` (base GEMM and LoRA delta in one
-    Function), else ``None``: a plain, hook-free, frozen ``torch.nn.Linear`` of the input's dtype and device, eager
-    mode without autocast, adapters without ``lora_bias`` whose dtype needs no input cast. Anything else runs the
-    base layer itself and adds the delta (:class:`LoraDelta`)."""
-    if not router.fuse_base or not present or args or kwargs:
+def _fused_base(layer, x, args, kwargs, state: LayerState, config: PatchConfig):
+    """The base ``nn.Linear`` when this call can run its GEMM inside the Function, else ``None``: a plain,
+    hook-free, frozen ``torch.nn.Linear`` of the input's dtype and device, without autocast, adapters without
+    ``lora_bias`` that need no input cast. Anything else runs the base layer itself and adds the delta."""
+    if not config.fuse_base or args or kwargs or state.has_bias:
         return None
     base = layer._modules["base_layer"]
     if type(base) is not torch.nn.Linear or "forward" in base.__dict__:  # accelerate hooks replace forward
@@ -186,69 +281,22 @@ def _fused_base(layer, x, args, kwargs, present, router):
         return None
     if x.dtype != W.dtype or x.device != W.device or (b is not None and b.dtype != W.dtype):
         return None
-    if torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
+    if torch.is_autocast_enabled(x.device.type):
         return None
-    if any(layer.lora_bias[n] for n in present):
-        return None
-    lora_dtype = layer._modules["lora_A"]._modules[present[0]]._parameters["weight"].dtype
-    if x.dtype == torch.float32 and lora_dtype in (torch.float16, torch.bfloat16):
-        return None  # PEFT feeds the adapters a cast input: the per-module path does the same
+    if x.dtype == torch.float32 and state.lora_dtype in (torch.float16, torch.bfloat16):
+        return None  # PEFT feeds the adapters a cast input: the unfused path does the same
     return base
-
-
-def _apply_delta(layer, x, result, plan, table, present, bias_row, router):
-    x, spec, weights = _delta_inputs(layer, x, plan, table, present, bias_row, router)
-    return run(LoraDelta, x, own_storage(result), spec, *weights)  # the delta is added in place
-
-
-def _delta_inputs(layer, x, plan, table, present, bias_row, router):
-    """``(x, spec, weights)`` for the delta Functions: the input (cast as PEFT casts it), the :class:`DeltaSpec`
-    and the present adapters' A, B (and lora_bias) weights."""
-    a_mods, b_mods = layer._modules["lora_A"]._modules, layer._modules["lora_B"]._modules
-    weights = [a_mods[n]._parameters["weight"] for n in present] + [b_mods[n]._parameters["weight"] for n in present]
-    lora_w = weights[0]
-    if x.device != lora_w.device:
-        raise ValueError(
-            f"input is on {x.device} but the LoRA weights of this layer are on {lora_w.device}; move the batch to "
-            "the model's device"
-        )
-    lora_dtype = lora_w.dtype
-    if x.dtype == torch.float32 and lora_dtype in (torch.float16, torch.bfloat16):
-        # PEFT casts the input to the adapter dtype; with adapters of several dtypes in the layer keep fp32 (the
-        # weights are concatenated in the promoted dtype), so fp32 adapters are not fed a 16-bit input
-        if all(w.dtype == lora_dtype for w in weights[: len(present)]):
-            x = x.to(lora_dtype)
-    backend = get_backend(router.backend, x.device)
-    seed = None
-    if table.has_dropout:
-        seed = int(torch.randint(0, 2**31 - 1, (1,)))  # CPU RNG: no device sync; restored by checkpoint recompute
-    has_bias = any(layer.lora_bias[n] for n in present)
-    bias_slots = None
-    if has_bias:
-        for n in present:
-            if layer.lora_B[n].bias is None:
-                raise ValueError(f"adapter {n!r}: mixed lora_bias settings in one layer are not supported")
-        weights += [layer.lora_B[n].bias for n in present]
-        # slot -1 (base) indexes the trailing "none" row
-        bias_slots = bias_row[plan.token_slots].to(x.device, non_blocking=True)
-    spec = DeltaSpec(
-        segs=plan.segments, table=table, backend=backend, seed=seed, num_adapters=len(present),
-        ranks=tuple(w.shape[0] for w in weights[: len(present)]), has_bias=has_bias, bias_slots=bias_slots,
-        grad=torch.is_grad_enabled(),
-    )
-    return x, spec, weights
 
 
 class _FallbackMixin:
     """PEFT's own per-sample mixed-batch loop for layers we do not run (it works in training at layer level)."""
 
     def forward(self, *args, **kwargs):
-        routing, names = _routing(self, kwargs)
-        if routing is not None:
+        router: Optional[Router] = self.__dict__.get(_ROUTER_ATTR)
+        routing = router.current if router is not None else None
+        if routing is not None and "adapter_names" not in kwargs:
             x = args[0] if args else next(iter(kwargs.values()))
-            names = routing.row_names(x)
-        if names is not None:
-            kwargs["adapter_names"] = names
+            kwargs["adapter_names"] = routing.row_names(x)
         return super().forward(*args, **kwargs)
 
 
@@ -281,7 +329,7 @@ def _original_class(module):
 def _fallback_reason(module):
     """``None`` when our Function runs this LoRA layer, else why PEFT's path does."""
     cls = _original_class(module)
-    if cls is not LoraLinear:
+    if cls is not LoraLinearLayer:
         return f"{cls.__module__}.{cls.__qualname__} is not peft.tuners.lora.Linear"
     base = module.get_base_layer()
     if not isinstance(base, torch.nn.Linear) and type(base).__name__ != "Conv1D":
@@ -297,29 +345,18 @@ def _aux_wrapper_types():
     return (AuxiliaryTrainingWrapper,)
 
 
-def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto",
-          share_shrink: bool = True, fuse_base: bool = True, share_dropout: bool = False) -> PatchReport:
-    """Run ``model``'s PEFT LoRA Linear layers through fast_multilora; returns a :class:`PatchReport`.
+def patch(model: torch.nn.Module, config: Optional[PatchConfig] = None, **settings) -> PatchReport:
+    """Run ``model``'s PEFT LoRA Linear layers through fast_multilora; returns a :class:`PatchReport` (and warns
+    about every module left on PEFT's path).
 
     ``model``: a ``PeftModel``, a ``LoraModel`` or any module tree holding PEFT LoRA layers. After patching,
     ``model(**batch, adapter_names=[...])`` (one name per sample, ``"__base__"`` for none) works in training and
     eval; packed rows pass ``adapter_ids`` (``[batch, seq]`` indices into ``adapter_names``, -1 = base).
-    ``backend``: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton for CUDA tensors, torch otherwise).
-    ``family``: kernel family, ``"sgemm"``, ``"chunked"`` or ``"auto"`` (by batch layout). Patching twice updates
-    the settings and patches layers added since.
-    ``share_shrink``: siblings (same parent module, ``in_features`` and device) called on the same input share one
-    shrink pass where their adapters allow (see ``fast_multilora.stacked``; the report lists the groups).
-    ``fuse_base``: a layer whose base is a plain frozen ``nn.Linear`` runs base GEMM and LoRA delta in one Function
-    (``function.FusedLinearDelta``: the delta written first, cuBLAS accumulating the GEMM into it, the same for
-    ``dx`` in backward; stacked siblings likewise, ``stacked.StackedLinear``).
-    ``share_dropout``: siblings under active LoRA dropout share their shrink too, each slice drawing its own mask
-    (as PEFT's separate dropout modules); off by default, as it measured slower than one shrink per sibling on an
-    H200 (``docs/benchmarks.md``).
+    ``config``: a :class:`~fast_multilora.PatchConfig` (default settings when ``None``); keyword ``settings``
+    override its fields, e.g. ``patch(model, backend="torch", fuse_base=False)``. Patching twice replaces the
+    settings and patches layers added since.
     """
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'triton'")
-    if family not in ("auto", "sgemm", "chunked"):
-        raise ValueError(f"unknown family {family!r}; expected 'auto', 'sgemm' or 'chunked'")
+    config = (config or PatchConfig()).with_overrides(**settings)
     router = model.__dict__.get(_ROUTER_ATTR)
     if router is None and not any(isinstance(m, LoraLayer) for m in model.modules()):
         # e.g. a PeftModel of another tuner (RoAd, IA3, ...): routing would take its adapter_names away from PEFT
@@ -327,9 +364,9 @@ def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto",
             f"fast_multilora.patch: {type(model).__name__} has no PEFT LoRA layers; the model is left unpatched",
             stacklevel=2,
         )
-        return PatchReport(backend=backend)
+        return PatchReport(backend=config.backend, config=config)
     if router is None:
-        router = Router(model)
+        router = Router(model, config)
         model.__dict__[_ROUTER_ATTR] = router
         hooks = [model.register_forward_pre_hook(_model_pre_hook, with_kwargs=True)]
         tuner = _lora_tuner(model)
@@ -339,16 +376,15 @@ def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto",
             tuner.__dict__["_enable_peft_forward_hooks"] = partial(_enable_routing, router)
             hooks.append(_InstanceAttr(tuner, "_enable_peft_forward_hooks"))
         model.__dict__[_HOOKS_ATTR] = hooks
-    router.backend = backend
-    router.family = family
-    router.share_shrink = share_shrink
-    router.share_dropout = share_dropout
-    router.fuse_base = fuse_base
+    router.config = config
+    router.current = None
+    router._by_names.clear()
     router.tuner = _lora_tuner(model)
     router.config_key = tuple(sorted(getattr(router.tuner, "peft_config", {}).keys()))
     router.repatch = partial(_repatch, model)
-    router.layers = []
-    report = PatchReport(backend=backend)
+    router.refresh = partial(refresh_layers, router)
+    router.layers, router.fast_layers = [], []
+    report = PatchReport(backend=config.backend, config=config)
     aux = _aux_wrapper_types()
     variant_warned = []
     fast = []  # (name, module) on our Function
@@ -362,6 +398,7 @@ def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto",
                 _swap(module, _FastLinearMixin, router)
                 report.patched.append(name)
                 fast.append((name, module))
+                router.fast_layers.append(module)
                 variants = sorted(module.lora_variant)
                 if variants:
                     variant_warned.append(f"{name}: {variants}")
@@ -371,8 +408,8 @@ def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto",
         elif aux and isinstance(module, aux):
             _swap(module, _FallbackMixin, router)
             report.fallback[name] = f"{type(module).__name__}: PEFT's per-sample loop"
-    if share_shrink:
-        report.shared = stacked.group_siblings(fast, _layer_table)
+    router.groups = stacked.declare_groups(fast) if config.share_shrink else []
+    report.shared = [g.names for g in router.groups]
     if report.fallback:
         warnings.warn(
             f"fast_multilora.patch: {len(report.fallback)} module(s) run PEFT's per-sample mixed-batch loop instead "
@@ -390,9 +427,9 @@ def patch(model: torch.nn.Module, backend: str = "auto", family: str = "auto",
 
 def _swap(module, mixin, router):
     module.__class__ = _patched_class(_original_class(module), mixin)
+    for attr in _LAYER_ATTRS:
+        module.__dict__.pop(attr, None)
     module.__dict__[_ROUTER_ATTR] = router
-    module.__dict__.pop("_fml_table", None)
-    module.__dict__.pop(stacked.GROUP_ATTR, None)
 
 
 def unpatch(model: torch.nn.Module) -> None:
@@ -400,9 +437,8 @@ def unpatch(model: torch.nn.Module) -> None:
     for module in model.modules():
         if _is_patched(module):
             module.__class__ = type(module)._fml_base
-        module.__dict__.pop(_ROUTER_ATTR, None)
-        module.__dict__.pop("_fml_table", None)
-        module.__dict__.pop(stacked.GROUP_ATTR, None)
+        for attr in _LAYER_ATTRS:
+            module.__dict__.pop(attr, None)
     for h in model.__dict__.pop(_HOOKS_ATTR, []):
         h.remove()
     model.__dict__.pop(_ROUTER_ATTR, None)
@@ -422,8 +458,7 @@ def _repatch(model):
     router: Router = model.__dict__[_ROUTER_ATTR]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the first patch() already warned about fallbacks
-        patch(model, backend=router.backend, family=router.family, share_shrink=router.share_shrink,
-              fuse_base=router.fuse_base, share_dropout=router.share_dropout)
+        patch(model, router.config)
 
 
 def _lora_tuner(model):
@@ -436,33 +471,36 @@ def _lora_tuner(model):
     return base if isinstance(base, BaseTuner) else None
 
 
-def _is_peft_model(model) -> bool:
-    from peft import PeftModel
+def _input_device(args, kwargs):
+    """The device of a forward call's first tensor argument (``input_ids``, ``inputs_embeds``, ...), or ``None``."""
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return None
 
-    return isinstance(model, PeftModel)
 
-
+@torch.compiler.disable
 def _model_pre_hook(model, args, kwargs):
+    """Routes the forward call: names -> slot tensor on the input's device (``Router.begin``). Outside any compiled
+    graph: the one graph break of a compiled patched model is here."""
     router: Router = model.__dict__[_ROUTER_ATTR]
+    names = kwargs.pop("adapter_names", None)
     ids = kwargs.pop("adapter_ids", None)
-    if _is_peft_model(model):
-        # PeftModel.forward passes adapter_names on to the tuner's hook context (ours, see patch()); it skips that
-        # context while adapters are disabled, so start from "no routing" here
-        router.begin(None)
-        if ids is not None and kwargs.get("adapter_names") is None:
-            raise ValueError("`adapter_ids` needs `adapter_names` (the names its values index)")
-        router.pending_ids = ids
-        return args, kwargs
-    router.begin(kwargs.pop("adapter_names", None), ids)
+    if kwargs.get("alora_offsets") is not None and (names is not None or ids is not None):
+        raise ValueError("fast_multilora does not route aLoRA (`alora_offsets`) in a mixed batch; call the model "
+                         "without `adapter_names` for aLoRA (PEFT's own path)")
+    router.begin(names, ids, _input_device(args, kwargs))
+    router.entered = True  # PeftModel.forward's _enable_peft_forward_hooks then keeps this routing
     return args, kwargs
 
 
 @contextmanager
 def _enable_routing(router: Router, *args, **kwargs):
+    """Stands in for the tuner's ``_enable_peft_forward_hooks``: inside ``PeftModel.forward`` (the pre-hook already
+    routed the call) it keeps the routing; from ``generate`` it routes the names given there."""
     names = kwargs.pop("adapter_names", None)
     ids = kwargs.pop("adapter_ids", None)
-    if ids is None:
-        ids, router.pending_ids = router.pending_ids, None
+    entered, router.entered = router.entered, False
     if kwargs.get("alora_offsets") is not None:
         if names is not None or ids is not None:
             raise ValueError("fast_multilora does not route aLoRA (`alora_offsets`) in a mixed batch; call the model "
@@ -472,7 +510,8 @@ def _enable_routing(router: Router, *args, **kwargs):
         with type(tuner)._enable_peft_forward_hooks(tuner, *args, **kwargs):
             yield
         return
-    router.begin(names, ids)
+    if not entered or names is not None:
+        router.begin(names, ids, _input_device(args, kwargs))
     yield
 
 
@@ -498,4 +537,4 @@ class route:
         return False
 
 
-__all__ = ["PatchReport", "patch", "unpatch", "route", "BASE"]
+__all__ = ["PatchConfig", "PatchReport", "patch", "unpatch", "route", "refresh_layers", "BASE"]

@@ -1,72 +1,55 @@
-"""Routing: which adapter each sample (or token) uses, and the batch plan every patched layer shares.
+"""Routing: which adapter each sample (or token) uses, and the segment layout every patched layer shares.
 
-A :class:`Router` belongs to one patched model. ``begin()`` is called once per forward call (by the model's forward
-pre-hook, or the :func:`fast_multilora.route` context) with the per-sample ``adapter_names`` (or, for packed rows,
-a name vocabulary plus per-token ``adapter_ids``). The first layer that sees an activation of a given shape builds a
-:class:`BatchPlan` for it (segments on the device, one small host->device copy, no device->host sync for per-sample
-names); every later layer with the same token layout, and every backward, reuses it.
+A :class:`Router` belongs to one patched model. ``begin()`` runs once per forward call, at the model's entry (its
+forward pre-hook, ``generate``, or the :func:`fast_multilora.route` context), outside any compiled graph
+(``torch.compiler.disable``: the one graph break of a compiled model is there). It turns the per-sample
+``adapter_names`` (or, for packed rows, a name vocabulary plus per-token ``adapter_ids``) into a slot tensor on the
+input's device -- ``[rows]`` for per-row names, ``[rows, T]`` for packed rows -- and refreshes every patched layer's
+adapter table (``patching.layer_state``). Names never reach a layer: what the layers read is tensor data, so a
+compiled graph or a captured CUDA graph serves every adapter mix of the same shapes.
 
-The routing stays active after the forward returns so that gradient-checkpointing recomputation, which re-runs layer
-forwards during ``backward()``, finds the same plan; the next forward call replaces it.
+Each layer derives its ``Segments`` from that tensor and its input's shape (:meth:`Router.segments`), with device
+ops only (``kernels.segments.row_segments`` / ``grouped_segments``); eager calls cache them per shape, so the layers
+and backwards of one forward call share one layout. The routing stays active after the forward returns, so that
+gradient-checkpointing recomputation, which re-runs layer forwards during ``backward()``, finds the same layout;
+the next forward call replaces it.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 
-from .kernels.segments import Segments, segments_from_token_slots
+from .config import PatchConfig
+from .kernels.segments import Segments, grouped_segments, row_segments
 
 BASE = "__base__"
 
-# Family heuristic (benchmarks/ measure it): contiguous runs (SGEMM, no gather) when runs are long; the chunked SGMV
-# family (tokens grouped by adapter through a permutation, fixed-size chunks) when runs are short -- packed rows,
-# per-token routing, many one-sample runs -- since SGEMM then launches one mostly idle program column per run.
-SGEMM_MIN_MEAN_RUN = 64
-
-
-def choose_family(token_slots: torch.Tensor) -> str:
-    """``"sgemm"`` or ``"chunked"`` for a host tensor of per-token slots (``-1`` = base); env ``FML_FAMILY`` forces."""
-    forced = os.environ.get("FML_FAMILY", "auto")
-    if forced in ("sgemm", "chunked"):
-        return forced
-    n = token_slots.numel()
-    if n == 0:
-        return "sgemm"
-    runs = 1 + int((token_slots[1:] != token_slots[:-1]).sum())
-    return "sgemm" if n / runs >= SGEMM_MIN_MEAN_RUN else "chunked"
-
-
-@dataclass
-class BatchPlan:
-    """One token layout, shared by every layer that sees it (forward and backward)."""
-
-    slot_names: tuple  # model-wide adapter slot order
-    token_slots: torch.Tensor  # host int64 [S], -1 = base
-    segments: Segments  # on the activations' device
-    family: str
-    used_slots: frozenset  # slots with at least one token
-
-    @property
-    def num_tokens(self) -> int:
-        return self.segments.num_tokens
+# Family heuristic for per-row routing (benchmarks/ measure it): SGEMM (one segment per row, no gather) for rows of
+# at least this many tokens; the chunked SGMV family (tokens grouped by adapter, fixed-size chunks) for short rows
+# -- decode steps, short prompts -- where SGEMM would launch one mostly idle program column per row.
+SGEMM_MIN_ROW_TOKENS = 64
 
 
 @dataclass
 class Routing:
-    """What one forward call asked for: per-row names, or a vocabulary plus per-token ids (packed rows)."""
+    """What one forward call asked for, as slot tensors on the input's device."""
 
     names: tuple
-    slot_names: tuple  # the model's adapters when the routing began: the slot order of its plans
-    ids: Optional[torch.Tensor] = None  # [rows, T] indices into names, -1 = base
-    plans: dict = field(default_factory=dict)
+    slot_names: tuple  # the model's adapters when the routing began: the slot order of the layers' tables
+    row_slots: Optional[torch.Tensor] = None  # int32 [rows]: per-row names
+    token_slots: Optional[torch.Tensor] = None  # int32 [rows, T]: packed rows (adapter_ids)
+    layouts: dict = field(default_factory=dict)  # eager: (lead shape, device) -> Segments
+    rows: int = 0  # len(names): what the layers check (reading ``names`` would make a compiled graph guard on them)
+
+    def __post_init__(self):
+        self.rows = len(self.names)
 
     @property
     def per_row(self) -> bool:
-        return self.ids is None
+        return self.token_slots is None
 
     def row_names(self, x: torch.Tensor) -> list:
         """Names per row of ``x``, for layers that run PEFT's own per-adapter loop."""
@@ -75,37 +58,39 @@ class Routing:
                 "packed rows (per-token `adapter_ids`) cannot run on a layer that falls back to PEFT's per-sample "
                 "mixed-batch loop; see the patch report for the modules that fall back"
             )
-        if x.shape[0] != len(self.names):
-            raise ValueError(
-                f"Length of `adapter_names` should be the same as the number of inputs, but got {len(self.names)} "
-                f"and {x.shape[0]} respectively."
-            )
+        _check_rows(len(self.names), x.shape[0])
         return list(self.names)
 
 
-class Router:
-    """Per-model routing state: the active :class:`Routing` and the model-wide slot order."""
+def _check_rows(n_names: int, rows: int) -> None:
+    if rows != n_names:
+        raise ValueError(
+            f"Length of `adapter_names` should be the same as the number of inputs, but got {n_names} and {rows} "
+            "respectively."
+        )
 
-    def __init__(self, root: torch.nn.Module):
+
+class Router:
+    """Per-model routing state: the settings, the active :class:`Routing`, the model's LoRA layers."""
+
+    def __init__(self, root: torch.nn.Module, config: PatchConfig):
         self.root = root
+        self.config = config
         self.current: Optional[Routing] = None
-        self._by_names: dict = {}  # per-row routings by (names, adapters), reused across forward calls
-        self.family = "auto"
-        self.backend = "auto"
-        self.share_shrink = True  # sibling layers on one input share a shrink pass (patch setting)
-        self.share_dropout = False  # ... also under active dropout, a mask per slice (patch setting)
-        self.fuse_base = True  # a frozen nn.Linear base runs inside FusedLinearDelta (patch setting)
-        self.generation = 0  # counts begin() calls: per-forward-call state (fast_multilora.stacked) keys on it
-        self.pending_ids: Optional[torch.Tensor] = None  # adapter_ids popped by a PeftModel's pre-hook
+        self._by_names: dict = {}  # per-row routings by (names, adapters, device), reused across forward calls
+        self.entered = False  # begin() ran in the model's pre-hook for the forward call now running
         self.layers: list = []  # every LoRA layer of the model (ours and the fallback ones), set by patch()
+        self.fast_layers: list = []  # the layers on our Function
+        self.groups: list = []  # stacked.SiblingGroup s
         self.tuner = None  # the PEFT tuner whose peft_config keys we watch
         self.config_key: tuple = ()
         self.repatch = None  # callable re-running patch() with the same settings
+        self.refresh = None  # callable(routing): refresh the layers' tables (patching.refresh_layers)
 
     # -- adapters known to the model ------------------------------------------------------------------------------
     def known_adapters(self) -> list:
         """Sorted names of the adapters held by the model's LoRA layers (the model-wide slot order)."""
-        self._refresh()
+        self._repatch_if_changed()
         known = set()
         for m in self.layers:
             known.update(m.lora_A.keys())
@@ -114,7 +99,7 @@ class Router:
                 known.update(e.keys())
         return sorted(known)
 
-    def _refresh(self) -> None:
+    def _repatch_if_changed(self) -> None:
         """Re-patch when the PEFT config changed (``add_adapter`` may have created new LoRA layers)."""
         tuner = self.tuner
         if tuner is None or self.repatch is None:
@@ -132,7 +117,7 @@ class Router:
                 "adapter)"
             )
 
-    def _make_routing(self, adapter_names, adapter_ids=None) -> Routing:
+    def _make_routing(self, adapter_names, adapter_ids, device) -> Routing:
         if isinstance(adapter_names, str):
             raise TypeError("`adapter_names` must be a list of adapter names, one per sample, not a single string")
         names = tuple(adapter_names)
@@ -141,78 +126,101 @@ class Router:
                 raise TypeError(f"`adapter_names` must hold strings, got {type(n).__name__}: {n!r}")
         known = self.known_adapters()
         self._check_names(names, known)
-        if adapter_ids is not None:
-            if not torch.is_tensor(adapter_ids) or adapter_ids.dtype.is_floating_point:
-                raise TypeError("`adapter_ids` must be an integer tensor [batch, seq] indexing `adapter_names`")
-            if adapter_ids.numel() and (int(adapter_ids.max()) >= len(names) or int(adapter_ids.min()) < -1):
+        index = {n: i for i, n in enumerate(known)}
+        vocab = torch.tensor([index.get(n, -1) for n in names] + [-1], dtype=torch.int32)  # [-1] for id -1
+        if adapter_ids is None:
+            return Routing(names, tuple(known), row_slots=_to(vocab[:-1], device))
+        if not torch.is_tensor(adapter_ids) or adapter_ids.dtype.is_floating_point:
+            raise TypeError("`adapter_ids` must be an integer tensor [batch, seq] indexing `adapter_names`")
+        if adapter_ids.numel():
+            lo, hi = int(adapter_ids.min()), int(adapter_ids.max())  # one check at the entry (a host read)
+            if hi >= len(names) or lo < -1:
                 raise ValueError(
                     f"`adapter_ids` values must lie in [-1, {len(names) - 1}] (indices into `adapter_names`, "
-                    f"-1 = base), got [{int(adapter_ids.min())}, {int(adapter_ids.max())}]"
+                    f"-1 = base), got [{lo}, {hi}]"
                 )
-        return Routing(names=names, slot_names=tuple(known), ids=adapter_ids)
+        ids = adapter_ids.long()
+        vocab = _to(vocab, ids.device)
+        return Routing(names, tuple(known), token_slots=vocab[torch.where(ids < 0, len(names), ids)])
 
-    def begin(self, adapter_names=None, adapter_ids=None) -> None:
-        """Start routing a forward call; ``adapter_names=None`` turns routing off (stock PEFT behaviour)."""
-        self.generation += 1
+    @torch.compiler.disable
+    def begin(self, adapter_names=None, adapter_ids=None, device=None) -> None:
+        """Start routing a forward call; ``adapter_names=None`` turns routing off (stock PEFT behaviour).
+        ``device``: where the slot tensor goes (the input's device; default: the LoRA weights')."""
+        for group in self.groups:
+            group.pending = None
         if adapter_names is None:
             if adapter_ids is not None:
                 raise ValueError("`adapter_ids` needs `adapter_names` (the names its values index)")
             self.current = None
             return
-        if adapter_ids is None:  # per-row names: reuse the routing (and its plans) of an identical earlier call
-            self.current = self.routing_for_names(adapter_names)
+        device = torch.device(device) if device is not None else self._weights_device()
+        if adapter_ids is None:  # per-row names: reuse the routing (and its layouts) of an identical earlier call
+            self.current = self.routing_for_names(adapter_names, device)
             return
-        self.current = self._make_routing(adapter_names, adapter_ids)
+        self.current = self._make_routing(adapter_names, adapter_ids, device)
+        self.refresh(self.current)
 
-    def routing_for_names(self, names) -> Routing:
-        """Routing for per-row names, cached by (names, the model's adapters): a training loop whose batches repeat
-        a layout builds its plans once. Also used for names PEFT's own hooks hand to a layer."""
+    @torch.compiler.disable
+    def routing_for_names(self, names, device) -> Routing:
+        """Routing for per-row names, cached by (names, the model's adapters, device): a training loop whose batches
+        repeat a layout builds it once. Also used for names PEFT's own hooks hand to a layer. Refreshes the layers'
+        tables (cheap when nothing changed)."""
         if isinstance(names, str):
             raise TypeError("`adapter_names` must be a list of adapter names, one per sample, not a single string")
-        key = (tuple(names), tuple(self.known_adapters()))
+        key = (tuple(names), tuple(self.known_adapters()), torch.device(device))
         r = self._by_names.get(key)
         if r is None:
             if len(self._by_names) > 8:
                 self._by_names.clear()
-            r = self._by_names[key] = self._make_routing(key[0])
+            r = self._by_names[key] = self._make_routing(key[0], None, key[2])
+        self.refresh(r)
         return r
 
-    # -- plans ----------------------------------------------------------------------------------------------------
-    def plan_for(self, routing: Routing, x: torch.Tensor) -> BatchPlan:
-        lead = tuple(x.shape[:-1])
-        key = (lead, x.device)
-        plan = routing.plans.get(key)
-        if plan is None:
-            if len(routing.plans) > 16:  # e.g. a long generate(): keep the cache bounded
-                routing.plans.clear()
-            plan = routing.plans[key] = self._build_plan(routing, lead, x.device)
-        return plan
+    def _weights_device(self) -> torch.device:
+        for layer in self.fast_layers:
+            for m in layer.lora_A.values():
+                return m.weight.device
+        return torch.device("cpu")
 
-    def _build_plan(self, routing: Routing, lead: tuple, device) -> BatchPlan:
-        slot_names = routing.slot_names
-        index = {n: i for i, n in enumerate(slot_names)}
-        vocab = torch.tensor([index.get(n, -1) for n in routing.names] + [-1], dtype=torch.int64)  # [-1] for id -1
+    # -- layouts --------------------------------------------------------------------------------------------------
+    def segments(self, routing: Routing, x: torch.Tensor) -> Segments:
+        """The ``Segments`` of ``x``'s rows (tokens ``x.shape[:-1]``): cached per shape in eager mode, built by
+        device ops while ``torch.compile`` traces (a compiled graph holds no layout of one mix)."""
+        lead = tuple(x.shape[:-1])
+        if torch.compiler.is_compiling():
+            return self._build(routing, lead, x.device)
+        key = (lead, x.device)
+        segs = routing.layouts.get(key)
+        if segs is None:
+            if len(routing.layouts) > 16:  # e.g. a long generate(): keep the cache bounded
+                routing.layouts.clear()
+            segs = routing.layouts[key] = self._build(routing, lead, x.device)
+        return segs
+
+    def _build(self, routing: Routing, lead: tuple, device) -> Segments:
+        n_slots = len(routing.slot_names)
         if routing.per_row:
             rows = lead[0] if lead else 1
-            if rows != len(routing.names):
-                raise ValueError(
-                    f"Length of `adapter_names` should be the same as the number of inputs, but got "
-                    f"{len(routing.names)} and {rows} respectively."
-                )
-            per_row = vocab[:-1]
-            tokens_per_row = 1
+            _check_rows(routing.rows, rows)
+            T = 1
             for d in lead[1:]:
-                tokens_per_row *= d
-            token_slots = per_row.repeat_interleave(tokens_per_row)
-        else:
-            ids = routing.ids
-            if tuple(ids.shape) != lead:
-                raise ValueError(
-                    f"`adapter_ids` has shape {tuple(ids.shape)} but the layer input has leading shape {lead}; "
-                    "give one id per token"
-                )
-            token_slots = vocab[ids.to("cpu", torch.int64).reshape(-1)]  # -1 indexes the trailing base entry
-        family = self.family if self.family in ("sgemm", "chunked") else choose_family(token_slots)
-        segs = segments_from_token_slots(token_slots, grouped=(family == "chunked"), device=device)
-        used = frozenset(int(s) for s in token_slots.unique().tolist() if s >= 0)
-        return BatchPlan(slot_names, token_slots, segs, family, used)
+                T *= d
+            slots = _to(routing.row_slots, device)
+            family = self.config.family
+            if family == "auto":
+                family = "sgemm" if T >= SGEMM_MIN_ROW_TOKENS else "chunked"
+            if family == "sgemm":
+                return row_segments(slots, T)
+            return grouped_segments(slots.repeat_interleave(T) if T != 1 else slots, n_slots)
+        ids = routing.token_slots
+        if tuple(ids.shape) != lead:
+            raise ValueError(
+                f"`adapter_ids` has shape {tuple(ids.shape)} but the layer input has leading shape {lead}; "
+                "give one id per token"
+            )
+        return grouped_segments(_to(ids, device), n_slots)
+
+
+def _to(t: torch.Tensor, device) -> torch.Tensor:
+    return t if t.device == device else t.to(device, non_blocking=True)

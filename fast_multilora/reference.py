@@ -6,6 +6,10 @@ with a seed) where the kernels take a Philox ``seed``; see ``kernels/segments.py
 for the layout of ``Segments``, ``AdapterTable``, ``A_cat``, ``B_cat`` and ``h``. All arithmetic is float32
 (float64 for float64 inputs, so gradcheck can run through them).
 
+Each op is written per slot over all rows with the slot's row mask (``torch.where``), never with the rows' indices:
+shapes never depend on the mix, so the ops also run under ``torch.compile`` without graph breaks (the table's host
+copies, ``AdapterTable.host``, give the per-slot ranks and scales; without them they are read once from the device).
+
 Math, for a token ``t`` of slot ``a`` with rank ``r``, scale ``c`` and dropout ``p`` (slice ``s`` of a stack)::
 
     x~[t]        = x[t] * keep[t] / (1 - p)                      (x~ = x without dropout)
@@ -27,25 +31,28 @@ from .kernels.segments import AdapterTable, Segments
 
 
 def token_slots(segs: Segments) -> torch.Tensor:
-    """Physical row -> slot (``-1`` for rows in no adapter segment), int64 on the segments' device."""
+    """Physical row -> slot (``-1`` for rows in no adapter segment), int64 on the segments' device; static shapes
+    (``repeat_interleave`` with its output size), so it traces under ``torch.compile``."""
+    if segs.token_slots is not None:
+        return segs.token_slots.long()
     ts = torch.full((segs.num_tokens,), -1, dtype=torch.int64, device=segs.slot.device)
+    n_pos = segs.perm.numel() if segs.perm is not None else segs.num_tokens
     lens = (segs.indptr[1:] - segs.indptr[:-1]).long()
-    logical_slot = torch.repeat_interleave(segs.slot.long(), lens)
-    rows = segs.perm.long() if segs.perm is not None else torch.arange(logical_slot.numel(), device=ts.device)
-    ts[rows] = logical_slot
+    logical_slot = torch.repeat_interleave(segs.slot.long(), lens, output_size=n_pos)
+    if segs.perm is None:
+        return logical_slot
+    ts[segs.perm.long()] = logical_slot
     return ts
 
 
-def _slot_rows(segs: Segments, table: AdapterTable):
-    """Yield ``(slot, rows, rank, offset, scale, p)`` for every slot with tokens and rank > 0."""
-    ts = token_slots(segs)
-    ranks, offsets = table.ranks.tolist(), table.offsets.tolist()
-    scales, ps = table.scales.tolist(), table.dropout.tolist()
-    for a in sorted({int(v) for v in ts.unique().tolist() if v >= 0}):
-        if ranks[a] == 0:
-            continue
-        rows = torch.nonzero(ts == a).reshape(-1)
-        yield a, rows, ranks[a], offsets[a], scales[a], ps[a]
+def _slots(table: AdapterTable):
+    """Yield ``(slot, rank, offset, scale, p)`` for every slot of rank > 0 (host values)."""
+    host = table.host
+    if host is None:
+        host = (table.ranks.tolist(), table.offsets.tolist(), table.scales.tolist(), table.dropout.tolist())
+    for a, (r, off, c, p) in enumerate(zip(*host, strict=True)):
+        if r > 0:
+            yield a, r, off, c, p
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -53,10 +60,10 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _dropped(x_rows: torch.Tensor, keep: Optional[torch.Tensor], rows: torch.Tensor, p: float) -> torch.Tensor:
+def _dropped(x: torch.Tensor, keep: Optional[torch.Tensor], p: float) -> torch.Tensor:
     if keep is None or p == 0.0:
-        return x_rows
-    return x_rows * keep[rows].to(x_rows.dtype) / (1.0 - p)
+        return x
+    return x * keep.to(x.dtype) / (1.0 - p)
 
 
 def _slice_keeps(keep: Optional[torch.Tensor], stack_num: int) -> list:
@@ -76,11 +83,14 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
     acc = _acc_dtype(x)
     h = torch.zeros(x.shape[0], stack_num * table.max_rank, dtype=acc, device=x.device)
     keeps = _slice_keeps(keep, stack_num)
-    for _, rows, r, off, _, p in _slot_rows(segs, table):
+    ts = token_slots(segs)
+    xa = x.to(acc)
+    for a, r, off, _, p in _slots(table):
+        m = (ts == a)[:, None]
         w = A_cat[stack_num * off : stack_num * (off + r)].to(acc)
-        xr = x[rows].to(acc)
         for s, k in enumerate(keeps):
-            h[rows, s * r : (s + 1) * r] = _dropped(xr, k, rows, p) @ w[s * r : (s + 1) * r].T
+            cols = slice(s * r, (s + 1) * r)
+            h[:, cols] = torch.where(m, _dropped(xa, k, p) @ w[cols].T, h[:, cols])
     return h
 
 
@@ -90,18 +100,18 @@ def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: 
 
     ``accumulate=False``: ``y`` is overwritten -- ``bias`` (or zero) on every row, plus the product on adapter rows.
     """
-    if not accumulate:
-        y.zero_()
-        if bias is not None:
-            y += bias.to(y.dtype)
-    for _, rows, r, off, c, _ in _slot_rows(segs, table):
-        hs = h[rows, slice_idx * r : (slice_idx + 1) * r]
-        delta = c * (hs @ B_cat[:, off : off + r].to(h.dtype).T)
-        if accumulate:
-            delta = y[rows].to(h.dtype) + delta
-        elif bias is not None:
-            delta = delta + bias.to(h.dtype)
-        y[rows] = delta.to(y.dtype)
+    acc = h.dtype
+    ts = token_slots(segs)
+    if accumulate:
+        start, out = y.to(acc), y
+    else:  # base rows: the bias in y's dtype (or zero); adapter rows: product + bias
+        start = torch.zeros(y.shape, dtype=acc, device=y.device) + (0 if bias is None else bias.to(acc))
+        out = torch.zeros_like(y) + (0 if bias is None else bias.to(y.dtype))
+    for a, r, off, c, _ in _slots(table):
+        m = (ts == a)[:, None]
+        delta = c * (h[:, slice_idx * r : (slice_idx + 1) * r] @ B_cat[:, off : off + r].to(acc).T)
+        out = torch.where(m, (start + delta).to(y.dtype), out)
+    y.copy_(out)
     return y
 
 
@@ -113,11 +123,14 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
     if dh is None:
         dh = torch.zeros(dy.shape[0], stack_num * table.max_rank, dtype=acc, device=dy.device)
     dB = torch.zeros(B_cat.shape[0], table.total_rank, dtype=acc, device=dy.device)
-    for _, rows, r, off, c, _ in _slot_rows(segs, table):
-        g = dy[rows].to(acc)
+    ts = token_slots(segs)
+    g = dy.to(acc)
+    for a, r, off, c, _ in _slots(table):
+        m = (ts == a)[:, None]
         cols = slice(slice_idx * r, (slice_idx + 1) * r)
-        dh[rows, cols] = c * (g @ B_cat[:, off : off + r].to(acc))
-        dB[:, off : off + r] = c * (g.T @ h[rows, cols].to(acc))
+        dh[:, cols] = torch.where(m, c * (g @ B_cat[:, off : off + r].to(acc)), dh[:, cols])
+        # both operands masked: another adapter's rows (0 here) may hold NaN or Inf, and 0 * NaN is NaN
+        dB[:, off : off + r] = c * (torch.where(m, g, 0).T @ torch.where(m, h[:, cols].to(acc), 0))
     return dh, dB
 
 
@@ -125,19 +138,19 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
                     need_dx: bool = True):
     """Returns ``(dx, dA_cat)``: ``dx`` in ``x``'s dtype with zero rows for base tokens (``None`` unless
     ``need_dx``), ``dA_cat`` float32 ``[stack_num*total_rank, K]``, zero for slots without tokens."""
-    dx = torch.zeros_like(x) if need_dx else None
     acc = _acc_dtype(x)
+    g_x = torch.zeros(x.shape, dtype=acc, device=x.device)
     dA = torch.zeros(stack_num * table.total_rank, x.shape[1], dtype=acc, device=x.device)
     keeps = _slice_keeps(keep, stack_num)
-    for _, rows, r, off, _, p in _slot_rows(segs, table):
-        g = dh[rows, : stack_num * r].to(acc)
+    ts = token_slots(segs)
+    xa = x.to(acc)
+    for a, r, off, _, p in _slots(table):
+        m = (ts == a)[:, None]
+        g = torch.where(m, dh[:, : stack_num * r].to(acc), 0)
         w = A_cat[stack_num * off : stack_num * (off + r)].to(acc)
-        xr = x[rows].to(acc)
-        g_x = torch.zeros(rows.numel(), x.shape[1], dtype=acc, device=x.device)
+        xm = torch.where(m, xa, 0)  # another adapter's rows may hold NaN or Inf: 0 * NaN is NaN
         for s, k in enumerate(keeps):
             cols = slice(s * r, (s + 1) * r)
-            dA[stack_num * off + s * r : stack_num * off + (s + 1) * r] = g[:, cols].T @ _dropped(xr, k, rows, p)
-            g_x += _dropped(g[:, cols] @ w[cols], k, rows, p)
-        if need_dx:
-            dx[rows] = g_x.to(x.dtype)
-    return dx, dA
+            dA[stack_num * off + s * r : stack_num * off + (s + 1) * r] = g[:, cols].T @ _dropped(xm, k, p)
+            g_x = g_x + torch.where(m, _dropped(g[:, cols] @ w[cols], k, p), 0)
+    return (g_x.to(x.dtype) if need_dx else None), dA

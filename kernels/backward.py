@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dropout import check_keep_bits, check_stacked_seed, keep_block, unpack_keep
+from .dropout import check_keep_bits, check_seed, keep_block, unpack_keep
 from .launch import cdiv, checked, launch, mark_checked, next_power_of_2
 from .segments import AdapterTable, Segments, weight_args
 from .sgemm import slot_weight
@@ -362,6 +362,8 @@ def _shrink_bwd_kernel(
     ``LOAD_MASK`` (``DROP_STACK == 1``): the mask is read from the forward's packed ``keep_bits`` instead of drawn.
     ``W_OFFS`` (``stack_num == 1``): the slot's own A weight, read in place (``sgemm.slot_weight``).
     """
+    if seed.dtype.is_ptr():  # a seed in device memory (torch.compile, CUDA graphs): read once per program
+        seed = tl.load(seed)
     i_c = tl.program_id(0).to(tl.int64)
     i_k = tl.program_id(1).to(tl.int64)
     i_r = tl.program_id(2).to(tl.int64)
@@ -647,7 +649,7 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
 
 
 def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1,
-                    seed: Optional[int] = None, need_dx: bool = True, dx_out: Optional[torch.Tensor] = None,
+                    seed=None, need_dx: bool = True, dx_out: Optional[torch.Tensor] = None,
                     dA_out: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None):
     """Returns ``(dx, dA_cat)``: ``dx`` in ``x``'s dtype, every row written (zero for base tokens, slot -1 and rank
     0; ``None`` unless ``need_dx``) and ``dA_cat`` float32 ``[stack_num*total_rank, K]`` (every row written, zero for
@@ -661,9 +663,7 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     n_slots, R, R_tot = table.ranks.numel(), table.max_rank, table.total_rank
     _check_tensor(name, "dh", dh, (S, stack_num * R), (torch.float32, torch.float64), dev)
     A, w_offs = _weights(name, "A_cat", A_cat, (stack_num * R_tot, K), (torch.float32, x.dtype), dev, stack_num)
-    if not (seed is None or isinstance(seed, int)):
-        raise ValueError(f"{name}: seed must be an int or None, got {type(seed)}")
-    check_stacked_seed(name, seed, stack_num)
+    check_seed(name, seed, dev, stack_num)
     if keep is not None:
         check_keep_bits(name, keep, x, stack_num)
     if not (need_dx or dx_out is None):

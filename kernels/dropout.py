@@ -138,9 +138,24 @@ def slice_seed(seed: int, s: int) -> int:
     return seed ^ (s << _SLICE_SHIFT)
 
 
+def check_seed(name: str, seed, device, stack_num: int) -> None:
+    """A launcher's ``seed``: ``None``, a host int, or (``torch.compile``, CUDA graphs: the draw must happen on the
+    device, inside the graph) a one-element int32 tensor on ``device``, read by the kernels. Host ints of a stack are
+    also checked by :func:`check_stacked_seed`; a device seed is drawn in ``[0, 2^31)`` by its producer."""
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype != torch.int32 or seed.numel() != 1 or seed.device != device:
+            raise ValueError(f"{name}: a device seed must be a one-element int32 tensor on {device}, got "
+                             f"{seed.dtype} {tuple(seed.shape)} on {seed.device}")
+        return
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise ValueError(f"{name}: seed must be an int, a one-element int32 device tensor or None, got "
+                         f"{type(seed).__name__}")
+    check_stacked_seed(name, seed, stack_num)
+
+
 def check_stacked_seed(name: str, seed, stack_num: int) -> None:
     """Slice seeds stay distinct 31-bit keys: ``0 <= seed < 2^31`` and at most ``MAX_DROPOUT_STACK`` slices."""
-    if seed is None or stack_num <= 1:
+    if seed is None or stack_num <= 1 or isinstance(seed, torch.Tensor):
         return
     if not 0 <= seed < 2**31 or stack_num > MAX_DROPOUT_STACK:
         raise ValueError(f"{name}: dropout on a stack needs 0 <= seed < 2**31 and stack_num <= {MAX_DROPOUT_STACK}, "

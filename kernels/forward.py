@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from .dropout import check_keep_bits, check_stacked_seed
+from .dropout import check_keep_bits, check_seed
 from .launch import cdiv, checked, launch, mark_checked, next_power_of_2
 from .segments import AdapterTable, Segments, weight_args
 from .sgemm import sgemm_expand_kernel, sgemm_shrink_kernel
@@ -178,11 +178,12 @@ def _check_layout(segs: Segments, table: AdapterTable, S: int, device, stack_num
     mark_checked(segs, table, ("fwd_layout_ok", device))
 
 
-def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1, seed: Optional[int] = None,
+def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1, seed=None,
                 out: Optional[torch.Tensor] = None, keep_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``h[S, stack_num*max_rank]`` (float32; float64 for float64 ``x``): ``h[t] = dropout(x[t]) @ A_a^T``.
 
-    Dropout runs when ``seed`` is an int and ``table.has_dropout``; ``out`` (same shape and dtype) is filled in place.
+    Dropout runs when ``seed`` is given (a host int, or a one-element int32 tensor on x's device that the kernels
+    read: ``dropout.check_seed``) and ``table.has_dropout``; ``out`` (same shape and dtype) is filled in place.
     Only rows of adapter tokens and their columns ``< stack_num*rank`` are written.
     ``keep_out`` (``dropout.keep_bits_buffer(x)``, ``stack_num == 1``): under dropout, the drawn mask is stored
     there packed, for ``lora_shrink_bwd(..., keep=keep_out)``; rows of adapter tokens only.
@@ -198,9 +199,7 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
     if tuple(A_cat.shape) != (stack_num * table.total_rank, K):
         raise ValueError(f"A_cat must be [stack_num*total_rank, K] = [{stack_num * table.total_rank}, {K}], "
                          f"got {list(A_cat.shape)}")
-    if seed is not None and not isinstance(seed, int):
-        raise ValueError(f"seed must be an int or None, got {type(seed).__name__}")
-    check_stacked_seed("lora_shrink", seed, stack_num)
+    check_seed("lora_shrink", seed, device, stack_num)
     if keep_out is not None:
         check_keep_bits("lora_shrink", keep_out, x, stack_num)
     if x.dtype == torch.float64 and segs.perm is not None and device.type == "cuda":

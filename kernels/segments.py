@@ -36,6 +36,7 @@ class Segments(NamedTuple):
     num_tokens: int  # S, rows of the activations
     cache: dict  # launcher-side derived tables (chunk lists per block size), filled lazily
     base_max_len: int = -1  # longest segment of base tokens (slot -1) among the segments; -1: not known
+    token_slots: Optional[torch.Tensor] = None  # int32 [S]: slot of each physical row (-1 = base), if known
 
     @property
     def covers_all_rows(self) -> bool:
@@ -57,6 +58,7 @@ class AdapterTable(NamedTuple):
     total_rank: int  # sum of ranks (host int)
     has_dropout: bool  # any dropout p > 0 (host bool)
     slots: Optional[tuple] = None  # host: the slots of rank > 0, ascending (the order of a layer's weights), if known
+    host: Optional[tuple] = None  # host copies (ranks, offsets, scales, dropout), tuples per slot, if known
 
 
 class SlotWeights(NamedTuple):
@@ -196,4 +198,32 @@ def segments_from_token_slots(token_slots: torch.Tensor, grouped: bool, device=N
         num_tokens=S,
         cache={},
         base_max_len=(int(lens[~live].max()) if bool((~live).any()) else 0) if perm is None else -1,
+    )
+
+
+def row_segments(row_slots: torch.Tensor, tokens_per_row: int) -> Segments:
+    """SGEMM-family ``Segments`` of per-row routing, built on ``row_slots``' device without a host sync: one segment
+    per row of ``tokens_per_row`` tokens (slot ``row_slots[i]``, ``-1`` = base). Every host int comes from the
+    shapes, so a compiled graph or a captured CUDA graph serves any adapter mix of the same shape."""
+    n_rows, T = row_slots.numel(), tokens_per_row
+    dev = row_slots.device
+    slot = row_slots.reshape(-1).to(torch.int32)
+    return Segments(
+        indptr=torch.arange(n_rows + 1, device=dev, dtype=torch.int32) * T, slot=slot, perm=None,
+        max_len=T if n_rows else 0, num_tokens=n_rows * T, cache={}, base_max_len=T if n_rows else 0,
+        token_slots=slot.repeat_interleave(T) if T != 1 else slot,
+    )
+
+
+def grouped_segments(token_slots: torch.Tensor, n_slots: int) -> Segments:
+    """Chunked-family ``Segments`` built on ``token_slots``' device without a host sync: rows stable-sorted by slot
+    (``perm`` covers every row), one segment per slot ``-1 .. n_slots-1`` (slot ``-1``, base rows, first; empty
+    segments included), so shapes depend on ``S`` and ``n_slots`` only, never on the mix."""
+    ts = token_slots.reshape(-1).to(torch.int32)
+    S, dev = ts.numel(), ts.device
+    sorted_ts, order = torch.sort(ts, stable=True)
+    indptr = torch.searchsorted(sorted_ts, torch.arange(-1, n_slots + 1, device=dev, dtype=torch.int32))
+    return Segments(
+        indptr=indptr.to(torch.int32), slot=torch.arange(-1, n_slots, device=dev, dtype=torch.int32),
+        perm=order.to(torch.int32), max_len=S, num_tokens=S, cache={}, base_max_len=-1, token_slots=ts,
     )

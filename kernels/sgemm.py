@@ -179,6 +179,8 @@ def sgemm_shrink_kernel(
 ):
     """h[t, :STACK*r] = dropout(x[t]) @ A_cat[STACK*off : STACK*(off+r)]^T for the rows t of segment ``i_g``
     (``W_OFFS``: the slot's own weight, see :func:`slot_weight`)."""
+    if seed.dtype.is_ptr():  # a seed in device memory (torch.compile, CUDA graphs): read once per program
+        seed = tl.load(seed)
     i_g = tl.program_id(0)
     i_s = tl.program_id(1).to(tl.int64)
     i_n = tl.program_id(2)

@@ -55,6 +55,8 @@ def sgmv_shrink_kernel(
     W_OFFS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """h[perm[j], :STACK*r] = dropout(x[perm[j]]) @ A_cat[STACK*off : STACK*(off+r)]^T for the chunk's positions j."""
+    if seed.dtype.is_ptr():  # a seed in device memory (torch.compile, CUDA graphs): read once per program
+        seed = tl.load(seed)
     i_c = tl.program_id(0)
     i_n = tl.program_id(1)
     i_g = tl.load(chunks + i_c)

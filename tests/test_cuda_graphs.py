@@ -118,7 +118,7 @@ def run_ops(st: Static, impl: str) -> tuple:
         dh, dB = lora_expand_bwd(st.dy, h, st.B_cat, segs, st.table)
         dx, dA = lora_shrink_bwd(dh, st.x, st.A_cat, segs, st.table)
     else:
-        h = ops.lora_shrink(st.x, st.A_cat, segs, st.table)
+        h, _ = ops.lora_shrink(st.x, st.A_cat, segs, st.table)
         ops.lora_expand(h, st.B_cat, segs, st.table, y)
         dh, dB = ops.lora_expand_bwd(st.dy, h, st.B_cat, segs, st.table)
         dx, dA = ops.lora_shrink_bwd(dh, st.x, st.A_cat, segs, st.table)

@@ -4,8 +4,8 @@ A small MLP with three PEFT adapters (dropout on), patched; each step changes th
 1..5), the names (per row, packed ``adapter_ids``, all base) and sometimes calls a layer straight with
 ``adapter_names`` (the per-name-tuple routing cache) or runs an eval forward. Measured after warm-up and at the end:
 Python memory blocks (``sys.getallocatedblocks``), allocations still live over the last steps (tracemalloc), live
-torch tensors (count and bytes) and gc-tracked objects; and the caches: ``Router._by_names``, ``Routing.plans``,
-each layer's ``_fml_table``, ``Segments.cache``.
+torch tensors (count and bytes) and gc-tracked objects; and the caches: ``Router._by_names``, ``Routing.layouts``,
+each layer's ``_fml_state``, ``Segments.cache``.
 """
 
 import gc
@@ -19,7 +19,7 @@ from peft import LoraConfig, get_peft_model
 import fast_multilora
 from fast_multilora import kernels
 from fast_multilora.function import _BACKENDS
-from fast_multilora.patching import _ROUTER_ATTR, _SUBCLASSES
+from fast_multilora.patching import _ROUTER_ATTR, _SUBCLASSES, LayerState
 
 HAS_TRITON_BWD = hasattr(kernels, "lora_expand_bwd") and hasattr(kernels, "lora_shrink_bwd")
 NAMES = ["a0", "a1", "a2", "__base__"]
@@ -83,15 +83,15 @@ def _live_tensors():
 def _check_caches(model):
     router = model.__dict__[_ROUTER_ATTR]
     assert len(router._by_names) <= 9, len(router._by_names)
-    for routing in [router.current, *router._by_names.values()]:  # cached routings keep their plans
+    for routing in [router.current, *router._by_names.values()]:  # cached routings keep their layouts
         if routing is None:
             continue
-        assert len(routing.plans) <= 17
-        for plan in routing.plans.values():
-            assert len(plan.segments.cache) <= 8, list(plan.segments.cache)
+        assert len(routing.layouts) <= 17
+        for segs in routing.layouts.values():
+            assert len(segs.cache) <= 8, list(segs.cache)
     for m in model.modules():
-        t = m.__dict__.get("_fml_table")
-        assert t is None or isinstance(t, tuple) and len(t) == 4  # one entry per layer, replaced, never a list
+        t = m.__dict__.get("_fml_state")
+        assert t is None or isinstance(t, LayerState)  # one entry per layer, replaced, never a list
 
 
 @pytest.mark.parametrize("backend, warm, steps, traced", [
@@ -143,7 +143,7 @@ def test_plan_and_name_caches_are_bounded():
     with torch.no_grad(), fast_multilora.route(model, ["a0", "a1"]):
         for T in range(1, 60):
             up(torch.randn(2, T, 16, generator=g))
-            assert len(router.current.plans) <= 17
+            assert len(router.current.layouts) <= 17
     with torch.no_grad():
         for i in range(60):
             names = [NAMES[(i >> k) % 4] for k in range(3)]

@@ -50,6 +50,10 @@ def test_mixed_batch_matches_peft(arch, train, backend):
     torch.testing.assert_close(out.detach(), want_out, rtol=1e-4, atol=1e-5)
     assert set(got) == {n for n, p in model.named_parameters() if "lora_" in n}  # every adapter gets a gradient
     for n, gw in want.items():
-        torch.testing.assert_close(got[n], gw, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+        # fp32 gradients two layers deep: an element that cancels (|sum| << sum of |terms|) carries the terms'
+        # rounding, so the absolute part scales with the tensor's magnitude (both backends are within 1e-5 of a
+        # float64 run by norm; an element of A.a2 in layer 1's gate_proj differs by 2e-5 at |g| ~ 0.1)
+        torch.testing.assert_close(got[n], gw, rtol=1e-4, atol=1e-4 * gw.abs().max().item(),
+                                   msg=lambda m, n=n: f"{n}: {m}")
     for n in set(got) - set(want):  # adapters with no tokens in this layer's batch
         assert torch.count_nonzero(got[n]) == 0, n

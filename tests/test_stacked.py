@@ -1,6 +1,7 @@
-"""Siblings called on one input (q/k/v, gate/up) share one shrink pass (``fast_multilora.stacked``).
+"""Siblings declared at patch time (q/k/v, gate/up) share one shrink pass when called on one input
+(``fast_multilora.stacked``).
 
-Every check compares against ``share_shrink=False`` (the per-module path) and, where it applies, against stock PEFT
+Every check compares against ``share_shrink=False`` (each layer alone) and, where it applies, against stock PEFT
 running each sample with its adapter alone; a spy on the backends' ``shrink`` proves which path ran.
 """
 
@@ -12,9 +13,7 @@ from models import LLAMA_TARGETS, peft_model, twin
 from peft import LoraConfig, get_peft_model
 
 import fast_multilora
-from fast_multilora import stacked
-from fast_multilora.function import TorchBackend, TritonBackend
-from fast_multilora.stacked import shared_siblings
+from fast_multilora.function import LoraLinear, TorchBackend, TritonBackend
 
 NAMES = ["a1", "__base__", "a0", "a2", "a0", "a1", "a2"]  # unsorted, repeated, with a base row
 SHARED_PER_LAYER = [3, 1, 2, 1]  # stack_num of each shrink of a decoder layer: q/k/v, o, gate/up, down
@@ -79,7 +78,7 @@ def step(model, ids, w):
 
 
 def warm(model, ids):
-    """A first forward call: runs unshared and records which siblings read one input."""
+    """A forward call before the measured one (the path of a call does not depend on earlier calls)."""
     with torch.no_grad():
         model(input_ids=ids, adapter_names=NAMES)
 
@@ -125,35 +124,63 @@ def assert_same(got, want, exact=False):
         assert torch.count_nonzero(grads[n]) == 0, n
 
 
-def test_groups_from_structure_and_shrink_count(shrinks):
+def test_groups_declared_and_first_call_shares(shrinks):
+    """Groups come from the module tree at patch time (no o_proj: it is in no sibling set); the first forward call
+    already shares, and equals the second bit for bit."""
     shared = peft_model(configs=configs())
     unshared = twin(shared)
     report = fast_multilora.patch(shared, backend="torch")
     prefix = "base_model.model.model.layers"
-    # candidates by structure: same parent, in_features and device (o_proj has q/k/v's in_features)
     assert report.shared == [g for i in range(2) for g in (
-        tuple(f"{prefix}.{i}.self_attn.{p}_proj" for p in "qkvo"),
+        tuple(f"{prefix}.{i}.self_attn.{p}_proj" for p in "qkv"),
         (f"{prefix}.{i}.mlp.gate_proj", f"{prefix}.{i}.mlp.up_proj"),
     )]
     assert "sibling group(s) share one shrink pass" in str(report)
     assert fast_multilora.patch(unshared, backend="torch", share_shrink=False).shared == []
 
-    ids, _ = inputs()
-    warm(shared, ids)
-    assert shrinks == UNSHARED_PER_LAYER * 2  # the first forward call only watches
-    # by input identity: q/k/v and gate/up read one tensor; o_proj and down_proj read their own
-    assert shared_siblings(shared) == [g for i in range(2) for g in (
-        tuple(f"{prefix}.{i}.self_attn.{p}_proj" for p in "qkv"),
-        (f"{prefix}.{i}.mlp.gate_proj", f"{prefix}.{i}.mlp.up_proj"),
-    )]
+    ids, w = inputs()
+    first = step(shared, ids, w)
+    assert shrinks == SHARED_PER_LAYER * 2  # 7 -> 4 shrinks per decoder layer, from the first call on
     shrinks.clear()
-    warm(shared, ids)
-    assert shrinks == SHARED_PER_LAYER * 2  # 7 -> 4 shrinks per decoder layer
+    assert_same(step(shared, ids, w), first, exact=True)
+    assert shrinks == SHARED_PER_LAYER * 2
     shrinks.clear()
     warm(unshared, ids)
-    warm(unshared, ids)
-    assert shrinks == UNSHARED_PER_LAYER * 4
-    assert shared_siblings(unshared) == []
+    assert shrinks == UNSHARED_PER_LAYER * 2
+
+
+def test_member_called_on_another_input_runs_its_own_stack(shrinks):
+    """A declared member called on another tensor than its lead's (as a cross-attention's k/v on the encoder's
+    states) takes no slice of the lead's stack: it leads a stack of its own; results equal the unshared path."""
+
+    class CrossToy(_Toy):
+        def forward(self, x, mem):
+            return self.q(x), self.k(mem), self.v(mem)
+
+    torch.manual_seed(0)
+    models_ = []
+    for share in (True, False):
+        torch.manual_seed(0)
+        m = get_peft_model(CrossToy(), LoraConfig(r=4, target_modules=["q", "k", "v"], init_lora_weights=False))
+        m.add_adapter("b", LoraConfig(r=4, lora_alpha=5, target_modules=["q", "k", "v"], init_lora_weights=False))
+        fast_multilora.patch(m, backend="torch", share_shrink=share)
+        models_.append(m)
+    names = ["b", "default", "__base__", "b"]
+    g = torch.Generator().manual_seed(1)
+    x, mem = torch.randn(4, 5, 16, generator=g), torch.randn(4, 5, 16, generator=g)
+    outs = []
+    for m in models_:
+        shrinks.clear()
+        q, k, v = m(x, mem, adapter_names=names)
+        (q.sum() + (k * v).sum()).backward()
+        outs.append(((q, k, v), lora_grads(m), list(shrinks)))
+    (o_s, g_s, sh_s), (o_u, g_u, sh_u) = outs
+    assert sh_s == [3, 3] and sh_u == [1, 1, 1]  # q leads one stack, k another (v takes k's slice)
+    for a, b in zip(o_s, o_u, strict=True):
+        torch.testing.assert_close(a, b)
+    assert set(g_s) == set(g_u)
+    for n in g_u:
+        torch.testing.assert_close(g_s[n], g_u[n], msg=lambda m, n=n: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
@@ -218,7 +245,6 @@ def test_stacked_dropout_gradcheck_float64(backend, stacked_kinds):
     model.train()
     names = ["b", "default", "__base__", "b"]
     x = torch.randn(4, 3, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2), requires_grad=True)
-    model(x, adapter_names=names)  # the first call watches which siblings read one input
     stacked_kinds.clear()
 
     def fn(x):
@@ -249,7 +275,7 @@ def test_stacked_dropout_masks_differ_per_slice(backend):
     A_stack = torch.cat([A[:r], A[:r], A[r:], A[r:]])  # slot 0: slices 0 and 1 equal; slot 1 likewise
     for p, same in ((0.0, True), (0.5, False)):
         table = make_table([r, r], dropout=[p, p])
-        h = be.shrink(x, A_stack, segs, table, 2, 1234)
+        h, _ = be.shrink(x, A_stack, segs, table, 2, 1234)
         assert torch.allclose(h[:, :r], h[:, r:]) == same, (p, backend)
 
 
@@ -314,7 +340,8 @@ def _toy(share):
 
 def test_partial_and_repeated_backward_passes(shrinks):
     """A sibling whose output is unused, ``autograd.grad`` for the B weights only, then a second backward pass
-    through the retained graph: the shared ``dh`` buffer is scoped to each pass."""
+    through the retained graph: each pass's gradients equal the unshared path's (a member whose output a pass does
+    not use gets no gradient from it)."""
     names = ["b", "default", "__base__", "b"]
     x0 = torch.randn(4, 5, 16, generator=torch.Generator().manual_seed(1))
     results = []
@@ -341,15 +368,17 @@ def test_partial_and_repeated_backward_passes(shrinks):
 
 @pytest.fixture
 def stacked_kinds(monkeypatch):
-    """How each stacked member ran: ``"fused"`` (``StackedLinear``: its base GEMM inside) or ``"added"``
-    (``StackedExpand``: the delta added to the base layer's output)."""
+    """How each stacked member ran: ``"fused"`` (its base GEMM inside the Function) or ``"added"`` (the delta added
+    to the base layer's output), in call order."""
     kinds = []
-    for cls, kind in ((stacked.StackedLinear, "fused"), (stacked.StackedExpand, "added")):
-        def spy(ctx, *args, _orig=cls.forward, _kind=kind):
-            kinds.append(_kind)
-            return _orig(ctx, *args)
+    orig = LoraLinear.forward
 
-        monkeypatch.setattr(cls, "forward", staticmethod(spy))
+    def spy(ctx, x, y, W, b, h, call, *weights):
+        if call.stack_num > 1:
+            kinds.append("fused" if call.fused else "added")
+        return orig(ctx, x, y, W, b, h, call, *weights)
+
+    monkeypatch.setattr(LoraLinear, "forward", staticmethod(spy))
     return kinds
 
 
@@ -360,8 +389,8 @@ def _keep_output(module, args, out):
 @pytest.mark.parametrize("case", ["fused", "one member hooked", "fuse_base=False"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_stacked_members_fuse_their_base(backend, case, shrinks, stacked_kinds):
-    """A member whose base is a plain frozen nn.Linear runs its base GEMM with its expand (the base part of dx goes
-    into the shared shrink's dx); a member whose base does not qualify (here: a forward hook) adds its delta to the
+    """A member whose base is a plain frozen nn.Linear runs its base GEMM with its expand; a member whose base does
+    not qualify (here: a forward hook) adds its delta to the
     base output in the same stack. Both mixes equal the per-module path and stock PEFT per sample."""
     shared = peft_model(configs=configs())
     unshared, ref = twin(shared), twin(shared)
@@ -386,8 +415,7 @@ def test_stacked_members_fuse_their_base(backend, case, shrinks, stacked_kinds):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_stacked_fused_gradcheck_float64(backend, stacked_kinds):
-    """float64 gradcheck of the input through a stack of fused members (biased bases): the base part of dx reaches x
-    only through the shared shrink's backward."""
+    """float64 gradcheck of the input through a stack of fused members (biased bases)."""
     model = _toy(True).double()
     fast_multilora.patch(model, backend=backend)
     names = ["b", "default", "__base__", "b"]

@@ -1,0 +1,68 @@
+"""``PatchConfig``: every setting of a patched model, fixed when :func:`fast_multilora.patch` runs.
+
+Settings that change which code runs live here, not in environment variables read at import: a compiled graph is
+traced with one set of them, and two models in one process may use different ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+BACKENDS = ("auto", "torch", "triton")
+FAMILIES = ("auto", "sgemm", "chunked")
+
+
+@dataclass(frozen=True)
+class PatchConfig:
+    """Settings of :func:`fast_multilora.patch`.
+
+    ``backend``: ``"triton"`` (the kernels; on CPU tensors they need ``TRITON_INTERPRET=1``), ``"torch"`` (the
+    pure-PyTorch ops of ``fast_multilora.reference``) or ``"auto"`` (Triton for CUDA tensors, torch otherwise).
+
+    ``family``: kernel family for per-row routing (``adapter_names``): ``"sgemm"`` (one segment per row, tokens in
+    place), ``"chunked"`` (tokens grouped by adapter through a permutation, fixed-size chunks) or ``"auto"``
+    (SGEMM for rows of at least ``plan.SGEMM_MIN_ROW_TOKENS`` tokens, chunked for shorter rows such as decode steps).
+    Packed rows (``adapter_ids``) always take the chunked family. Either way the layout is built on the device from
+    the routing tensor and its shapes only, so ``torch.compile`` sees no data-dependent shapes.
+
+    ``fuse_base``: a layer whose base is a plain frozen ``nn.Linear`` runs the base GEMM inside the layer Function:
+    the expand writes the delta (base rows: the bias or zero) and cuBLAS accumulates ``x Wᵀ`` into it; backward
+    likewise for ``dx``.
+
+    ``share_shrink``: sibling layers declared at patch time (``fast_multilora.stacked``: q/k/v, gate/up, ...)
+    called on the very same input tensor run one shrink over their stacked A weights.
+
+    ``share_dropout``: siblings under active LoRA dropout share their shrink too, each slice drawing its own mask
+    (as PEFT's separate dropout modules); off by default, as it measured slower on an H200 (``docs/benchmarks.md``).
+
+    ``weights_in_place``: eager Triton calls read each adapter's weights where they are (``kernels.SlotWeights``)
+    instead of concatenating them per call (``torch.compile`` always concatenates: the ops take tensors).
+
+    ``store_dropout_mask``: a training forward under dropout stores its keep-mask (one bit per element of x) for the
+    backward, which then reads it instead of drawing it again; ``False`` redraws it (saves that memory).
+    """
+
+    backend: str = "auto"
+    family: str = "auto"
+    fuse_base: bool = True
+    share_shrink: bool = True
+    share_dropout: bool = False
+    weights_in_place: bool = True
+    store_dropout_mask: bool = True
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; expected 'auto', 'torch' or 'triton'")
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown family {self.family!r}; expected 'auto', 'sgemm' or 'chunked'")
+        for f in fields(self):
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
+                raise TypeError(f"PatchConfig.{f.name} must be a bool, got {getattr(self, f.name)!r}")
+
+    def with_overrides(self, **overrides) -> PatchConfig:
+        """A copy with ``overrides`` (field names of this class) applied; unknown names raise ``TypeError``."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"unknown patch setting(s) {unknown}; PatchConfig has {sorted(known)}")
+        return replace(self, **overrides)
