@@ -20,8 +20,10 @@ Providers (every scenario runs the ones that make sense for it):
 * ``peft_mixed_loop``  stock PEFT's own per-adapter mixed-batch loop (``adapter_names`` injected into every LoRA
                        layer by a forward pre-hook), forced into training (``anchor_loop.py``); in eval it is PEFT's
                        ordinary ``adapter_names`` path
+* ``peft_mixed``       (generation) stock PEFT's own mixed-batch ``generate(..., adapter_names=...)``
 * ``frozen``           no LoRA: the base model (train: forward + backward to the input embeddings only, as the anchor
-                       measured it; eval: the PEFT model with its adapters disabled)
+                       measured it; eval: the PEFT model with its adapters disabled; generation: the base model before
+                       PEFT wraps it)
 
 Scenarios (keys of the JSON): ``layer_4096`` (4096x4096 Linear, 8 x 1024 tokens), ``layer_2048`` (2048x2048,
 16 x 1024 tokens) -- forward + backward, r=16, alpha 32, dropout 0.05, 8 adapters; ``train_step_8``, ``train_step_1``,
@@ -30,14 +32,28 @@ intermediate 5632, 32/4 heads, vocab 32000, random init, bf16; LoRA r=16, alpha 
 projections) on 16 x 1024 tokens (32 adapters: 32 x 512, one row per adapter); ``eval_8`` -- a forward of 16 x 1024
 tokens, 8 adapters and ``__base__`` rows mixed.
 
+Opt-in scenarios (run only when named in ``--scenarios``; compiling takes 40-90 s per provider on the GPU):
+``train_step_8_compiled`` and ``eval_8_compiled`` -- ``train_step_8``'s step and ``eval_8``'s forward with
+``torch.compile(model)`` (``--compile-mode``; the loss and the AdamW step stay eager), providers ``fast_multilora``,
+``peft_single``, ``frozen``; ``generate_static`` and ``generate_dynamic`` -- ``model.generate`` of 16 prompts x 128
+tokens, 64 new tokens, greedy, with ``cache_implementation="static"`` (transformers then compiles the decode step
+itself, with its own ``CompileConfig``) or the default dynamic cache, providers ``fast_multilora``, ``peft_mixed``,
+``frozen``, 8 adapters and ``__base__`` rows mixed. Dynamo is reset between their providers. ``--quick`` compiles
+with ``backend="aot_eager"`` (inductor needs a GPU or a C++ toolchain).
+
 Each provider's entry is ``{"ms": median of CUDA-event timings after warm-up, "peak_mib": max_memory_allocated
-of the timed calls, ...}``; a provider that raised has ``"error"`` and ``"ms": null``.
+of the timed calls, ...}``; a provider that raised has ``"error"`` and ``"ms": null``. The opt-in scenarios' entries
+also carry ``"compile_s"`` (wall time of compile + first call; null for an eager provider).
 
     python benchmarks/bench_model.py                                   # GPU, full sizes
     python benchmarks/bench_model.py --quick --out /tmp/q/h200.json    # CPU dry run, tiny sizes, torch backend
     python benchmarks/bench_model.py --from-json benchmarks/results/h200.json   # re-render markdown + plot only
+    python benchmarks/bench_model.py --merge --scenarios train_step_8_compiled,eval_8_compiled,generate_static,\
+        generate_dynamic                                               # add the opt-in scenarios to --out
 
-Writes ``--out`` (JSON) and, beside it or in ``--md-dir``, ``<stem>.md`` and ``<stem>.png``, after every scenario.
+Writes ``--out`` (JSON) and, beside it or in ``--md-dir``, ``<stem>.md`` and ``<stem>.png``, after every scenario
+(and after every compiled provider); ``--merge`` keeps the scenarios of an existing ``--out`` that this run does not
+measure.
 """
 
 from __future__ import annotations
@@ -47,11 +63,15 @@ import gc
 import json
 import os
 import sys
+import time
 import traceback
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCENARIOS = ("layer_4096", "layer_2048", "train_step_8", "eval_8", "train_step_1", "train_step_32")
+SCENARIOS = ("layer_4096", "layer_2048", "train_step_8", "eval_8", "train_step_1", "train_step_32")  # the default
+OPT_IN = ("train_step_8_compiled", "eval_8_compiled", "generate_static", "generate_dynamic")  # when named
+ALL_SCENARIOS = SCENARIOS + OPT_IN
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -60,7 +80,12 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny sizes on the CPU, torch backend: a dry run")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "h200.json"), help="JSON path")
     ap.add_argument("--md-dir", default=None, help="folder for <stem>.md and <stem>.png (default: beside --out)")
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset, in this order")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS),
+                    help=f"comma-separated, run in this order; opt-in (not in the default): {','.join(OPT_IN)}")
+    ap.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
+                    help="torch.compile mode of the *_compiled scenarios")
+    ap.add_argument("--merge", action="store_true",
+                    help="add this run's scenarios to an existing --out JSON instead of overwriting it")
     ap.add_argument("--backend", default=None, help="fast_multilora backend (default: triton on GPU, torch on CPU)")
     ap.add_argument("--budget-s", type=float, default=None, help="start no scenario/provider past this many seconds")
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
@@ -82,8 +107,9 @@ class Sizes:
             self.dtype = "float32"  # bf16 matmuls crawl on CPUs
             self.warm, self.iters, self.slow_warm, self.slow_iters = 1, 2, 1, 1
             self.layer_warm, self.layer_iters = 1, 3
-            self.est = dict.fromkeys(SCENARIOS, 5.0)
-            self.est_provider = 1.0
+            self.gen_prompt, self.gen_new = 8, 4  # generation: batch x gen_prompt tokens, gen_new new tokens
+            self.est = dict.fromkeys(ALL_SCENARIOS, 5.0)
+            self.est_provider, self.est_compiled = 1.0, 3.0
         else:
             self.layers = {"layer_4096": (4096, 4096, 8, 1024), "layer_2048": (2048, 2048, 16, 1024)}
             self.model = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=32,
@@ -94,9 +120,11 @@ class Sizes:
             self.warm, self.iters, self.slow_warm, self.slow_iters = 3, 11, 1, 3
             self.layer_warm, self.layer_iters = 5, 30
             # rough H200 seconds per scenario incl. model build and first-call Triton compiles (budget planning)
+            self.gen_prompt, self.gen_new = 128, 64
             self.est = {"layer_4096": 12, "layer_2048": 10, "train_step_8": 80, "eval_8": 14, "train_step_1": 16,
-                        "train_step_32": 55}
-            self.est_provider = 5.0
+                        "train_step_32": 55, "train_step_8_compiled": 150, "eval_8_compiled": 90,
+                        "generate_static": 210, "generate_dynamic": 50}  # opt-in ones: one H200 run, inductor
+            self.est_provider, self.est_compiled = 5.0, 90.0  # compiled: compile + first call, 40-90 s on an H200
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -121,21 +149,28 @@ class Run:
         self.budget = Budget(args.budget_s)
         self.res = {name: {} for name in SCENARIOS}
         self.res["meta"] = None
+        self.prev = None  # --merge: the existing --out this run adds its scenarios to
         if self.device == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True  # as the anchors
+        # inductor needs a GPU (or a C++ toolchain on the CPU); aot_eager still traces forward and backward graphs
+        self.compile_backend = "inductor" if self.device == "cuda" and torch.cuda.is_available() else "aot_eager"
 
     # -- helpers ------------------------------------------------------------------------------------------------------
-    def measure(self, scenario: str, provider: str, fn, *, slow=False, layer=False, split=False, setup=None,
-                teardown=None, verify=None, **extra):
+    def measure(self, scenario: str, provider: str, fn, *, slow=False, layer=False, split=False, compiled=None,
+                setup=None, teardown=None, verify=None, **extra):
         """Time ``fn`` (after ``setup()``), store ``{"ms", "peak_mib", ...}``; a raising provider is recorded, not
         fatal. ``verify()`` (after the timing) returns fields to record; ``teardown`` always runs. Layer calls and
         ``split`` rows also record ``gpu_ms`` / ``host_ms`` (``harness.split_call``): whether the row is bound by
-        the GPU or by the host."""
+        the GPU or by the host. ``compiled=True`` (opt-in scenarios): dynamo is reset before and after, the first
+        call is timed alone as ``compile_s`` (compile + first call, wall clock), dynamo's graph and graph-break
+        counts are recorded, and the results are saved right away; ``compiled=False``: ``compile_s`` null."""
         from harness import split_call, time_steps
 
-        est = self.sz.est_provider * (2 if slow else 1)
+        est = self.sz.est_compiled if compiled else self.sz.est_provider * (2 if slow else 1)
         if not self.budget.allows(est):
             self.res[scenario][provider] = {"ms": None, "peak_mib": None, "skipped": "time budget"}
+            if compiled is not None:
+                self.res[scenario][provider]["compile_s"] = None
             print(f"  {provider:28s} skipped (time budget)", flush=True)
             return
         if layer:
@@ -145,11 +180,16 @@ class Run:
         else:
             warm, iters = self.sz.warm, self.sz.iters
         try:
+            if compiled:
+                self.dynamo_reset()
             if setup is not None:
                 setup()
+            first = self.wall_s(fn) if compiled else None
             r = time_steps(fn, self.device, warm=warm, iters=iters)
             if layer or split:  # how much of a call is kernel time, how much the host's
                 r.update(split_call(fn, self.device))
+            if compiled is not None:
+                r.update(compile_s=first, **(self.dynamo_stats() if compiled else {}))
             r.update(extra)
             if verify is not None:
                 r.update(verify())
@@ -157,6 +197,8 @@ class Run:
         except Exception as e:
             traceback.print_exc()
             r = {"ms": None, "peak_mib": None, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            if compiled is not None:
+                r.update(compile_s=None, **(self.dynamo_stats() if compiled else {}), **extra)
             print(f"  {provider:28s} ERROR {r['error']}", flush=True)
         finally:
             if teardown is not None:
@@ -164,8 +206,44 @@ class Run:
                     teardown()
                 except Exception:
                     traceback.print_exc()
+            if compiled:
+                self.dynamo_reset()
             self.free()
         self.res[scenario][provider] = r
+        if compiled:  # a minute or more per provider: keep what is measured should the stage's limit hit
+            self.save()
+
+    def wall_s(self, fn) -> float:
+        """Seconds of one call of ``fn``, device work included."""
+        sync = self.torch.cuda.synchronize if self.device == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return round(time.perf_counter() - t0, 2)
+
+    def compile(self, model):
+        """``torch.compile(model)`` with ``--compile-mode`` (aot_eager on the CPU: it has no modes)."""
+        if self.compile_backend == "aot_eager":
+            return self.torch.compile(model, backend="aot_eager")
+        mode = self.args.compile_mode
+        return self.torch.compile(model, mode=None if mode == "default" else mode)
+
+    def compile_info(self) -> dict:
+        return {"compile_mode": self.args.compile_mode, "compile_backend": self.compile_backend}
+
+    def dynamo_reset(self):
+        """Compile state of one provider apart from the next: caches and dynamo's counters."""
+        from torch._dynamo.utils import counters
+
+        self.torch._dynamo.reset()
+        counters.clear()
+
+    def dynamo_stats(self) -> dict:
+        """Graphs dynamo compiled (recompiles included) and graph breaks, since the last ``dynamo_reset``."""
+        from torch._dynamo.utils import counters
+
+        return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
 
     def free(self):
         gc.collect()
@@ -203,11 +281,12 @@ class Run:
 
         fast_multilora.unpatch(model)
 
-    def peft_model(self, base, n_adapters, targets, dropout=0.05):
+    def peft_model(self, base, n_adapters, targets, dropout=0.05, init_lora_weights=True):
         from peft import LoraConfig, get_peft_model
 
         def cfg():
-            return LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout, target_modules=targets)
+            return LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout, target_modules=targets,
+                              init_lora_weights=init_lora_weights)
 
         pm = get_peft_model(base, cfg(), adapter_name="a0")
         for i in range(1, n_adapters):
@@ -458,26 +537,27 @@ class Run:
             self.done(scenario)
             self.eval_mixed("eval_8", pm, ids)
 
-    def eval_mixed(self, scenario: str, pm, ids):
+    def eval_names(self, rows):
+        return sorted([f"a{i % 8}" for i in range(rows - 2)] + ["__base__"] * 2)  # 8 adapters + 2 base rows
+
+    def lora_b_off_zero(self, pm):
+        """B off zero (PEFT initialises it to 0), so checks against other paths compare real deltas."""
         torch = self.torch
-        rows = ids.shape[0]
-        names = sorted([f"a{i % 8}" for i in range(rows - 2)] + ["__base__"] * 2)  # 8 adapters + 2 base rows
-        pm.eval()
-        state = {}
-        with torch.no_grad():  # B off zero (PEFT initialises it to 0), so the check below compares real deltas
+        with torch.no_grad():
             g = torch.Generator(device=self.device).manual_seed(2)
             for n, p in pm.named_parameters():
                 if "lora_B" in n:
                     p.copy_(torch.randn(p.shape, generator=g, device=self.device) * 0.02)
 
-        def no_grad(fn):
-            def wrapped():
-                with torch.no_grad():
-                    fn()
-            return wrapped
+    def no_grad(self, fn):
+        def wrapped():
+            with self.torch.no_grad():
+                fn()
+        return wrapped
 
-        # the base forward: adapters disabled around the timed calls, not inside them (PEFT's disable_adapter() walks
-        # every module on enter and exit, host time that is not the forward's)
+    def disabler(self, pm):
+        """(disable, enable): adapters disabled around the timed calls, not inside them (PEFT's disable_adapter()
+        walks every module on enter and exit, host time that is not the forward's)."""
         disabled = {}
 
         def disable():
@@ -487,6 +567,16 @@ class Run:
         def enable():
             disabled.pop("cm").__exit__(None, None, None)
 
+        return disable, enable
+
+    def eval_mixed(self, scenario: str, pm, ids):
+        torch = self.torch
+        names = self.eval_names(ids.shape[0])
+        pm.eval()
+        state = {}
+        self.lora_b_off_zero(pm)
+        no_grad = self.no_grad
+        disable, enable = self.disabler(pm)  # the base forward
         self.measure(scenario, "frozen", no_grad(lambda: pm(input_ids=ids)), setup=disable, teardown=enable,
                      split=True)
         self.measure(scenario, "peft_single", no_grad(lambda: pm(input_ids=ids)), setup=lambda: pm.set_adapter("a0"),
@@ -520,6 +610,171 @@ class Run:
                      setup=lambda: self.patch(pm, fuse_base=False), teardown=lambda: self.unpatch(pm))
         self.done(scenario)
 
+    # -- compiled and generation (opt-in) ----------------------------------------------------------------------------
+    def train_compiled(self, scenario: str, eval_after: bool = False):
+        """``train_step_8``'s step with ``torch.compile(model)``: the same model, tokens, loss and AdamW (eager)."""
+        torch = self.torch
+        rows, T = self.sz.batch, self.sz.T
+        ids = self.token_ids(rows, T)
+        names = sorted(f"a{i % 8}" for i in range(rows))
+        base = self.base_model()
+        base.requires_grad_(False)
+        cm, opt = {}, {}  # the compiled model, the optimizer of the provider being measured
+
+        def frozen():
+            emb = base.model.embed_tokens(ids).detach().requires_grad_(True)
+            cm["m"](inputs_embeds=emb, labels=ids).loss.backward()
+
+        self.measure(scenario, "frozen", frozen, compiled=True, setup=lambda: cm.update(m=self.compile(base)),
+                     teardown=cm.clear, **self.compile_info())
+        pm = self.peft_model(base, 8, TARGET_MODULES)
+        pm.train()
+
+        def single_setup():
+            pm.set_adapter("a0")
+            opt["o"] = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-4)
+            cm["m"] = self.compile(pm)
+
+        def single():
+            cm["m"](input_ids=ids, labels=ids).loss.backward()
+            opt["o"].step()
+            opt["o"].zero_grad(set_to_none=True)
+
+        def fast_setup():
+            self.all_lora_trainable(pm)
+            self.patch(pm)
+            opt["o"] = torch.optim.AdamW(self.lora_params(pm), lr=1e-4)
+            cm["m"] = self.compile(pm)
+
+        def fast():
+            import fast_multilora  # here: an import error is this provider's, recorded by measure
+
+            out = cm["m"](input_ids=ids, adapter_names=names)
+            fast_multilora.per_adapter_loss(out.logits, ids, names).backward()
+            opt["o"].step()
+            opt["o"].zero_grad(set_to_none=True)
+
+        def clear():
+            cm.clear()
+            opt.clear()
+
+        self.measure(scenario, "peft_single", single, compiled=True, setup=single_setup, teardown=clear,
+                     **self.compile_info())
+        self.measure(scenario, "fast_multilora", fast, compiled=True, setup=fast_setup,
+                     teardown=lambda: (clear(), self.unpatch(pm)), adapters=8, loss_fn="per_adapter_loss",
+                     **self.compile_info())
+        if eval_after and self.start("eval_8_compiled"):
+            self.done(scenario)
+            self.eval_compiled("eval_8_compiled", pm, ids)
+
+    def eval_compiled(self, scenario: str, pm, ids):
+        """``eval_8``'s forward with ``torch.compile(model)``; each provider's logits against its own eager ones."""
+        torch = self.torch
+        names = self.eval_names(ids.shape[0])
+        pm.eval()
+        self.lora_b_off_zero(pm)
+        cm = {}
+        disable, enable = self.disabler(pm)
+
+        def fwd(model, **kw):
+            return model(input_ids=ids, **kw).logits
+
+        def vs_eager(**kw):
+            def check():
+                with torch.no_grad():
+                    got = fwd(cm["m"], **kw).float()
+                    return {"max_abs_diff_vs_eager": float((got - fwd(pm, **kw).float()).abs().max())}
+            return check
+
+        def compiled(setup=None):
+            def go():
+                if setup is not None:
+                    setup()
+                cm["m"] = self.compile(pm)
+            return go
+
+        self.measure(scenario, "frozen", self.no_grad(lambda: fwd(cm["m"])), compiled=True, setup=compiled(disable),
+                     teardown=lambda: (cm.clear(), enable()), verify=vs_eager(), **self.compile_info())
+        self.measure(scenario, "peft_single", self.no_grad(lambda: fwd(cm["m"])), compiled=True,
+                     setup=compiled(lambda: pm.set_adapter("a0")), teardown=cm.clear, verify=vs_eager(),
+                     **self.compile_info())
+        self.measure(scenario, "fast_multilora", self.no_grad(lambda: fwd(cm["m"], adapter_names=names)),
+                     compiled=True, setup=compiled(lambda: self.patch(pm)),
+                     teardown=lambda: (cm.clear(), self.unpatch(pm)), verify=vs_eager(adapter_names=names),
+                     adapters=8, base_rows=2, **self.compile_info())
+        self.done(scenario)
+
+    def generation(self, scenario: str):
+        """``model.generate`` of ``batch`` prompts, greedy, a fixed number of new tokens (``min_new_tokens`` too: no
+        early stop), 8 adapters and ``__base__`` rows mixed; ``generate_static``: static KV cache, whose decode step
+        transformers compiles itself (its ``CompileConfig``: inductor, "reduce-overhead", on a GPU; ``aot_eager`` on
+        the CPU, where transformers compiles only when told to)."""
+        torch = self.torch
+        from transformers import CompileConfig
+
+        static = scenario == "generate_static"
+        rows, T, new = self.sz.batch, self.sz.gen_prompt, self.sz.gen_new
+        prompts = self.token_ids(rows, T)
+        names = [f"a{i % 8}" for i in range(rows - rows // 4)] + ["__base__"] * (rows // 4)  # 12 rows + 4 base
+        kw = dict(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new, min_new_tokens=new,
+                  do_sample=False, pad_token_id=0)
+        info = {}
+        if static:
+            if self.compile_backend == "inductor":
+                cc = CompileConfig()  # what generate uses by itself: the anchor's setting
+            else:
+                cc = CompileConfig(backend="aot_eager", mode=None)
+                cc._compile_all_devices = True  # transformers compiles on a CPU only when told to
+            kw.update(cache_implementation="static", compile_config=cc)
+            info = {"compile_mode": cc.mode or "default", "compile_backend": cc.backend,
+                    "compiled_by": "transformers generate (CompileConfig)"}
+        state = {}
+
+        def gen(model, **more):
+            def fn():
+                with torch.no_grad():
+                    state["out"] = model.generate(**kw, **more)
+            return fn
+
+        def tokens(vs, want):
+            """Greedy rows diverge after their first different token (bf16 rounding can flip a near tie): the share
+            of each row's new tokens before its first difference, averaged over rows."""
+            got, want = state.pop("out")[:, T:], want[:, T:]
+            prefix = (got == want).int().cumprod(dim=1).sum(dim=1)
+            return {"tokens_vs": vs, "tokens_equal": bool(torch.equal(got, want)),
+                    "tokens_common_prefix_frac": float(prefix.float().mean() / new)}
+
+        def vs_dynamic(model, **more):  # the same provider eager, with the default dynamic cache
+            def check():
+                with torch.no_grad():
+                    dyn = {k: v for k, v in kw.items() if k not in ("cache_implementation", "compile_config")}
+                    return tokens("its own dynamic-cache generate", model.generate(**dyn, **more))
+            return check
+
+        def keep_ref():  # peft_mixed's tokens: the reference of fast_multilora's (dynamic cache)
+            state["ref"] = state.pop("out")
+            return {}
+
+        def vs_peft():
+            return tokens("peft_mixed", state.pop("ref")) if "ref" in state else {}
+
+        base = self.base_model().eval()
+        self.measure(scenario, "frozen", gen(base), slow=True, compiled=static,
+                     verify=vs_dynamic(base) if static else None, **info)
+        pm = self.peft_model(base, 8, TARGET_MODULES, dropout=0.0, init_lora_weights=False)
+        pm.eval()
+        self.measure(scenario, "peft_mixed", gen(pm, adapter_names=names), slow=True, compiled=static,
+                     verify=vs_dynamic(pm, adapter_names=names) if static else keep_ref, **info)
+
+        def fast_setup():
+            self.patch(pm)
+            pm.eval()
+
+        self.measure(scenario, "fast_multilora", gen(pm, adapter_names=names), slow=True, compiled=static,
+                     setup=fast_setup, teardown=lambda: self.unpatch(pm),
+                     verify=vs_dynamic(pm, adapter_names=names) if static else vs_peft,
+                     adapters=8, base_rows=rows // 4, **info)
+
     # -- driver -------------------------------------------------------------------------------------------------------
     def start(self, scenario: str) -> bool:
         if scenario not in self.wanted:
@@ -540,8 +795,23 @@ class Run:
 
         self.res["meta"]["elapsed_s"] = round(self.budget.elapsed(), 1)
         self.res["meta"]["skipped_scenarios"] = list(self.skipped)
-        write_json(self.args.out, self.res)
-        render(self.res, self.args.out, self.args.md_dir)
+        res = self.merged() if self.prev is not None else self.res
+        write_json(self.args.out, res)
+        render(res, self.args.out, self.args.md_dir)
+
+    def merged(self) -> dict:
+        """The earlier ``--out`` with this run's measured scenarios in place of its own; its meta stays the header,
+        this run's goes to ``meta["merged_runs"]``."""
+        res = {k: v for k, v in self.prev.items() if k != "meta"}
+        res.update({k: v for k, v in self.res.items() if k != "meta" and v})
+        meta = dict(self.prev.get("meta") or {})
+        mine = self.res["meta"]
+        meta["scenarios"] = {**(meta.get("scenarios") or {}), **mine["scenarios"]}
+        skipped = set(meta.get("skipped_scenarios") or ()) | set(mine["skipped_scenarios"])
+        meta["skipped_scenarios"] = [s for s in ALL_SCENARIOS if s in skipped and not res.get(s)]
+        ran = [s for s in ALL_SCENARIOS if self.res.get(s)]
+        meta["merged_runs"] = list(meta.get("merged_runs") or ()) + [{**mine, "scenarios": ran}]
+        return {**res, "meta": meta}
 
     def main(self) -> int:
         from harness import run_meta
@@ -551,10 +821,16 @@ class Run:
             print("bench_model: no CUDA device; use --quick for a CPU dry run", file=sys.stderr)
             return 2
         self.wanted = [s for s in self.args.scenarios.split(",") if s]
-        unknown = [s for s in self.wanted if s not in SCENARIOS]
+        unknown = [s for s in self.wanted if s not in ALL_SCENARIOS]
         if unknown:
-            print(f"bench_model: unknown scenario(s) {unknown}; choose from {SCENARIOS}", file=sys.stderr)
+            print(f"bench_model: unknown scenario(s) {unknown}; choose from {ALL_SCENARIOS}", file=sys.stderr)
             return 2
+        for s in self.wanted:
+            self.res.setdefault(s, {})
+        if self.args.merge and os.path.exists(self.args.out):
+            with open(self.args.out) as f:
+                self.prev = json.load(f)
+            print(f"bench_model: merging into {self.args.out}", flush=True)
         self.skipped = [s for s in SCENARIOS if s not in self.wanted]
         self.patch_info = None
         self.res["meta"] = run_meta(
@@ -567,6 +843,11 @@ class Run:
                    f"{self.sz.layer_iters}, steps {self.sz.warm}/{self.sz.iters}, sequential and mixed loop "
                    f"{self.sz.slow_warm}/{self.sz.slow_iters}",
             scenarios=self.describe())
+        if any(s in OPT_IN for s in self.wanted):
+            self.res["meta"].update(compile_backend=self.compile_backend, compile_mode=self.args.compile_mode,
+                                    timing_opt_in=f"compiled providers: the first call alone (compile_s, wall "
+                                                  f"clock), then steps {self.sz.warm}/{self.sz.iters}; generation "
+                                                  f"{self.sz.slow_warm}/{self.sz.slow_iters}")
         print(f"bench_model: {self.res['meta'].get('gpu') or self.device}, backend {self.backend}", flush=True)
         for scenario in ("layer_4096", "layer_2048"):
             if self.start(scenario):
@@ -576,10 +857,19 @@ class Run:
             self.train("train_step_8", 8, eval_after=True)
             self.done("train_step_8")
         elif "eval_8" in self.wanted and self.start("eval_8"):  # eval alone: build the 8-adapter model for it
-            self.wanted_eval_only()
+            self.wanted_eval_only("eval_8")
         for scenario, n in (("train_step_1", 1), ("train_step_32", 32)):
             if self.start(scenario):
                 self.train(scenario, n)
+                self.done(scenario)
+        if self.start("train_step_8_compiled"):
+            self.train_compiled("train_step_8_compiled", eval_after=True)
+            self.done("train_step_8_compiled")
+        elif "eval_8_compiled" in self.wanted and self.start("eval_8_compiled"):
+            self.wanted_eval_only("eval_8_compiled")
+        for scenario in ("generate_static", "generate_dynamic"):
+            if self.start(scenario):
+                self.generation(scenario)
                 self.done(scenario)
         self.res["meta"]["patch"] = self.patch_info
         self.save()
@@ -597,12 +887,23 @@ class Run:
         d["train_step_1"] = f"same model and tokens, 1 adapter on all {B} rows"
         d["train_step_32"] = f"same model, {32} x {B * T // 32} tokens (one row per adapter), 32 adapters"
         d["eval_8"] = f"forward only, {B} x {T} tokens: 8 adapters over {B - 2} rows + 2 __base__ rows"
+        comp = f"torch.compile(model) ({self.compile_backend}, mode {self.args.compile_mode})"
+        d["train_step_8_compiled"] = f"train_step_8's step, {comp}; loss and AdamW step eager"
+        d["eval_8_compiled"] = f"eval_8's forward, {comp}; max_abs_diff_vs_eager: against the same model eager"
+        gen = (f"{B} prompts x {self.sz.gen_prompt} tokens, model.generate(max_new_tokens={self.sz.gen_new}, "
+               f"min_new_tokens={self.sz.gen_new}, do_sample=False), 8 adapters over {B - B // 4} rows + "
+               f"{B // 4} __base__ rows")
+        d["generate_static"] = (f"{gen}, cache_implementation='static' (transformers compiles the decode step: "
+                                f"{'inductor, reduce-overhead' if self.compile_backend == 'inductor' else 'aot_eager'})"
+                                f"; tokens vs each provider's own dynamic-cache generate")
+        d["generate_dynamic"] = f"{gen}, default dynamic cache, eager; fast_multilora's tokens vs peft_mixed's"
         return d
 
-    def wanted_eval_only(self):
+    def wanted_eval_only(self, scenario):
         base = self.base_model()
         pm = self.peft_model(base, 8, TARGET_MODULES)
-        self.eval_mixed("eval_8", pm, self.token_ids(self.sz.batch, self.sz.T))
+        run = self.eval_compiled if scenario == "eval_8_compiled" else self.eval_mixed
+        run(scenario, pm, self.token_ids(self.sz.batch, self.sz.T))
         del pm, base
         self.free()
 
@@ -610,7 +911,8 @@ class Run:
 # ---------------------------------------------------------------------------------------------------------------------
 # report
 
-ORDER = ("fast_multilora", "fast_multilora_plain_loss", "peft_single", "peft_sequential", "peft_mixed_loop", "frozen")
+ORDER = ("fast_multilora", "fast_multilora_plain_loss", "peft_single", "peft_sequential", "peft_mixed_loop",
+         "peft_mixed", "frozen")
 
 
 def _ms(res, scenario, provider):
@@ -662,13 +964,18 @@ def render_md(res) -> str:
              f"`{m.get('commit')}` · {m.get('date_utc')} UTC"
              + (" · **--quick dry run (CPU, tiny sizes: numbers meaningless)**" if m.get("quick") else ""), "",
              f"Times: {m.get('timing')}. Peak: `torch.cuda.max_memory_allocated` over the timed calls. "
-             f"fast_multilora's loss: {m.get('fast_multilora_loss')}.", ""]
+             f"fast_multilora's loss: {m.get('fast_multilora_loss')}."
+             + (f" Opt-in scenarios: {m['timing_opt_in']}." if m.get("timing_opt_in") else ""), ""]
+    for run in m.get("merged_runs") or ():
+        lines += [f"Merged from a later run: {', '.join(run.get('scenarios') or [])} (commit `{run.get('commit')}`, "
+                  f"{run.get('date_utc')} UTC, {run.get('gpu') or run.get('device')}, compile "
+                  f"{run.get('compile_backend')} / {run.get('compile_mode')}; {run.get('timing_opt_in')}).", ""]
     tg = targets(res)
     if any(v != "-" for _, _, v, _ in tg):
         lines += ["## Targets (issue 4)", "", "| what | target | measured | met |", "|---|---|---|---|"]
         lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in tg]
         lines.append("")
-    for sc in SCENARIOS:
+    for sc in ALL_SCENARIOS:
         rows = res.get(sc) or {}
         if not rows:
             continue
@@ -688,9 +995,19 @@ def render_md(res) -> str:
             if "diff_rms_over_lora_effect_rms" in e:
                 note += (f"vs PEFT logits: max abs diff {e['max_abs_diff_vs_peft']:.3g}, diff RMS / LoRA-effect RMS "
                          f"{e['diff_rms_over_lora_effect_rms']:.3g}")
+            if e.get("compile_s") is not None:
+                note += f"compile + first call {e['compile_s']:.1f} s ({e.get('compile_backend')}, " \
+                        f"{e.get('compile_mode')}); "
+            if "graphs" in e:
+                note += f"{e['graphs']} graphs, {e['graph_breaks']} graph breaks; "
+            if "max_abs_diff_vs_eager" in e:
+                note += f"vs eager logits: max abs diff {e['max_abs_diff_vs_eager']:.3g}; "
+            if "tokens_equal" in e:
+                note += (f"tokens = {e['tokens_vs']}: {'yes' if e['tokens_equal'] else 'NO'} "
+                         f"(common prefix {100 * e['tokens_common_prefix_frac']:.0f} % of the new tokens)")
             ms = e.get("ms")
             lines.append(f"| {prov} | {_f(ms, 2)} | {_f(_ratio(ms, fz), 2)} | {_f(_ratio(ms, ps), 2)} | "
-                         f"{_f(e.get('peak_mib'), 0)} | {str(note).replace('|', '/')} |")
+                         f"{_f(e.get('peak_mib'), 0)} | {str(note).strip().rstrip(';').replace('|', '/')} |")
         lines.append("")
     if m.get("skipped_scenarios"):
         lines += ["Not run: " + ", ".join(m["skipped_scenarios"]), ""]
@@ -710,7 +1027,7 @@ def plot(res, path) -> str | None:
         import matplotlib.pyplot as plt
     except Exception as e:
         return f"matplotlib unavailable ({type(e).__name__})"
-    scen = [s for s in SCENARIOS if any(v.get("ms") for v in (res.get(s) or {}).values())]
+    scen = [s for s in ALL_SCENARIOS if any(v.get("ms") for v in (res.get(s) or {}).values())]
     if not scen:
         return "no timings"
     cols = 3

@@ -10,13 +10,15 @@
 # (benchmarks/multi_gpu.sh, needs 2 GPUs), ktests (the kernel and fused-path test files whole, every dtype, on the
 # GPU, in parallel processes), tune (benchmarks/tune_kernels.py --parts $TUNE_PARTS, default model: block sweep
 # at the training step's shapes), ab (benchmarks/ab_step.py: patch settings A/B on the train step), gaps
-# (benchmarks/kernel_gaps.py: an eval forward's kernel gaps, and its wall-time A/B).
+# (benchmarks/kernel_gaps.py: an eval forward's kernel gaps, and its wall-time A/B), compiled (bench_model.py's
+# opt-in scenarios: train step and eval under torch.compile, static- and dynamic-cache generate, merged into the
+# model stage's h200.json; COMPILE_MODE, default "default", is torch.compile's mode).
 # Default: "tests kernels model".
 #
 # Every stage runs under its own `timeout`; a stage that fails or times out does not stop the later ones, and the
 # benchmarks write their JSON/markdown after every case, so a killed stage still leaves what it measured. Worst case
 # (every limit hit, default stages) about 8.7 minutes; limits (seconds): T_INSTALL, T_TESTS, T_KERNELS, T_MODEL,
-# T_PROFILE, T_MULTI; pytest's stop rule with PYTEST_STOP (default -x).
+# T_PROFILE, T_MULTI, T_COMPILED; pytest's stop rule with PYTEST_STOP (default -x).
 #
 # Files in $OUT (flat): gpu_check.log (this script's whole output), pytest_gpu.log, fuzz_gpu.log, kernels.json,
 # kernels.md, h200.json, h200.md, h200.png, profile_step.txt, multi_gpu/ (see multi_gpu.sh).
@@ -36,6 +38,11 @@ T_KTESTS=${T_KTESTS:-150}
 T_TUNE=${T_TUNE:-240}
 T_AB=${T_AB:-150}
 T_GAPS=${T_GAPS:-150}
+MODEL_SCENARIOS=${MODEL_SCENARIOS:-}  # the model stage's scenarios (default: bench_model.py's own list)
+GPU_TESTS=${GPU_TESTS:-tests/}  # the tests stage's paths (e.g. GPU_TESTS=tests/test_compile_gpu.py)
+COMPILED_SCENARIOS=${COMPILED_SCENARIOS:-train_step_8_compiled,eval_8_compiled,generate_static,generate_dynamic}
+T_COMPILED=${T_COMPILED:-540}  # 12 providers, 9 of them compiled (40-90 s each on an H200)
+COMPILE_MODE=${COMPILE_MODE:-default}
 FML_FUZZ_EXAMPLES=${FML_FUZZ_EXAMPLES:-30}
 PYTEST_STOP=${PYTEST_STOP:--x}  # e.g. PYTEST_STOP=--maxfail=20 to see more than the first failure
 PY=${PYTHON:-$(command -v python3 || command -v python)}
@@ -61,7 +68,8 @@ stage() {  # stage NAME LIMIT_S CMD...: run CMD under timeout, record rc and sec
 ensure_importable() {
     # fast_multilora.kernels is the root folder kernels/ (pyproject's package-dir); if the editable install did not
     # take, map it with a meta-path finder in a generated sitecustomize.py
-    if "$PY" -c "import fast_multilora.kernels" 2>/dev/null; then return 0; fi
+    # (checked from / : from the repo root the package imports through the cwd, the benchmarks' scripts do not)
+    if (cd / && "$PY" -c "import fast_multilora.kernels") 2>/dev/null; then return 0; fi
     echo "install: fast_multilora.kernels not importable; mapping kernels/ through a generated sitecustomize"
     local shim
     shim=$(mktemp -d)
@@ -83,7 +91,7 @@ EOF
 
 main() {
     echo "== gpu_check: $(date -u) repo=$PWD out=$OUT stages='$STAGES' commit=${COMMIT:-unknown}"
-    if ! "$PY" -c "import fast_multilora.kernels" 2>/dev/null; then
+    if ! (cd / && "$PY" -c "import fast_multilora.kernels") 2>/dev/null; then
         stage install "$T_INSTALL" "$PY" -m pip install --no-deps --no-build-isolation -e . -q
     fi
     ensure_importable
@@ -99,7 +107,7 @@ main() {
             fuzz_pid=$!
             export CUDA_VISIBLE_DEVICES=0
         fi
-        stage tests "$T_TESTS" bash -c 'set -o pipefail; FML_TEST_DEVICE=cuda "$0" -m pytest -q -rfE -m gpu -k "not fuzz" tests/ $2 -p no:cacheprovider 2>&1 | tee "$1"' "$PY" "$OUT/pytest_gpu.log" "$PYTEST_STOP"
+        stage tests "$T_TESTS" bash -c 'set -o pipefail; FML_TEST_DEVICE=cuda "$0" -m pytest -q -rfE -m gpu -k "not fuzz" $3 $2 -p no:cacheprovider 2>&1 | tee "$1"' "$PY" "$OUT/pytest_gpu.log" "$PYTEST_STOP" "$GPU_TESTS"
         if [ -n "$fuzz_pid" ]; then
             wait "$fuzz_pid"
             unset CUDA_VISIBLE_DEVICES
@@ -126,7 +134,12 @@ main() {
     fi
     if want model; then
         stage model "$T_MODEL" "$PY" benchmarks/bench_model.py --out "$OUT/h200.json" \
-            --budget-s $((T_MODEL - 35)) ${COMMIT:+--commit "$COMMIT"}
+            ${MODEL_SCENARIOS:+--scenarios "$MODEL_SCENARIOS"} --budget-s $((T_MODEL - 35)) ${COMMIT:+--commit "$COMMIT"}
+    fi
+    if want compiled; then  # --merge: adds its scenarios to the model stage's h200.json (or starts one)
+        stage compiled "$T_COMPILED" "$PY" benchmarks/bench_model.py --out "$OUT/h200.json" --merge \
+            --scenarios "$COMPILED_SCENARIOS" \
+            --compile-mode "$COMPILE_MODE" --budget-s $((T_COMPILED - 35)) ${COMMIT:+--commit "$COMMIT"}
     fi
     if want profile; then
         stage profile "$T_PROFILE" env CUDA_VISIBLE_DEVICES=0 "$PY" benchmarks/profile_step.py --out "$OUT/profile_step.txt"

@@ -32,3 +32,70 @@ def test_bench_model_quick_runs_every_provider(tmp_path):
     ev = d["eval_8"]["fast_multilora"]
     assert ev["diff_rms_over_lora_effect_rms"] < 1e-3, ev  # the mixed batch equals stock PEFT's adapter_names path
     assert (tmp_path / "h200.md").exists()
+
+
+OPT_IN = ("train_step_8_compiled", "eval_8_compiled", "generate_static", "generate_dynamic")
+PROVIDERS = {"train_step_8_compiled": {"fast_multilora", "peft_single", "frozen"},
+             "eval_8_compiled": {"fast_multilora", "peft_single", "frozen"},
+             "generate_static": {"fast_multilora", "peft_mixed", "frozen"},
+             "generate_dynamic": {"fast_multilora", "peft_mixed", "frozen"}}
+# patched models do not compile cleanly yet (graph breaks where the batch plan is built; the torch backend's train
+# step raises under dynamo): the compiled fast_multilora rows are checked apart, xfail until they compile
+FAST_COMPILED = {("train_step_8_compiled", "fast_multilora"), ("eval_8_compiled", "fast_multilora")}
+
+
+@pytest.fixture(scope="module")
+def opt_in_run(tmp_path_factory):
+    """The opt-in scenarios' quick run (compiled with aot_eager), merged into an earlier run's JSON."""
+    out = tmp_path_factory.mktemp("bench_opt_in") / "h200.json"
+    earlier = {"train_step_8": {p: {"ms": 2.0, "peak_mib": None} for p in ("fast_multilora", "peft_single", "frozen")},
+               "meta": {"device": "cpu", "quick": True, "scenarios": {"train_step_8": "an earlier run"},
+                        "skipped_scenarios": ["layer_4096"]}}
+    out.write_text(json.dumps(earlier))
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--quick", "--merge",
+                          "--scenarios", ",".join(OPT_IN), "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return out, json.loads(out.read_text())
+
+
+def _check_row(scenario, name, r):
+    assert r.get("error") is None and r["ms"] is not None and r["ms"] > 0, (scenario, name, r)
+    assert {"ms", "peak_mib", "compile_s"} <= set(r), (scenario, name, r)
+    if scenario == "generate_dynamic":
+        assert r["compile_s"] is None, (scenario, name, r)  # eager
+    else:
+        assert r["compile_s"] > 0 and r["compile_backend"] == "aot_eager" and r["graphs"] >= 1, (scenario, name, r)
+        assert r["compile_mode"] == "default", (scenario, name, r)
+    if scenario == "eval_8_compiled":
+        assert r["max_abs_diff_vs_eager"] < 1e-4, (scenario, name, r)
+    if scenario == "generate_static" or (scenario == "generate_dynamic" and name == "fast_multilora"):
+        # fp32: compiled (or ours) greedy tokens equal the eager ones
+        assert r["tokens_equal"] and r["tokens_common_prefix_frac"] == 1.0, (scenario, name, r)
+
+
+@pytest.mark.slow
+def test_bench_model_quick_opt_in_scenarios(opt_in_run):
+    out, d = opt_in_run
+    assert set(OPT_IN) | {"train_step_8", "meta"} <= set(d)
+    assert d["train_step_8"]["frozen"]["ms"] == 2.0  # --merge kept the earlier run's scenario
+    assert d["meta"]["merged_runs"][-1]["scenarios"] == list(OPT_IN)
+    assert "layer_4096" in d["meta"]["skipped_scenarios"] and "generate_static" not in d["meta"]["skipped_scenarios"]
+    for scenario in OPT_IN:
+        assert set(d[scenario]) == PROVIDERS[scenario], scenario
+        for name, r in d[scenario].items():
+            if (scenario, name) not in FAST_COMPILED:
+                _check_row(scenario, name, r)
+    for peft in ("peft_single", "frozen"):  # stock PEFT and the base compile without a graph break
+        assert d["train_step_8_compiled"][peft]["graph_breaks"] == 0, d["train_step_8_compiled"][peft]
+    md = (out.parent / "h200.md").read_text()
+    assert all(f"## {s}" in md for s in ("train_step_8", *OPT_IN)), md
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="patched models graph-break under torch.compile and the torch backend's "
+                                        "compiled train step raises (being fixed in fast_multilora/)")
+@pytest.mark.parametrize("scenario", ["train_step_8_compiled", "eval_8_compiled"])
+def test_bench_model_quick_fast_multilora_compiled(opt_in_run, scenario):
+    _, d = opt_in_run
+    _check_row(scenario, "fast_multilora", d[scenario]["fast_multilora"])
