@@ -29,7 +29,7 @@ from multi_adapter_tasks import BENCH_LLAMA  # noqa: E402
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def build(n_adapters=8, rows=16, T=1024):
+def build(n_adapters=8, rows=16, T=1024, compile_mode=None):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -51,10 +51,11 @@ def build(n_adapters=8, rows=16, T=1024):
             "fused": torch.optim.AdamW(params, lr=1e-4, fused=True)}
     use = {"opt": opts["foreach"]}
     split = []  # host seconds per step: (forward + loss, backward, optimizer step + zero_grad)
+    fwd = pm if compile_mode is None else torch.compile(pm, mode=None if compile_mode == "default" else compile_mode)
 
     def step():
         t0 = time.perf_counter()
-        out = pm(input_ids=ids, adapter_names=names)
+        out = fwd(input_ids=ids, adapter_names=names)
         loss = fast_multilora.per_adapter_loss(out.logits, ids, names)
         t1 = time.perf_counter()
         loss.backward()
@@ -202,6 +203,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--layer", action="store_true", help="profile the layer_4096 call instead of the train step")
+    ap.add_argument("--compile", default=None, help="torch.compile the model: default | reduce-overhead | ...")
     a = ap.parse_args(argv)
     say, buf = tee()
     if a.layer:
@@ -210,7 +212,7 @@ def main(argv=None):
             Path(a.out).write_text(buf.getvalue())
         return
 
-    _, step = build()
+    _, step = build(compile_mode=a.compile)
     for _ in range(3):
         step()
     torch.cuda.synchronize()

@@ -14,8 +14,29 @@ fp32, stack_num 1..3 with a slice -- and checks:
 
 Input rows of tokens without a live adapter are NaN everywhere, so a kernel that reads another segment's rows fails.
 
-CPU (Triton interpreter): examples are bounded by a cost model of the interpreter's programs (``_COST_LIMIT``), so the
-whole file runs in about two minutes on 2 cores; ``derandomize=True`` makes the examples the same on every run.
+The ``*_paths`` tests draw the same problems (mostly one slice and with dropout) plus the launchers' other call forms:
+
+* forward: weights read in place (``slot_weights`` -> ``SlotWeights`` for A and B, each weight a view of one
+  NaN-filled buffer in a random order with gaps; sometimes one weight off the 16-element alignment or B ranks unequal,
+  where the builder returns None and the concatenation runs); under dropout (one slice) the shrink stores its mask
+  (``keep_out=``, a buffer of random bytes: rows it must not write keep them) and the stored bits must be
+  ``dropout_keep_mask``'s on live rows; the write-mode expand (``accumulate=False``, no bias, a bias in y's dtype or
+  fp32) into a NaN-filled ``y``: every row defined, rows without a live adapter exactly the bias (or zero);
+* backward: the same weights in place; ``dA_out`` and ``dB_out`` in fp32, fp16 or bf16, ``dB`` flat per-adapter
+  blocks (``dB_blocked=True``) or ``[N, total_rank]``; under dropout (one slice) ``lora_shrink_bwd`` reading the mask
+  the forward shrink stored (``keep=``) against redrawing it from the seed (bit for bit under the interpreter, which
+  runs both with one block table) and both against the reference with ``dropout_keep_mask`` as its mask.
+
+Tolerance: ``|got - want| <= tol * bound + resolution`` elementwise, ``bound`` the reference op on absolute values;
+``tol`` is ``TOL`` of the activation dtype (16-bit: about twice the error of PyTorch's own 16-bit computation against
+fp32), plus one ulp of the output dtype for a gradient stored in another 16-bit dtype (``dA_out`` / ``dB_out``: fp32
+sums rounded once); ``resolution`` the spacing of the output dtype's subnormals (a result stored in fp16 is only
+defined to 2**-24 below 2**-14, whatever its terms).
+
+CPU (Triton interpreter): examples are bounded by a cost model of the interpreter's programs (``_COST_LIMIT``; a third
+of it for the backward paths, which run the shrink backward twice and draw masks the model leaves out), so the whole
+file runs in about two minutes on 2 cores (each test 20-45 s); ``derandomize=True`` makes the examples the same on
+every run.
 GPU: ``FML_TEST_DEVICE=cuda pytest -m gpu tests/test_fuzz.py`` runs the ``*_gpu`` sweeps with larger shapes (S up to
 4096, K and N from a fixed list up to 4096 so compiled kernel variants are reused) and ``FML_FUZZ_EXAMPLES`` examples
 each (default 200; mostly kernel compilation, several minutes). ``FML_FUZZ_CPU_EXAMPLES`` (default 100; the forward
@@ -27,8 +48,8 @@ import os
 import pytest
 import torch
 from fast_multilora.kernels import lora_expand, lora_shrink
-from fast_multilora.kernels.dropout import dropout_keep_mask
-from fast_multilora.kernels.segments import AdapterTable, Segments, segments_from_token_slots
+from fast_multilora.kernels.dropout import dropout_keep_mask, keep_bits_buffer, unpack_keep_bits
+from fast_multilora.kernels.segments import AdapterTable, Segments, segments_from_token_slots, slot_weights
 from helpers import DEVICE, KERNEL_DTYPES, poisoned
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -45,6 +66,7 @@ _COMMON = dict(deadline=None, derandomize=True, database=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 CPU = settings(max_examples=CPU_EXAMPLES, **_COMMON)
 CPU_FWD = settings(max_examples=2 * CPU_EXAMPLES, **_COMMON)  # the forward is cheap: twice the examples
+CPU_PATHS = settings(max_examples=CPU_EXAMPLES, **_COMMON)
 GPU = settings(max_examples=GPU_EXAMPLES, **_COMMON)
 
 # Max error relative to the reference's largest magnitude (same budget as tests/test_kernels_backward.py).
@@ -91,7 +113,8 @@ def _split_runs(ts, gen, device):
     lens = indptr[1:] - indptr[:-1]
     live = slot >= 0
     return Segments(indptr=indptr.to(torch.int32).to(device), slot=slot.to(torch.int32).to(device), perm=None,
-                    max_len=int(lens[live].max()) if bool(live.any()) else 0, num_tokens=S, cache={})
+                    max_len=int(lens[live].max()) if bool(live.any()) else 0, num_tokens=S, cache={},
+                    base_max_len=int(lens[~live].max()) if bool((~live).any()) else 0)
 
 
 def _shuffled_chunked(ts, gen, device):
@@ -172,7 +195,7 @@ def _fit(ts, ranks, K, N, stack, limit, backward):
 
 @st.composite
 def problems(draw, max_S=96, max_KN=130, max_adapters=128, max_rank=256, cost_limit=_COST_LIMIT, backward=True,
-             kn_values=None):
+             kn_values=None, stacks=None):
     dtype = draw(st.sampled_from(KERNEL_DTYPES))
     layout = draw(st.sampled_from(LAYOUTS))
     family = draw(st.sampled_from(["sgemm", "chunked", "sgemm_split", "chunked_shuffled"]))
@@ -181,7 +204,7 @@ def problems(draw, max_S=96, max_KN=130, max_adapters=128, max_rank=256, cost_li
     n_cls = draw(st.sampled_from(["one", "few", "many"]))
     S_cls = draw(st.sampled_from(["short", "long"]))
     r_cls = draw(st.sampled_from(["narrow", "wide"]))  # one adapter's rank; the others small, as in most layers
-    stack = draw(st.integers(1, 3))
+    stack = draw(st.sampled_from(stacks) if stacks else st.integers(1, 3))
     slice_idx = draw(st.integers(0, stack - 1))
     dims = st.sampled_from(kn_values) if kn_values else st.integers(1, max_KN)  # GPU: few values, few compiles
     K = draw(dims)
@@ -241,20 +264,35 @@ def _build(p, device):
     )
 
 
+def _resolution(dtype):
+    """The spacing of ``dtype``'s subnormals (fp16: 2**-24, bf16: 2**-133, fp32: 2**-149)."""
+    fi = torch.finfo(dtype)
+    return fi.smallest_normal * fi.eps
+
+
+def _tol(dtype, out_dtype):
+    """``TOL`` of the activation dtype, which covers results stored in it or in fp32; a result stored in another
+    16-bit dtype (a weight gradient, summed in fp32) adds twice the one rounding of its store (one ulp)."""
+    return TOL[dtype] + (0.0 if out_dtype in (dtype, torch.float32) else torch.finfo(out_dtype).eps)
+
+
 def _close(got, want, bound, dtype, what, p):
-    """``|got - want| <= TOL * bound`` elementwise, ``bound`` the same reference op on absolute values (the sum of
-    the magnitudes of the terms): a rounding-error bound that holds under cancellation, where a bound relative to
-    ``max|want|`` does not."""
+    """``|got - want| <= tol * bound + resolution`` elementwise, ``bound`` the same reference op on absolute values
+    (the sum of the magnitudes of the terms): a rounding-error bound that holds under cancellation, where a bound
+    relative to ``max|want|`` does not. ``tol``: :func:`_tol`; ``resolution``: of ``got``'s dtype."""
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     if got.numel() == 0:
         return
     assert torch.isfinite(got).all(), f"{what}: {int((~torch.isfinite(got)).sum())} non-finite entries; {_desc(p)}"
+    tol = _tol(dtype, got.dtype)
+    # storing in got's dtype rounds a subnormal result to a multiple of this spacing, which no relative bound covers
+    res = _resolution(got.dtype)
     err = (got.double() - want.double()).abs()
-    excess = err - TOL[dtype] * bound.double()
+    excess = err - (tol * bound.double() + res)
     if (excess > 0).any():
         i = int(excess.argmax())
-        raise AssertionError(f"{what}: err {err.reshape(-1)[i]:.3e} > {TOL[dtype]:.0e} * bound "
-                             f"{bound.reshape(-1)[i]:.3e} at flat index {i}; {_desc(p)}")
+        raise AssertionError(f"{what}: err {err.reshape(-1)[i]:.3e} > {tol:.0e} * bound {bound.reshape(-1)[i]:.3e} "
+                             f"+ {res:.1e} ({got.dtype} resolution) at flat index {i}; {_desc(p)}")
 
 
 def _desc(p):
@@ -343,6 +381,203 @@ def check_backward(p, device):
         _close(dx[live], want_dx[live], bound_dx[live], dtype, "shrink_bwd dx", p)
 
 
+# --- the launchers' other call forms: weights in place, write-mode expand, stored mask, gradient dtypes ------------
+
+GRAD_DTYPES = [torch.float32, torch.float16, torch.bfloat16]  # weight gradients are stored in these (no bf16 dot)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@st.composite
+def path_problems(draw, **kw):
+    """A problem of :func:`problems` (mostly one slice, which weights in place and stored masks need; mostly with
+    dropout) and the call forms the ``*_paths`` checks use."""
+    p = draw(problems(stacks=[1, 1, 1, 2], **kw))
+    if not p["dropout"] and draw(st.booleans()):
+        gen = torch.Generator().manual_seed(p["seed"] + 3)
+        p.update(dropout=True, ps=(torch.rand(len(p["ranks"]), generator=gen) * 0.6).tolist())
+    if draw(st.booleans()):  # one rank for every present adapter: B weights read in place need it (their row stride)
+        p["ranks"] = [max(p["ranks"]) if r else 0 for r in p["ranks"]]  # the cost model counts max(ranks) only
+    p.update(
+        in_place=draw(st.sampled_from([True, True, False])),
+        misalign=draw(st.sampled_from([None, "A", "B"])),  # one weight 1..15 elements off alignment: no SlotWeights
+        known_base=draw(st.booleans()),  # SGEMM segments with base_max_len: the write-mode expand defines base rows
+        store_mask=draw(st.booleans()),  # forward under dropout: the shrink also stores its mask (keep_out=)
+        bias=draw(st.sampled_from([None, "act", "fp32"])),
+        dA_dtype=draw(st.sampled_from(GRAD_DTYPES)),
+        dB_dtype=draw(st.sampled_from(GRAD_DTYPES)),
+        dB_blocked=draw(st.booleans()),
+    )
+    return p
+
+
+def _in_place(ws, slots, n_slots, dim, shift, gen):
+    """``slot_weights`` of copies of ``ws`` (``ws[i]`` is slot ``slots[i]``'s weight): views of one NaN-filled buffer
+    in a random order, 0..2 x 16 elements apart; ``shift``: the second weight in the buffer starts 1..15 elements
+    past that alignment. Returns the SlotWeights, or None where the builder refuses them."""
+    if not ws:
+        return None
+    order = torch.randperm(len(ws), generator=gen).tolist()
+    starts, end = [0] * len(ws), 0
+    for j, i in enumerate(order):
+        gap = 16 * int(torch.randint(0, 3, (1,), generator=gen)) if j else 0
+        if j == 1 and shift:
+            gap += int(torch.randint(1, 16, (1,), generator=gen))
+        starts[i] = end + gap
+        end = -(-(starts[i] + ws[i].numel()) // 16) * 16  # the next weight is aligned again
+    buf = torch.full((end + 16,), float("nan"), dtype=ws[0].dtype, device=ws[0].device)  # gaps and tail stay NaN
+    views = [buf[s0 : s0 + w.numel()].view(w.shape) for s0, w in zip(starts, ws, strict=True)]
+    for v, w in zip(views, ws, strict=True):
+        v.copy_(w)
+    return slot_weights(views, slots, n_slots, dim)
+
+
+def _weight_args(p, d, gen):
+    """``(A, B, A in place, B in place)``: the launchers' weight arguments -- ``SlotWeights`` holding the values of
+    ``d["A"]`` / ``d["B"]`` where the example reads weights in place and the builder takes them, otherwise the
+    concatenations themselves (what a caller does when ``slot_weights`` returns None)."""
+    ranks = p["ranks"]
+    if not p["in_place"] or p["stack"] != 1:  # SlotWeights take one slice
+        return d["A"], d["B"], False, False
+    slots = tuple(a for a, r in enumerate(ranks) if r > 0)
+    offs = torch.tensor([0] + ranks).cumsum(0).tolist()
+    A_w = _in_place([d["A"][offs[a] : offs[a + 1]] for a in slots], slots, len(ranks), 0, p["misalign"] == "A", gen)
+    B_w = _in_place([d["B"][:, offs[a] : offs[a + 1]].contiguous() for a in slots], slots, len(ranks), 1,
+                    p["misalign"] == "B", gen)
+    # the builder takes aligned weights of one dtype (B: of one rank), so the in-place path is really exercised
+    assert A_w is not None or not slots or p["misalign"] == "A", f"slot_weights refused A; {_desc(p)}"
+    assert B_w is not None or not slots or p["misalign"] == "B" or len({ranks[a] for a in slots}) > 1, (
+        f"slot_weights refused B; {_desc(p)}")
+    return (d["A"] if A_w is None else A_w), (d["B"] if B_w is None else B_w), A_w is not None, B_w is not None
+
+
+def _path_segments(p, d):
+    """The example's segments; SGEMM ones without ``base_max_len`` unless ``known_base`` (the write-mode expand then
+    fills y before the kernel instead of defining base rows in one pass)."""
+    segs = d["segs"]
+    return segs if segs.perm is not None or p["known_base"] else segs._replace(base_max_len=-1)
+
+
+def _random_bits(x, gen):
+    """``keep_bits_buffer(x)`` full of random bytes: rows the shrink does not store keep them, and nothing reads
+    them."""
+    bits = keep_bits_buffer(x)
+    bits.copy_(torch.randint(0, 256, tuple(bits.shape), generator=gen, dtype=torch.uint8))
+    return bits
+
+
+def _blocked(t, ranks):
+    """``[N, total_rank]`` -> ``dB_blocked=True``'s flat layout: slot ``a``'s ``[N, r_a]`` block at
+    ``offsets[a] * N``."""
+    offs = torch.tensor([0] + ranks).cumsum(0).tolist()
+    return torch.cat([t[:, offs[a] : offs[a + 1]].reshape(-1) for a in range(len(ranks))])
+
+
+def check_forward_paths(p, device):
+    _events(p)
+    d = _build(p, device)
+    gen = torch.Generator().manual_seed(p["seed"] + 2)
+    stack, dtype, S, K, N, sl = p["stack"], p["dtype"], d["S"], p["K"], p["N"], p["slice_idx"]
+    table, defined, live = d["table"], d["defined"], d["live"]
+    segs = _path_segments(p, d)
+    A, B, a_slot, b_slot = _weight_args(p, d, gen)
+    store = p["store_mask"] and d["seed"] is not None and table.has_dropout and stack == 1
+    event(f"weights A={'in place' if a_slot else 'cat'} B={'in place' if b_slot else 'cat'} stored mask={store}")
+    event(f"write-mode expand: bias={p['bias']} one-pass={segs.covers_all_rows}")
+
+    bits = _random_bits(d["x"], gen) if store else None
+    h = lora_shrink(d["x"], A, segs, table, stack_num=stack, seed=d["seed"], keep_out=bits,
+                    out=poisoned(S, stack * max(p["ranks"]), device=device))
+    assert torch.isnan(h[~defined]).all(), f"shrink wrote cells it does not own; {_desc(p)}"
+    want, bound = _ref64(lambda x, A: ref.lora_shrink(x, A, segs, table, stack_num=stack, keep=d["keep"]),
+                         d["x"], d["A"])
+    _close(h[defined], want[defined], bound[defined], dtype, "shrink h", p)
+    if store and S:  # (unpack_keep_bits cannot reshape zero rows)
+        stored = unpack_keep_bits(bits, K)
+        assert torch.equal(stored[live], d["keep"][live]), f"keep_out != dropout_keep_mask on live rows; {_desc(p)}"
+
+    # write mode: y's NaN must never be read, every row is defined, rows without a live adapter are the bias (or 0)
+    bias = None if p["bias"] is None else torch.randn(N, generator=gen).to(
+        device, dtype if p["bias"] == "act" else torch.float32)
+    y = lora_expand(d["h"], B, segs, table, poisoned(S, N, dtype=dtype, device=device), stack_num=stack,
+                    slice_idx=sl, accumulate=False, bias=bias)
+    assert torch.isfinite(y).all(), f"write-mode expand left {int((~torch.isfinite(y)).sum())} entries; {_desc(p)}"
+    fill = torch.zeros(N, dtype=dtype, device=device) if bias is None else bias.to(dtype)
+    assert torch.equal(y[~live], fill.expand(int((~live).sum()), N)), f"write-mode base rows != bias; {_desc(p)}"
+    want, bound = _ref64(lambda h, B, b: ref.lora_expand(h, B, segs, table, torch.zeros(S, N, dtype=torch.float64,
+                                                                                           device=device),
+                                                         stack_num=stack, slice_idx=sl, accumulate=False, bias=b),
+                         d["h"], d["B"], bias)
+    _close(y[live], want[live], bound[live], dtype, "write-mode expand y", p)
+
+
+def check_backward_paths(p, device):
+    _events(p)
+    d = _build(p, device)
+    gen = torch.Generator().manual_seed(p["seed"] + 2)
+    stack, dtype, S, K, N, sl = p["stack"], p["dtype"], d["S"], p["K"], p["N"], p["slice_idx"]
+    table, live, ranks = d["table"], d["live"], p["ranks"]
+    segs = _path_segments(p, d)
+    R, R_tot = max(ranks), sum(ranks)
+    A, B, a_slot, b_slot = _weight_args(p, d, gen)
+    store = d["seed"] is not None and table.has_dropout and stack == 1
+    blocked = p["dB_blocked"]
+    event(f"weights A={'in place' if a_slot else 'cat'} B={'in place' if b_slot else 'cat'} stored mask={store}")
+    event(f"dA_out={p['dA_dtype']} dB_out={p['dB_dtype']} blocked={blocked}")
+    slot_has_tokens = torch.zeros(len(ranks), dtype=torch.bool)
+    slot_has_tokens[p["ts"][p["ts"] >= 0].unique()] = True
+    empty = torch.nonzero(~slot_has_tokens).reshape(-1).tolist()
+    offs = torch.tensor([0] + ranks).cumsum(0).tolist()
+
+    dh = poisoned(S, stack * R, device=device)
+    dB = poisoned(*((R_tot * N,) if blocked else (N, R_tot)), dtype=p["dB_dtype"], device=device)
+    out_dh, out_dB = kernels.lora_expand_bwd(d["dy"], d["h"], B, segs, table, stack_num=stack, slice_idx=sl, dh=dh,
+                                             dB_out=dB, dB_blocked=blocked)
+    assert out_dh is dh and out_dB is dB
+    (want_dh, want_dB), (bound_dh, bound_dB) = _ref64(
+        lambda dy, h, B: ref.lora_expand_bwd(dy, h, B, segs, table, stack_num=stack, slice_idx=sl),
+        d["dy"], d["h"], d["B"])
+    written = d["slice_cols"]
+    assert torch.isnan(dh[~written]).all(), f"expand_bwd wrote dh cells outside this slice's live cells; {_desc(p)}"
+    _close(dh[written], want_dh[written], bound_dh[written], dtype, "expand_bwd dh", p)
+    if blocked:
+        want_dB, bound_dB = _blocked(want_dB, ranks), _blocked(bound_dB, ranks)
+    _close(dB, want_dB, bound_dB, dtype, "expand_bwd dB", p)
+    for a in empty:
+        cells = dB[offs[a] * N : offs[a + 1] * N] if blocked else dB[:, offs[a] : offs[a + 1]]
+        assert torch.count_nonzero(cells) == 0, f"dB of slot {a} without tokens; {_desc(p)}"
+
+    # shrink backward, redrawing the mask from the seed and (one slice) reading what the forward shrink stored
+    need_dx = p["seed"] % 4 != 0
+    masks = {"redrawn": None}
+    if store:
+        masks["stored"] = _random_bits(d["x"], gen)
+        lora_shrink(d["x"], A, segs, table, seed=d["seed"], keep_out=masks["stored"])
+    (want_dx, want_dA), (bound_dx, bound_dA) = _ref64(
+        lambda dh, x, A: ref.lora_shrink_bwd(dh, x, A, segs, table, stack_num=stack, keep=d["keep"],
+                                             need_dx=need_dx),
+        d["dh"], d["x"], d["A"])
+    got = {}
+    for name, keep in masks.items():
+        dx = poisoned(S, K, dtype=dtype, device=device) if need_dx else None
+        dA = poisoned(stack * R_tot, K, dtype=p["dA_dtype"], device=device)
+        out_dx, out_dA = kernels.lora_shrink_bwd(d["dh"], d["x"], A, segs, table, stack_num=stack, seed=d["seed"],
+                                                 need_dx=need_dx, dx_out=dx, dA_out=dA, keep=keep)
+        assert out_dA is dA and out_dx is dx
+        what = f"shrink_bwd ({name} mask)" if d["seed"] is not None else "shrink_bwd"
+        _close(dA, want_dA, bound_dA, dtype, f"{what} dA", p)
+        for a in empty:
+            assert torch.count_nonzero(dA[stack * offs[a] : stack * offs[a + 1]]) == 0, (
+                f"{what}: dA of slot {a} without tokens; {_desc(p)}")
+        if need_dx:
+            assert torch.count_nonzero(dx[~live]) == 0, f"{what}: dx rows without a live adapter not zero; {_desc(p)}"
+            _close(dx[live], want_dx[live], bound_dx[live], dtype, f"{what} dx", p)
+        got[name] = (dx, dA)
+    if store and _INTERPRETED:  # one block table for both under the interpreter: the same sums, bit for bit
+        for i, what in ((0, "dx"), (1, "dA")):
+            if got["stored"][i] is not None:
+                assert torch.equal(got["stored"][i], got["redrawn"][i]), f"{what}: stored mask != redrawn; {_desc(p)}"
+
+
 @CPU_FWD
 @given(p=problems(backward=False))
 def test_fuzz_forward(p):
@@ -354,6 +589,19 @@ def test_fuzz_forward(p):
 @given(p=problems())
 def test_fuzz_backward(p):
     check_backward(p, DEVICE)
+
+
+@CPU_PATHS
+@given(p=path_problems(backward=False))
+def test_fuzz_forward_paths(p):
+    check_forward_paths(p, DEVICE)
+
+
+@needs_bwd
+@CPU_PATHS
+@given(p=path_problems(cost_limit=_COST_LIMIT // 3))  # mostly under dropout, whose draws the cost model leaves out
+def test_fuzz_backward_paths(p):
+    check_backward_paths(p, DEVICE)
 
 
 # --- GPU sweeps (FML_TEST_DEVICE=cuda; FML_FUZZ_EXAMPLES examples each) -------------------------------------------
@@ -375,3 +623,18 @@ def test_fuzz_forward_gpu(p):
 @given(p=problems(**_GPU_SHAPES))
 def test_fuzz_backward_gpu(p):
     check_backward(p, "cuda")
+
+
+@pytest.mark.gpu
+@GPU
+@given(p=path_problems(**_GPU_SHAPES))
+def test_fuzz_forward_paths_gpu(p):
+    check_forward_paths(p, "cuda")
+
+
+@pytest.mark.gpu
+@needs_bwd
+@GPU
+@given(p=path_problems(**_GPU_SHAPES))
+def test_fuzz_backward_paths_gpu(p):
+    check_backward_paths(p, "cuda")
