@@ -79,5 +79,6 @@ def per_adapter_loss(logits: torch.Tensor, labels: torch.Tensor, adapter_names: 
                                         ignore_index=ignore_index, shift=shift)
     loss = means.sum()
     if return_dict:
-        return loss, {n: float(means[i]) for i, n in enumerate(vocab) if counts[i] > 0}
+        values = means.detach().tolist()  # one host read, no autograd warning about a scalar of a graph tensor
+        return loss, {n: values[i] for i, n in enumerate(vocab) if counts[i] > 0}
     return loss

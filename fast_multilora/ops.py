@@ -46,14 +46,17 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 def _layout(segs: Segments, table: AdapterTable) -> tuple:
     """The op arguments of a layout: ``Segments`` less its cache, then the ``AdapterTable`` fields the kernels read
     (not ``slots``: the ops take concatenated weights)."""
-    return (segs.indptr, segs.slot, segs.perm, segs.max_len, segs.num_tokens, segs.base_max_len, table.ranks,
-            table.offsets, table.scales, table.dropout, table.max_rank, table.total_rank, table.has_dropout)
+    order, bounds = segs.grouping if segs.grouping is not None else (None, None)
+    return (segs.indptr, segs.slot, segs.perm, segs.max_len, segs.num_tokens, segs.base_max_len, order, bounds,
+            table.ranks, table.offsets, table.scales, table.dropout, table.max_rank, table.total_rank,
+            table.has_dropout)
 
 
-def _unpack(indptr, slot, perm, max_len, num_tokens, base_max_len, ranks, offsets, scales, dropout, max_rank,
-            total_rank, has_dropout) -> tuple[Segments, AdapterTable]:
+def _unpack(indptr, slot, perm, max_len, num_tokens, base_max_len, order, bounds, ranks, offsets, scales, dropout,
+            max_rank, total_rank, has_dropout) -> tuple[Segments, AdapterTable]:
     """Inverse of ``_layout`` inside an op: a ``Segments`` with a fresh (per-call) cache and the ``AdapterTable``."""
-    segs = Segments(indptr, slot, perm, max_len, num_tokens, {}, base_max_len)
+    grouping = (order, bounds) if order is not None else None
+    segs = Segments(indptr, slot, perm, max_len, num_tokens, {}, base_max_len, grouping=grouping)
     return segs, AdapterTable(ranks, offsets, scales, dropout, max_rank, total_rank, has_dropout)
 
 
@@ -66,11 +69,12 @@ def _unpack(indptr, slot, perm, max_len, num_tokens, base_max_len, ranks, offset
 def _shrink_op(
     x: Tensor, A_cat: Tensor,
     indptr: Tensor, slot: Tensor, perm: Optional[Tensor], max_len: int, num_tokens: int, base_max_len: int,
+    order: Optional[Tensor], bounds: Optional[Tensor],
     ranks: Tensor, offsets: Tensor, scales: Tensor, dropout: Tensor, max_rank: int, total_rank: int, has_dropout: bool,
     stack_num: int, seed: Optional[Tensor], store_mask: bool,
 ) -> tuple[Tensor, Tensor]:
-    segs, table = _unpack(indptr, slot, perm, max_len, num_tokens, base_max_len, ranks, offsets, scales, dropout,
-                          max_rank, total_rank, has_dropout)
+    segs, table = _unpack(indptr, slot, perm, max_len, num_tokens, base_max_len, order, bounds, ranks, offsets,
+                          scales, dropout, max_rank, total_rank, has_dropout)
     out = torch.zeros(x.shape[0], stack_num * max_rank, dtype=_acc(x.dtype), device=x.device)
     # zero-filled: the kernel writes adapter tokens' rows only, and an op's output must be fully defined
     keep = K.keep_bits_buffer(x).zero_() if _stores(seed, has_dropout, store_mask, stack_num) else None
@@ -84,8 +88,8 @@ def _stores(seed, has_dropout: bool, store_mask: bool, stack_num: int) -> bool:
 
 @_shrink_op.register_fake
 def _(x, A_cat,
-      indptr, slot, perm, max_len, num_tokens, base_max_len, ranks, offsets, scales, dropout, max_rank, total_rank,
-      has_dropout, stack_num, seed, store_mask):
+      indptr, slot, perm, max_len, num_tokens, base_max_len, order, bounds, ranks, offsets, scales, dropout, max_rank,
+      total_rank, has_dropout, stack_num, seed, store_mask):
     h = x.new_empty(x.shape[0], stack_num * max_rank, dtype=_acc(x.dtype))
     shape = (x.shape[0], (x.shape[1] + 7) // 8) if _stores(seed, has_dropout, store_mask, stack_num) else (0, 0)
     return h, x.new_empty(shape, dtype=torch.uint8)
@@ -95,19 +99,20 @@ def _(x, A_cat,
 def _expand_op(
     h: Tensor, B_cat: Tensor, y: Tensor,
     indptr: Tensor, slot: Tensor, perm: Optional[Tensor], max_len: int, num_tokens: int, base_max_len: int,
+    order: Optional[Tensor], bounds: Optional[Tensor],
     ranks: Tensor, offsets: Tensor, scales: Tensor, dropout: Tensor, max_rank: int, total_rank: int, has_dropout: bool,
     stack_num: int, slice_idx: int, accumulate: bool, bias: Optional[Tensor],
 ) -> None:
-    segs, table = _unpack(indptr, slot, perm, max_len, num_tokens, base_max_len, ranks, offsets, scales, dropout,
-                          max_rank, total_rank, has_dropout)
+    segs, table = _unpack(indptr, slot, perm, max_len, num_tokens, base_max_len, order, bounds, ranks, offsets,
+                          scales, dropout, max_rank, total_rank, has_dropout)
     K.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx, accumulate=accumulate,
                   bias=bias)
 
 
 @_expand_op.register_fake
 def _(h, B_cat, y,
-      indptr, slot, perm, max_len, num_tokens, base_max_len, ranks, offsets, scales, dropout, max_rank, total_rank,
-      has_dropout, stack_num, slice_idx, accumulate, bias):
+      indptr, slot, perm, max_len, num_tokens, base_max_len, order, bounds, ranks, offsets, scales, dropout, max_rank,
+      total_rank, has_dropout, stack_num, slice_idx, accumulate, bias):
     return None
 
 
@@ -115,19 +120,20 @@ def _(h, B_cat, y,
 def _expand_bwd_op(
     dy: Tensor, h: Tensor, B_cat: Tensor,
     indptr: Tensor, slot: Tensor, perm: Optional[Tensor], max_len: int, num_tokens: int, base_max_len: int,
+    order: Optional[Tensor], bounds: Optional[Tensor],
     ranks: Tensor, offsets: Tensor, scales: Tensor, dropout: Tensor, max_rank: int, total_rank: int, has_dropout: bool,
     stack_num: int, slice_idx: int, dh: Optional[Tensor],
 ) -> tuple[Tensor, Tensor]:
-    segs, table = _unpack(indptr, slot, perm, max_len, num_tokens, base_max_len, ranks, offsets, scales, dropout,
-                          max_rank, total_rank, has_dropout)
+    segs, table = _unpack(indptr, slot, perm, max_len, num_tokens, base_max_len, order, bounds, ranks, offsets,
+                          scales, dropout, max_rank, total_rank, has_dropout)
     dh = dh.clone() if dh is not None else None  # functional: the input is the starting content, never written
     return K.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx, dh=dh)
 
 
 @_expand_bwd_op.register_fake
 def _(dy, h, B_cat,
-      indptr, slot, perm, max_len, num_tokens, base_max_len, ranks, offsets, scales, dropout, max_rank, total_rank,
-      has_dropout, stack_num, slice_idx, dh):
+      indptr, slot, perm, max_len, num_tokens, base_max_len, order, bounds, ranks, offsets, scales, dropout, max_rank,
+      total_rank, has_dropout, stack_num, slice_idx, dh):
     acc = _acc(dy.dtype)
     return (dy.new_empty(dy.shape[0], stack_num * max_rank, dtype=acc),
             dy.new_empty(dy.shape[1], total_rank, dtype=acc))
@@ -137,11 +143,12 @@ def _(dy, h, B_cat,
 def _shrink_bwd_op(
     dh: Tensor, x: Tensor, A_cat: Tensor,
     indptr: Tensor, slot: Tensor, perm: Optional[Tensor], max_len: int, num_tokens: int, base_max_len: int,
+    order: Optional[Tensor], bounds: Optional[Tensor],
     ranks: Tensor, offsets: Tensor, scales: Tensor, dropout: Tensor, max_rank: int, total_rank: int, has_dropout: bool,
     stack_num: int, seed: Optional[Tensor], need_dx: bool, keep: Optional[Tensor],
 ) -> tuple[Tensor, Tensor]:
-    segs, table = _unpack(indptr, slot, perm, max_len, num_tokens, base_max_len, ranks, offsets, scales, dropout,
-                          max_rank, total_rank, has_dropout)
+    segs, table = _unpack(indptr, slot, perm, max_len, num_tokens, base_max_len, order, bounds, ranks, offsets,
+                          scales, dropout, max_rank, total_rank, has_dropout)
     keep = keep if keep is not None and keep.numel() else None
     dx, dA = K.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed, need_dx=need_dx, keep=keep)
     return (dx if need_dx else x.new_empty(0, x.shape[1])), dA
@@ -149,8 +156,8 @@ def _shrink_bwd_op(
 
 @_shrink_bwd_op.register_fake
 def _(dh, x, A_cat,
-      indptr, slot, perm, max_len, num_tokens, base_max_len, ranks, offsets, scales, dropout, max_rank, total_rank,
-      has_dropout, stack_num, seed, need_dx, keep):
+      indptr, slot, perm, max_len, num_tokens, base_max_len, order, bounds, ranks, offsets, scales, dropout, max_rank,
+      total_rank, has_dropout, stack_num, seed, need_dx, keep):
     dx = x.new_empty(x.shape) if need_dx else x.new_empty(0, x.shape[1])
     return dx, x.new_empty(stack_num * total_rank, x.shape[1], dtype=_acc(x.dtype))
 

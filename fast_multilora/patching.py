@@ -511,6 +511,12 @@ def _enable_routing(router: Router, *args, **kwargs):
             yield
         return
     if not entered or names is not None:
+        if names is not None and not entered and router.root.training:
+            warnings.warn(  # generate() is where names arrive here outside a forward call
+                "fast_multilora: generate(..., adapter_names=...) with the model in training mode: LoRA dropout is "
+                "active while generating; call model.eval() first (PEFT itself refuses adapter_names in training)",
+                stacklevel=4,
+            )
         router.begin(names, ids, _input_device(args, kwargs))
     yield
 

@@ -211,7 +211,7 @@ class Router:
             if family == "auto":
                 family = "sgemm" if T >= SGEMM_MIN_ROW_TOKENS else "chunked"
             if family == "sgemm":
-                return row_segments(slots, T)
+                return row_segments(slots, T, n_slots)
             return grouped_segments(slots.repeat_interleave(T) if T != 1 else slots, n_slots)
         ids = routing.token_slots
         if tuple(ids.shape) != lead:

@@ -136,6 +136,8 @@ def _grouping(segs: Segments, n_slots: int):
     hit = segs.cache.get(key)
     if hit is not None:
         return hit
+    if segs.grouping is not None and segs.grouping[1].numel() == n_slots + 2:  # built with the layout
+        return segs.grouping
     dev, S, n_seg = segs.slot.device, segs.num_tokens, segs.num_segments
     ts = torch.full((S,), -1, dtype=torch.int64, device=dev)
     n_pos = segs.perm.numel() if segs.perm is not None else S  # logical positions (identity family covers all S)

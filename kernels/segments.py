@@ -37,6 +37,9 @@ class Segments(NamedTuple):
     cache: dict  # launcher-side derived tables (chunk lists per block size), filled lazily
     base_max_len: int = -1  # longest segment of base tokens (slot -1) among the segments; -1: not known
     token_slots: Optional[torch.Tensor] = None  # int32 [S]: slot of each physical row (-1 = base), if known
+    # (order int32 [S], bounds int64 [n_slots + 2]): rows stable-sorted by slot and where each slot's rows start
+    # (slot -1 first), for the backward launchers; built with the layout, so per-call ops need not sort again
+    grouping: Optional[tuple] = None
 
     @property
     def covers_all_rows(self) -> bool:
@@ -201,17 +204,24 @@ def segments_from_token_slots(token_slots: torch.Tensor, grouped: bool, device=N
     )
 
 
-def row_segments(row_slots: torch.Tensor, tokens_per_row: int) -> Segments:
+def row_segments(row_slots: torch.Tensor, tokens_per_row: int, n_slots: Optional[int] = None) -> Segments:
     """SGEMM-family ``Segments`` of per-row routing, built on ``row_slots``' device without a host sync: one segment
     per row of ``tokens_per_row`` tokens (slot ``row_slots[i]``, ``-1`` = base). Every host int comes from the
-    shapes, so a compiled graph or a captured CUDA graph serves any adapter mix of the same shape."""
+    shapes, so a compiled graph or a captured CUDA graph serves any adapter mix of the same shape. With ``n_slots``
+    the backward's row grouping is built too (``Segments.grouping``)."""
     n_rows, T = row_slots.numel(), tokens_per_row
     dev = row_slots.device
     slot = row_slots.reshape(-1).to(torch.int32)
+    ts = slot.repeat_interleave(T) if T != 1 else slot
+    grouping = None
+    if n_slots is not None:
+        sorted_ts, order = torch.sort(ts, stable=True)
+        bounds = torch.searchsorted(sorted_ts, torch.arange(-1, n_slots + 1, device=dev, dtype=torch.int32))
+        grouping = (order.to(torch.int32), bounds.to(torch.int64))
     return Segments(
         indptr=torch.arange(n_rows + 1, device=dev, dtype=torch.int32) * T, slot=slot, perm=None,
         max_len=T if n_rows else 0, num_tokens=n_rows * T, cache={}, base_max_len=T if n_rows else 0,
-        token_slots=slot.repeat_interleave(T) if T != 1 else slot,
+        token_slots=ts, grouping=grouping,
     )
 
 
@@ -223,7 +233,9 @@ def grouped_segments(token_slots: torch.Tensor, n_slots: int) -> Segments:
     S, dev = ts.numel(), ts.device
     sorted_ts, order = torch.sort(ts, stable=True)
     indptr = torch.searchsorted(sorted_ts, torch.arange(-1, n_slots + 1, device=dev, dtype=torch.int32))
+    order = order.to(torch.int32)
     return Segments(
         indptr=indptr.to(torch.int32), slot=torch.arange(-1, n_slots, device=dev, dtype=torch.int32),
-        perm=order.to(torch.int32), max_len=S, num_tokens=S, cache={}, base_max_len=-1, token_slots=ts,
+        perm=order, max_len=S, num_tokens=S, cache={}, base_max_len=-1, token_slots=ts,
+        grouping=(order, indptr.to(torch.int64)),  # the sort is the backward's grouping too
     )

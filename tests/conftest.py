@@ -39,3 +39,14 @@ def device():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and counters reset around a test, so graph and graph-break counts are the test's own."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()

@@ -21,18 +21,11 @@ S, K, N = 37, 23, 29
 RANKS = [1, 4, 0, 3]
 DROPOUT = [0.0, 0.3, 0.0, 0.1]
 FAMILIES = [pytest.param(False, id="sgemm"), pytest.param(True, id="chunked")]
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 MIXES = [  # per-row names for 4 rows: different sets, counts, orders, all-base, one adapter everywhere
     ["a1", "__base__", "a0", "a2"], ["a1", "a1", "a0", "a2"], ["__base__"] * 4, ["a2", "a0", "a1", "a1"],
     ["a0"] * 4, ["a2", "__base__", "a2", "a0"],
 ]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def _problem(grouped, device, dropout=False):
@@ -181,3 +174,39 @@ def test_compiled_graphs_hold_the_ops(device):
     assert seen == {f"fast_multilora::{op}" for op in ("lora_shrink", "lora_expand", "lora_expand_bwd",
                                                        "lora_shrink_bwd")}
     assert _breaks_and_graphs() == (0, 1)
+
+
+@pytest.mark.parametrize("kind", ["rows", "grouped"])
+def test_device_layouts_match_the_host_builder(kind, device):
+    """The layouts the layers build on the device from a slot tensor (``row_segments``: one segment per row;
+    ``grouped_segments``: rows sorted by slot, a segment per slot) give the kernels' results of the host-built layout
+    of the same tokens, forward and backward; the backward grouping they carry equals the one the backward launchers
+    derive themselves."""
+    from fast_multilora.kernels import backward as KB
+    from fast_multilora.kernels.segments import grouped_segments, row_segments
+
+    g = torch.Generator().manual_seed(11)
+    rows, T, n = 6, 7, len(RANKS)
+    row_slots = torch.tensor([2, -1, 0, 3, 0, 2], dtype=torch.int32)
+    ts = row_slots.repeat_interleave(T) if kind == "rows" else torch.randint(-1, n, (rows * T,), generator=g)
+    dev_segs = (row_segments(row_slots.to(device), T, n) if kind == "rows"
+                else grouped_segments(ts.to(torch.int32).to(device), n))
+    host_segs = make_segments(ts, grouped=kind != "rows", device=device)
+    assert torch.equal(dev_segs.token_slots.long().cpu(), ts.long())
+    order, bounds = KB._grouping(dev_segs._replace(grouping=None, cache={}), n)
+    assert torch.equal(dev_segs.grouping[0], order) and torch.equal(dev_segs.grouping[1], bounds)
+    table = make_table(RANKS, device=device)
+    S, R = rows * T, sum(RANKS)
+    x, dy = torch.randn(S, K, generator=g).to(device), torch.randn(S, N, generator=g).to(device)
+    A, B = torch.randn(R, K, generator=g).to(device), torch.randn(N, R, generator=g).to(device)
+    from fast_multilora import kernels as KK
+
+    results = []
+    for segs in (dev_segs, host_segs):
+        h = KK.lora_shrink(x, A, segs, table, out=torch.zeros(S, max(RANKS), device=device))
+        y = KK.lora_expand(h, B, segs, table, torch.zeros(S, N, device=device))
+        dh, dB = KK.lora_expand_bwd(dy, h, B, segs, table)
+        dx, dA = KK.lora_shrink_bwd(dh, x, A, segs, table)
+        results.append((h, y, dB, dx, dA))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()))

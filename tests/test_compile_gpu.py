@@ -12,19 +12,11 @@ from torch._dynamo.utils import counters
 
 import fast_multilora
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo")]
 
 MODES = ["default", "reduce-overhead", "max-autotune-no-cudagraphs"]
 MIXES = [["a1", "__base__", "a0", "a2"], ["a1", "a1", "a0", "a2"], ["__base__"] * 4, ["a2", "a0", "a1", "a1"],
          ["a0"] * 4, ["a2", "__base__", "a2", "a0"]]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def _close(got, want, what=""):

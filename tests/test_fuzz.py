@@ -335,21 +335,18 @@ def check_forward(p, device):
     _close(y[live], want[live], bound[live], dtype, "expand y", p)
 
 
-def check_backward(p, device):
-    _events(p)
-    d = _build(p, device)
-    stack, dtype, S, K, N, sl = p["stack"], p["dtype"], d["S"], p["K"], p["N"], p["slice_idx"]
-    segs, table, live = d["segs"], d["table"], d["live"]
-    R, R_tot = max(p["ranks"]), sum(p["ranks"])
-    slot_has_tokens = torch.zeros(len(p["ranks"]), dtype=torch.bool)
-    slot_has_tokens[p["ts"][p["ts"] >= 0].unique()] = True
-    offs = torch.tensor([0] + p["ranks"]).cumsum(0).tolist()
 
-    # expand backward: dh (this slice's cells of live rows written, the rest untouched) and dB (every cell)
+def _check_expand_bwd(p, d, B, segs, dB_dtype, blocked, empty, offs, device):
+    """``lora_expand_bwd`` into NaN-poisoned ``dh`` and ``dB`` (``dB_dtype``, flat per-adapter blocks when
+    ``blocked``) against the float64 reference: this slice's live cells of ``dh`` written and nothing else, every
+    ``dB`` cell, zero for the slots in ``empty`` (no tokens)."""
+    stack, dtype, S, N, sl = p["stack"], p["dtype"], d["S"], p["N"], p["slice_idx"]
+    table, ranks = d["table"], p["ranks"]
+    R, R_tot = max(ranks), sum(ranks)
     dh = poisoned(S, stack * R, device=device)
-    dB = poisoned(N, R_tot, device=device)
-    out_dh, out_dB = kernels.lora_expand_bwd(d["dy"], d["h"], d["B"], segs, table, stack_num=stack, slice_idx=sl,
-                                             dh=dh, dB_out=dB)
+    dB = poisoned(*((R_tot * N,) if blocked else (N, R_tot)), dtype=dB_dtype, device=device)
+    out_dh, out_dB = kernels.lora_expand_bwd(d["dy"], d["h"], B, segs, table, stack_num=stack, slice_idx=sl, dh=dh,
+                                             dB_out=dB, dB_blocked=blocked)
     assert out_dh is dh and out_dB is dB
     (want_dh, want_dB), (bound_dh, bound_dB) = _ref64(
         lambda dy, h, B: ref.lora_expand_bwd(dy, h, B, segs, table, stack_num=stack, slice_idx=sl),
@@ -357,9 +354,26 @@ def check_backward(p, device):
     written = d["slice_cols"]
     assert torch.isnan(dh[~written]).all(), f"expand_bwd wrote dh cells outside this slice's live cells; {_desc(p)}"
     _close(dh[written], want_dh[written], bound_dh[written], dtype, "expand_bwd dh", p)
+    if blocked:
+        want_dB, bound_dB = _blocked(want_dB, ranks), _blocked(bound_dB, ranks)
     _close(dB, want_dB, bound_dB, dtype, "expand_bwd dB", p)
-    for a in torch.nonzero(~slot_has_tokens).reshape(-1).tolist():
-        assert torch.count_nonzero(dB[:, offs[a] : offs[a + 1]]) == 0, f"dB of slot {a} without tokens; {_desc(p)}"
+    for a in empty:
+        cells = dB[offs[a] * N : offs[a + 1] * N] if blocked else dB[:, offs[a] : offs[a + 1]]
+        assert torch.count_nonzero(cells) == 0, f"dB of slot {a} without tokens; {_desc(p)}"
+
+def check_backward(p, device):
+    _events(p)
+    d = _build(p, device)
+    stack, dtype, S, K = p["stack"], p["dtype"], d["S"], p["K"]
+    segs, table, live = d["segs"], d["table"], d["live"]
+    R_tot = sum(p["ranks"])
+    slot_has_tokens = torch.zeros(len(p["ranks"]), dtype=torch.bool)
+    slot_has_tokens[p["ts"][p["ts"] >= 0].unique()] = True
+    offs = torch.tensor([0] + p["ranks"]).cumsum(0).tolist()
+
+    # expand backward: dh (this slice's cells of live rows written, the rest untouched) and dB (every cell)
+    _check_expand_bwd(p, d, d["B"], segs, torch.float32, False, torch.nonzero(~slot_has_tokens).reshape(-1).tolist(),
+                      offs, device)
 
     # shrink backward: dx (every row; zero for rows without a live adapter) and dA (every row)
     need_dx = p["seed"] % 4 != 0
@@ -514,10 +528,10 @@ def check_backward_paths(p, device):
     _events(p)
     d = _build(p, device)
     gen = torch.Generator().manual_seed(p["seed"] + 2)
-    stack, dtype, S, K, N, sl = p["stack"], p["dtype"], d["S"], p["K"], p["N"], p["slice_idx"]
+    stack, dtype, S, K = p["stack"], p["dtype"], d["S"], p["K"]
     table, live, ranks = d["table"], d["live"], p["ranks"]
     segs = _path_segments(p, d)
-    R, R_tot = max(ranks), sum(ranks)
+    R_tot = sum(ranks)
     A, B, a_slot, b_slot = _weight_args(p, d, gen)
     store = d["seed"] is not None and table.has_dropout and stack == 1
     blocked = p["dB_blocked"]
@@ -528,23 +542,7 @@ def check_backward_paths(p, device):
     empty = torch.nonzero(~slot_has_tokens).reshape(-1).tolist()
     offs = torch.tensor([0] + ranks).cumsum(0).tolist()
 
-    dh = poisoned(S, stack * R, device=device)
-    dB = poisoned(*((R_tot * N,) if blocked else (N, R_tot)), dtype=p["dB_dtype"], device=device)
-    out_dh, out_dB = kernels.lora_expand_bwd(d["dy"], d["h"], B, segs, table, stack_num=stack, slice_idx=sl, dh=dh,
-                                             dB_out=dB, dB_blocked=blocked)
-    assert out_dh is dh and out_dB is dB
-    (want_dh, want_dB), (bound_dh, bound_dB) = _ref64(
-        lambda dy, h, B: ref.lora_expand_bwd(dy, h, B, segs, table, stack_num=stack, slice_idx=sl),
-        d["dy"], d["h"], d["B"])
-    written = d["slice_cols"]
-    assert torch.isnan(dh[~written]).all(), f"expand_bwd wrote dh cells outside this slice's live cells; {_desc(p)}"
-    _close(dh[written], want_dh[written], bound_dh[written], dtype, "expand_bwd dh", p)
-    if blocked:
-        want_dB, bound_dB = _blocked(want_dB, ranks), _blocked(bound_dB, ranks)
-    _close(dB, want_dB, bound_dB, dtype, "expand_bwd dB", p)
-    for a in empty:
-        cells = dB[offs[a] * N : offs[a + 1] * N] if blocked else dB[:, offs[a] : offs[a + 1]]
-        assert torch.count_nonzero(cells) == 0, f"dB of slot {a} without tokens; {_desc(p)}"
+    _check_expand_bwd(p, d, B, segs, p["dB_dtype"], blocked, empty, offs, device)
 
     # shrink backward, redrawing the mask from the seed and (one slice) reading what the forward shrink stored
     need_dx = p["seed"] % 4 != 0

@@ -194,9 +194,17 @@ def test_generate_with_adapter_names_after_patch():
     plain.eval()
     ids = _ids(T=5)
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
-    a = model.generate(input_ids=ids, adapter_names=NAMES, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # eval mode: no warning
+        a = model.generate(input_ids=ids, adapter_names=NAMES, **kw)
     b = plain.generate(input_ids=ids, adapter_names=NAMES, **kw)
     assert torch.equal(a, b)
+    model.train()  # PEFT refuses names in training; we generate, and warn that dropout is on
+    with pytest.warns(UserWarning, match="generate.*training mode"):
+        model.generate(input_ids=ids, adapter_names=NAMES, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a training forward with names is what the library is for: no warning
+        model(input_ids=ids, adapter_names=NAMES)
 
 
 def test_route_context_and_unpatched_model_error():
