@@ -6,7 +6,9 @@ touched, so ``state_dict``, optimizers, ``save_pretrained`` and ``PeftModel.from
 
 * ``peft.tuners.lora.Linear`` (vanilla LoRA adapters, incl. rsLoRA, ``lora_bias``, ``fan_in_fan_out`` Conv1D bases):
   the delta runs on our backends, one ``function.LoraLinear`` per layer call.
-* Every other LoRA layer (Embedding, Conv, quantized layers, ...) and PEFT's auxiliary wrappers
+* ``peft.tuners.lora.bnb.Linear4bit`` / ``Linear8bitLt`` (QLoRA: bitsandbytes 4-bit nf4/fp4 and 8-bit bases): the
+  base layer runs as PEFT calls it and the delta is added to its output (to a copy for 4-bit, as PEFT does).
+* Every other LoRA layer (Embedding, Conv, other quantized layers, ...) and PEFT's auxiliary wrappers
   (``modules_to_save``, trainable tokens): PEFT's own per-sample mixed-batch loop, which we call in training too.
   Listed in the report's ``fallback``.
 * Adapters with a LoRA variant (DoRA, aLoRA, ...): a mixed batch that names them raises (PEFT does not mix DoRA
@@ -87,6 +89,7 @@ class LayerState:
     has_bias: bool  # lora_bias
     variants: tuple  # adapters of the layer with a LoRA variant (not in the table)
     bias_map: Optional[torch.Tensor]  # lora_bias: int64 [n_slots + 1], slot -> row among present (n = none)
+    clone_base_output: bool = False  # a bitsandbytes 4-bit base: the delta goes into a copy of its output, as PEFT's
 
     @property
     def lora_dtype(self):
@@ -149,6 +152,7 @@ def _build_state(layer, slot_names) -> Optional[LayerState]:
         table=table, present=tuple(present), ranks=tuple(layer.r[n] for n in present),
         rates=tuple(ps[s] for s in slots), a_dtypes=tuple(w.dtype for w in a_weights), device=device,
         has_bias=has_bias, variants=variants, bias_map=bias_map,
+        clone_base_output=type(layer.get_base_layer()).__name__ == "Linear4bit",
     )
 
 
@@ -228,6 +232,8 @@ class _FastLinearMixin:
             y, W, b, x_d = None, base._parameters["weight"], base._parameters.get("bias"), x
         else:
             y, W, b = self.base_layer(x, *args, **kwargs), None, None
+            if state.clone_base_output:  # PEFT's bnb 4-bit layer adds to a copy: never write into bnb's output
+                y = y.clone()
             cast = state.lora_dtype
             x_d = x.to(cast) if x.dtype == torch.float32 and cast in (torch.float16, torch.bfloat16) else x
         b_mods = self._modules["lora_B"]._modules
@@ -326,11 +332,22 @@ def _original_class(module):
     return type(module)._fml_base if _is_patched(module) else type(module)
 
 
+def _quantized_lora_classes() -> tuple:
+    """PEFT's LoRA layers over bitsandbytes 4-bit and 8-bit bases (when bitsandbytes is installed): their base layer
+    is opaque to the Function, so they take the added path as any unfusable base."""
+    try:
+        from peft.tuners.lora import bnb as peft_bnb
+    except ImportError:  # pragma: no cover - PEFT without its bnb module
+        return ()
+    return tuple(getattr(peft_bnb, name) for name in ("Linear4bit", "Linear8bitLt") if hasattr(peft_bnb, name))
+
+
 def _fallback_reason(module):
     """``None`` when our Function runs this LoRA layer, else why PEFT's path does."""
     cls = _original_class(module)
-    if cls is not LoraLinearLayer:
-        return f"{cls.__module__}.{cls.__qualname__} is not peft.tuners.lora.Linear"
+    if cls is not LoraLinearLayer and cls not in _quantized_lora_classes():
+        return (f"{cls.__module__}.{cls.__qualname__} is not peft.tuners.lora.Linear or a bitsandbytes LoRA layer "
+                "(peft.tuners.lora.bnb.Linear4bit / Linear8bitLt)")
     base = module.get_base_layer()
     if not isinstance(base, torch.nn.Linear) and type(base).__name__ != "Conv1D":
         return f"base layer {type(base).__name__} is not nn.Linear/Conv1D"

@@ -42,14 +42,15 @@ def _peft_per_sample(ref, ids, w, row_names):
     for i, name in enumerate(row_names):
         emb = ref.get_input_embeddings()(ids[i : i + 1]).detach().requires_grad_()
         if name == "__base__":
-            with ref.disable_adapter():
+            with ref.disable_adapter():  # backward inside too: checkpoint recomputation must see the same model
                 out = ref(inputs_embeds=emb).logits
+                (out * w[i : i + 1]).sum().backward()
         else:
             ref.set_adapter(name)
             for n, p in ref.named_parameters():
                 p.requires_grad_("lora_" in n)
             out = ref(inputs_embeds=emb).logits
-        (out * w[i : i + 1]).sum().backward()
+            (out * w[i : i + 1]).sum().backward()
         outs.append(out.detach())
         dxs.append(emb.grad)
     grads = {n: p.grad for n, p in ref.named_parameters() if "lora_" in n and p.grad is not None}
