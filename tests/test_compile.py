@@ -210,3 +210,26 @@ def test_device_layouts_match_the_host_builder(kind, device):
         results.append((h, y, dB, dx, dA))
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_static_cache_generation_compiles_once_for_every_mix(backend, device):
+    """``generate(..., cache_implementation="static")``: transformers compiles the decode step (here with
+    ``aot_eager``, its compile forced on CPU); three mixes give eager's tokens, with no graph break and no graph
+    beyond the first mix's (prefill and decode)."""
+    from transformers import CompileConfig
+
+    model = peft_model("llama").to(device).eval()
+    fast_multilora.patch(model, backend=backend)
+    ids = torch.randint(0, 97, (4, 6), generator=torch.Generator().manual_seed(4)).to(device)
+    cc = CompileConfig(backend="aot_eager", fullgraph=False)
+    cc._compile_all_devices = True  # transformers compiles on CUDA only by default
+    graphs = []
+    for names in (MIXES[0], MIXES[1], MIXES[4]):
+        kw = dict(input_ids=ids, adapter_names=names, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        want = model.generate(**kw)
+        got = model.generate(**kw, cache_implementation="static", compile_config=cc)
+        assert torch.equal(got, want), names
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert graphs[0] >= 1 and graphs[-1] == graphs[0], graphs
