@@ -248,7 +248,7 @@ class _FastLinearMixin:
         stack, index = entry if entry is not None else (None, 0)
         if stack is not None:  # a stack member called on the input its lead shrank: take the slice
             pending = stack.group.pending
-            if (pending is not None and pending.stack is stack and pending.x is x and pending.segs is segs
+            if (pending is not None and pending.stack is stack and pending.x is x and pending.routing is routing
                     and index not in pending.taken):
                 pending.taken.add(index)
                 if len(pending.taken) == stack.size:
@@ -257,7 +257,7 @@ class _FastLinearMixin:
                 return run(LoraLinear, x_d, y, W, b, pending.h, call, *b_weights, *biases)
         members = stack.members if stack is not None else (self,)
         a_weights = [m._modules["lora_A"]._modules[n]._parameters["weight"] for n in state.present for m in members]
-        pending = stacked.Pending(x, segs, {index}, stack=stack) if stack is not None else None
+        pending = stacked.Pending(x, routing, {index}, stack=stack) if stack is not None else None
         call = LayerCall(
             **common, stack_num=len(members), slice_idx=index, lead=True,
             seed=backend.draw_seed(x) if state.table.has_dropout else None,

@@ -17,7 +17,7 @@ one stack; the others run alone. A stack's composition therefore depends on the 
 
 **Per call**: the first member of a stack called on an input tensor leads: one shrink over every member's A weights
 (``function.LoraLinear`` with ``lead=True``), its ``h`` left in the group's :class:`Pending`; a member called later
-on the very same tensor (identity) with the same layout takes its slice (``lead=False``). A member called on
+on the very same tensor (identity) under the same routing takes its slice (``lead=False``). A member called on
 another input leads a stack of its own. The path a call takes depends only on the order and inputs of the calls,
 so the first forward call equals the second bit for bit, gradient-checkpointing recomputation repeats the
 forward's path, and ``torch.compile`` traces it into one graph.
@@ -53,10 +53,12 @@ SIBLING_SETS = (
 
 @dataclass(eq=False)
 class Pending:
-    """A stack's shrink in flight: its input, layout and ``h``, and the slices taken so far."""
+    """A stack's shrink in flight: its input and routing (so its layout: the same rows of the same routing), its
+    ``h``, and the slices taken so far. Not the ``Segments`` object itself: while ``torch.compile`` traces, every
+    layer builds its own (equal) layout."""
 
     x: torch.Tensor
-    segs: object
+    routing: object
     taken: set = field(default_factory=set)
     stack: Optional[Stack] = None
     h: Optional[torch.Tensor] = None
