@@ -39,9 +39,6 @@ PROVIDERS = {"train_step_8_compiled": {"fast_multilora", "peft_single", "frozen"
              "eval_8_compiled": {"fast_multilora", "peft_single", "frozen"},
              "generate_static": {"fast_multilora", "peft_mixed", "frozen"},
              "generate_dynamic": {"fast_multilora", "peft_mixed", "frozen"}}
-# patched models do not compile cleanly yet (graph breaks where the batch plan is built; the torch backend's train
-# step raises under dynamo): the compiled fast_multilora rows are checked apart, xfail until they compile
-FAST_COMPILED = {("train_step_8_compiled", "fast_multilora"), ("eval_8_compiled", "fast_multilora")}
 
 
 @pytest.fixture(scope="module")
@@ -84,18 +81,9 @@ def test_bench_model_quick_opt_in_scenarios(opt_in_run):
     for scenario in OPT_IN:
         assert set(d[scenario]) == PROVIDERS[scenario], scenario
         for name, r in d[scenario].items():
-            if (scenario, name) not in FAST_COMPILED:
-                _check_row(scenario, name, r)
-    for peft in ("peft_single", "frozen"):  # stock PEFT and the base compile without a graph break
-        assert d["train_step_8_compiled"][peft]["graph_breaks"] == 0, d["train_step_8_compiled"][peft]
+            _check_row(scenario, name, r)
+    for scenario in ("train_step_8_compiled", "eval_8_compiled"):  # every provider, ours too: no graph break
+        for name, r in d[scenario].items():
+            assert r["graph_breaks"] == 0 and r["graphs"] == 1, (scenario, name, r)
     md = (out.parent / "h200.md").read_text()
     assert all(f"## {s}" in md for s in ("train_step_8", *OPT_IN)), md
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="patched models graph-break under torch.compile and the torch backend's "
-                                        "compiled train step raises (being fixed in fast_multilora/)")
-@pytest.mark.parametrize("scenario", ["train_step_8_compiled", "eval_8_compiled"])
-def test_bench_model_quick_fast_multilora_compiled(opt_in_run, scenario):
-    _, d = opt_in_run
-    _check_row(scenario, "fast_multilora", d[scenario]["fast_multilora"])
