@@ -62,6 +62,19 @@ def _close(got, want, what):
                                msg=lambda m: f"{what}: {m}")
 
 
+def assert_matches_peft(model, ref, what="", **route):
+    """One mixed-batch step of ``model`` (routed by ``route``) against stock PEFT per sample on ``ref``: logits,
+    input gradients and every LoRA gradient (each adapter gets one)."""
+    ids, w = _inputs(5)
+    got = _step(model, ids, w, **route)
+    want = _peft_per_sample(ref, ids, w, NAMES)
+    _close(got[0], want[0], f"{what} logits")
+    _close(got[1], want[1], f"{what} input grad")
+    assert set(got[2]) == {n for n, p in model.named_parameters() if "lora_" in n}
+    for n, g in want[2].items():
+        _close(got[2][n], g, n)
+
+
 def _inputs(T):
     g = torch.Generator().manual_seed(3)
     return torch.randint(0, 97, (len(NAMES), T), generator=g), torch.randn(len(NAMES), T, 97, generator=g)
@@ -78,14 +91,7 @@ def test_path_matrix_matches_peft(family, fuse, in_place, share):
                          share_shrink=share)
     model.train()
     ref.train()
-    ids, w = _inputs(5)
-    got = _step(model, ids, w, adapter_names=NAMES)
-    want = _peft_per_sample(ref, ids, w, NAMES)
-    _close(got[0], want[0], "logits")
-    _close(got[1], want[1], "input grad")
-    assert set(got[2]) == {n for n, p in model.named_parameters() if "lora_" in n}
-    for n, g in want[2].items():
-        _close(got[2][n], g, n)
+    assert_matches_peft(model, ref, adapter_names=NAMES)
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["stacked", "alone"])
@@ -95,14 +101,8 @@ def test_packed_rows_match_peft(share):
     ref = twin(model)
     fast_multilora.patch(model, backend="triton", share_shrink=share)
     vocab = ["a2", "a0", "a1"]
-    ids, w = _inputs(5)
     a_ids = torch.tensor([vocab.index(n) if n != "__base__" else -1 for n in NAMES])[:, None].expand(-1, 5)
-    got = _step(model, ids, w, adapter_names=vocab, adapter_ids=a_ids)
-    want = _peft_per_sample(ref, ids, w, NAMES)
-    for a, b, what in zip(got[:2], want[:2], ("logits", "input grad"), strict=True):
-        _close(a, b, what)
-    for n, g in want[2].items():
-        _close(got[2][n], g, n)
+    assert_matches_peft(model, ref, adapter_names=vocab, adapter_ids=a_ids)
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["stacked", "alone"])

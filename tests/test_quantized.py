@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 from models import adapter_configs
-from test_paths import _close, _inputs, _peft_per_sample, _step
+from test_paths import assert_matches_peft
 
 import fast_multilora
 
@@ -72,14 +72,7 @@ def test_qlora_mixed_batch_matches_peft(checkpoint, quant, backend, train):
     assert "base_model.model.model.layers.0.self_attn.q_proj" in report.patched
     model.train(train)
     ref.train(train)
-    ids, w = _inputs(5)
-    got = _step(model, ids, w, adapter_names=NAMES)
-    want = _peft_per_sample(ref, ids, w, NAMES)
-    _close(got[0], want[0], f"{quant} logits")
-    _close(got[1], want[1], f"{quant} input grad")
-    assert set(got[2]) == {n for n, p in model.named_parameters() if "lora_" in n}
-    for n, g in want[2].items():
-        _close(got[2][n], g, n)
+    assert_matches_peft(model, ref, quant, adapter_names=NAMES)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -91,12 +84,7 @@ def test_qlora_kbit_training_with_checkpointing(checkpoint):
     fast_multilora.patch(model)
     model.train()
     ref.train()
-    ids, w = _inputs(5)
-    got = _step(model, ids, w, adapter_names=NAMES)
-    want = _peft_per_sample(ref, ids, w, NAMES)
-    _close(got[0], want[0], "logits")
-    for n, g in want[2].items():
-        _close(got[2][n], g, n)
+    assert_matches_peft(model, ref, "kbit", adapter_names=NAMES)
     model.set_adapter("a1")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # merging into 4-bit weights rounds: bitsandbytes / PEFT say so
