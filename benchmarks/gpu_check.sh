@@ -25,7 +25,7 @@
 set -u
 
 export PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET FML_FAMILY  # compiled kernels, the family heuristic as shipped
+unset TRITON_INTERPRET  # compiled kernels
 OUT=${OUT:-benchmarks/results/gpu_run}
 STAGES=${STAGES:-"tests kernels model"}
 T_INSTALL=${T_INSTALL:-45}

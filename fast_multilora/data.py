@@ -2,8 +2,8 @@
 
 * :class:`MultiAdapterCollator` -- for ``torch.utils.data.DataLoader`` and ``transformers.Trainer``: pads samples of
   different adapters into one batch and emits ``adapter_names`` (one name per row, ``"__base__"`` = no adapter).
-  ``group_by_adapter=True`` orders rows by adapter, so each adapter's tokens form one contiguous run (the kernels
-  then take the gather-free SGEMM path, see ``fast_multilora.plan.choose_family``).
+  ``group_by_adapter=True`` orders rows by adapter, so each adapter's rows are adjacent (the SGEMM family then
+  reads runs of rows of one adapter; the family itself is chosen from shapes, see ``fast_multilora.plan``).
 * :func:`pack_samples` / :class:`PackedCollator` -- several samples (of any adapters) per row: ``adapter_ids``
   ``[rows, seq]`` index into ``adapter_names`` (-1 = base / padding), ``position_ids`` restart at every packed
   sample, labels are -100 at every sample's first token (nothing is predicted across a boundary). Attention across
