@@ -40,7 +40,8 @@ every run.
 GPU: ``FML_TEST_DEVICE=cuda pytest -m gpu tests/test_fuzz.py`` runs the ``*_gpu`` sweeps with larger shapes (S up to
 4096, K and N from a fixed list up to 4096 so compiled kernel variants are reused) and ``FML_FUZZ_EXAMPLES`` examples
 each (default 200; mostly kernel compilation, several minutes). ``FML_FUZZ_CPU_EXAMPLES`` (default 100; the forward
-test runs twice as many) scales the CPU profile.
+test runs twice as many, the ``*_paths`` tests half as many, each example checking several paths) scales the CPU
+profile.
 """
 
 import os
@@ -66,7 +67,7 @@ _COMMON = dict(deadline=None, derandomize=True, database=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 CPU = settings(max_examples=CPU_EXAMPLES, **_COMMON)
 CPU_FWD = settings(max_examples=2 * CPU_EXAMPLES, **_COMMON)  # the forward is cheap: twice the examples
-CPU_PATHS = settings(max_examples=CPU_EXAMPLES, **_COMMON)
+CPU_PATHS = settings(max_examples=max(1, CPU_EXAMPLES // 2), **_COMMON)  # each runs several paths per example
 GPU = settings(max_examples=GPU_EXAMPLES, **_COMMON)
 
 # Max error relative to the reference's largest magnitude (same budget as tests/test_kernels_backward.py).
