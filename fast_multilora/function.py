@@ -411,17 +411,13 @@ def _onehot(call: LayerCall, dtype) -> torch.Tensor:
     return oh[:-1]
 
 
-def _acc(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def _add_bias(y, biases, call: LayerCall) -> None:
-    acc = _acc(y)
+    acc = reference._acc_dtype(y)
     bias = torch.stack([b.to(acc) for b in biases]) * _present_scales(call).to(acc)[:, None]  # [n, N]
     y += (_onehot(call, acc).T @ bias).to(y.dtype)
 
 
 def _bias_grad(dy, call: LayerCall):
-    acc = _acc(dy)
+    acc = reference._acc_dtype(dy)
     g = _onehot(call, acc) @ dy.to(acc)  # [n, N]
     return list(g * _present_scales(call).to(acc)[:, None])

@@ -171,26 +171,23 @@ def refresh_layers(router: Router, routing) -> None:
             d[_SIG_ATTR] = sig
             changed = True
     if changed:
+        router.variants = {}  # adapter name -> (variant kind, base layer type) of its first layer with a variant
         for layer in router.fast_layers:
             layer.__dict__[_STACK_ATTR] = None
+            for name, variant in layer.lora_variant.items():
+                router.variants.setdefault(name, (type(variant).__name__, type(layer.base_layer).__name__))
         for group in router.groups:
             states = [m.__dict__.get(_STATE_ATTR) for m in group.members]
             for i, stack, s in stacked.stacks_of(group, states, router.config.share_dropout):
                 group.members[i].__dict__[_STACK_ATTR] = (stack, s)
-    _check_variants(router, routing.names)
-
-
-def _check_variants(router: Router, names) -> None:
-    for layer in router.fast_layers:
-        for name in names:
-            if name in layer.lora_variant:
-                kind = type(layer.lora_variant[name]).__name__
-                peft_msg = "Cannot pass `adapter_names` when DoRA is enabled. " if "Dora" in kind else ""  # PEFT's
-                raise ValueError(
-                    f"{peft_msg}adapter {name!r} uses a LoRA variant ({kind}) in module "
-                    f"{type(layer.base_layer).__name__}; mixed batches run vanilla LoRA adapters only (PEFT does not "
-                    "mix DoRA adapters in a batch either)"
-                )
+    for name in routing.names:
+        if name in router.variants:
+            kind, module = router.variants[name]
+            peft_msg = "Cannot pass `adapter_names` when DoRA is enabled. " if "Dora" in kind else ""  # PEFT's words
+            raise ValueError(
+                f"{peft_msg}adapter {name!r} uses a LoRA variant ({kind}) in module {module}; mixed batches run "
+                "vanilla LoRA adapters only (PEFT does not mix DoRA adapters in a batch either)"
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -496,6 +493,12 @@ def _input_device(args, kwargs):
     return None
 
 
+def _refuse_mixed_alora(kwargs, names, ids) -> None:
+    if kwargs.get("alora_offsets") is not None and (names is not None or ids is not None):
+        raise ValueError("fast_multilora does not route aLoRA (`alora_offsets`) in a mixed batch; call the model "
+                         "without `adapter_names` for aLoRA (PEFT's own path)")
+
+
 @torch.compiler.disable
 def _model_pre_hook(model, args, kwargs):
     """Routes the forward call: names -> slot tensor on the input's device (``Router.begin``). Outside any compiled
@@ -503,9 +506,7 @@ def _model_pre_hook(model, args, kwargs):
     router: Router = model.__dict__[_ROUTER_ATTR]
     names = kwargs.pop("adapter_names", None)
     ids = kwargs.pop("adapter_ids", None)
-    if kwargs.get("alora_offsets") is not None and (names is not None or ids is not None):
-        raise ValueError("fast_multilora does not route aLoRA (`alora_offsets`) in a mixed batch; call the model "
-                         "without `adapter_names` for aLoRA (PEFT's own path)")
+    _refuse_mixed_alora(kwargs, names, ids)
     router.begin(names, ids, _input_device(args, kwargs))
     router.entered = True  # PeftModel.forward's _enable_peft_forward_hooks then keeps this routing
     return args, kwargs
@@ -519,9 +520,7 @@ def _enable_routing(router: Router, *args, **kwargs):
     ids = kwargs.pop("adapter_ids", None)
     entered, router.entered = router.entered, False
     if kwargs.get("alora_offsets") is not None:
-        if names is not None or ids is not None:
-            raise ValueError("fast_multilora does not route aLoRA (`alora_offsets`) in a mixed batch; call the model "
-                             "without `adapter_names` for aLoRA (PEFT's own path)")
+        _refuse_mixed_alora(kwargs, names, ids)
         router.begin(None)  # no routing: PEFT's aLoRA hooks, as on a stock model
         tuner = router.tuner
         with type(tuner)._enable_peft_forward_hooks(tuner, *args, **kwargs):

@@ -5,7 +5,7 @@ forward pre-hook, ``generate``, or the :func:`fast_multilora.route` context), ou
 (``torch.compiler.disable``: the one graph break of a compiled model is there). It turns the per-sample
 ``adapter_names`` (or, for packed rows, a name vocabulary plus per-token ``adapter_ids``) into a slot tensor on the
 input's device -- ``[rows]`` for per-row names, ``[rows, T]`` for packed rows -- and refreshes every patched layer's
-adapter table (``patching.layer_state``). Names never reach a layer: what the layers read is tensor data, so a
+adapter table (``patching.refresh_layers``). Names never reach a layer: what the layers read is tensor data, so a
 compiled graph or a captured CUDA graph serves every adapter mix of the same shapes.
 
 Each layer derives its ``Segments`` from that tensor and its input's shape (:meth:`Router.segments`), with device
@@ -58,7 +58,7 @@ class Routing:
                 "packed rows (per-token `adapter_ids`) cannot run on a layer that falls back to PEFT's per-sample "
                 "mixed-batch loop; see the patch report for the modules that fall back"
             )
-        _check_rows(len(self.names), x.shape[0])
+        _check_rows(self.rows, x.shape[0])
         return list(self.names)
 
 
@@ -82,6 +82,7 @@ class Router:
         self.layers: list = []  # every LoRA layer of the model (ours and the fallback ones), set by patch()
         self.fast_layers: list = []  # the layers on our Function
         self.groups: list = []  # stacked.SiblingGroup s
+        self.variants: dict = {}  # adapter name -> (LoRA variant kind, base layer type), set by refresh_layers
         self.tuner = None  # the PEFT tuner whose peft_config keys we watch
         self.config_key: tuple = ()
         self.repatch = None  # callable re-running patch() with the same settings

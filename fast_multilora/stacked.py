@@ -7,8 +7,8 @@ token of adapter ``a`` at columns ``s*r_a .. (s+1)*r_a``. Each sibling then expa
 
 **Groups are declared when patching** (:func:`declare_groups`), from the module tree as PEFT built it, the way vLLM's
 ``packed_modules_mapping`` names the projections it packs: patched LoRA Linear modules with one parent module, one
-``in_features`` and one device whose names form one of ``SIBLING_SETS`` (or the sets given in
-``PatchConfig.sibling_sets``). ``o_proj`` is in no set: it never reads the q/k/v input.
+``in_features`` and one device whose names form one of ``SIBLING_SETS``. ``o_proj`` is in no set: it never reads
+the q/k/v input.
 
 **Stacks** (:func:`stacks_of`, whenever the layers' adapter tables change -- ``Router.begin`` refreshes them): the
 members of a group that qualify -- adapters present with equal ranks and dropout rates, no active dropout (unless

@@ -7,13 +7,13 @@ from .backward import lora_expand_bwd, lora_shrink_bwd
 from .dropout import keep_bits_buffer
 from .forward import lora_expand, lora_shrink
 from .segments import (
-                       AdapterTable,
-                       Segments,
-                       SlotWeights,
-                       grouped_segments,
-                       row_segments,
-                       segments_from_token_slots,
-                       slot_weights,
+    AdapterTable,
+    Segments,
+    SlotWeights,
+    grouped_segments,
+    row_segments,
+    segments_from_token_slots,
+    slot_weights,
 )
 
 __all__ = ["AdapterTable", "Segments", "SlotWeights", "grouped_segments", "row_segments", "segments_from_token_slots",

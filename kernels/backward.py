@@ -38,7 +38,7 @@ import triton.language as tl
 
 from .dropout import check_keep_bits, check_seed, keep_block, unpack_keep
 from .launch import cdiv, checked, launch, mark_checked, next_power_of_2
-from .segments import AdapterTable, Segments, weight_args
+from .segments import AdapterTable, Segments, slot_grouping, weight_args
 from .sgemm import slot_weight
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -147,9 +147,7 @@ def _grouping(segs: Segments, n_slots: int):
         rows = segs.perm.long() if segs.perm is not None else j
         ts[rows] = segs.slot.long()[seg]
     ts = torch.where(ts < n_slots, ts, -1)  # defensive: out-of-table slots behave as base tokens
-    sorted_ts, order = torch.sort(ts, stable=True)
-    bounds = torch.searchsorted(sorted_ts, torch.arange(-1, n_slots + 1, device=dev))
-    hit = (order.to(torch.int32), bounds)
+    hit = slot_grouping(ts, n_slots)
     segs.cache[key] = hit
     return hit
 

@@ -204,38 +204,41 @@ def segments_from_token_slots(token_slots: torch.Tensor, grouped: bool, device=N
     )
 
 
-def row_segments(row_slots: torch.Tensor, tokens_per_row: int, n_slots: Optional[int] = None) -> Segments:
+def slot_grouping(token_slots: torch.Tensor, n_slots: int) -> tuple:
+    """``(order, bounds)`` of per-row slots (``-1`` = base): rows stable-sorted by slot (int32 ``[S]``) and where each
+    slot's rows start, int64 ``[n_slots + 2]`` (rows of slot ``a`` are ``order[bounds[a+1]:bounds[a+2]]``, slot -1
+    first). Device ops only; the backward launchers' row grouping (``Segments.grouping``)."""
+    sorted_ts, order = torch.sort(token_slots, stable=True)
+    bounds = torch.searchsorted(sorted_ts, torch.arange(-1, n_slots + 1, device=token_slots.device,
+                                                        dtype=sorted_ts.dtype))
+    return order.to(torch.int32), bounds.to(torch.int64)
+
+
+def row_segments(row_slots: torch.Tensor, tokens_per_row: int, n_slots: int) -> Segments:
     """SGEMM-family ``Segments`` of per-row routing, built on ``row_slots``' device without a host sync: one segment
-    per row of ``tokens_per_row`` tokens (slot ``row_slots[i]``, ``-1`` = base). Every host int comes from the
-    shapes, so a compiled graph or a captured CUDA graph serves any adapter mix of the same shape. With ``n_slots``
-    the backward's row grouping is built too (``Segments.grouping``)."""
+    per row of ``tokens_per_row`` tokens (slot ``row_slots[i]``, ``-1`` = base), with the backward's row grouping for
+    a table of ``n_slots`` slots. Every host int comes from the shapes, so a compiled graph or a captured CUDA graph
+    serves any adapter mix of the same shape."""
     n_rows, T = row_slots.numel(), tokens_per_row
     dev = row_slots.device
     slot = row_slots.reshape(-1).to(torch.int32)
     ts = slot.repeat_interleave(T) if T != 1 else slot
-    grouping = None
-    if n_slots is not None:
-        sorted_ts, order = torch.sort(ts, stable=True)
-        bounds = torch.searchsorted(sorted_ts, torch.arange(-1, n_slots + 1, device=dev, dtype=torch.int32))
-        grouping = (order.to(torch.int32), bounds.to(torch.int64))
     return Segments(
         indptr=torch.arange(n_rows + 1, device=dev, dtype=torch.int32) * T, slot=slot, perm=None,
         max_len=T if n_rows else 0, num_tokens=n_rows * T, cache={}, base_max_len=T if n_rows else 0,
-        token_slots=ts, grouping=grouping,
+        token_slots=ts, grouping=slot_grouping(ts, n_slots),
     )
 
 
 def grouped_segments(token_slots: torch.Tensor, n_slots: int) -> Segments:
     """Chunked-family ``Segments`` built on ``token_slots``' device without a host sync: rows stable-sorted by slot
     (``perm`` covers every row), one segment per slot ``-1 .. n_slots-1`` (slot ``-1``, base rows, first; empty
-    segments included), so shapes depend on ``S`` and ``n_slots`` only, never on the mix."""
+    segments included), so shapes depend on ``S`` and ``n_slots`` only, never on the mix. The sort is the backward's
+    row grouping too."""
     ts = token_slots.reshape(-1).to(torch.int32)
-    S, dev = ts.numel(), ts.device
-    sorted_ts, order = torch.sort(ts, stable=True)
-    indptr = torch.searchsorted(sorted_ts, torch.arange(-1, n_slots + 1, device=dev, dtype=torch.int32))
-    order = order.to(torch.int32)
+    order, bounds = slot_grouping(ts, n_slots)
     return Segments(
-        indptr=indptr.to(torch.int32), slot=torch.arange(-1, n_slots, device=dev, dtype=torch.int32),
-        perm=order, max_len=S, num_tokens=S, cache={}, base_max_len=-1, token_slots=ts,
-        grouping=(order, indptr.to(torch.int64)),  # the sort is the backward's grouping too
+        indptr=bounds.to(torch.int32), slot=torch.arange(-1, n_slots, device=ts.device, dtype=torch.int32),
+        perm=order, max_len=ts.numel(), num_tokens=ts.numel(), cache={}, base_max_len=-1, token_slots=ts,
+        grouping=(order, bounds),
     )
