@@ -10,10 +10,17 @@ import importlib.util as _ilu
 import os as _os
 import sys as _sys
 
-if _ilu.find_spec(__name__ + ".kernels") is None:
-    # Source tree without the package-dir mapping (an old setuptools' legacy editable install, or a plain checkout on
-    # sys.path): load the root folder kernels/ as fast_multilora.kernels, as the installed package has it.
-    _kdir = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))), "kernels")
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+_kdir = _os.path.join(_root, "kernels")
+if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isfile(_os.path.join(_kdir, "segments.py")):
+    _found = _ilu.find_spec(__name__ + ".kernels")
+    _here = _found is not None and _os.path.dirname(_os.path.abspath(_found.origin or "")) == _kdir
+else:  # an installed package: fast_multilora/kernels/ is its own
+    _here = True
+if not _here:
+    # A source tree imported from sys.path (a plain checkout, a second worktree beside an editable install, an old
+    # setuptools' legacy editable install): load this tree's root folder kernels/ as fast_multilora.kernels, as the
+    # installed package has it -- never another tree's.
     _spec = _ilu.spec_from_file_location(__name__ + ".kernels", _os.path.join(_kdir, "__init__.py"),
                                          submodule_search_locations=[_kdir])
     _mod = _ilu.module_from_spec(_spec)
