@@ -11,6 +11,8 @@
   derives a block-diagonal causal mask from restarting ``position_ids`` (``masking_utils.find_packed_sequence_indices``,
   sdpa and eager alike). ``attention="4d"`` instead emits an explicit additive 4-D mask (any attention that accepts
   a 4-D float mask).
+* :class:`AdapterInterleaveSampler` -- a sampler over samples of several adapters (e.g. one dataset per adapter,
+  concatenated) that takes them round-robin, so every batch holds every adapter in equal parts.
 * :func:`adapter_param_groups` -- one optimizer param group per adapter (own ``lr``, ``weight_decay``, ...);
   :func:`clip_grad_norm_per_adapter` clips each adapter's gradient on its own (a global clip would couple adapters:
   one adapter's large gradient would shrink every other adapter's step).
@@ -31,6 +33,7 @@ import torch
 from .plan import BASE
 
 __all__ = [
+    "AdapterInterleaveSampler",
     "MultiAdapterCollator",
     "PackedCollator",
     "adapter_of_parameter",
@@ -146,6 +149,37 @@ class MultiAdapterCollator:
             "labels": padded(labs, self.label_pad_token_id),
             "adapter_names": [names[i] for i in order],
         }
+
+
+class AdapterInterleaveSampler(torch.utils.data.Sampler):
+    """Indices of a dataset whose samples belong to several adapters, taken round-robin over the adapters.
+
+    ``adapter_of_index[i]`` is sample ``i``'s adapter (e.g. ``dataset["adapter"]`` of datasets concatenated one per
+    adapter). Each pass shuffles every adapter's samples (``shuffle=True``; a new order per pass, from ``seed``) and
+    yields one sample of each adapter in turn, in the order the adapters first occur, so any ``k * n_adapters``
+    consecutive indices hold ``k`` samples of every adapter; an adapter that runs out drops out of the rotation.
+    """
+
+    def __init__(self, adapter_of_index: Sequence[str], *, shuffle: bool = True, seed: int = 0):
+        self.adapters: Dict[str, List[int]] = {}
+        for i, name in enumerate(adapter_of_index):
+            self.adapters.setdefault(name, []).append(i)
+        self.n = len(adapter_of_index)
+        self.shuffle = shuffle
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        queues = []
+        for rows in self.adapters.values():
+            order = torch.randperm(len(rows), generator=self.generator).tolist() if self.shuffle else range(len(rows))
+            queues.append([rows[k] for k in order])
+        for k in range(max((len(q) for q in queues), default=0)):
+            for q in queues:
+                if k < len(q):
+                    yield q[k]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -35,12 +35,10 @@ def per_adapter_mean(values: torch.Tensor, token_adapter: torch.Tensor, num_adap
     return sums / counts.clamp(min=1), counts
 
 
-def adapter_token_means(logits: torch.Tensor, labels: torch.Tensor, adapter_names: Sequence[str],
-                        vocab: Sequence[str], *, adapter_ids: Optional[torch.Tensor] = None,
-                        ignore_index: int = -100, shift: bool = True):
-    """Per-adapter mean token cross-entropy and token counts over an adapter ``vocab`` (``__base__`` tokens and
-    ``ignore_index`` labels left out). Returns ``(means[len(vocab)], counts[len(vocab)])``; ``means`` carries the
-    graph. ``adapter_names`` one per row, or with packed rows the names that ``adapter_ids[B, T]`` indexes."""
+def token_adapters(adapter_names: Sequence[str], vocab: Sequence[str], shape, device, *,
+                   adapter_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Index into ``vocab`` of every token of a batch of ``shape`` ``[B, T]`` (-1 = ``__base__``): from one name per
+    row, or with packed rows from ``adapter_ids[B, T]`` indexing ``adapter_names`` (-1 = base)."""
     names = list(adapter_names)
     index = {n: i for i, n in enumerate(vocab)}
     unknown = sorted({n for n in names if n != BASE and n not in index})
@@ -48,14 +46,22 @@ def adapter_token_means(logits: torch.Tensor, labels: torch.Tensor, adapter_name
         raise ValueError(f"adapter(s) {unknown} not in the loss vocabulary {list(vocab)}")
     # built on the host, copied without a stream sync: a blocking copy here would make the host wait for the whole
     # forward pass before it could queue the backward
-    table = torch.tensor([index.get(n, -1) for n in names] + [-1]).to(logits.device, non_blocking=True)
+    table = torch.tensor([index.get(n, -1) for n in names] + [-1]).to(device, non_blocking=True)
     if adapter_ids is None:
-        if len(names) != logits.shape[0]:
-            raise ValueError(f"got {len(names)} adapter names for a batch of {logits.shape[0]} rows")
-        tok = table[:-1][:, None].expand(labels.shape)
-    else:
-        # -1 indexes the trailing "no adapter" entry
-        tok = table[adapter_ids.to(logits.device, non_blocking=True).long()]
+        if len(names) != shape[0]:
+            raise ValueError(f"got {len(names)} adapter names for a batch of {shape[0]} rows")
+        return table[:-1][:, None].expand(shape)
+    # -1 indexes the trailing "no adapter" entry
+    return table[adapter_ids.to(device, non_blocking=True).long()]
+
+
+def adapter_token_means(logits: torch.Tensor, labels: torch.Tensor, adapter_names: Sequence[str],
+                        vocab: Sequence[str], *, adapter_ids: Optional[torch.Tensor] = None,
+                        ignore_index: int = -100, shift: bool = True):
+    """Per-adapter mean token cross-entropy and token counts over an adapter ``vocab`` (``__base__`` tokens and
+    ``ignore_index`` labels left out). Returns ``(means[len(vocab)], counts[len(vocab)])``; ``means`` carries the
+    graph. ``adapter_names`` one per row, or with packed rows the names that ``adapter_ids[B, T]`` indexes."""
+    tok = token_adapters(adapter_names, vocab, labels.shape, logits.device, adapter_ids=adapter_ids)
     labels = labels.to(logits.device, non_blocking=True)
     if shift:  # shift the labels, not the logits: a slice of the logits would be copied, and its gradient zero-filled
         labels = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
@@ -63,6 +69,16 @@ def adapter_token_means(logits: torch.Tensor, labels: torch.Tensor, adapter_name
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                          ignore_index=ignore_index, reduction="none")
     return per_adapter_mean(ce, tok, len(vocab), valid=labels.reshape(-1) != ignore_index)
+
+
+def adapter_log_prob_means(log_probs: torch.Tensor, label_mask: torch.Tensor, adapter_names: Sequence[str],
+                           vocab: Sequence[str], *, adapter_ids: Optional[torch.Tensor] = None):
+    """:func:`adapter_token_means` from per-token next-token log-probabilities instead of logits (TRL's fused LM
+    head returns them without building the logits): ``log_probs[B, T-1]`` of the labels ``1..T-1``,
+    ``label_mask[B, T-1]`` where they are trained. Same means: the negative log-probability is the cross-entropy."""
+    B, T1 = log_probs.shape
+    tok = token_adapters(adapter_names, vocab, (B, T1 + 1), log_probs.device, adapter_ids=adapter_ids)[:, 1:]
+    return per_adapter_mean(-log_probs, tok, len(vocab), valid=label_mask.to(log_probs.device))
 
 
 def per_adapter_loss(logits: torch.Tensor, labels: torch.Tensor, adapter_names: Sequence[str], *,

@@ -20,7 +20,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from transformers import TrainerCallback
 
-from .loss import adapter_token_means
+from .loss import adapter_log_prob_means, adapter_token_means
 
 __all__ = ["PerAdapterLoss", "adapter_token_sums", "distributed_per_adapter_loss"]
 
@@ -89,7 +89,8 @@ class PerAdapterLoss(TrainerCallback):
     ``compute_loss_func`` loss by the gradient-accumulation steps, so training losses are divided here (each
     micro-batch's per-adapter means weigh equally: exact for ``gradient_accumulation_steps=1``).
     The callback adds ``loss/<adapter>`` (mean over the logging window) to the Trainer's logs and
-    ``eval_loss/<adapter>`` to evaluation logs.
+    ``eval_loss/<adapter>`` to evaluation logs. ``outputs`` carry ``logits``, or the per-token ``log_probs`` and
+    ``label_mask`` of TRL's fused LM head (:class:`fast_multilora.trl.MultiAdapterSFTTrainer`).
     """
 
     def __init__(self, model: Optional[torch.nn.Module] = None, vocab: Optional[Sequence[str]] = None, *,
@@ -135,9 +136,15 @@ class PerAdapterLoss(TrainerCallback):
                 "PerAdapterLoss: the forward call carried no `adapter_names`; the collator must emit them "
                 "(fast_multilora.data.MultiAdapterCollator) and the loss must be attached to the model that is called"
             )
-        logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
-        sums, counts = adapter_token_sums(logits, labels, names, self.vocab, adapter_ids=ids,
-                                          ignore_index=self.ignore_index, shift=self.shift)
+        log_probs = outputs.get("log_probs") if isinstance(outputs, dict) else getattr(outputs, "log_probs", None)
+        if log_probs is not None:  # TRL's fused LM head: next-token log-probabilities, no logits
+            mask = outputs["label_mask"] if isinstance(outputs, dict) else outputs.label_mask
+            means, counts = adapter_log_prob_means(log_probs, mask, names, self.vocab, adapter_ids=ids)
+            sums = means * counts
+        else:
+            logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+            sums, counts = adapter_token_sums(logits, labels, names, self.vocab, adapter_ids=ids,
+                                              ignore_index=self.ignore_index, shift=self.shift)
         training = self._model.training if self._model is not None else torch.is_grad_enabled()
         acc = self._stats.setdefault(training, [torch.zeros(len(self.vocab)), torch.zeros(len(self.vocab))])
         acc[0] += sums.detach().float().cpu()
