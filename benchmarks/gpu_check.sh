@@ -18,10 +18,10 @@
 # Every stage runs under its own `timeout`; a stage that fails or times out does not stop the later ones, and the
 # benchmarks write their JSON/markdown after every case, so a killed stage still leaves what it measured. Worst case
 # (every limit hit, default stages) about 8.7 minutes; limits (seconds): T_INSTALL, T_TESTS, T_KERNELS, T_MODEL,
-# T_PROFILE, T_MULTI, T_COMPILED; pytest's stop rule with PYTEST_STOP (default -x).
+# T_PROFILE (per profiled mode), T_MULTI, T_COMPILED; pytest's stop rule with PYTEST_STOP (default -x).
 #
 # Files in $OUT (flat): gpu_check.log (this script's whole output), pytest_gpu.log, fuzz_gpu.log, kernels.json,
-# kernels.md, h200.json, h200.md, h200.png, profile_step.txt, multi_gpu/ (see multi_gpu.sh).
+# kernels.md, h200.json, h200.md, h200.png, profile_step_<mode>.txt, multi_gpu/ (see multi_gpu.sh).
 set -u
 
 export PYTHONUNBUFFERED=1
@@ -43,6 +43,7 @@ GPU_TESTS=${GPU_TESTS:-tests/}  # the tests stage's paths (e.g. GPU_TESTS=tests/
 COMPILED_SCENARIOS=${COMPILED_SCENARIOS:-train_step_8_compiled,eval_8_compiled,generate_static,generate_dynamic}
 T_COMPILED=${T_COMPILED:-540}  # 12 providers, 9 of them compiled (40-90 s each on an H200)
 COMPILE_MODE=${COMPILE_MODE:-default}
+PROFILE_MODES=${PROFILE_MODES:-eager}  # the profile stage's train steps: eager and/or torch.compile modes
 FML_FUZZ_EXAMPLES=${FML_FUZZ_EXAMPLES:-30}
 PYTEST_STOP=${PYTEST_STOP:--x}  # e.g. PYTEST_STOP=--maxfail=20 to see more than the first failure
 PY=${PYTHON:-$(command -v python3 || command -v python)}
@@ -141,8 +142,12 @@ main() {
             --scenarios "$COMPILED_SCENARIOS" \
             --compile-mode "$COMPILE_MODE" --budget-s $((T_COMPILED - 35)) ${COMMIT:+--commit "$COMMIT"}
     fi
-    if want profile; then
-        stage profile "$T_PROFILE" env CUDA_VISIBLE_DEVICES=0 "$PY" benchmarks/profile_step.py --out "$OUT/profile_step.txt"
+    if want profile; then  # one profile per PROFILE_MODES entry: eager, or a torch.compile mode
+        local m
+        for m in $PROFILE_MODES; do
+            stage "profile_$m" "$T_PROFILE" env CUDA_VISIBLE_DEVICES=0 "$PY" benchmarks/profile_step.py \
+                $([ "$m" = eager ] || echo --compile "$m") --out "$OUT/profile_step_$m.txt"
+        done
     fi
     if want multi; then
         stage multi "$T_MULTI" env OUT="$OUT/multi_gpu" bash benchmarks/multi_gpu.sh

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .chunks import chunk_table
 from .dropout import check_keep_bits, check_seed, keep_block, unpack_keep
 from .launch import cdiv, checked, launch, mark_checked, next_power_of_2
 from .segments import AdapterTable, Segments, slot_grouping, weight_args
@@ -161,19 +162,9 @@ def _chunks(segs: Segments, n_slots: int, chunk: int):
     if hit is not None:
         return hit
     order, bounds = _grouping(segs, n_slots)
-    dev = bounds.device
-    n_chunks = (bounds[1:] - bounds[:-1] + chunk - 1) // chunk  # [n_slots + 1], slot -1 first
-    cptr = torch.zeros(n_slots + 2, dtype=torch.int64, device=dev)
-    cptr[1:] = torch.cumsum(n_chunks, 0)
     capacity = segs.num_tokens // chunk + n_slots + 1  # >= sum of ceil(len / chunk) over the n_slots + 1 groups
-    i_c = torch.arange(capacity, device=dev)
-    g = torch.searchsorted(cptr[1:], i_c, right=True)  # group (slot + 1); n_slots + 1 past the last chunk
-    valid = g <= n_slots
-    gc = g.clamp(max=n_slots)
-    start = bounds[gc] + (i_c - cptr[gc]) * chunk
-    end = torch.minimum(start + chunk, bounds[gc + 1])
-    info = torch.stack([torch.where(valid, gc - 1, -1), torch.where(valid, start, 0), torch.where(valid, end, 0)], 1)
-    hit = (info.to(torch.int32).contiguous(), cptr.to(torch.int32), order, capacity)
+    info, cptr = chunk_table(bounds, chunk, capacity, first_id=-1)  # groups: slot -1 first
+    hit = (info, cptr, order, capacity)
     segs.cache[key] = hit
     return hit
 

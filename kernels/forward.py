@@ -236,11 +236,11 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
             K, *x.stride(), *common), dict(meta, BLOCK_S=BLOCK_S))
     else:
         chunks = chunk_table(segs, BLOCK_S)
-        grid = (chunks.shape[1], cdiv(width, BLOCK_N))
+        grid = (chunks.shape[0], cdiv(width, BLOCK_N))
         launch(sgmv_shrink_kernel, grid, (
-            x, A, out, keep_arg, chunks, segs.indptr, segs.slot, segs.perm, table.ranks, table.offsets, w_offs,
+            x, A, out, keep_arg, chunks, segs.slot, segs.perm, table.ranks, table.offsets, w_offs,
             table.dropout,
-            seed, chunks.shape[1], *x.stride(), *common), dict(K=K, N=width, BLOCK_M=BLOCK_S, **meta))
+            seed, *x.stride(), *common), dict(K=K, N=width, BLOCK_M=BLOCK_S, **meta))
     return out
 
 
@@ -322,8 +322,8 @@ def _expand_launch(h, B_cat, B, w_offs, segs: Segments, table: AdapterTable, y, 
             N, *common), dict(meta, BLOCK_S=BLOCK_S, N_TILES=n_tiles))
     else:
         chunks = chunk_table(segs, BLOCK_S)
-        grid = (chunks.shape[1], cdiv(N, BLOCK_N))
+        grid = (chunks.shape[0], cdiv(N, BLOCK_N))
         launch(sgmv_expand_kernel, grid, (
-            h, B, y, bias_arg, chunks, segs.indptr, segs.slot, segs.perm, table.ranks, table.offsets, w_offs,
-            table.scales, slice_idx, chunks.shape[1], *common),
+            h, B, y, bias_arg, chunks, segs.slot, segs.perm, table.ranks, table.offsets, w_offs,
+            table.scales, slice_idx, *common),
             dict(N=N, MAX_RANK=table.max_rank, BLOCK_M=BLOCK_S, **meta))

@@ -1,9 +1,10 @@
 """Chunked SGMV family (``segs.perm`` given): one segment per slot, its rows gathered through ``perm``.
 
 Segments are cut into fixed ``BLOCK_M`` chunks, so one giant segment spreads over many programs instead of
-serialising. The chunk table (chunk -> segment, first logical position) is built on the device from ``segs.indptr``
-with a few torch ops and no device->host sync; the grid is sized to the capacity ``cdiv(len(perm), BLOCK_M) +
-num_segments`` (an upper bound on the chunk count) and spare programs return at once. Activations are not moved:
+serialising. The chunk table (chunk -> segment, first and end logical position) is built on the device from
+``segs.indptr`` by one small kernel (``kernels/chunks.py``), no device->host sync; the grid is sized to the
+capacity ``cdiv(len(perm), BLOCK_M) + num_segments`` (an upper bound on the chunk count) and spare programs return
+at once. Activations are not moved:
 each program loads ``perm[chunk]`` and reads/writes those physical rows. The tile bodies are the SGEMM ones
 (``sgemm.shrink_tile``/``expand_tile``), so both families share one implementation of the math.
 
@@ -18,37 +19,27 @@ import torch
 import triton
 import triton.language as tl
 
+from . import chunks
 from .launch import cdiv
 from .segments import Segments
 from .sgemm import expand_tile, shrink_tile, slot_b, slot_weight
 
 
 def chunk_table(segs: Segments, block_m: int) -> torch.Tensor:
-    """int32 ``[2, capacity]``: segment index (-1 past the last chunk) and first logical position of each chunk.
-
-    Cached in ``segs.cache`` per ``block_m``; built with device ops only (no ``.item()``), so no host sync.
-    """
+    """int32 ``[capacity, 3]``: per chunk ``(segment, start, end)`` logical positions (``(-1, 0, 0)`` past the last
+    chunk), ``kernels.chunks.chunk_table`` of the segments. Cached in ``segs.cache`` per ``block_m``; one launch,
+    no host sync."""
     key = ("sgmv_chunks", block_m)
     table = segs.cache.get(key)
-    if table is not None:
-        return table
-    n_seg = segs.num_segments
-    capacity = cdiv(segs.perm.numel(), block_m) + n_seg
-    indptr = segs.indptr.long()
-    n_chunks = (indptr[1:] - indptr[:-1] + block_m - 1) // block_m  # [n_seg]
-    last = torch.cumsum(n_chunks, 0)  # chunks of segments 0..i, inclusive
-    i_c = torch.arange(capacity, device=indptr.device)
-    seg = torch.searchsorted(last, i_c, right=True)  # == n_seg past the last chunk
-    seg_c = seg.clamp(max=n_seg - 1)
-    start = indptr[seg_c] + (i_c - (last - n_chunks)[seg_c]) * block_m
-    table = torch.stack([torch.where(seg < n_seg, seg, -1), start]).to(torch.int32)
-    segs.cache[key] = table
+    if table is None:
+        capacity = cdiv(segs.perm.numel(), block_m) + segs.num_segments
+        table = segs.cache[key] = chunks.chunk_table(segs.indptr, block_m, capacity)[0]
     return table
 
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed per call must not pick new variants
 def sgmv_shrink_kernel(
-    x, A, h, keep_bits, chunks, indptr, seg_slot, perm, ranks, offsets, w_offs, dropout, seed, capacity,
+    x, A, h, keep_bits, chunks, seg_slot, perm, ranks, offsets, w_offs, dropout, seed,
     stride_xs, stride_xk, stride_an, stride_ak, stride_hs, stride_hn, stride_ms,
     K: tl.constexpr, N: tl.constexpr, STACK: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_MASK: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -59,7 +50,7 @@ def sgmv_shrink_kernel(
         seed = tl.load(seed)
     i_c = tl.program_id(0)
     i_n = tl.program_id(1)
-    i_g = tl.load(chunks + i_c)
+    i_g = tl.load(chunks + i_c * 3)
     if i_g < 0:
         return
     slot = tl.load(seg_slot + i_g)
@@ -68,8 +59,8 @@ def sgmv_shrink_kernel(
     n_a = tl.minimum(N, STACK * tl.load(ranks + slot))
     if i_n * BLOCK_N >= n_a:  # also rank 0
         return
-    o_m = tl.load(chunks + capacity + i_c) + tl.arange(0, BLOCK_M)  # [BLOCK_M] logical positions
-    m_s = o_m < tl.load(indptr + i_g + 1)
+    o_m = tl.load(chunks + i_c * 3 + 1) + tl.arange(0, BLOCK_M)  # [BLOCK_M] logical positions
+    m_s = o_m < tl.load(chunks + i_c * 3 + 2)
     o_s = tl.load(perm + o_m, mask=m_s, other=0).to(tl.int64)  # [BLOCK_M] physical rows
     p = 0.0
     if HAS_DROPOUT:
@@ -84,7 +75,7 @@ def sgmv_shrink_kernel(
 
 @triton.jit
 def sgmv_expand_kernel(
-    h, B, y, bias, chunks, indptr, seg_slot, perm, ranks, offsets, w_offs, scales, slice_idx, capacity,
+    h, B, y, bias, chunks, seg_slot, perm, ranks, offsets, w_offs, scales, slice_idx,
     stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
     N: tl.constexpr, MAX_RANK: tl.constexpr,
     FP64: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -97,7 +88,7 @@ def sgmv_expand_kernel(
     """
     i_c = tl.program_id(0)
     i_n = tl.program_id(1)
-    i_g = tl.load(chunks + i_c)
+    i_g = tl.load(chunks + i_c * 3)
     if i_g < 0:
         return
     slot = tl.load(seg_slot + i_g)
@@ -106,8 +97,8 @@ def sgmv_expand_kernel(
     rank = tl.minimum(MAX_RANK, tl.load(ranks + slot))
     if rank == 0:
         return
-    o_m = tl.load(chunks + capacity + i_c) + tl.arange(0, BLOCK_M)  # [BLOCK_M] logical positions
-    m_s = o_m < tl.load(indptr + i_g + 1)
+    o_m = tl.load(chunks + i_c * 3 + 1) + tl.arange(0, BLOCK_M)  # [BLOCK_M] logical positions
+    m_s = o_m < tl.load(chunks + i_c * 3 + 2)
     o_s = tl.load(perm + o_m, mask=m_s, other=0).to(tl.int64)  # [BLOCK_M] physical rows
     B_a, b_col0 = slot_b(B, offsets, w_offs, slot, W_OFFS)
     expand_tile(

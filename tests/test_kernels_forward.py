@@ -165,11 +165,12 @@ def test_chunk_table_covers_every_position_once():
     assert chunk_table(segs, 16) is table  # cached per block size
     seen = []
     indptr = segs.indptr.tolist()
-    for seg, start in table.T.tolist():
+    for seg, start, end in table.tolist():
         if seg < 0:
+            assert start == end == 0
             continue
-        assert indptr[seg] <= start < indptr[seg + 1]
-        seen += range(start, min(start + 16, indptr[seg + 1]))
+        assert indptr[seg] <= start < end == min(start + 16, indptr[seg + 1])
+        seen += range(start, end)
     assert sorted(seen) == list(range(segs.perm.numel()))
 
 
