@@ -361,7 +361,8 @@ def _aux_wrapper_types():
 
 def patch(model: torch.nn.Module, config: Optional[PatchConfig] = None, **settings) -> PatchReport:
     """Run ``model``'s PEFT LoRA Linear layers through fast_multilora; returns a :class:`PatchReport` (and warns
-    about every module left on PEFT's path).
+    about every module left on PEFT's path, but for custom LoRA classes registered in an adapter's config, which PEFT
+    warns about itself).
 
     ``model``: a ``PeftModel``, a ``LoraModel`` or any module tree holding PEFT LoRA layers. After patching,
     ``model(**batch, adapter_names=[...])`` (one name per sample, ``"__base__"`` for none) works in training and
@@ -424,10 +425,15 @@ def patch(model: torch.nn.Module, config: Optional[PatchConfig] = None, **settin
             report.fallback[name] = f"{type(module).__name__}: PEFT's per-sample loop"
     router.groups = stacked.declare_groups(fast) if config.share_shrink else []
     report.shared = [g.names for g in router.groups]
-    if report.fallback:
+    # custom LoRA classes registered in an adapter's config (LoraConfig._register_custom_module) are listed, not
+    # warned about: PEFT warns about them itself ("Unsupported layer type ..."), and ours would bury its warning
+    custom = {c for cfg in getattr(router.tuner, "peft_config", {}).values()
+              for c in (getattr(cfg, "_custom_modules", None) or {}).values()}
+    warned = {n: why for n, why in report.fallback.items() if _original_class(model.get_submodule(n)) not in custom}
+    if warned:
         warnings.warn(
-            f"fast_multilora.patch: {len(report.fallback)} module(s) run PEFT's per-sample mixed-batch loop instead "
-            f"of our kernels (see the returned report), e.g. {next(iter(report.fallback.items()))}",
+            f"fast_multilora.patch: {len(warned)} module(s) run PEFT's per-sample mixed-batch loop instead "
+            f"of our kernels (see the returned report), e.g. {next(iter(warned.items()))}",
             stacklevel=2,
         )
     if variant_warned:

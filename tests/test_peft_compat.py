@@ -291,3 +291,38 @@ def test_model_without_lora_layers_is_left_unpatched():
     assert report.patched == [] and "_fml_router" not in model.__dict__
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids, adapter_names=names).logits, want)
+
+
+def test_custom_lora_class_falls_back_without_a_warning_of_ours():
+    """A LoRA class registered in the adapter's config (``LoraConfig._register_custom_module``) is user code: it
+    runs PEFT's loop and is listed in the report, but patch() does not warn about it (PEFT warns about such layers
+    itself, and PEFT's own test reads its warning as the last one); other fallbacks still warn."""
+    from peft import get_peft_model
+    from peft.tuners import lora
+
+    class MyLora(lora.Linear):
+        pass
+
+    cfg = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    cfg._register_custom_module({torch.nn.Linear: MyLora})
+    model = get_peft_model(tiny_llama(), cfg, adapter_name="c0")
+    model.add_adapter("c1", LoraConfig(r=3, target_modules=["embed_tokens"], init_lora_weights=False))
+    with pytest.warns(UserWarning, match="PEFT's per-sample mixed-batch loop") as rec:
+        report = fast_multilora.patch(model)
+    ours = [str(w.message) for w in rec if "fast_multilora" in str(w.message)]
+    assert len(ours) == 1 and "1 module(s)" in ours[0] and "embed_tokens" in ours[0], ours
+    assert sum("q_proj" in n or "v_proj" in n for n in report.fallback) == 4, report.fallback  # listed all the same
+
+    model = get_peft_model(tiny_llama(), cfg, adapter_name="c0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = fast_multilora.patch(model)
+    assert len(report.fallback) == 4 and not report.patched
+    model.eval()
+    ids = _ids(2)
+    with torch.no_grad():
+        got = model(input_ids=ids, adapter_names=["c0", "__base__"]).logits
+        want = model(input_ids=ids[:1]).logits
+        with model.disable_adapter():
+            base = model(input_ids=ids[1:]).logits
+    torch.testing.assert_close(got, torch.cat([want, base]), rtol=1e-5, atol=1e-6)
