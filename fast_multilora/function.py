@@ -208,6 +208,9 @@ class LayerCall:
     has_bias: bool = False  # lora_bias
     bias_rows: Optional[torch.Tensor] = None  # [S] row of each token's adapter among the present ones (n: none)
     stack: object = None  # the stack's stacked.Pending: which members' outputs got a gradient (their A get dA)
+    # an MoE experts call (``fast_multilora.moe``): each weight holds this many slots of the table (its experts), so
+    # dB comes as one concatenation [N, total_rank] (the expand backward's per-slot blocks are not the weights')
+    experts: int = 1
 
     @property
     def n_adapters(self) -> int:
@@ -309,7 +312,7 @@ class LoraLinear(torch.autograd.Function):
                     dh = torch.zeros(dy.shape[0], st * table.max_rank, dtype=h.dtype, device=dy.device)
                 B = be.weights(weights[n_a : n_a + n], table, 1, call.in_place)
                 dh, dB = be.expand_bwd(dy, h, B, segs, table, st, call.slice_idx, dh=dh,
-                                       grad_dtype=_grad_dtype(w_dtypes[n_a : n_a + n]))
+                                       grad_dtype=_grad_dtype(w_dtypes[n_a : n_a + n]) if call.experts == 1 else None)
                 if need_b:
                     grads[n_a : n_a + n] = _split_grads(dB, call.ranks, w_dtypes[n_a : n_a + n], dim=1, n_rows=N)
             if call.has_bias and need_bias:

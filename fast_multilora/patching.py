@@ -6,8 +6,13 @@ touched, so ``state_dict``, optimizers, ``save_pretrained`` and ``PeftModel.from
 
 * ``peft.tuners.lora.Linear`` (vanilla LoRA adapters, incl. rsLoRA, ``lora_bias``, ``fan_in_fan_out`` Conv1D bases):
   the delta runs on our backends, one ``function.LoraLinear`` per layer call.
-* ``peft.tuners.lora.bnb.Linear4bit`` / ``Linear8bitLt`` (QLoRA: bitsandbytes 4-bit nf4/fp4 and 8-bit bases): the
-  base layer runs as PEFT calls it and the delta is added to its output (to a copy for 4-bit, as PEFT does).
+* ``peft.tuners.lora.bnb.Linear4bit`` / ``Linear8bitLt`` (QLoRA: bitsandbytes 4-bit nf4/fp4 and 8-bit bases) and
+  ``peft.tuners.lora.torchao.TorchaoLoraLinear`` (torchao int8 weights): the base layer runs as PEFT calls it and the
+  delta is added to its output (to a copy for 4-bit, as PEFT does).
+* ``peft.tuners.lora.ParamWrapper`` on the fused 3-D weights of a transformers experts module (MoE LoRA through
+  ``target_parameters``): the experts' forward with each routed pair's delta over virtual (expert, adapter) slots
+  (``fast_multilora.moe``); a wrapper it cannot run is listed in the report's ``unsupported`` and raises a clear
+  error in a mixed batch (PEFT itself refuses mixed batches there).
 * Every other LoRA layer (Embedding, Conv, other quantized layers, ...) and PEFT's auxiliary wrappers
   (``modules_to_save``, trainable tokens): PEFT's own per-sample mixed-batch loop, which we call in training too.
   Listed in the report's ``fallback``.
@@ -35,7 +40,7 @@ from peft.tuners.lora import Linear as LoraLinearLayer
 from peft.tuners.lora import LoraLayer
 from torch.nn.modules import module as _nn_module  # its global forward hooks are read per call
 
-from . import stacked
+from . import moe, stacked
 from .config import PatchConfig
 from .function import LayerCall, LoraLinear, get_backend, lora_dropout_rate, run
 from .kernels.segments import AdapterTable
@@ -46,7 +51,8 @@ _HOOKS_ATTR = "_fml_hooks"
 _STATE_ATTR = "_fml_state"  # on a patched layer: its LayerState (None: no adapter of the routing's slots)
 _SIG_ATTR = "_fml_sig"  # what the state was built from
 _STACK_ATTR = "_fml_stack"  # (stacked.Stack, slice index) or None
-_LAYER_ATTRS = (_ROUTER_ATTR, _STATE_ATTR, _SIG_ATTR, _STACK_ATTR)
+_MOE_ATTR = "_fml_moe"  # on a patched ParamWrapper: {"name", "error", "state", "sig"} (fast_multilora.moe)
+_LAYER_ATTRS = (_ROUTER_ATTR, _STATE_ATTR, _SIG_ATTR, _STACK_ATTR, _MOE_ATTR)
 
 
 @dataclass
@@ -59,9 +65,14 @@ class PatchReport:
     fallback: dict = field(default_factory=dict)
     shared: list = field(default_factory=list)
     config: Optional[PatchConfig] = None
+    unsupported: dict = field(default_factory=dict)  # name -> why a mixed batch through it raises
+    experts: list = field(default_factory=list)  # the patched MoE expert-weight wrappers (among ``patched``)
 
     def __str__(self) -> str:
         lines = [f"fast_multilora: {len(self.patched)} LoRA Linear module(s) patched (backend={self.backend!r})"]
+        if self.experts:
+            lines[0] = (f"fast_multilora: {len(self.patched) - len(self.experts)} LoRA Linear module(s) and "
+                        f"{len(self.experts)} MoE expert-weight wrapper(s) patched (backend={self.backend!r})")
         if self.shared:
             lines.append(f"{len(self.shared)} sibling group(s) share one shrink pass when their members are called "
                          "on the same input and their adapters agree, e.g.:")
@@ -69,6 +80,9 @@ class PatchReport:
         if self.fallback:
             lines.append(f"{len(self.fallback)} module(s) run PEFT's own mixed-batch path:")
             lines += [f"  {name}: {why}" for name, why in self.fallback.items()]
+        if self.unsupported:
+            lines.append(f"{len(self.unsupported)} module(s) raise in a mixed batch:")
+            lines += [f"  {name}: {why}" for name, why in self.unsupported.items()]
         return "\n".join(lines)
 
 
@@ -180,6 +194,8 @@ def refresh_layers(router: Router, routing) -> None:
             states = [m.__dict__.get(_STATE_ATTR) for m in group.members]
             for i, stack, s in stacked.stacks_of(group, states, router.config.share_dropout):
                 group.members[i].__dict__[_STACK_ATTR] = (stack, s)
+    for wrapper in router.expert_layers:
+        moe.refresh(wrapper.__dict__[_MOE_ATTR], wrapper, slot_names)
     for name in routing.names:
         if name in router.variants:
             kind, module = router.variants[name]
@@ -291,6 +307,38 @@ def _fused_base(layer, x, args, kwargs, state: LayerState, config: PatchConfig):
     return base
 
 
+class _ExpertsMixin:
+    """Mixed-batch forward for ``peft.tuners.lora.ParamWrapper`` on an experts module (``fast_multilora.moe``): the
+    called wrapper runs its whole chain (the nested wrappers below it and the experts module)."""
+
+    def forward(self, x, *args, **kwargs):
+        router: Optional[Router] = self.__dict__.get(_ROUTER_ATTR)
+        names = kwargs.pop("adapter_names", None)
+        if router is None or (names is None and router.current is None):
+            if names is not None:
+                kwargs["adapter_names"] = names
+            return super().forward(x, *args, **kwargs)
+        routing = router.current if names is None else router.routing_for_names(names, x.device)
+        entry = self.__dict__[_MOE_ATTR]
+        if entry["error"] is not None:
+            raise ValueError(f"fast_multilora: module {entry['name']} (lora.ParamWrapper of {self.parameter_name!r}) "
+                             f"cannot run a mixed batch: {entry['error']}")
+        wrappers, experts = moe.chain(self)
+        if self.disable_adapters:  # PEFT: disabled adapters ignore adapter_names
+            for w in wrappers:
+                if w.merged:
+                    w.unmerge()
+            return experts(x, *args, **kwargs)
+        if any(w.merged for w in wrappers):
+            raise ValueError(
+                "Cannot pass `adapter_names` when there are merged adapters, please call `unmerge_adapter` first."
+            )
+        state = entry.get("state")
+        if state is None:  # none of the routing's adapters targets these experts
+            return experts(x, *args, **kwargs)
+        return moe.experts_forward(state, router.config, routing, x, *args, name=entry["name"], **kwargs)
+
+
 class _FallbackMixin:
     """PEFT's own per-sample mixed-batch loop for layers we do not run (it works in training at layer level)."""
 
@@ -298,6 +346,9 @@ class _FallbackMixin:
         router: Optional[Router] = self.__dict__.get(_ROUTER_ATTR)
         routing = router.current if router is not None else None
         if routing is not None and "adapter_names" not in kwargs:
+            why = _NO_MIXED_BATCH.get(_original_class(self).__name__)
+            if why is not None:
+                raise ValueError(f"fast_multilora: {type(self).__name__} cannot run a mixed batch: {why}")
             x = args[0] if args else next(iter(kwargs.values()))
             kwargs["adapter_names"] = routing.row_names(x)
         return super().forward(*args, **kwargs)
@@ -330,21 +381,45 @@ def _original_class(module):
 
 
 def _quantized_lora_classes() -> tuple:
-    """PEFT's LoRA layers over bitsandbytes 4-bit and 8-bit bases (when bitsandbytes is installed): their base layer
-    is opaque to the Function, so they take the added path as any unfusable base."""
+    """PEFT's LoRA layers over bitsandbytes 4-bit / 8-bit bases (when bitsandbytes is installed) and torchao bases:
+    their base layer is opaque to the Function, so they take the added path as any unfusable base."""
+    classes = []
     try:
         from peft.tuners.lora import bnb as peft_bnb
     except ImportError:  # pragma: no cover - PEFT without its bnb module
-        return ()
-    return tuple(getattr(peft_bnb, name) for name in ("Linear4bit", "Linear8bitLt") if hasattr(peft_bnb, name))
+        peft_bnb = None
+    classes += [getattr(peft_bnb, name) for name in ("Linear4bit", "Linear8bitLt") if hasattr(peft_bnb, name)]
+    try:
+        from peft.tuners.lora.torchao import TorchaoLoraLinear  # a lora.Linear: PEFT's plain forward and casts
+    except ImportError:  # pragma: no cover - PEFT without its torchao module
+        TorchaoLoraLinear = None
+    return tuple(classes + ([TorchaoLoraLinear] if TorchaoLoraLinear is not None else []))
+
+
+# PEFT's other quantized / sharded LoRA layers (PEFT 0.21): why they stay on PEFT's path. Those whose forward takes no
+# ``adapter_names`` or refuses it (_NO_MIXED_BATCH) cannot run a mixed batch on stock PEFT either: ours raises then.
+_NO_MIXED_BATCH = {
+    name: f"PEFT's layer ({lib}) takes no adapter_names: stock PEFT cannot mix adapters in it either; route the batch "
+          "to one adapter (set_adapter, no adapter_names)"
+    for name, lib in (("GPTQLoraLinear", "GPTQ"), ("AwqLoraLinear", "AWQ"), ("AqlmLoraLinear", "AQLM"),
+                      ("EetqLoraLinear", "EETQ"), ("TeLinear", "Transformer Engine"),
+                      ("LoraParallelLinear", "Megatron tensor parallel"))
+}
+_PEFT_LOOP = {  # PEFT mixes adapters here, but the base library is not installed in our CI: untested on our path
+    "HqqLoraLinear": "HQQ base (hqq): PEFT's per-sample loop (not run through our Function: untested here)",
+    "IncLoraLinear": "Intel Neural Compressor fp8 base: PEFT's per-sample loop (not run through our Function: "
+                     "untested here)",
+}
 
 
 def _fallback_reason(module):
     """``None`` when our Function runs this LoRA layer, else why PEFT's path does."""
     cls = _original_class(module)
+    if cls.__name__ in _NO_MIXED_BATCH or cls.__name__ in _PEFT_LOOP:
+        return f"{cls.__name__}: " + _NO_MIXED_BATCH.get(cls.__name__, _PEFT_LOOP.get(cls.__name__))
     if cls is not LoraLinearLayer and cls not in _quantized_lora_classes():
-        return (f"{cls.__module__}.{cls.__qualname__} is not peft.tuners.lora.Linear or a bitsandbytes LoRA layer "
-                "(peft.tuners.lora.bnb.Linear4bit / Linear8bitLt)")
+        return (f"{cls.__module__}.{cls.__qualname__} is not peft.tuners.lora.Linear or a quantized LoRA layer we "
+                "run (peft.tuners.lora.bnb.Linear4bit / Linear8bitLt, peft.tuners.lora.torchao.TorchaoLoraLinear)")
     base = module.get_base_layer()
     if not isinstance(base, torch.nn.Linear) and type(base).__name__ != "Conv1D":
         return f"base layer {type(base).__name__} is not nn.Linear/Conv1D"
@@ -398,7 +473,7 @@ def patch(model: torch.nn.Module, config: Optional[PatchConfig] = None, **settin
     router.config_key = tuple(sorted(getattr(router.tuner, "peft_config", {}).keys()))
     router.repatch = partial(_repatch, model)
     router.refresh = partial(refresh_layers, router)
-    router.layers, router.fast_layers = [], []
+    router.layers, router.fast_layers, router.expert_layers = [], [], []
     report = PatchReport(backend=config.backend, config=config)
     aux = _aux_wrapper_types()
     variant_warned = []
@@ -408,6 +483,17 @@ def patch(model: torch.nn.Module, config: Optional[PatchConfig] = None, **settin
             continue
         if isinstance(module, LoraLayer):
             router.layers.append(module)
+            if moe.is_param_wrapper(module):  # MoE experts (target_parameters): routed per (token, expert) pair
+                error = moe.unsupported_reason(module)
+                _swap(module, _ExpertsMixin, router)
+                module.__dict__[_MOE_ATTR] = {"name": name, "error": error}
+                router.expert_layers.append(module)
+                if error is None:
+                    report.patched.append(name)
+                    report.experts.append(name)
+                else:
+                    report.unsupported[name] = error
+                continue
             reason = _fallback_reason(module)
             if reason is None:
                 _swap(module, _FastLinearMixin, router)
@@ -434,6 +520,12 @@ def patch(model: torch.nn.Module, config: Optional[PatchConfig] = None, **settin
         warnings.warn(
             f"fast_multilora.patch: {len(warned)} module(s) run PEFT's per-sample mixed-batch loop instead "
             f"of our kernels (see the returned report), e.g. {next(iter(warned.items()))}",
+            stacklevel=2,
+        )
+    if report.unsupported:
+        warnings.warn(
+            f"fast_multilora.patch: {len(report.unsupported)} module(s) cannot run a mixed batch and raise when one is "
+            f"routed through them (see the returned report), e.g. {next(iter(report.unsupported.items()))}",
             stacklevel=2,
         )
     if variant_warned:

@@ -81,6 +81,7 @@ class Router:
         self.entered = False  # begin() ran in the model's pre-hook for the forward call now running
         self.layers: list = []  # every LoRA layer of the model (ours and the fallback ones), set by patch()
         self.fast_layers: list = []  # the layers on our Function
+        self.expert_layers: list = []  # PEFT ParamWrappers of MoE experts (fast_multilora.moe), set by patch()
         self.groups: list = []  # stacked.SiblingGroup s
         self.variants: dict = {}  # adapter name -> (LoRA variant kind, base layer type), set by refresh_layers
         self.tuner = None  # the PEFT tuner whose peft_config keys we watch
@@ -179,7 +180,7 @@ class Router:
         return r
 
     def _weights_device(self) -> torch.device:
-        for layer in self.fast_layers:
+        for layer in (*self.fast_layers, *self.expert_layers):
             for m in layer.lora_A.values():
                 return m.weight.device
         return torch.device("cpu")

@@ -1,0 +1,239 @@
+"""MoE experts LoRA (PEFT ``target_parameters`` on fused 3-D expert weights, ``fast_multilora.moe``) in mixed
+batches: tiny Qwen3-MoE and Mixtral against stock PEFT running each sample with its adapter alone (outputs, input
+and every LoRA gradient), train and eval, both backends (Triton through the interpreter); the virtual-expert delta
+against PEFT's own delta weights and float64 gradcheck; the patch report; a clear error for a ParamWrapper this
+path cannot run."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from test_paths import NAMES, assert_matches_peft
+from test_paths import _inputs as path_inputs
+
+import fast_multilora
+from fast_multilora import moe
+from fast_multilora.function import get_backend
+
+EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def configs(experts=EXPERTS):
+    """a0: attention and experts; a1: experts only (rsLoRA); a2: attention only -- ranks 4 / 8 / 2."""
+    common = dict(init_lora_weights=False)
+    return {"a0": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], target_parameters=experts,
+                             **common),
+            "a1": LoraConfig(r=8, lora_alpha=4, use_rslora=True, target_modules=[], target_parameters=experts,
+                             **common),
+            "a2": LoraConfig(r=2, lora_alpha=3, target_modules=ATTN, **common)}
+
+
+def tiny_moe(arch, impl, seed=0, dtype=torch.float32):
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  vocab_size=97, max_position_embeddings=64, num_experts_per_tok=2)
+    if arch == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=24, num_experts=8,
+                                                   **common))
+    else:
+        model = MixtralForCausalLM(MixtralConfig(intermediate_size=24, num_local_experts=4, **common))
+    model.config._experts_implementation = impl
+    return model.to(dtype)
+
+
+def moe_model(arch, impl, cfgs=None, dtype=torch.float32):
+    cfgs = cfgs or configs()
+    names = list(cfgs)
+    model = get_peft_model(tiny_moe(arch, impl, dtype=dtype), cfgs[names[0]], adapter_name=names[0])
+    for n in names[1:]:
+        model.add_adapter(n, cfgs[n])
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora_" in n)
+    return model
+
+
+def twin(model):
+    import copy
+
+    return copy.deepcopy(model)
+
+
+# (arch, the model's experts implementation): the base GEMMs follow it (grouped_mm, or a loop per expert)
+MODELS = [pytest.param("qwen3_moe", "grouped_mm", id="qwen3_moe-grouped_mm"),
+          pytest.param("mixtral", "eager", id="mixtral-eager")]
+
+
+def test_patch_report_lists_the_experts():
+    model = moe_model("qwen3_moe", "grouped_mm")
+    report = fast_multilora.patch(model, backend="torch")
+    experts = [n for n in report.patched if n.endswith("mlp.experts") or n.endswith("mlp.experts.base_layer")]
+    assert len(experts) == 4  # 2 layers x (down_proj wrapper, gate_up_proj wrapper)
+    assert not report.fallback and not report.unsupported
+    assert report.experts == experts
+    assert "8 LoRA Linear module(s) and 4 MoE expert-weight wrapper(s) patched" in str(report)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("arch,impl", MODELS)
+def test_mixed_batch_matches_peft(arch, impl, backend, mode):
+    """Rows of three adapters (attention + experts, experts only, attention only) and the base, unsorted: logits,
+    input gradients and every LoRA gradient equal stock PEFT per sample; in eval also the no-grad forward."""
+    model = moe_model(arch, impl)
+    ref = twin(model)
+    fast_multilora.patch(model, backend=backend)
+    getattr(model, mode)()
+    getattr(ref, mode)()
+    assert_matches_peft(model, ref, f"{arch} {backend} {mode}", adapter_names=NAMES)
+    if mode == "eval":
+        ids, _ = path_inputs(5)
+        emb = model.get_input_embeddings()(ids)
+        with torch.no_grad():
+            got = model(inputs_embeds=emb, adapter_names=NAMES).logits
+            want = model(inputs_embeds=emb, adapter_names=NAMES).logits
+        with torch.enable_grad():
+            with_grad = model(inputs_embeds=emb, adapter_names=NAMES).logits.detach()
+        assert torch.equal(got, want)
+        torch.testing.assert_close(got, with_grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["batched_mm", "grouped_mm"])
+def test_packed_rows_and_one_projection(impl):
+    """Packed rows (``adapter_ids``) through the experts, adapters targeting only ``down_proj``."""
+    cfgs = configs(experts=["experts.down_proj"])
+    model = moe_model("qwen3_moe", impl, cfgs)
+    ref = twin(model)
+    fast_multilora.patch(model, backend="torch")
+    vocab = ["a2", "a0", "a1"]
+    a_ids = torch.tensor([vocab.index(n) if n != "__base__" else -1 for n in NAMES])[:, None].expand(-1, 5)
+    assert_matches_peft(model, ref, "packed", adapter_names=vocab, adapter_ids=a_ids)
+
+
+def _standalone_experts(dtype):
+    """A Qwen3-MoE experts module (6 experts) under PEFT ParamWrappers of three adapters (ranks 3, 1, 2)."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    cfg = Qwen3MoeConfig(hidden_size=6, moe_intermediate_size=5, num_experts=6)
+    cfg._experts_implementation = "eager"
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = Qwen3MoeExperts(cfg)
+            torch.nn.init.normal_(self.experts.gate_up_proj)
+            torch.nn.init.normal_(self.experts.down_proj)
+
+        def forward(self, x, idx, w):
+            return self.experts(x, idx, w)
+
+    torch.manual_seed(0)
+    model = Block().to(dtype)
+    for i, (name, r) in enumerate([("z", 3), ("b", 1), ("m", 2)]):
+        c = LoraConfig(r=r, lora_alpha=2 * r + i, target_parameters=EXPERTS, init_lora_weights=False)
+        model = get_peft_model(model, c, adapter_name=name) if i == 0 else model
+        if i:
+            model.add_adapter(name, c)
+    return model
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_expert_delta_equals_peft_delta_weight_and_gradchecks(backend):
+    """The virtual-expert delta of one projection equals ``u @ ΔW_e.T`` per pair with PEFT's own
+    ``get_delta_weight`` (its 3-D layout and scale), base pairs and absent slots untouched; float64 gradcheck of
+    the pairs' input, the base output and every A and B."""
+    model = _standalone_experts(torch.float64)
+    wrapper = model.base_model.model.experts  # the down_proj wrapper, outermost
+    assert wrapper.parameter_name == "down_proj"
+    slot_names = ("b", "m", "q", "z")  # "q": a slot of the model that this layer lacks
+    E, n = 6, len(slot_names)
+    ps = moe._proj_state(wrapper, slot_names, E)
+    g = torch.Generator().manual_seed(0)
+    S, K, N = 23, 5, 6
+    expert_ids = torch.randint(0, E, (S,), generator=g)
+    pair_slots = torch.randint(-1, n, (S,), generator=g)
+    order, segs, offs = moe.pair_layout(expert_ids, pair_slots, E, n)
+    assert offs.tolist() == torch.bincount(expert_ids, minlength=E).cumsum(0).tolist()
+    e_s, a_s = expert_ids[order], pair_slots[order]
+    u = torch.randn(S, K, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(S, N, generator=g, dtype=torch.float64, requires_grad=True)
+    a_w, b_w = moe.lora_weights(ps)
+    be = get_backend(backend, torch.device("cpu"))
+
+    def f(u, y, *w):
+        return moe.expert_delta(be, segs, ps, u, y.clone(), w[: len(a_w)], w[len(a_w):], E)
+
+    want = y.detach().clone()
+    for p in range(S):
+        name = slot_names[a_s[p]] if a_s[p] >= 0 else None
+        if name in wrapper.lora_A:
+            want[p] += u[p].detach() @ wrapper.get_delta_weight(name)[e_s[p]].T
+    torch.testing.assert_close(f(u, y, *a_w, *b_w), want)
+    leaves = [w.detach().clone().requires_grad_() for w in (*a_w, *b_w)]
+    assert torch.autograd.gradcheck(f, (u, y, *leaves), eps=1e-6, atol=1e-7, fast_mode=backend == "triton")
+
+
+def test_experts_forward_gradcheck_float64():
+    """The whole routed experts forward (base loop per expert, gate, both deltas, routing weights, the top-k sum)
+    in float64: gradcheck of the hidden states and the routing weights, and equal to stock PEFT per token."""
+    model = _standalone_experts(torch.float64)
+    ref = twin(model)
+    fast_multilora.patch(model, backend="torch")
+    g = torch.Generator().manual_seed(1)
+    names = ["m", "__base__", "z", "b"]  # rows of 2 tokens each
+    T, k = 8, 2
+    x = torch.randn(T, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    idx = torch.stack([torch.randperm(6, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g, dtype=torch.float64, requires_grad=True)
+    experts = model.base_model.model.experts
+
+    def f(x, w):
+        with fast_multilora.route(model, names):
+            return experts(x, idx, w)
+
+    assert torch.autograd.gradcheck(f, (x, w), eps=1e-6, atol=1e-7)
+    out = f(x, w)
+    for i, name in enumerate(names):
+        rows = slice(2 * i, 2 * i + 2)
+        if name == "__base__":
+            with ref.disable_adapter():
+                want = ref(x[rows], idx[rows], w[rows])
+        else:
+            ref.set_adapter(name)
+            want = ref(x[rows], idx[rows], w[rows])
+        torch.testing.assert_close(out[rows], want, msg=name)
+
+
+def test_unsupported_param_wrapper_raises_a_clear_error():
+    """A ParamWrapper on a parameter that is not a fused expert weight (here the router's): listed as unsupported,
+    warned about, and a mixed batch names the module and what is missing -- not PEFT's length message."""
+    cfgs = {"a0": LoraConfig(r=2, target_modules=["q_proj"], target_parameters=["mlp.gate.weight"],
+                             init_lora_weights=False),
+            "a1": LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)}
+    model = moe_model("qwen3_moe", "grouped_mm", cfgs)
+    with pytest.warns(UserWarning, match="cannot run a mixed batch"):
+        report = fast_multilora.patch(model, backend="torch")
+    assert report.unsupported and all(n.endswith("mlp.gate") for n in report.unsupported)
+    ids = torch.randint(0, 97, (2, 5))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate .*not a transformers experts module") as e:
+        model(input_ids=ids, adapter_names=["a0", "a1"])
+    assert "Length of" not in str(e.value)
+    model(input_ids=ids)  # without adapter_names: PEFT's own path
+
+
+def test_disabled_adapters_and_base_only_batches():
+    """``disable_adapter()`` with names gives the base model's output; a batch without expert adapters runs the
+    experts module itself."""
+    model = moe_model("mixtral", "eager")
+    ref = twin(model)
+    fast_multilora.patch(model, backend="torch")
+    ids = torch.randint(0, 97, (3, 5))
+    with ref.disable_adapter():
+        base = ref(input_ids=ids).logits
+    with model.disable_adapter():
+        torch.testing.assert_close(model(input_ids=ids, adapter_names=["a0", "a1", "a2"]).logits, base)
+    torch.testing.assert_close(model(input_ids=ids, adapter_names=["__base__"] * 3).logits, base)
+    ref.set_adapter("a2")
+    torch.testing.assert_close(model(input_ids=ids, adapter_names=["a2"] * 3).logits, ref(input_ids=ids).logits)
