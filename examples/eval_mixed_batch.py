@@ -50,7 +50,8 @@ def main(argv=None):
     p.add_argument("--run-dir", default="runs/multi_adapter", help="--output-dir of train_multi_adapter.py")
     p.add_argument("--adapters", default=None, help="comma-separated subset (default: all in run.json)")
     p.add_argument("--model", default=None, help="base model (default: the one in run.json)")
-    p.add_argument("--eval-per-task", type=int, default=16)
+    p.add_argument("--eval-per-task", type=int, default=None,
+                   help="held-out prompts per task (default: the training run's, as its own evaluation used)")
     p.add_argument("--device", default="auto")
     p.add_argument("--backend", default="auto")
     p.add_argument("--check", action="store_true", help="compare with stock PEFT, one adapter at a time")
@@ -67,8 +68,10 @@ def main(argv=None):
     model, tok = load(run_dir, adapters, args.model or run["model"], device)
     print(fast_multilora.patch(model, backend=args.backend))
 
-    rows = T.eval_rows(adapters, args.eval_per_task)  # every adapter on its task + the base on every task
-    print(f"{len(rows)} rows: {len(adapters)} adapters + base, in one mixed batch")
+    per_task = args.eval_per_task or run.get("eval_per_task", 12)  # 12: the demo's default before run.json had it
+    rows = T.eval_rows(adapters, per_task)  # every adapter on its task + the base on every task
+    print(f"{len(rows)} rows ({per_task} held-out prompts per task): {len(adapters)} adapters + base, in one mixed "
+          "batch")
     with torch.no_grad():
         feats = [T.encode_example(tok, x, y, a) for a, _, x, y in rows]
         batch = MultiAdapterCollator(tok)(feats)
@@ -113,6 +116,7 @@ def main(argv=None):
               f"{mismatches} of {len(rows)}")
         if mismatches:
             raise SystemExit(1)
+    return {"rows": len(rows), "accuracy": acc, "loss": losses}
 
 
 def _generate_plain(model, tok, rows, adapters, device):

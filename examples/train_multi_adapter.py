@@ -290,6 +290,7 @@ def main(argv=None):
         peft_model.save_pretrained(out_dir / "adapters", selected_adapters=args.adapters, state_dict=state)
         run = {"model": args.model, "adapters": args.adapters, "rank": args.rank, "alpha": args.alpha,
                "targets": args.targets, "max_steps": args.max_steps, "global_batch_size": args.global_batch_size,
+               "eval_per_task": args.eval_per_task,
                "processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
                "optimizer": type(optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer).__name__,
                "fused": bool(optimizer.defaults.get("fused"))}
