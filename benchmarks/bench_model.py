@@ -32,6 +32,13 @@ intermediate 5632, 32/4 heads, vocab 32000, random init, bf16; LoRA r=16, alpha 
 projections) on 16 x 1024 tokens (32 adapters: 32 x 512, one row per adapter); ``eval_8`` -- a forward of 16 x 1024
 tokens, 8 adapters and ``__base__`` rows mixed.
 
+``moe_step_8`` (opt-in) -- one AdamW step of a Qwen3-MoE-shaped model (random init, bf16, 8 layers, hidden 2048,
+16 experts of intermediate 768, top-2, 32/4 heads of 128, vocab 32000; transformers' ``grouped_mm`` experts) on
+16 x 1024 tokens, LoRA r=16, alpha 32, dropout 0 on q/k/v/o and both expert weights (PEFT ``target_parameters``:
+``experts.gate_up_proj``, ``experts.down_proj``); providers ``fast_multilora`` (8 adapters mixed, 2 rows each),
+``peft_single``, ``peft_sequential``, ``frozen``. Stock PEFT has no mixed-batch path for expert LoRA
+(``lora.ParamWrapper`` refuses ``adapter_names``), so there is no ``peft_mixed_loop`` row.
+
 Opt-in scenarios (run only when named in ``--scenarios``; compiling takes 40-90 s per provider on the GPU):
 ``train_step_8_compiled`` and ``eval_8_compiled`` -- ``train_step_8``'s step and ``eval_8``'s forward with
 ``torch.compile(model)`` (``--compile-mode``; the loss and the AdamW step stay eager), providers ``fast_multilora``,
@@ -69,10 +76,12 @@ import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIOS = ("layer_4096", "layer_2048", "train_step_8", "eval_8", "train_step_1", "train_step_32")  # the default
-OPT_IN = ("train_step_8_compiled", "eval_8_compiled", "generate_static", "generate_dynamic")  # when named
+OPT_IN = ("train_step_8_compiled", "eval_8_compiled", "generate_static", "generate_dynamic", "moe_step_8")  # when named
 ALL_SCENARIOS = SCENARIOS + OPT_IN
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MOE_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MOE_TARGET_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
 
 
 def parse_args(argv=None):
@@ -103,6 +112,9 @@ class Sizes:
             self.layers = {"layer_4096": (64, 64, 8, 16), "layer_2048": (32, 32, 16, 16)}  # K, N, rows, T
             self.model = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+            self.moe = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_experts=8,
+                            num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=8, vocab_size=128, max_position_embeddings=64)
             self.batch, self.T = 16, 16
             self.dtype = "float32"  # bf16 matmuls crawl on CPUs
             self.warm, self.iters, self.slow_warm, self.slow_iters = 1, 2, 1, 1
@@ -114,6 +126,9 @@ class Sizes:
             self.layers = {"layer_4096": (4096, 4096, 8, 1024), "layer_2048": (2048, 2048, 16, 1024)}
             self.model = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=32,
                               num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)
+            self.moe = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=16,
+                            num_experts_per_tok=2, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
+                            head_dim=128, vocab_size=32000, max_position_embeddings=4096)
             self.batch, self.T = 16, 1024
             self.dtype = "bfloat16"
             # host-bound steps vary by several ms from call to call: medians over 11
@@ -123,7 +138,8 @@ class Sizes:
             self.gen_prompt, self.gen_new = 128, 64
             self.est = {"layer_4096": 12, "layer_2048": 10, "train_step_8": 80, "eval_8": 14, "train_step_1": 16,
                         "train_step_32": 55, "train_step_8_compiled": 150, "eval_8_compiled": 90,
-                        "generate_static": 210, "generate_dynamic": 50}  # opt-in ones: one H200 run, inductor
+                        "generate_static": 210, "generate_dynamic": 50,  # opt-in ones: one H200 run, inductor
+                        "moe_step_8": 90}  # not measured yet: a guess
             self.est_provider, self.est_compiled = 5.0, 90.0  # compiled: compile + first call, 40-90 s on an H200
 
 
@@ -281,12 +297,12 @@ class Run:
 
         fast_multilora.unpatch(model)
 
-    def peft_model(self, base, n_adapters, targets, dropout=0.05, init_lora_weights=True):
+    def peft_model(self, base, n_adapters, targets, dropout=0.05, init_lora_weights=True, target_parameters=None):
         from peft import LoraConfig, get_peft_model
 
         def cfg():
             return LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout, target_modules=targets,
-                              init_lora_weights=init_lora_weights)
+                              init_lora_weights=init_lora_weights, target_parameters=target_parameters)
 
         pm = get_peft_model(base, cfg(), adapter_name="a0")
         for i in range(1, n_adapters):
@@ -536,6 +552,113 @@ class Run:
         if eval_after and self.start("eval_8"):
             self.done(scenario)
             self.eval_mixed("eval_8", pm, ids)
+
+    def moe_base(self):
+        """The Qwen3-MoE-shaped model of ``moe_step_8`` (random init), experts on transformers' ``grouped_mm``."""
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        torch = self.torch
+        cfg = Qwen3MoeConfig(**self.sz.moe)
+        torch.manual_seed(0)
+        with torch.device(self.device):
+            base = Qwen3MoeForCausalLM(cfg)
+        base.config._experts_implementation = "grouped_mm"
+        return base.to(self.dtype)
+
+    def moe_train(self, scenario: str):
+        """8 adapters on attention and expert weights in one mixed batch against stock PEFT training one adapter (and
+        the 8 one after another) on the same tokens."""
+        torch = self.torch
+        import fast_multilora
+
+        n_adapters, rows, T = 8, self.sz.batch, self.sz.T
+        ids = self.token_ids(rows, T)
+        names = sorted(f"a{i % n_adapters}" for i in range(rows))
+        base = self.moe_base()
+        self.frozen_step(scenario, base, ids)
+        pm = self.peft_model(base, n_adapters, MOE_TARGET_MODULES, dropout=0.0,
+                             target_parameters=MOE_TARGET_PARAMETERS)
+        pm.train()
+        opt = {}
+
+        def adamw(params):
+            return torch.optim.AdamW(params, lr=1e-4)
+
+        def single_setup():
+            pm.set_adapter("a0")
+            opt["o"] = adamw([p for p in pm.parameters() if p.requires_grad])
+
+        def single():
+            pm(input_ids=ids, labels=ids).loss.backward()
+            opt["o"].step()
+            opt["o"].zero_grad(set_to_none=True)
+
+        self.measure(scenario, "peft_single", single, setup=single_setup, teardown=opt.clear, split=True)
+
+        per = rows // n_adapters
+        small = [ids[i * per:(i + 1) * per] for i in range(n_adapters)]
+
+        def seq_setup():
+            self.all_lora_trainable(pm)
+            for i in range(n_adapters):
+                opt[i] = adamw(self.lora_params(pm, f"a{i}"))
+
+        def sequential():
+            for i in range(n_adapters):
+                pm.set_adapter(f"a{i}")
+                pm(input_ids=small[i], labels=small[i]).loss.backward()
+                opt[i].step()
+                opt[i].zero_grad(set_to_none=True)
+
+        self.measure(scenario, "peft_sequential", sequential, slow=True, setup=seq_setup, teardown=opt.clear,
+                     rows_per_adapter=per, tokens_per_row=T)
+
+        def fast_setup():
+            self.all_lora_trainable(pm)
+            report = self.patch(pm)
+            self.patch_info_moe = {"patched": len(report.patched), "experts": len(report.experts),
+                                   "fallback": len(report.fallback), "unsupported": len(report.unsupported)}
+            opt["o"] = adamw(self.lora_params(pm))
+
+        def fast_teardown():
+            self.unpatch(pm)
+            opt.clear()
+
+        def fast():
+            out = pm(input_ids=ids, adapter_names=names)
+            fast_multilora.per_adapter_loss(out.logits, ids, names).backward()
+            opt["o"].step()
+            opt["o"].zero_grad(set_to_none=True)
+
+        def check():
+            """Every adapter (its expert weights too) got gradients; then, B off zero, two rows of a0 against stock
+            PEFT's a0 (the patched model without adapter_names runs PEFT's own path)."""
+            out = pm(input_ids=ids, adapter_names=names)
+            loss = fast_multilora.per_adapter_loss(out.logits, ids, names)
+            loss.backward()
+            params = [(n, p) for n, p in pm.named_parameters() if "lora_" in n]
+            got = [any(p.grad is not None and bool(p.grad.abs().sum() > 0) for n, p in params if f".a{i}." in n)
+                   for i in range(n_adapters)]
+            experts_got = all(p.grad is not None and bool(p.grad.abs().sum() > 0) for n, p in params
+                              if "experts" in n)
+            opt["o"].zero_grad(set_to_none=True)
+            self.lora_b_off_zero(pm)
+            few = ids[:2]
+            with torch.no_grad():
+                mine = pm(input_ids=few, adapter_names=["a0", "a0"]).logits.float()
+                pm.set_adapter("a0")
+                want = pm(input_ids=few).logits.float()
+                with pm.disable_adapter():
+                    base_logits = pm(input_ids=few).logits.float()
+            effect = (want - base_logits).pow(2).mean().sqrt()
+            diff = mine - want
+            return {"loss": loss.item(), "all_adapters_got_grads": all(got) and experts_got,
+                    "max_abs_diff_vs_peft": diff.abs().max().item(),
+                    "diff_rms_over_lora_effect_rms": (diff.pow(2).mean().sqrt() / effect).item(),
+                    "patch": self.patch_info_moe}
+
+        self.measure(scenario, "fast_multilora", fast, setup=fast_setup, teardown=fast_teardown, verify=check,
+                     adapters=n_adapters, loss_fn="per_adapter_loss", split=True)
 
     def eval_names(self, rows):
         return sorted([f"a{i % 8}" for i in range(rows - 2)] + ["__base__"] * 2)  # 8 adapters + 2 base rows
@@ -871,6 +994,9 @@ class Run:
             if self.start(scenario):
                 self.generation(scenario)
                 self.done(scenario)
+        if self.start("moe_step_8"):
+            self.moe_train("moe_step_8")
+            self.done("moe_step_8")
         self.res["meta"]["patch"] = self.patch_info
         self.save()
         print(f"bench_model: wrote {self.args.out} in {self.budget.elapsed():.0f} s", flush=True)
@@ -897,6 +1023,12 @@ class Run:
                                 f"{'inductor, reduce-overhead' if self.compile_backend == 'inductor' else 'aot_eager'})"
                                 f"; tokens vs each provider's own dynamic-cache generate")
         d["generate_dynamic"] = f"{gen}, default dynamic cache, eager; fast_multilora's tokens vs peft_mixed's"
+        mo = self.sz.moe
+        d["moe_step_8"] = (f"Qwen3-MoE-shaped model ({mo['num_hidden_layers']} layers, hidden {mo['hidden_size']}, "
+                           f"{mo['num_experts']} experts x intermediate {mo['moe_intermediate_size']}, top-"
+                           f"{mo['num_experts_per_tok']}, grouped_mm experts), {B} x {T} tokens, LoRA r=16 dropout 0 "
+                           f"on {'/'.join(MOE_TARGET_MODULES)} + {'/'.join(MOE_TARGET_PARAMETERS)}, 8 adapters "
+                           f"({B // 8} rows each), AdamW step; stock PEFT has no mixed path for expert LoRA")
         return d
 
     def wanted_eval_only(self, scenario):
@@ -949,6 +1081,9 @@ def targets(res) -> list:
     ps = (res.get("train_step_8") or {}).get("peft_single", {}).get("peak_mib")
     add("train_step_8: peak memory fast_multilora vs peft_single", "≤", pf and ps and f"{pf:.0f} vs {ps:.0f} MiB",
         bool(pf and ps and pf <= ps))
+    r = _ratio(_ms(res, "moe_step_8", "fast_multilora"), _ms(res, "moe_step_8", "peft_single"))
+    add("moe_step_8: fast_multilora (8 adapters) / peft_single (issue 20)", "≤ 1.0", r and f"{r:.2f}",
+        r is not None and r <= 1.0)
     r = _ratio(_ms(res, "eval_8", "fast_multilora"), _ms(res, "eval_8", "frozen"))
     p = _ratio(_ms(res, "eval_8", "peft_mixed_loop"), _ms(res, "eval_8", "frozen"))
     add("eval_8: fast_multilora / base forward", "≤ ×1.10", r and (f"×{r:.2f} (PEFT adapter_names ×{p:.2f})" if p
