@@ -20,7 +20,16 @@ from test_paths import assert_matches_peft
 
 import fast_multilora
 
-bnb = pytest.importorskip("bitsandbytes")
+try:
+    import bitsandbytes as bnb
+except ImportError:  # the qlora extra
+    bnb = None
+needs_bnb = pytest.mark.skipif(bnb is None, reason="needs bitsandbytes (the qlora extra)")
+try:
+    import torchao
+except ImportError:
+    torchao = None
+needs_torchao = pytest.mark.skipif(torchao is None, reason="needs torchao")
 
 NAMES = ["a1", "__base__", "a0", "a2", "a0", "a1", "a2"]
 QUANT = {
@@ -47,7 +56,7 @@ def checkpoint(tmp_path_factory):
 def qlora_model(path, quant, kbit_training=False, dtype=torch.float32, lora_dtype=None):
     """Three adapters on the checkpoint loaded in ``quant`` (a ``QUANT`` key or ``BitsAndBytesConfig`` kwargs),
     non-quantized weights in ``dtype``; the LoRA weights in ``lora_dtype`` (default: PEFT's choice, fp32)."""
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    from peft import prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig, LlamaForCausalLM
 
     kwargs = QUANT[quant] if isinstance(quant, str) else quant
@@ -58,6 +67,12 @@ def qlora_model(path, quant, kbit_training=False, dtype=torch.float32, lora_dtyp
     if kbit_training:
         base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=True,
                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    return with_adapters(base, lora_dtype)
+
+
+def with_adapters(base, lora_dtype=None):
+    from peft import get_peft_model
+
     cfgs = adapter_configs("llama")
     torch.manual_seed(1)  # the same LoRA weights in every copy
     model = get_peft_model(base, cfgs["a0"], adapter_name="a0")
@@ -70,6 +85,7 @@ def qlora_model(path, quant, kbit_training=False, dtype=torch.float32, lora_dtyp
     return model
 
 
+@needs_bnb
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -143,6 +159,7 @@ def _output_dtypes(model, run):
     return seen
 
 
+@needs_bnb
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("backend, quant, dtype, lora_dtype, autocast", DTYPE_CASES)
@@ -195,6 +212,7 @@ def _rel_rmse(got, truth):
     return ((got.double() - truth.double()).norm() / truth.double().norm()).item()
 
 
+@needs_bnb
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_qlora_kbit_training_with_checkpointing(checkpoint):
     """``prepare_model_for_kbit_training`` (norms in fp32, input grads, gradient checkpointing), then a mixed
@@ -210,3 +228,82 @@ def test_qlora_kbit_training_with_checkpointing(checkpoint):
         warnings.simplefilter("ignore")  # merging into 4-bit weights rounds: bitsandbytes / PEFT say so
         merged = model.merge_and_unload()
     assert not any("lora_" in n for n, _ in merged.named_parameters())
+
+
+def torchao_model(path, dtype=torch.float32):
+    """The checkpoint with torchao int8 weight-only linears (as transformers loads it), three adapters."""
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import LlamaForCausalLM, TorchAoConfig
+
+    base = LlamaForCausalLM.from_pretrained(path, quantization_config=TorchAoConfig(quant_type=Int8WeightOnlyConfig()),
+                                            dtype=dtype, device_map="cpu")
+    return with_adapters(base)
+
+
+@needs_torchao
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_torchao_int8_mixed_batch_matches_peft(checkpoint, backend, train):
+    """PEFT's ``TorchaoLoraLinear`` (a ``lora.Linear`` over an int8 weight-only base) runs our Function, the torchao
+    linear called as PEFT calls it: parity with stock PEFT per sample (fp32, the same int8 weights: fp32-tight)."""
+    from peft.tuners.lora.torchao import TorchaoLoraLinear
+
+    model, ref = torchao_model(checkpoint), torchao_model(checkpoint)
+    report = fast_multilora.patch(model, backend=backend)
+    assert not report.fallback and len(report.patched) == 14, report
+    q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, TorchaoLoraLinear)
+    assert isinstance(q_proj.base_layer.weight, torchao.utils.TorchAOBaseTensor)
+    model.train(train)
+    ref.train(train)
+    assert_matches_peft(model, ref, "torchao", adapter_names=NAMES)
+
+
+@needs_torchao
+def test_torchao_merge_and_unload_unaffected(checkpoint):
+    """After mixed steps on our path, ``merge_and_unload`` (PEFT re-quantizes the merged weight) gives stock PEFT's
+    merged model."""
+    model, ref = torchao_model(checkpoint), torchao_model(checkpoint)
+    fast_multilora.patch(model)
+    model.eval()
+    ids = torch.randint(0, 97, (len(NAMES), 5), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model(input_ids=ids, adapter_names=NAMES)
+    merged = []
+    for m in (model, ref):
+        m.set_adapter("a1")
+        merged.append(m.merge_and_unload())
+    assert not any("lora_" in n for n, _ in merged[0].named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(merged[0](input_ids=ids).logits, merged[1](input_ids=ids).logits, rtol=0, atol=0)
+
+
+class _FakeGPTQ(torch.nn.Module):
+    """Stands in for a GPTQ ``QuantLinear`` (PEFT reads ``infeatures`` / ``outfeatures``); gptqmodel is not a test
+    dependency."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.infeatures, self.outfeatures = n_in, n_out
+        self.qweight = torch.nn.Parameter(torch.randn(n_out, n_in), requires_grad=False)
+
+    def forward(self, x):
+        return x @ self.qweight.T
+
+
+def test_layers_peft_cannot_mix_raise_clearly():
+    """PEFT's GPTQ / AWQ / AQLM / EETQ layers take no ``adapter_names`` (stock PEFT cannot mix adapters there): they
+    stay on PEFT's path, the report says why, a mixed batch raises naming the layer, an unrouted call runs PEFT's."""
+    from peft import LoraConfig
+    from peft.tuners.lora.gptq import GPTQLoraLinear
+
+    layer = GPTQLoraLinear(_FakeGPTQ(16, 8), "a0", config=LoraConfig(r=2, init_lora_weights=False), r=2, lora_alpha=4)
+    tree = torch.nn.Sequential(layer)
+    x = torch.randn(3, 16)
+    want = layer(x)
+    with pytest.warns(UserWarning, match="PEFT's per-sample"):
+        report = fast_multilora.patch(tree)
+    assert not report.patched and "GPTQ" in report.fallback["0"] and "takes no adapter_names" in str(report)
+    with pytest.raises(ValueError, match="GPTQLoraLinear cannot run a mixed batch"):
+        tree(x, adapter_names=["a0", "__base__", "a0"])
+    torch.testing.assert_close(tree(x), want)
