@@ -53,17 +53,23 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def qlora_model(path, quant, kbit_training=False, dtype=torch.float32, lora_dtype=None):
-    """Three adapters on the checkpoint loaded in ``quant`` (a ``QUANT`` key or ``BitsAndBytesConfig`` kwargs),
-    non-quantized weights in ``dtype``; the LoRA weights in ``lora_dtype`` (default: PEFT's choice, fp32)."""
-    from peft import prepare_model_for_kbit_training
+def quantized_base(path, quant, dtype=torch.float32):
+    """The checkpoint loaded in ``quant`` (a ``QUANT`` key or ``BitsAndBytesConfig`` kwargs), other weights in
+    ``dtype``."""
     from transformers import BitsAndBytesConfig, LlamaForCausalLM
 
     kwargs = QUANT[quant] if isinstance(quant, str) else quant
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # bitsandbytes' notes about CPU kernels and casts
-        base = LlamaForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig(**kwargs), dtype=dtype,
+        return LlamaForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig(**kwargs), dtype=dtype,
                                                 device_map="cpu")
+
+
+def qlora_model(path, quant, kbit_training=False, dtype=torch.float32, lora_dtype=None):
+    """Three adapters on :func:`quantized_base`; the LoRA weights in ``lora_dtype`` (default: PEFT's, fp32)."""
+    from peft import prepare_model_for_kbit_training
+
+    base = quantized_base(path, quant, dtype)
     if kbit_training:
         base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=True,
                                                gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -307,3 +313,82 @@ def test_layers_peft_cannot_mix_raise_clearly():
     with pytest.raises(ValueError, match="GPTQLoraLinear cannot run a mixed batch"):
         tree(x, adapter_names=["a0", "__base__", "a0"])
     torch.testing.assert_close(tree(x), want)
+
+
+def _row_losses(model, ids, **route):
+    """Each row's causal-LM loss (mean over its tokens), summed: every adapter's gradient is the sum of its rows'."""
+    logits = model(input_ids=ids, **route).logits.float()
+    return torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1).sum()
+
+
+def _adapter_groups(model, lrs):
+    """One optimizer parameter group per adapter (its own learning rate), as multi-adapter trainers build them."""
+    return [{"params": [p for n, p in model.named_parameters() if "lora_" in n and f".{name}." in n], "lr": lr}
+            for name, lr in lrs.items()]
+
+
+@needs_bnb
+@pytest.mark.filterwarnings("ignore::UserWarning")  # bitsandbytes: paged optimizers fall back to unpaged on CPU
+def test_qlora_training_recipe(checkpoint, tmp_path):
+    """QLoRA as people run it, three adapters at once: ``prepare_model_for_kbit_training`` with gradient
+    checkpointing, bitsandbytes' ``PagedAdamW8bit`` (unpaged on CPU: bitsandbytes pages on CUDA only; the paged run
+    is in tests/test_quantized_gpu.py) with one parameter group per adapter, three mixed steps. Stock PEFT, each row
+    run alone with its adapter and the same optimizer stepping on the summed gradients, ends with the same weights;
+    each adapter saved with ``save_pretrained`` loads into stock PEFT with those weights; ``merge_and_unload`` of
+    the trained model equals stock PEFT's merge of the saved adapter."""
+    from peft import PeftModel
+    from test_paths import NAMES as ROWS
+
+    model = qlora_model(checkpoint, "nf4", kbit_training=True)
+    ref = qlora_model(checkpoint, "nf4", kbit_training=True)
+    assert model.base_model.model.is_gradient_checkpointing
+    report = fast_multilora.patch(model)
+    assert not report.fallback and len(report.patched) == 14
+    lrs = {"a0": 2e-2, "a1": 1e-2, "a2": 5e-3}
+    opts = [bnb.optim.PagedAdamW8bit(_adapter_groups(m, lrs), min_8bit_size=64) for m in (model, ref)]
+    assert all(st.numel() >= 64 for g in opts[0].param_groups for st in g["params"])  # every state is 8-bit
+    g = torch.Generator().manual_seed(5)
+    model.train()
+    ref.train()
+    for _ in range(3):
+        ids = torch.randint(0, 97, (len(ROWS), 6), generator=g)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        _row_losses(model, ids, adapter_names=ROWS).backward()
+        for i, name in enumerate(ROWS):  # stock PEFT: row by row, its adapter alone; the gradients add up
+            if name == "__base__":
+                continue  # no LoRA gradient
+            ref.set_adapter(name)
+            for n, p in ref.named_parameters():
+                p.requires_grad_("lora_" in n)
+            _row_losses(ref, ids[i : i + 1]).backward()
+        for opt in opts:
+            opt.step()
+    assert opts[0].state[opts[0].param_groups[0]["params"][0]]["state1"].dtype == torch.uint8
+    trained = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    want = {n: p.detach() for n, p in ref.named_parameters() if "lora_" in n}
+    start = {n: p.detach() for n, p in qlora_model(checkpoint, "nf4").named_parameters() if "lora_" in n}
+    for n, w in want.items():  # the same updates up to the 8-bit states' rounding of the same (fp32-close) grads
+        step = (w - start[n]).abs().max().item()
+        assert step > 0, n
+        torch.testing.assert_close(trained[n], w, rtol=0, atol=0.02 * step, msg=lambda m, n=n: f"{n}: {m}")
+
+    model.save_pretrained(tmp_path)
+    for name in lrs:  # PEFT saves each adapter in a subfolder named after it
+        loaded = PeftModel.from_pretrained(quantized_base(checkpoint, "nf4"), tmp_path / name, adapter_name=name)
+        got = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
+        assert got and set(got) == {n for n in trained if f".{name}." in n}
+        for n, p in got.items():
+            assert torch.equal(p, trained[n]), n
+        if name == "a1":
+            loaded.set_adapter(name)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                theirs = loaded.merge_and_unload()
+                model.set_adapter(name)
+                ours = model.merge_and_unload()
+            ids = torch.randint(0, 97, (2, 6), generator=g)
+            ours.eval()  # bitsandbytes' CPU 4-bit layers repack their weights in eval mode: the same mode for both
+            theirs.eval()
+            with torch.no_grad():
+                assert torch.equal(ours(input_ids=ids).logits, theirs(input_ids=ids).logits)
