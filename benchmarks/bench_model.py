@@ -39,6 +39,14 @@ tokens, 8 adapters and ``__base__`` rows mixed.
 ``peft_single``, ``peft_sequential``, ``frozen``. Stock PEFT has no mixed-batch path for expert LoRA
 (``lora.ParamWrapper`` refuses ``adapter_names``), so there is no ``peft_mixed_loop`` row.
 
+``qlora_step_8`` and ``qlora_eval_8`` (opt-in; need bitsandbytes) -- QLoRA: the issue-4 model saved and loaded back in
+4-bit (``BitsAndBytesConfig``: nf4, double quantization, bf16 compute), LoRA (bf16) as in ``train_step_8``:
+one AdamW step on 16 x 1024 tokens, ``fast_multilora`` with 8 adapters mixed (2 rows each) against ``peft_single``
+(stock PEFT QLoRA, one adapter on all tokens) and ``peft_mixed_loop`` (PEFT's per-adapter loop in every
+``lora.bnb.Linear4bit``, forced into training); ``qlora_eval_8``: a forward of the same tokens, 8 adapters + 2
+``__base__`` rows. Both also time ``frozen`` (the 4-bit base alone). ``--quick`` loads a 64-wide model (bitsandbytes'
+CPU 4-bit layers need 64 input features).
+
 Opt-in scenarios (run only when named in ``--scenarios``; compiling takes 40-90 s per provider on the GPU):
 ``train_step_8_compiled`` and ``eval_8_compiled`` -- ``train_step_8``'s step and ``eval_8``'s forward with
 ``torch.compile(model)`` (``--compile-mode``; the loss and the AdamW step stay eager), providers ``fast_multilora``,
@@ -76,7 +84,8 @@ import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIOS = ("layer_4096", "layer_2048", "train_step_8", "eval_8", "train_step_1", "train_step_32")  # the default
-OPT_IN = ("train_step_8_compiled", "eval_8_compiled", "generate_static", "generate_dynamic", "moe_step_8")  # when named
+OPT_IN = ("train_step_8_compiled", "eval_8_compiled", "generate_static", "generate_dynamic", "moe_step_8",
+          "qlora_step_8", "qlora_eval_8")  # when named
 ALL_SCENARIOS = SCENARIOS + OPT_IN
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -115,6 +124,7 @@ class Sizes:
             self.moe = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_experts=8,
                             num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=8, vocab_size=128, max_position_embeddings=64)
+            self.qlora = dict(self.model, hidden_size=64, intermediate_size=128)  # bnb's CPU 4-bit: K >= 64
             self.batch, self.T = 16, 16
             self.dtype = "float32"  # bf16 matmuls crawl on CPUs
             self.warm, self.iters, self.slow_warm, self.slow_iters = 1, 2, 1, 1
@@ -129,6 +139,7 @@ class Sizes:
             self.moe = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=16,
                             num_experts_per_tok=2, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
                             head_dim=128, vocab_size=32000, max_position_embeddings=4096)
+            self.qlora = self.model
             self.batch, self.T = 16, 1024
             self.dtype = "bfloat16"
             # host-bound steps vary by several ms from call to call: medians over 11
@@ -139,7 +150,7 @@ class Sizes:
             self.est = {"layer_4096": 12, "layer_2048": 10, "train_step_8": 80, "eval_8": 14, "train_step_1": 16,
                         "train_step_32": 55, "train_step_8_compiled": 150, "eval_8_compiled": 90,
                         "generate_static": 210, "generate_dynamic": 50,  # opt-in ones: one H200 run, inductor
-                        "moe_step_8": 90}  # not measured yet: a guess
+                        "moe_step_8": 90, "qlora_step_8": 90, "qlora_eval_8": 20}  # not measured yet: guesses
             self.est_provider, self.est_compiled = 5.0, 90.0  # compiled: compile + first call, 40-90 s on an H200
 
 
@@ -274,13 +285,14 @@ class Run:
         for n, p in model.named_parameters():
             p.requires_grad_("lora_" in n)
 
-    def mixed_loop_hooks(self, model, names):
-        """PEFT's own per-adapter loop in every LoRA layer, in training too (``anchor_loop.py``)."""
+    def mixed_loop_hooks(self, model, names, layer_type=None):
+        """PEFT's own per-adapter loop in every LoRA layer (``layer_type``, default ``lora.Linear``), in training too
+        (``anchor_loop.py``)."""
         from peft.tuners.lora import Linear as LoraLinear
 
         hooks = []
         for m in model.modules():
-            if isinstance(m, LoraLinear):
+            if isinstance(m, layer_type or LoraLinear):
                 hooks.append(m.register_forward_pre_hook(
                     lambda mod, args, kw: (args, {**kw, "adapter_names": list(names)}), with_kwargs=True))
         return hooks
@@ -660,6 +672,173 @@ class Run:
         self.measure(scenario, "fast_multilora", fast, setup=fast_setup, teardown=fast_teardown, verify=check,
                      adapters=n_adapters, loss_fn="per_adapter_loss", split=True)
 
+    # -- QLoRA (opt-in) ------------------------------------------------------------------------------------------------
+    def qlora_base(self, folder):
+        """The issue-4 model (random init, saved to ``folder``) loaded back in 4-bit, as people load QLoRA bases."""
+        from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+        torch = self.torch
+        torch.manual_seed(0)
+        with torch.device(self.device):
+            LlamaForCausalLM(LlamaConfig(**self.sz.qlora)).to(self.dtype).save_pretrained(folder)
+        self.free()
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                   bnb_4bit_compute_dtype=self.dtype)
+        return LlamaForCausalLM.from_pretrained(folder, quantization_config=quant, dtype=self.dtype,
+                                                device_map=self.device)
+
+    def qlora_peft_model(self, base, n_adapters):
+        """``peft_model`` for a 4-bit base: LoRA weights cast to the run's dtype, the base left as loaded."""
+        from peft import LoraConfig, get_peft_model
+
+        cfg = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=TARGET_MODULES)
+        pm = get_peft_model(base, cfg, adapter_name="a0")
+        for i in range(1, n_adapters):
+            pm.add_adapter(f"a{i}", cfg)
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.data = p.data.to(self.dtype)
+        self.all_lora_trainable(pm)
+        return pm
+
+    def qlora(self):
+        """``qlora_step_8`` / ``qlora_eval_8``: 8 adapters mixed over a 4-bit base against stock PEFT QLoRA."""
+        import tempfile
+
+        from peft.tuners.lora import bnb as peft_bnb
+
+        import fast_multilora
+
+        torch = self.torch
+        n_adapters, rows, T = 8, self.sz.batch, self.sz.T
+        g = torch.Generator(device=self.device).manual_seed(1)
+        ids = torch.randint(0, self.sz.qlora["vocab_size"], (rows, T), device=self.device, generator=g)
+        names = sorted(f"a{i % n_adapters}" for i in range(rows))
+        with tempfile.TemporaryDirectory() as folder:
+            base = self.qlora_base(folder)
+        self.qlora_info = {"quantization": "bitsandbytes 4-bit nf4, double quantization, compute " + self.sz.dtype,
+                           "bitsandbytes": __import__("bitsandbytes").__version__}
+        scenario = "qlora_step_8"
+        train = self.start(scenario)
+        if train:
+            self.frozen_step(scenario, base, ids)  # before PEFT wraps the base
+        pm = self.qlora_peft_model(base, n_adapters)
+        opt = {}
+
+        def adamw(params):
+            return torch.optim.AdamW(params, lr=1e-4)
+
+        def step(loss_fn):
+            def fn():
+                loss_fn().backward()
+                opt["o"].step()
+                opt["o"].zero_grad(set_to_none=True)
+            return fn
+
+        def single_setup():
+            pm.set_adapter("a0")
+            opt["o"] = adamw([p for p in pm.parameters() if p.requires_grad])
+
+        single = step(lambda: pm(input_ids=ids, labels=ids).loss)
+        fast = step(lambda: fast_multilora.per_adapter_loss(pm(input_ids=ids, adapter_names=names).logits, ids,
+                                                            names))
+        hooks = []
+
+        def loop_setup():
+            self.all_lora_trainable(pm)
+            hooks.extend(self.mixed_loop_hooks(pm, names, peft_bnb.Linear4bit))
+            opt["o"] = adamw(self.lora_params(pm))
+
+        def loop_teardown():
+            for h in hooks:
+                h.remove()
+            hooks.clear()
+            opt.clear()
+
+        def fast_setup():
+            self.all_lora_trainable(pm)
+            report = self.patch(pm)
+            self.qlora_info["patch"] = {"patched": len(report.patched), "fallback": len(report.fallback)}
+            opt["o"] = adamw(self.lora_params(pm))
+
+        def fast_teardown():
+            self.unpatch(pm)
+            opt.clear()
+
+        def check():
+            """Every adapter got gradients; then (B off zero) two rows of a0 against stock PEFT's a0 (the patched
+            model without adapter_names runs PEFT's own path)."""
+            loss = fast_multilora.per_adapter_loss(pm(input_ids=ids, adapter_names=names).logits, ids, names)
+            loss.backward()
+            got = [any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in self.lora_params(pm, f"a{i}"))
+                   for i in range(n_adapters)]
+            opt["o"].zero_grad(set_to_none=True)
+            return {"loss": loss.item(), "all_adapters_got_grads": all(got), **self.qlora_vs_peft(pm, ids),
+                    **self.qlora_info}
+
+        if train:
+            pm.train()
+            self.measure(scenario, "peft_single", single, setup=single_setup, teardown=opt.clear, split=True)
+            self.measure(scenario, "peft_mixed_loop", single, slow=True, setup=loop_setup, teardown=loop_teardown)
+            self.measure(scenario, "fast_multilora", fast, setup=fast_setup, teardown=fast_teardown, verify=check,
+                         adapters=n_adapters, loss_fn="per_adapter_loss", split=True)
+            self.done(scenario)
+        scenario = "qlora_eval_8"
+        if self.start(scenario):
+            names = self.eval_names(rows)
+            pm.eval()
+            self.lora_b_off_zero(pm)
+            no_grad = self.no_grad
+            disable, enable = self.disabler(pm)
+            self.measure(scenario, "frozen", no_grad(lambda: pm(input_ids=ids)), setup=disable, teardown=enable)
+            self.measure(scenario, "peft_single", no_grad(lambda: pm(input_ids=ids)),
+                         setup=lambda: pm.set_adapter("a0"))
+            self.measure(scenario, "peft_mixed_loop", no_grad(lambda: pm(input_ids=ids, adapter_names=names)))
+            state = {}
+
+            def reference():  # stock PEFT's own adapter_names path (eval) on the same mixed batch, before patching
+                with torch.no_grad():
+                    state["ref"] = pm(input_ids=ids, adapter_names=names).logits.cpu()
+                    with pm.disable_adapter():
+                        state["base"] = pm(input_ids=ids).logits.cpu()
+
+            def compare():
+                with torch.no_grad():
+                    got = pm(input_ids=ids, adapter_names=names).logits.float()
+                want, base_logits = (state.pop(k).to(got.device).float() for k in ("ref", "base"))
+                diff = got - want
+                effect = (want - base_logits).pow(2).mean().sqrt()
+                return {"max_abs_diff_vs_peft": float(diff.abs().max()),
+                        "diff_rms_over_lora_effect_rms": float(diff.pow(2).mean().sqrt() / effect), **self.qlora_info}
+
+            self.measure(scenario, "fast_multilora", no_grad(lambda: pm(input_ids=ids, adapter_names=names)),
+                         setup=lambda: (reference(), self.patch(pm)), teardown=lambda: self.unpatch(pm),
+                         verify=compare, adapters=n_adapters, base_rows=2, split=True)
+            self.done(scenario)
+        self.unpatch(pm)
+
+    def qlora_vs_peft(self, pm, ids):
+        """B off zero, in eval mode: a row of a0 and a ``__base__`` row on the patched model against stock PEFT's
+        a0 and base (the patched model without adapter_names runs PEFT's own path): max |diff| and the difference's
+        RMS over the LoRA effect's RMS."""
+        torch = self.torch
+        self.lora_b_off_zero(pm)
+        few = ids[:2]
+        pm.eval()  # no LoRA dropout: both sides compute the same function
+        with torch.no_grad():
+            mine = pm(input_ids=few, adapter_names=["a0", "__base__"]).logits.float()
+            pm.set_adapter("a0")
+            want = pm(input_ids=few[:1]).logits.float()
+            with pm.disable_adapter():
+                base_logits = pm(input_ids=few).logits.float()
+        pm.train()
+        self.all_lora_trainable(pm)
+        want = torch.cat([want, base_logits[1:]])
+        effect = (want[:1] - base_logits[:1]).pow(2).mean().sqrt()
+        diff = mine - want
+        return {"max_abs_diff_vs_peft": diff.abs().max().item(),
+                "diff_rms_over_lora_effect_rms": (diff.pow(2).mean().sqrt() / effect).item()}
+
     def eval_names(self, rows):
         return sorted([f"a{i % 8}" for i in range(rows - 2)] + ["__base__"] * 2)  # 8 adapters + 2 base rows
 
@@ -997,6 +1176,8 @@ class Run:
         if self.start("moe_step_8"):
             self.moe_train("moe_step_8")
             self.done("moe_step_8")
+        if "qlora_step_8" in self.wanted or "qlora_eval_8" in self.wanted:
+            self.qlora()
         self.res["meta"]["patch"] = self.patch_info
         self.save()
         print(f"bench_model: wrote {self.args.out} in {self.budget.elapsed():.0f} s", flush=True)
@@ -1029,6 +1210,12 @@ class Run:
                            f"{mo['num_experts_per_tok']}, grouped_mm experts), {B} x {T} tokens, LoRA r=16 dropout 0 "
                            f"on {'/'.join(MOE_TARGET_MODULES)} + {'/'.join(MOE_TARGET_PARAMETERS)}, 8 adapters "
                            f"({B // 8} rows each), AdamW step; stock PEFT has no mixed path for expert LoRA")
+        q = self.sz.qlora
+        d["qlora_step_8"] = (f"QLoRA: Llama-shaped model ({q['num_hidden_layers']} layers, hidden {q['hidden_size']}, "
+                             f"intermediate {q['intermediate_size']}) loaded in 4-bit (bitsandbytes nf4, double "
+                             f"quantization, compute {self.sz.dtype}), {B} x {T} tokens, LoRA r=16 on all 7 "
+                             f"projections, 8 adapters ({B // 8} rows each), AdamW step")
+        d["qlora_eval_8"] = f"qlora_step_8's model, forward only: 8 adapters over {B - 2} rows + 2 __base__ rows"
         return d
 
     def wanted_eval_only(self, scenario):
@@ -1084,6 +1271,13 @@ def targets(res) -> list:
     r = _ratio(_ms(res, "moe_step_8", "fast_multilora"), _ms(res, "moe_step_8", "peft_single"))
     add("moe_step_8: fast_multilora (8 adapters) / peft_single (issue 20)", "≤ 1.0", r and f"{r:.2f}",
         r is not None and r <= 1.0)
+    q8 = _ms(res, "qlora_step_8", "fast_multilora")
+    r = _ratio(q8, _ms(res, "qlora_step_8", "peft_single"))
+    add("qlora_step_8: fast_multilora (8 adapters) / peft_single (issue 19)", "≤ 0.9", r and f"{r:.2f}",
+        r is not None and r <= 0.9)
+    r = _ratio(_ms(res, "qlora_step_8", "peft_mixed_loop"), q8)
+    add("qlora_step_8: peft_mixed_loop / fast_multilora (issue 19)", "≥ ×4", r and f"×{r:.2f}",
+        r is not None and r >= 4)
     r = _ratio(_ms(res, "eval_8", "fast_multilora"), _ms(res, "eval_8", "frozen"))
     p = _ratio(_ms(res, "eval_8", "peft_mixed_loop"), _ms(res, "eval_8", "frozen"))
     add("eval_8: fast_multilora / base forward", "≤ ×1.10", r and (f"×{r:.2f} (PEFT adapter_names ×{p:.2f})" if p

@@ -87,3 +87,25 @@ def test_bench_model_quick_opt_in_scenarios(opt_in_run):
             assert r["graph_breaks"] == 0 and r["graphs"] == 1, (scenario, name, r)
     md = (out.parent / "h200.md").read_text()
     assert all(f"## {s}" in md for s in ("train_step_8", *OPT_IN)), md
+
+
+@pytest.mark.slow
+def test_bench_model_quick_qlora(tmp_path):
+    """``qlora_step_8`` / ``qlora_eval_8`` on a tiny 4-bit model (bitsandbytes' CPU layers): every provider times,
+    every adapter trains, the patched model equals stock PEFT (eval: the mixed batch; train: a0 and a base row)."""
+    pytest.importorskip("bitsandbytes")
+    out = tmp_path / "h200.json"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--quick", "--scenarios",
+                          "qlora_step_8,qlora_eval_8", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    d = json.loads(out.read_text())
+    for scenario in ("qlora_step_8", "qlora_eval_8"):
+        assert set(d[scenario]) == {"fast_multilora", "peft_single", "peft_mixed_loop", "frozen"}, scenario
+        for name, r in d[scenario].items():
+            assert r.get("error") is None and r["ms"] is not None and r["ms"] > 0, (scenario, name, r)
+        fast = d[scenario]["fast_multilora"]
+        assert fast["patch"] == {"patched": 14, "fallback": 0}, fast
+        assert fast["diff_rms_over_lora_effect_rms"] < 1e-3, fast
+    assert d["qlora_step_8"]["fast_multilora"]["all_adapters_got_grads"]
+    assert "## qlora_step_8" in (tmp_path / "h200.md").read_text()
