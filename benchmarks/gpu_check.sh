@@ -5,14 +5,15 @@
 #   OUT=/some/folder COMMIT=<sha> bash benchmarks/gpu_check.sh
 #   STAGES="kernels model" bash benchmarks/gpu_check.sh          # a subset (install + env always run first)
 #
-# Stages: tests (tests marked gpu; with 2+ GPUs the hypothesis fuzz sweep runs on the second GPU meanwhile,
-# FML_FUZZ_EXAMPLES examples per test), kernels, model, profile (benchmarks/profile_step.py), multi
-# (benchmarks/multi_gpu.sh, needs 2 GPUs), ktests (the kernel and fused-path test files whole, every dtype, on the
-# GPU, in parallel processes), tune (benchmarks/tune_kernels.py --parts $TUNE_PARTS, default model: block sweep
-# at the training step's shapes), ab (benchmarks/ab_step.py: patch settings A/B on the train step), gaps
-# (benchmarks/kernel_gaps.py: an eval forward's kernel gaps, and its wall-time A/B), compiled (bench_model.py's
-# opt-in scenarios: train step and eval under torch.compile, static- and dynamic-cache generate, merged into the
-# model stage's h200.json; COMPILE_MODE, default "default", is torch.compile's mode).
+# Stages: tests (tests marked gpu; the hypothesis fuzz sweep runs meanwhile -- on the second GPU where there is one
+# -- in FUZZ_PROCS processes of different seeds, FML_FUZZ_EXAMPLES examples per test in all), kernels, model,
+# profile (benchmarks/profile_step.py, per PROFILE_MODES entry), multi (benchmarks/multi_gpu.sh, needs 2 GPUs),
+# ktests (the kernel and fused-path test files whole, every dtype, on the GPU, in parallel processes), tune
+# (benchmarks/tune_kernels.py --parts $TUNE_PARTS, default model: block sweep at the training step's shapes), ab
+# (benchmarks/ab_step.py: patch settings A/B on the train step), gaps (benchmarks/kernel_gaps.py: an eval forward's
+# kernel gaps, and its wall-time A/B), compiled (bench_model.py's opt-in scenarios: train step and eval under
+# torch.compile, static- and dynamic-cache generate, merged into the model stage's h200.json; COMPILE_MODE, default
+# "default", lists torch.compile's modes, each but "default" written to h200_<mode>.json; T_COMPILED per mode).
 # Default: "tests kernels model".
 #
 # Every stage runs under its own `timeout`; a stage that fails or times out does not stop the later ones, and the
@@ -44,7 +45,9 @@ COMPILED_SCENARIOS=${COMPILED_SCENARIOS:-train_step_8_compiled,eval_8_compiled,g
 T_COMPILED=${T_COMPILED:-540}  # 12 providers, 9 of them compiled (40-90 s each on an H200)
 COMPILE_MODE=${COMPILE_MODE:-default}
 PROFILE_MODES=${PROFILE_MODES:-eager}  # the profile stage's train steps: eager and/or torch.compile modes
-FML_FUZZ_EXAMPLES=${FML_FUZZ_EXAMPLES:-30}
+FML_FUZZ_EXAMPLES=${FML_FUZZ_EXAMPLES:-30}  # per fuzz test, over all shards
+FUZZ_PROCS=${FUZZ_PROCS:-1}
+TEST_PROCS=${TEST_PROCS:-1}  # the tests stage in that many processes (benchmarks/run_tests_parallel.py)
 PYTEST_STOP=${PYTEST_STOP:--x}  # e.g. PYTEST_STOP=--maxfail=20 to see more than the first failure
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || true)}
@@ -70,7 +73,8 @@ ensure_importable() {
     # fast_multilora.kernels is the root folder kernels/ (pyproject's package-dir); if the editable install did not
     # take, map it with a meta-path finder in a generated sitecustomize.py
     # (checked from / : from the repo root the package imports through the cwd, the benchmarks' scripts do not)
-    if (cd / && "$PY" -c "import fast_multilora.kernels") 2>/dev/null; then return 0; fi
+    if (cd / && "$PY" -c "import sys, fast_multilora.kernels as k; sys.exit(not k.__file__.startswith('$PWD/'))") \
+        2>/dev/null; then return 0; fi
     echo "install: fast_multilora.kernels not importable; mapping kernels/ through a generated sitecustomize"
     local shim
     shim=$(mktemp -d)
@@ -92,30 +96,37 @@ EOF
 
 main() {
     echo "== gpu_check: $(date -u) repo=$PWD out=$OUT stages='$STAGES' commit=${COMMIT:-unknown}"
-    if ! (cd / && "$PY" -c "import fast_multilora.kernels") 2>/dev/null; then
+    # (re)install unless this tree is the one imported: an editable install of another checkout would run its code
+    if ! (cd / && "$PY" -c "import sys, fast_multilora.kernels as k; sys.exit(not k.__file__.startswith('$PWD/'))") \
+        2>/dev/null; then
         stage install "$T_INSTALL" "$PY" -m pip install --no-deps --no-build-isolation -e . -q
     fi
     ensure_importable
     stage env 20 bash -c 'nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.max.sm,clocks.max.mem,power.limit,temperature.gpu,utilization.gpu --format=csv; "$0" -c "import sys, torch, triton, peft, transformers; print(\"python\", sys.version.split()[0], \"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__, \"peft\", peft.__version__, \"transformers\", transformers.__version__, \"gpu\", torch.cuda.get_device_name())"' "$PY"
 
     if want tests; then
-        local n_gpu fuzz_pid=""
+        # the fuzz sweep runs meanwhile (on the second GPU where there is one), in FUZZ_PROCS processes with
+        # different hypothesis seeds sharing FML_FUZZ_EXAMPLES examples per test (Triton compiles use a core each)
+        local n_gpu fuzz_gpu=0 i fuzz_pids=""
         n_gpu=$("$PY" -c "import torch; print(torch.cuda.device_count())")
-        if [ "$n_gpu" -ge 2 ]; then  # the fuzz sweep on the second GPU while the tests use the first
-            (CUDA_VISIBLE_DEVICES=1 FML_TEST_DEVICE=cuda FML_FUZZ_EXAMPLES=$FML_FUZZ_EXAMPLES timeout -k 10 "$T_TESTS" \
-                "$PY" -m pytest -q -rfE -m gpu -k fuzz tests/test_fuzz.py -p no:cacheprovider >"$OUT/fuzz_gpu.log" 2>&1
-             echo "fuzz rc=$?" >>"$OUT/fuzz_gpu.log") &
-            fuzz_pid=$!
-            export CUDA_VISIBLE_DEVICES=0
-        fi
-        stage tests "$T_TESTS" bash -c 'set -o pipefail; FML_TEST_DEVICE=cuda "$0" -m pytest -q -rfE -m gpu -k "not fuzz" $3 $2 -p no:cacheprovider 2>&1 | tee "$1"' "$PY" "$OUT/pytest_gpu.log" "$PYTEST_STOP" "$GPU_TESTS"
-        if [ -n "$fuzz_pid" ]; then
-            wait "$fuzz_pid"
-            unset CUDA_VISIBLE_DEVICES
-            tail -n 3 "$OUT/fuzz_gpu.log"
+        [ "$n_gpu" -ge 2 ] && fuzz_gpu=1
+        for i in $(seq 1 "$FUZZ_PROCS"); do
+            (CUDA_VISIBLE_DEVICES=$fuzz_gpu FML_TEST_DEVICE=cuda FML_FUZZ_DERANDOMIZE=0 \
+                FML_FUZZ_EXAMPLES=$(( (FML_FUZZ_EXAMPLES + FUZZ_PROCS - 1) / FUZZ_PROCS )) timeout -k 10 "$T_TESTS" \
+                "$PY" -m pytest -q -rfE -m gpu -k fuzz tests/test_fuzz.py -p no:cacheprovider --hypothesis-seed="$i" \
+                >"$OUT/fuzz_gpu_$i.tmp" 2>&1
+             echo "fuzz shard $i (seed $i) rc=$?" >>"$OUT/fuzz_gpu_$i.tmp") &
+            fuzz_pids="$fuzz_pids $!"
+        done
+        if [ "$TEST_PROCS" -gt 1 ]; then  # tests dealt to TEST_PROCS processes (their compiles in parallel)
+            stage tests "$T_TESTS" bash -c 'set -o pipefail; CUDA_VISIBLE_DEVICES=0 FML_TEST_DEVICE=cuda "$0" benchmarks/run_tests_parallel.py --procs "$2" --timeout $(($3 - 15)) --log-dir "$1.d" $4 -- -m gpu -k "not fuzz" 2>&1 | tee "$1"; rc=$?; cat "$1".d/*.log >> "$1"; rm -rf "$1.d"; exit $rc' "$PY" "$OUT/pytest_gpu.log" "$TEST_PROCS" "$T_TESTS" "$GPU_TESTS"
         else
-            stage fuzz "$T_TESTS" bash -c 'FML_TEST_DEVICE=cuda "$0" -m pytest -q -rfE -m gpu -k fuzz tests/test_fuzz.py -p no:cacheprovider >"$1" 2>&1' "$PY" "$OUT/fuzz_gpu.log"
+            stage tests "$T_TESTS" bash -c 'set -o pipefail; CUDA_VISIBLE_DEVICES=0 FML_TEST_DEVICE=cuda "$0" -m pytest -q -rfE -m gpu -k "not fuzz" $3 $2 -p no:cacheprovider 2>&1 | tee "$1"' "$PY" "$OUT/pytest_gpu.log" "$PYTEST_STOP" "$GPU_TESTS"
         fi
+        # shellcheck disable=SC2086
+        wait $fuzz_pids
+        cat "$OUT"/fuzz_gpu_*.tmp >"$OUT/fuzz_gpu.log"
+        grep -E "passed|failed|rc=" "$OUT/fuzz_gpu.log"
     fi
     if want ktests; then
         stage ktests "$T_KTESTS" bash -c 'set -o pipefail; FML_TEST_DEVICE=cuda "$0" benchmarks/run_tests_parallel.py --procs 12 --timeout $(($2 - 15)) --log-dir "$1.d" tests/test_kernels_forward.py tests/test_kernels_backward.py tests/test_fused.py tests/test_slot_weights.py 2>&1 | tee "$1"; rc=$?; cat "$1".d/*.log > "$1.all"; rm -rf "$1.d"; exit $rc' "$PY" "$OUT/pytest_kernels_gpu.log" "$T_KTESTS"
@@ -137,10 +148,15 @@ main() {
         stage model "$T_MODEL" "$PY" benchmarks/bench_model.py --out "$OUT/h200.json" \
             ${MODEL_SCENARIOS:+--scenarios "$MODEL_SCENARIOS"} --budget-s $((T_MODEL - 35)) ${COMMIT:+--commit "$COMMIT"}
     fi
-    if want compiled; then  # --merge: adds its scenarios to the model stage's h200.json (or starts one)
-        stage compiled "$T_COMPILED" "$PY" benchmarks/bench_model.py --out "$OUT/h200.json" --merge \
-            --scenarios "$COMPILED_SCENARIOS" \
-            --compile-mode "$COMPILE_MODE" --budget-s $((T_COMPILED - 35)) ${COMMIT:+--commit "$COMMIT"}
+    if want compiled; then  # default mode: --merge adds its scenarios to the model stage's h200.json; others: own file
+        local cm cj
+        for cm in $COMPILE_MODE; do
+            cj="$OUT/h200.json"
+            [ "$cm" = default ] || cj="$OUT/h200_$cm.json"
+            stage "compiled_$cm" "$T_COMPILED" "$PY" benchmarks/bench_model.py --out "$cj" --merge \
+                --scenarios "$COMPILED_SCENARIOS" \
+                --compile-mode "$cm" --budget-s $((T_COMPILED - 35)) ${COMMIT:+--commit "$COMMIT"}
+        done
     fi
     if want profile; then  # one profile per PROFILE_MODES entry: eager, or a torch.compile mode
         local m

@@ -3,8 +3,9 @@ kernel tests and use one core per process). Collects the test ids, deals them ro
 processes, writes each process's log and prints every failure line and the combined counts; exits non-zero when a
 test failed or a process timed out.
 
-Usage: ``python benchmarks/run_tests_parallel.py --procs 8 --log-dir DIR [--timeout S] tests/test_x.py ...``
-(environment passes through, e.g. ``FML_TEST_DEVICE=cuda``).
+Usage: ``python benchmarks/run_tests_parallel.py --procs 8 --log-dir DIR [--timeout S] tests/test_x.py ...
+[-- PYTEST_ARGS]`` (environment passes through, e.g. ``FML_TEST_DEVICE=cuda``; ``PYTEST_ARGS`` such as
+``-m gpu -k "not fuzz"`` go to the collection and to every process).
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ def main(argv=None) -> int:
     ap.add_argument("--procs", type=int, default=8)
     ap.add_argument("--log-dir", default=".")
     ap.add_argument("--timeout", type=float, default=600.0)
-    a = ap.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    a = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     logs = Path(a.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *a.files],
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *extra,
+                          *a.files],
                          capture_output=True, text=True)
     ids = [line for line in out.stdout.splitlines() if "::" in line]
     if not ids:
@@ -36,7 +40,7 @@ def main(argv=None) -> int:
     procs = []
     for i, shard in enumerate(shards):
         log = open(logs / f"shard{i}.log", "w")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider", *shard]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider", *extra, *shard]
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
     deadline = time.time() + a.timeout
     timed_out = False
