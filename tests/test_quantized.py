@@ -53,23 +53,23 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def quantized_base(path, quant, dtype=torch.float32):
+def quantized_base(path, quant, dtype=torch.float32, device="cpu"):
     """The checkpoint loaded in ``quant`` (a ``QUANT`` key or ``BitsAndBytesConfig`` kwargs), other weights in
-    ``dtype``."""
+    ``dtype``, on ``device``."""
     from transformers import BitsAndBytesConfig, LlamaForCausalLM
 
     kwargs = QUANT[quant] if isinstance(quant, str) else quant
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # bitsandbytes' notes about CPU kernels and casts
         return LlamaForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig(**kwargs), dtype=dtype,
-                                                device_map="cpu")
+                                                device_map=device)
 
 
-def qlora_model(path, quant, kbit_training=False, dtype=torch.float32, lora_dtype=None):
+def qlora_model(path, quant, kbit_training=False, dtype=torch.float32, lora_dtype=None, device="cpu"):
     """Three adapters on :func:`quantized_base`; the LoRA weights in ``lora_dtype`` (default: PEFT's, fp32)."""
     from peft import prepare_model_for_kbit_training
 
-    base = quantized_base(path, quant, dtype)
+    base = quantized_base(path, quant, dtype, device)
     if kbit_training:
         base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=True,
                                                gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -170,6 +170,11 @@ def _output_dtypes(model, run):
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("backend, quant, dtype, lora_dtype, autocast", DTYPE_CASES)
 def test_qlora_compute_dtypes_match_peft(checkpoint, backend, quant, dtype, lora_dtype, autocast, train):
+    """16-bit compute, activations and adapters match PEFT (:func:`check_dtypes_match_peft`)."""
+    check_dtypes_match_peft(checkpoint, backend, quant, dtype, lora_dtype, autocast, train)
+
+
+def check_dtypes_match_peft(checkpoint, backend, quant, dtype, lora_dtype, autocast, train, device="cpu"):
     """16-bit compute, activations and adapters: every layer's output dtype is PEFT's; logits, input and LoRA
     gradients (relative RMSE, fla's measure: the max error of one entry is chaotic at 16 bits, a 1-ulp change in a
     layer moves single gradients by several) are at most twice as far from the exact result as stock PEFT's
@@ -177,15 +182,15 @@ def test_qlora_compute_dtypes_match_peft(checkpoint, backend, quant, dtype, lora
     from test_paths import NAMES as ROWS
     from test_paths import _inputs, _peft_per_sample, _step
 
-    model, ref = qlora_model(checkpoint, quant, dtype=dtype, lora_dtype=lora_dtype), \
-        qlora_model(checkpoint, quant, dtype=dtype, lora_dtype=lora_dtype)
-    exact = exact_twin(qlora_model(checkpoint, quant, dtype=dtype, lora_dtype=lora_dtype))
+    model, ref, exact = (qlora_model(checkpoint, quant, dtype=dtype, lora_dtype=lora_dtype, device=device)
+                         for _ in range(3))
+    exact = exact_twin(exact)
     report = fast_multilora.patch(model, backend=backend)
     assert not report.fallback and len(report.patched) == 14, report
     for m in (model, ref, exact):
         m.train(train)
-    ids, w = _inputs(5)
-    ctx = (lambda: torch.autocast("cpu", dtype=autocast)) if autocast else torch.enable_grad
+    ids, w = (t.to(device) for t in _inputs(5))
+    ctx = (lambda: torch.autocast(device, dtype=autocast)) if autocast else torch.enable_grad
     with ctx():
         got_dtypes = _output_dtypes(model, lambda: model(inputs_embeds=model.get_input_embeddings()(ids),
                                                          adapter_names=ROWS))
@@ -336,11 +341,16 @@ def test_qlora_training_recipe(checkpoint, tmp_path):
     run alone with its adapter and the same optimizer stepping on the summed gradients, ends with the same weights;
     each adapter saved with ``save_pretrained`` loads into stock PEFT with those weights; ``merge_and_unload`` of
     the trained model equals stock PEFT's merge of the saved adapter."""
+    run_qlora_recipe(checkpoint, tmp_path)
+
+
+def run_qlora_recipe(checkpoint, tmp_path, device="cpu"):
+    """The body of :func:`test_qlora_training_recipe` on ``device`` (CUDA: paged optimizer states)."""
     from peft import PeftModel
     from test_paths import NAMES as ROWS
 
-    model = qlora_model(checkpoint, "nf4", kbit_training=True)
-    ref = qlora_model(checkpoint, "nf4", kbit_training=True)
+    model = qlora_model(checkpoint, "nf4", kbit_training=True, device=device)
+    ref = qlora_model(checkpoint, "nf4", kbit_training=True, device=device)
     assert model.base_model.model.is_gradient_checkpointing
     report = fast_multilora.patch(model)
     assert not report.fallback and len(report.patched) == 14
@@ -351,7 +361,7 @@ def test_qlora_training_recipe(checkpoint, tmp_path):
     model.train()
     ref.train()
     for _ in range(3):
-        ids = torch.randint(0, 97, (len(ROWS), 6), generator=g)
+        ids = torch.randint(0, 97, (len(ROWS), 6), generator=g).to(device)
         for opt in opts:
             opt.zero_grad(set_to_none=True)
         _row_losses(model, ids, adapter_names=ROWS).backward()
@@ -365,8 +375,8 @@ def test_qlora_training_recipe(checkpoint, tmp_path):
         for opt in opts:
             opt.step()
     assert opts[0].state[opts[0].param_groups[0]["params"][0]]["state1"].dtype == torch.uint8
-    trained = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
-    want = {n: p.detach() for n, p in ref.named_parameters() if "lora_" in n}
+    trained = {n: p.detach().cpu() for n, p in model.named_parameters() if "lora_" in n}
+    want = {n: p.detach().cpu() for n, p in ref.named_parameters() if "lora_" in n}
     start = {n: p.detach() for n, p in qlora_model(checkpoint, "nf4").named_parameters() if "lora_" in n}
     for n, w in want.items():  # the same updates up to the 8-bit states' rounding of the same (fp32-close) grads
         step = (w - start[n]).abs().max().item()
@@ -375,11 +385,12 @@ def test_qlora_training_recipe(checkpoint, tmp_path):
 
     model.save_pretrained(tmp_path)
     for name in lrs:  # PEFT saves each adapter in a subfolder named after it
-        loaded = PeftModel.from_pretrained(quantized_base(checkpoint, "nf4"), tmp_path / name, adapter_name=name)
+        loaded = PeftModel.from_pretrained(quantized_base(checkpoint, "nf4", device=device), tmp_path / name,
+                                           adapter_name=name)
         got = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
         assert got and set(got) == {n for n in trained if f".{name}." in n}
         for n, p in got.items():
-            assert torch.equal(p, trained[n]), n
+            assert torch.equal(p.cpu(), trained[n]), n
         if name == "a1":
             loaded.set_adapter(name)
             with warnings.catch_warnings():
@@ -387,7 +398,7 @@ def test_qlora_training_recipe(checkpoint, tmp_path):
                 theirs = loaded.merge_and_unload()
                 model.set_adapter(name)
                 ours = model.merge_and_unload()
-            ids = torch.randint(0, 97, (2, 6), generator=g)
+            ids = torch.randint(0, 97, (2, 6), generator=g).to(device)
             ours.eval()  # bitsandbytes' CPU 4-bit layers repack their weights in eval mode: the same mode for both
             theirs.eval()
             with torch.no_grad():
