@@ -14,6 +14,10 @@
 # kernel gaps, and its wall-time A/B), compiled (bench_model.py's opt-in scenarios: train step and eval under
 # torch.compile, static- and dynamic-cache generate, merged into the model stage's h200.json; COMPILE_MODE, default
 # "default", lists torch.compile's modes, each but "default" written to h200_<mode>.json; T_COMPILED per mode).
+# qlora (opt-in): bench_model.py's qlora_step_8 / qlora_eval_8 (issue 19) merged into the model stage's h200.json
+# (T_QLORA); with GPU_TESTS=tests/test_quantized_gpu.py the tests stage runs the QLoRA GPU tests. bitsandbytes is not
+# in the GPU image and the machine has no network: a wheel wheels/bitsandbytes-*.whl in the tree is pip-installed
+# (--no-deps) before any stage.
 # Default: "tests kernels model".
 #
 # Every stage runs under its own `timeout`; a stage that fails or times out does not stop the later ones, and the
@@ -44,6 +48,7 @@ GPU_TESTS=${GPU_TESTS:-tests/}  # the tests stage's paths (e.g. GPU_TESTS=tests/
 COMPILED_SCENARIOS=${COMPILED_SCENARIOS:-train_step_8_compiled,eval_8_compiled,generate_static,generate_dynamic}
 T_COMPILED=${T_COMPILED:-540}  # 12 providers, 9 of them compiled (40-90 s each on an H200)
 COMPILE_MODE=${COMPILE_MODE:-default}
+T_QLORA=${T_QLORA:-300}  # qlora_step_8 + qlora_eval_8: model save + 4-bit load, 4 + 4 providers
 PROFILE_MODES=${PROFILE_MODES:-eager}  # the profile stage's train steps: eager and/or torch.compile modes
 FML_FUZZ_EXAMPLES=${FML_FUZZ_EXAMPLES:-30}  # per fuzz test, over all shards
 FUZZ_PROCS=${FUZZ_PROCS:-1}
@@ -102,6 +107,10 @@ main() {
         stage install "$T_INSTALL" "$PY" -m pip install --no-deps --no-build-isolation -e . -q
     fi
     ensure_importable
+    local whl
+    for whl in wheels/bitsandbytes-*.whl; do  # a carried wheel (QLoRA tests and scenarios; no network here)
+        [ -e "$whl" ] && stage bnb_wheel "$T_INSTALL" "$PY" -m pip install --no-deps -q "$whl"
+    done
     stage env 20 bash -c 'nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.max.sm,clocks.max.mem,power.limit,temperature.gpu,utilization.gpu --format=csv; "$0" -c "import sys, torch, triton, peft, transformers; print(\"python\", sys.version.split()[0], \"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__, \"peft\", peft.__version__, \"transformers\", transformers.__version__, \"gpu\", torch.cuda.get_device_name())"' "$PY"
 
     if want tests; then
@@ -157,6 +166,10 @@ main() {
                 --scenarios "$COMPILED_SCENARIOS" \
                 --compile-mode "$cm" --budget-s $((T_COMPILED - 35)) ${COMMIT:+--commit "$COMMIT"}
         done
+    fi
+    if want qlora; then  # --merge: adds its scenarios to the model stage's h200.json (or starts one)
+        stage qlora "$T_QLORA" "$PY" benchmarks/bench_model.py --out "$OUT/h200.json" --merge \
+            --scenarios qlora_step_8,qlora_eval_8 --budget-s $((T_QLORA - 35)) ${COMMIT:+--commit "$COMMIT"}
     fi
     if want profile; then  # one profile per PROFILE_MODES entry: eager, or a torch.compile mode
         local m
