@@ -13,6 +13,9 @@ import pytest
 DEVICE = os.environ.get("FML_TEST_DEVICE", "cpu")
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # one thread per process, subprocesses the tests start included: the README's command runs one pytest-xdist
+    # worker per core, and intra-op threads on top of them only oversubscribe the cores
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402

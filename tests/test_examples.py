@@ -25,3 +25,16 @@ def test_eval_mixed_batch_scores_the_demos_prompts(tmp_path, capsys):
     assert "answers differing from the mixed batch: 0 of 18" in capsys.readouterr().out
     # the same prompts and weights as the demo's evaluation after training: the same accuracies
     assert {f"{a}/{t}": v for (a, t), v in got["accuracy"].items()} == demo["after"]["accuracy"]
+
+
+def test_readme_quick_start_runs(tmp_path, monkeypatch):
+    """The README's quick-start block runs as it is and saves every adapter in PEFT format."""
+    readme = open(os.path.join(os.path.dirname(EXAMPLES), "README.md")).read()
+    block = readme.split("<!-- quick-start", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    exec(compile(block, "README.md quick-start", "exec"), scope)
+    assert set(scope["per"]) == {"sql", "chat", "code"}
+    assert all(p.grad is not None for n, p in scope["model"].named_parameters() if "lora_" in n)
+    saved = {p.parent.name for p in (tmp_path / "out" / "adapters").glob("*/adapter_config.json")}
+    assert saved == {"sql", "chat", "code"}

@@ -147,6 +147,32 @@ def test_step_and_logged_losses_are_the_per_adapter_loss(tmp_path, tok, packing)
         assert logged[f"eval_loss/{a}"] == pytest.approx(per[a], abs=1e-4), (a, logged)
 
 
+def test_gradient_accumulation(tmp_path, tok):
+    """Two micro-batches per step: the update is -lr times the gradient of the mean over the micro-batches of
+    per_adapter_loss (the loss is divided by the accumulation steps once: not again by the Trainer)."""
+    samples = rows(["a1", "a0", "__base__", "a2", "a1", "a0", "a2", "a1"], seed=5)
+    model = model_()
+    seen = []
+    model.register_forward_pre_hook(lambda m, a, kw: seen.append({k: kw[k] for k in ("input_ids", "attention_mask",
+                                                                                       "labels", "adapter_names")}),
+                                    with_kwargs=True, prepend=True)
+    before = lora(model)
+    lr = 0.1
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    trainer_for(model, dataset(samples), tok, tmp_path, steps=1, batch=4, optimizer=opt, max_grad_norm=0.0,
+                lr_scheduler_type="constant", gradient_accumulation_steps=2).train()
+    assert len(seen) == 2
+    ref = model_()
+    for b in seen:
+        out = ref(input_ids=b["input_ids"], attention_mask=b["attention_mask"], adapter_names=b["adapter_names"])
+        (fast_multilora.per_adapter_loss(out.logits, b["labels"], b["adapter_names"]) / 2).backward()
+    after = lora(model)
+    for n, p in ref.named_parameters():
+        if "lora_" in n:
+            torch.testing.assert_close((before[n] - after[n]) / lr, p.grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, n=n: f"{n}: {m}")
+
+
 def test_datasets_per_adapter_interleaved(tmp_path, tok):
     """``{adapter: dataset}``: every batch holds every adapter in equal parts (the sampler's round-robin)."""
     model = model_()
