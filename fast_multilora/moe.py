@@ -41,8 +41,9 @@ import torch
 from .function import LayerCall, LoraLinear, get_backend, run
 from .kernels.segments import AdapterTable, grouped_segments
 
-# the experts modules' attributes this path reads (set by transformers' ``use_experts_implementation``)
-_EXPERTS_ATTRS = ("num_experts", "has_gate", "has_bias", "is_transposed", "has_post_expert_norm")
+# the experts modules' attributes this path reads (set by transformers' ``use_experts_implementation``);
+# ``has_post_expert_norm`` is read with a default of False: transformers releases before it (5.17) have no such norm
+_EXPERTS_ATTRS = ("num_experts", "has_gate", "has_bias", "is_transposed")
 
 
 def param_wrapper_class():
@@ -279,7 +280,7 @@ def experts_forward(state: ExpertsState, config, routing, x, top_k_index, top_k_
     y = base_linear(experts, h, experts.down_proj, offs, experts.down_proj_bias[e_g] if experts.has_bias else None)
     if down in state.projs:
         y = expert_delta(backend, segs, state.projs[down], h, y, *lora_weights(state.projs[down]), E)
-    if experts.has_post_expert_norm:
+    if getattr(experts, "has_post_expert_norm", False):
         y = experts.post_expert_norm(y)
     weighted = y * w_g.unsqueeze(-1)
     inv = torch.empty_like(order)
