@@ -591,7 +591,9 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
     dev, acc = dy.device, _acc_dtype(dy.dtype)
     n_slots, R, R_tot = table.ranks.numel(), table.max_rank, table.total_rank
     _check_tensor(name, "h", h, (S, stack_num * R), (torch.float32, torch.float64), dev)
-    B, w_offs = _weights(name, "B_cat", B_cat, (N, R_tot), (torch.float32, dy.dtype), dev, 1)
+    # B in any float dtype: the kernel casts its tiles to dy's (fp32 activations with 16-bit adapters: PEFT casts the
+    # input to the adapters' dtype and the delta back, so dy is fp32 while B is 16-bit)
+    B, w_offs = _weights(name, "B_cat", B_cat, (N, R_tot), _ACT_DTYPES, dev, 1)
     if dh is None:
         dh = torch.zeros(S, stack_num * R, dtype=acc, device=dev)
     _check_tensor(name, "dh", dh, (S, stack_num * R), (acc,), dev)
@@ -653,7 +655,7 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     dev, acc = x.device, _acc_dtype(x.dtype)
     n_slots, R, R_tot = table.ranks.numel(), table.max_rank, table.total_rank
     _check_tensor(name, "dh", dh, (S, stack_num * R), (torch.float32, torch.float64), dev)
-    A, w_offs = _weights(name, "A_cat", A_cat, (stack_num * R_tot, K), (torch.float32, x.dtype), dev, stack_num)
+    A, w_offs = _weights(name, "A_cat", A_cat, (stack_num * R_tot, K), _ACT_DTYPES, dev, stack_num)  # cast as B
     check_seed(name, seed, dev, stack_num)
     if keep is not None:
         check_keep_bits(name, keep, x, stack_num)

@@ -34,25 +34,28 @@ def _step(model, ids, w, **kw):
     return out.detach(), emb.grad, grads
 
 
-def _peft_per_sample(ref, ids, w, row_names):
-    """Stock PEFT, one row at a time with its adapter alone."""
-    outs, dxs = [], []
+def _peft_per_sample(ref, ids, w, row_names, by_adapter=False):
+    """Stock PEFT, one row at a time with its adapter alone (``by_adapter``: all rows of one adapter at once)."""
+    outs, dxs = [None] * len(row_names), [None] * len(row_names)
     for n, p in ref.named_parameters():
         p.requires_grad_("lora_" in n)
-    for i, name in enumerate(row_names):
-        emb = ref.get_input_embeddings()(ids[i : i + 1]).detach().requires_grad_()
+    groups = ([[i for i, n in enumerate(row_names) if n == name] for name in dict.fromkeys(row_names)] if by_adapter
+              else [[i] for i in range(len(row_names))])
+    for rows in groups:
+        name = row_names[rows[0]]
+        emb = ref.get_input_embeddings()(ids[rows]).detach().requires_grad_()
         if name == "__base__":
             with ref.disable_adapter():  # backward inside too: checkpoint recomputation must see the same model
                 out = ref(inputs_embeds=emb).logits
-                (out * w[i : i + 1]).sum().backward()
+                (out * w[rows]).sum().backward()
         else:
             ref.set_adapter(name)
             for n, p in ref.named_parameters():
                 p.requires_grad_("lora_" in n)
             out = ref(inputs_embeds=emb).logits
-            (out * w[i : i + 1]).sum().backward()
-        outs.append(out.detach())
-        dxs.append(emb.grad)
+            (out * w[rows]).sum().backward()
+        for j, i in enumerate(rows):
+            outs[i], dxs[i] = out[j : j + 1].detach(), emb.grad[j : j + 1]
     grads = {n: p.grad for n, p in ref.named_parameters() if "lora_" in n and p.grad is not None}
     return torch.cat(outs), torch.cat(dxs), grads
 

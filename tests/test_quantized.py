@@ -65,18 +65,19 @@ def quantized_base(path, quant, dtype=torch.float32, device="cpu"):
                                                 device_map=device)
 
 
-def qlora_model(path, quant, kbit_training=False, dtype=torch.float32, lora_dtype=None, device="cpu"):
-    """Three adapters on :func:`quantized_base`; the LoRA weights in ``lora_dtype`` (default: PEFT's, fp32)."""
+def qlora_model(path, quant, kbit_training=False, dtype=torch.float32, lora_dtype=None, device="cpu", b_scale=1.0):
+    """Three adapters on :func:`quantized_base`; the LoRA weights in ``lora_dtype`` (default: PEFT's, fp32), every
+    ``lora_B`` multiplied by ``b_scale``."""
     from peft import prepare_model_for_kbit_training
 
     base = quantized_base(path, quant, dtype, device)
     if kbit_training:
         base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=True,
                                                gradient_checkpointing_kwargs={"use_reentrant": False})
-    return with_adapters(base, lora_dtype)
+    return with_adapters(base, lora_dtype, b_scale)
 
 
-def with_adapters(base, lora_dtype=None):
+def with_adapters(base, lora_dtype=None, b_scale=1.0):
     from peft import get_peft_model
 
     cfgs = adapter_configs("llama")
@@ -86,6 +87,8 @@ def with_adapters(base, lora_dtype=None):
         model.add_adapter(name, cfgs[name])
     for n, p in model.named_parameters():
         p.requires_grad_("lora_" in n)
+        if "lora_B" in n and b_scale != 1.0:
+            p.data = p.data * b_scale
         if "lora_" in n and lora_dtype is not None:
             p.data = p.data.to(lora_dtype)
     return model
@@ -121,10 +124,8 @@ DTYPE_CASES = [
     pytest.param("triton", _4bit("fp4", FP16), FP16, None, None, id="triton-fp4-fp16"),
     # fp32 activations, 16-bit adapters: PEFT casts the input to the adapters' dtype, the delta back to fp32
     pytest.param("torch", _4bit("nf4", BF16), FP32, BF16, None, id="torch-nf4-bf16compute-fp32act-bf16lora"),
-    pytest.param("triton", _4bit("fp4", FP16, True), FP32, FP16, None, id="triton-fp4-dq-fp16compute-fp32act-fp16lora",
-                 marks=pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-                     "kernels/backward.py lora_expand_bwd takes B in fp32 or dy's dtype only: fp32 activations with "
-                     "fp16 adapters fail in the Triton backward on every base (plain nn.Linear too)"))),
+    pytest.param("triton", _4bit("fp4", FP16, True), FP32, FP16, None,
+                 id="triton-fp4-dq-fp16compute-fp32act-fp16lora"),  # dy fp32, B fp16 in the expand backward
     # under autocast PEFT's bnb layers cast nothing (the LoRA matmuls run in bf16, ours in fp32 from the same inputs)
     pytest.param("torch", _4bit("nf4", BF16), FP32, None, BF16, id="torch-nf4-bf16compute-autocast"),
     pytest.param("torch", dict(load_in_8bit=True), BF16, None, None, id="torch-int8-bf16"),
@@ -182,8 +183,12 @@ def check_dtypes_match_peft(checkpoint, backend, quant, dtype, lora_dtype, autoc
     from test_paths import NAMES as ROWS
     from test_paths import _inputs, _peft_per_sample, _step
 
-    model, ref, exact = (qlora_model(checkpoint, quant, dtype=dtype, lora_dtype=lora_dtype, device=device)
-                         for _ in range(3))
+    # lora_B scaled by 0.3: PEFT's init_lora_weights=False gives deltas larger than this tiny random base's own
+    # outputs, and in 16 bits the per-sample results then turn chaotic (stock PEFT's own input-grad error 13 % with a
+    # bf16 fp4 base on the CPU, ours 2 %; on an H200 the other way round), so the rule would compare noise; at 0.3 both
+    # errors are ~1 %, while a wrong slot or row still moves results by the delta itself
+    model, ref, exact = (qlora_model(checkpoint, quant, dtype=dtype, lora_dtype=lora_dtype, device=device,
+                                     b_scale=0.3) for _ in range(3))
     exact = exact_twin(exact)
     report = fast_multilora.patch(model, backend=backend)
     assert not report.fallback and len(report.patched) == 14, report
