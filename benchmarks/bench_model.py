@@ -1320,10 +1320,10 @@ def render_md(res) -> str:
             if "gpu_ms" in e:
                 note += f"kernels {e['gpu_ms']:.2f} ms, host {e['host_ms']:.2f} ms per call "
             if "all_adapters_got_grads" in e:
-                note += f"every adapter got gradients: {'yes' if e['all_adapters_got_grads'] else 'NO'}"
+                note += f"every adapter got gradients: {'yes' if e['all_adapters_got_grads'] else 'NO'}; "
             if "diff_rms_over_lora_effect_rms" in e:
                 note += (f"vs PEFT logits: max abs diff {e['max_abs_diff_vs_peft']:.3g}, diff RMS / LoRA-effect RMS "
-                         f"{e['diff_rms_over_lora_effect_rms']:.3g}")
+                         f"{e['diff_rms_over_lora_effect_rms']:.3g}; ")
             if e.get("compile_s") is not None:
                 note += f"compile + first call {e['compile_s']:.1f} s ({e.get('compile_backend')}, " \
                         f"{e.get('compile_mode')}); "

@@ -55,7 +55,8 @@ _EXPAND_BLOCKS = {
     # 16-bit rows: kernel time of both kernels (profiler) at the training step's shapes on H200 (S=16384, 8 adapters,
     # r=16), N = 256 / 2048 / 5632 in us: 10.5 / 42.7 / 96.9 against 15.5 / 49.0 / 105.2 with the one row
     # (128, 64, 8) used before for every N, in the step's call form (tune_kernels.py --parts model_expand_bwd,
-    # h200_tune_expand_bwd_0b59ee6.json; the sweep that chose them, --parts model_expand: 11.5 / 44.3 / 99.2)
+    # h200_tune_expand_bwd_0b59ee6.json in the repository's history at 0b59ee6; the sweep that chose them, --parts
+    # model_expand: 11.5 / 44.3 / 99.2)
     16: (((1024, 256, 128, 8, True), (4096, 256, 64, 8, True), (_INF, 128, 64, 4, True)), (64, 64, 8, True)),
     32: (((_INF, 256, 64, 8, True),), (64, 32, 8, False)),
     64: (((_INF, 128, 64, 8, False),), (32, 32, 8, False)),
