@@ -398,6 +398,45 @@ class Run:
 
         self.measure(scenario, "frozen", frozen, split=scenario == "train_step_8")
 
+    def adamw(self, params):
+        return self.torch.optim.AdamW(params, lr=1e-4)
+
+    def peft_steps(self, scenario, pm, ids, opt, n_adapters, split):
+        """Stock PEFT's providers of a train scenario: ``peft_single`` (adapter a0 on all rows) and, with several
+        adapters, ``peft_sequential`` (each adapter on its own rows, one after another). Returns the single step and
+        its setup."""
+        rows, T = ids.shape
+
+        def single_setup():
+            pm.set_adapter("a0")
+            opt["o"] = self.adamw([p for p in pm.parameters() if p.requires_grad])
+
+        def single():
+            pm(input_ids=ids, labels=ids).loss.backward()
+            opt["o"].step()
+            opt["o"].zero_grad(set_to_none=True)
+
+        self.measure(scenario, "peft_single", single, setup=single_setup, teardown=opt.clear, split=split)
+        if n_adapters > 1:
+            per = rows // n_adapters
+            small = [ids[i * per:(i + 1) * per] for i in range(n_adapters)]
+
+            def seq_setup():
+                self.all_lora_trainable(pm)
+                for i in range(n_adapters):
+                    opt[i] = self.adamw(self.lora_params(pm, f"a{i}"))
+
+            def sequential():
+                for i in range(n_adapters):
+                    pm.set_adapter(f"a{i}")
+                    pm(input_ids=small[i], labels=small[i]).loss.backward()
+                    opt[i].step()
+                    opt[i].zero_grad(set_to_none=True)
+
+            self.measure(scenario, "peft_sequential", sequential, slow=True, setup=seq_setup, teardown=opt.clear,
+                         rows_per_adapter=per, tokens_per_row=T)
+        return single, single_setup
+
     def train(self, scenario: str, n_adapters: int, eval_after: bool = False):
         torch = self.torch
         import fast_multilora
@@ -413,43 +452,9 @@ class Run:
         pm = self.peft_model(base, n_adapters, TARGET_MODULES)
         pm.train()
         opt = {}
-
-        def adamw(params):
-            return torch.optim.AdamW(params, lr=1e-4)
-
-        # stock PEFT, one adapter on all tokens
-        def single_setup():
-            pm.set_adapter("a0")
-            opt["o"] = adamw([p for p in pm.parameters() if p.requires_grad])
-
-        def single():
-            pm(input_ids=ids, labels=ids).loss.backward()
-            opt["o"].step()
-            opt["o"].zero_grad(set_to_none=True)
-
-        self.measure(scenario, "peft_single", single, setup=single_setup, teardown=opt.clear,
-                     split=scenario == "train_step_8")
-
-        # stock PEFT, adapters one after another on their own rows
+        adamw = self.adamw
+        single, single_setup = self.peft_steps(scenario, pm, ids, opt, n_adapters, split=scenario == "train_step_8")
         if n_adapters > 1:
-            per = rows // n_adapters
-            small = [ids[i * per:(i + 1) * per] for i in range(n_adapters)]
-
-            def seq_setup():
-                self.all_lora_trainable(pm)
-                for i in range(n_adapters):
-                    opt[i] = adamw(self.lora_params(pm, f"a{i}"))
-
-            def sequential():
-                for i in range(n_adapters):
-                    pm.set_adapter(f"a{i}")
-                    pm(input_ids=small[i], labels=small[i]).loss.backward()
-                    opt[i].step()
-                    opt[i].zero_grad(set_to_none=True)
-
-            self.measure(scenario, "peft_sequential", sequential, slow=True, setup=seq_setup, teardown=opt.clear,
-                         rows_per_adapter=per, tokens_per_row=T)
-
             # stock PEFT's per-adapter loop in every layer, forced into training
             hooks = []
 
@@ -592,38 +597,8 @@ class Run:
                              target_parameters=MOE_TARGET_PARAMETERS)
         pm.train()
         opt = {}
-
-        def adamw(params):
-            return torch.optim.AdamW(params, lr=1e-4)
-
-        def single_setup():
-            pm.set_adapter("a0")
-            opt["o"] = adamw([p for p in pm.parameters() if p.requires_grad])
-
-        def single():
-            pm(input_ids=ids, labels=ids).loss.backward()
-            opt["o"].step()
-            opt["o"].zero_grad(set_to_none=True)
-
-        self.measure(scenario, "peft_single", single, setup=single_setup, teardown=opt.clear, split=True)
-
-        per = rows // n_adapters
-        small = [ids[i * per:(i + 1) * per] for i in range(n_adapters)]
-
-        def seq_setup():
-            self.all_lora_trainable(pm)
-            for i in range(n_adapters):
-                opt[i] = adamw(self.lora_params(pm, f"a{i}"))
-
-        def sequential():
-            for i in range(n_adapters):
-                pm.set_adapter(f"a{i}")
-                pm(input_ids=small[i], labels=small[i]).loss.backward()
-                opt[i].step()
-                opt[i].zero_grad(set_to_none=True)
-
-        self.measure(scenario, "peft_sequential", sequential, slow=True, setup=seq_setup, teardown=opt.clear,
-                     rows_per_adapter=per, tokens_per_row=T)
+        adamw = self.adamw
+        self.peft_steps(scenario, pm, ids, opt, n_adapters, split=True)
 
         def fast_setup():
             self.all_lora_trainable(pm)
