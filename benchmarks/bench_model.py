@@ -105,7 +105,8 @@ def parse_args(argv=None):
     ap.add_argument("--merge", action="store_true",
                     help="add this run's scenarios to an existing --out JSON instead of overwriting it")
     ap.add_argument("--backend", default=None, help="fast_multilora backend (default: triton on GPU, torch on CPU)")
-    ap.add_argument("--budget-s", type=float, default=None, help="start no scenario/provider past this many seconds")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no scenario/provider past this many seconds (exit status 3 when one was left out)")
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
     ap.add_argument("--from-json", default=None, help="only re-render markdown and plot from this JSON")
     return ap.parse_args(argv)
@@ -199,6 +200,7 @@ class Run:
             if compiled is not None:
                 self.res[scenario][provider]["compile_s"] = None
             print(f"  {provider:28s} skipped (time budget)", flush=True)
+            self.budget_skipped.append(f"{scenario}/{provider}")
             return
         if layer:
             warm, iters = self.sz.layer_warm, self.sz.layer_iters
@@ -1058,6 +1060,7 @@ class Run:
             return False
         if not self.budget.allows(self.sz.est[scenario]):
             self.skipped.append(scenario)
+            self.budget_skipped.append(scenario)
             print(f"== {scenario}: skipped (time budget, {self.budget.elapsed():.0f} s used)", flush=True)
             return False
         print(f"== {scenario} ({self.budget.elapsed():.0f} s)", flush=True)
@@ -1109,6 +1112,7 @@ class Run:
                 self.prev = json.load(f)
             print(f"bench_model: merging into {self.args.out}", flush=True)
         self.skipped = [s for s in SCENARIOS if s not in self.wanted]
+        self.budget_skipped = []  # requested scenarios / providers that --budget-s left out (exit status 3)
         self.patch_info = None
         self.res["meta"] = run_meta(
             self.device, self.args.commit, quick=self.quick, backend=self.backend, dtype=self.sz.dtype,
@@ -1156,6 +1160,9 @@ class Run:
         self.res["meta"]["patch"] = self.patch_info
         self.save()
         print(f"bench_model: wrote {self.args.out} in {self.budget.elapsed():.0f} s", flush=True)
+        if self.budget_skipped:  # a partial run must not read as a complete one (gpu_check.sh reports the rc)
+            print(f"bench_model: skipped for the time budget: {', '.join(self.budget_skipped)}", flush=True)
+            return 3
         return 0
 
     def describe(self) -> dict:

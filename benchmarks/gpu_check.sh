@@ -20,6 +20,7 @@
 # (--no-deps) before any stage.
 # Default: "tests kernels model".
 #
+# A benchmark stage's rc=3: bench_model.py left scenarios or providers out for its time budget (it names them).
 # Every stage runs under its own `timeout`; a stage that fails or times out does not stop the later ones, and the
 # benchmarks write their JSON/markdown after every case, so a killed stage still leaves what it measured. Worst case
 # (every limit hit, default stages) about 8.7 minutes; limits (seconds): T_INSTALL, T_TESTS, T_KERNELS, T_MODEL,

@@ -109,3 +109,15 @@ def test_bench_model_quick_qlora(tmp_path):
         assert fast["diff_rms_over_lora_effect_rms"] < 1e-3, fast
     assert d["qlora_step_8"]["fast_multilora"]["all_adapters_got_grads"]
     assert "## qlora_step_8" in (tmp_path / "h200.md").read_text()
+
+
+def test_bench_model_budget_skips_exit_3(tmp_path):
+    """A scenario left out by ``--budget-s`` makes the run's exit status 3 (a partial run), naming it."""
+    out = tmp_path / "h200.json"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--quick", "--scenarios",
+                          "eval_8", "--budget-s", "0", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 3, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "skipped for the time budget: eval_8" in res.stdout
+    d = json.loads(out.read_text())
+    assert "eval_8" in d["meta"]["skipped_scenarios"] and not d.get("eval_8"), d.get("eval_8")
