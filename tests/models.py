@@ -46,15 +46,34 @@ def adapter_configs(arch, dropout=0.0):
 
 def peft_model(arch="llama", dropout=0.0, dtype=torch.float32, seed=0, configs=None):
     base = tiny_llama(seed, dtype) if arch == "llama" else tiny_gpt2(seed, dtype)
-    configs = configs or adapter_configs(arch, dropout)
-    names = list(configs)
     torch.manual_seed(seed + 1)
+    return with_adapters(base, configs or adapter_configs(arch, dropout))
+
+
+def with_adapters(base, configs: dict):
+    """``base`` under PEFT with every adapter of ``configs`` (the first one made by ``get_peft_model``), only the LoRA
+    weights trainable."""
+    names = list(configs)
     model = get_peft_model(base, configs[names[0]], adapter_name=names[0])
     for n in names[1:]:
         model.add_adapter(n, configs[n])
     for n, p in model.named_parameters():
         p.requires_grad_("lora_" in n)
     return model
+
+
+def patched_llama():
+    """:func:`peft_model` (three adapters, B != 0: A and B both get gradients) patched on the torch backend."""
+    import fast_multilora
+
+    model = peft_model("llama")
+    fast_multilora.patch(model, backend="torch")
+    return model
+
+
+def lora_weights(model) -> dict:
+    """Copies of the model's LoRA parameters by name."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
 
 
 def twin(model):

@@ -6,6 +6,7 @@ path cannot run."""
 
 import pytest
 import torch
+from models import twin, with_adapters
 from peft import LoraConfig, get_peft_model
 from test_paths import NAMES, assert_matches_peft
 from test_paths import _inputs as path_inputs
@@ -44,20 +45,7 @@ def tiny_moe(arch, impl, seed=0, dtype=torch.float32, hidden=32, inter=24, exper
 
 
 def moe_model(arch, impl, cfgs=None, dtype=torch.float32, **sizes):
-    cfgs = cfgs or configs()
-    names = list(cfgs)
-    model = get_peft_model(tiny_moe(arch, impl, dtype=dtype, **sizes), cfgs[names[0]], adapter_name=names[0])
-    for n in names[1:]:
-        model.add_adapter(n, cfgs[n])
-    for n, p in model.named_parameters():
-        p.requires_grad_("lora_" in n)
-    return model
-
-
-def twin(model):
-    import copy
-
-    return copy.deepcopy(model)
+    return with_adapters(tiny_moe(arch, impl, dtype=dtype, **sizes), cfgs or configs())
 
 
 # (arch, the model's experts implementation): the base GEMMs follow it (grouped_mm, or a loop per expert)

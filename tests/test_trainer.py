@@ -7,7 +7,7 @@ optimizer groups and per-adapter clipping.
 
 import pytest
 import torch
-from models import peft_model
+from models import lora_weights, patched_llama
 from transformers import Trainer, TrainingArguments
 
 import fast_multilora
@@ -39,16 +39,6 @@ class Stream(torch.utils.data.IterableDataset):
         return iter(self.rows)
 
 
-def model_():
-    model = peft_model("llama")  # 3 adapters, B != 0: A and B both get gradients
-    fast_multilora.patch(model, backend="torch")
-    return model
-
-
-def lora(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
-
-
 def trainer_for(model, data, tmp_path, *, steps, batch=6, optimizer=None, callbacks=(), collator=None, **kw):
     loss = PerAdapterLoss(model)
     args = TrainingArguments(
@@ -62,12 +52,12 @@ def trainer_for(model, data, tmp_path, *, steps, batch=6, optimizer=None, callba
 
 
 def test_every_adapter_moves_and_logs_its_loss(tmp_path):
-    model = model_()
-    before = lora(model)
+    model = patched_llama()
+    before = lora_weights(model)
     data = samples(["a0", "a1", "a2", "__base__"] * 6)
     trainer = trainer_for(model, data, tmp_path, steps=3)
     trainer.train()
-    after = lora(model)
+    after = lora_weights(model)
     for n in before:
         assert not torch.equal(before[n], after[n]), f"{n} did not move"
     logged = [h for h in trainer.state.log_history if "loss" in h]
@@ -79,24 +69,24 @@ def test_every_adapter_moves_and_logs_its_loss(tmp_path):
 
 def test_base_rows_leave_adapters_untouched(tmp_path):
     """A batch of only ``__base__`` rows trains nothing: every adapter weight stays bit-identical."""
-    model = model_()
-    before = lora(model)
+    model = patched_llama()
+    before = lora_weights(model)
     trainer = trainer_for(model, samples(["__base__"] * 12), tmp_path, steps=2)
     trainer.train()
-    after = lora(model)
+    after = lora_weights(model)
     for n in before:
         assert torch.equal(before[n], after[n]), n
     # ... while the same Trainer set-up with adapter rows does change them (the check above can fail)
     trainer = trainer_for(model, samples(["__base__", "a1"] * 6), tmp_path, steps=1)
     trainer.train()
-    moved = lora(model)
+    moved = lora_weights(model)
     assert any(not torch.equal(before[n], moved[n]) for n in before if ".a1." in n)
     assert all(torch.equal(before[n], moved[n]) for n in before if ".a1." not in n)
 
 
 def test_per_adapter_optimizer_groups_and_clipping(tmp_path):
-    model = model_()
-    before = lora(model)
+    model = patched_llama()
+    before = lora_weights(model)
     groups = adapter_param_groups(model, {"a0": {"lr": 0.0}, "a2": {"lr": 3e-2}}, default={"weight_decay": 0.0})
     assert [g["adapter"] for g in groups] == ADAPTERS
     opt = torch.optim.AdamW(groups, lr=1e-2)
@@ -104,7 +94,7 @@ def test_per_adapter_optimizer_groups_and_clipping(tmp_path):
     trainer = trainer_for(model, samples(["a0", "a1", "a2"] * 4), tmp_path, steps=2, optimizer=opt,
                           callbacks=[clip], max_grad_norm=0.0)
     trainer.train()
-    after = lora(model)
+    after = lora_weights(model)
     for n in before:
         if ".a0." in n:
             assert torch.equal(before[n], after[n]), n  # lr 0 for a0
@@ -117,8 +107,8 @@ def test_per_adapter_optimizer_groups_and_clipping(tmp_path):
 def test_trainer_step_is_the_per_adapter_gradient(tmp_path, accum):
     """One SGD step of the Trainer equals -lr * grad of fast_multilora.per_adapter_loss (mean over micro-batches
     with gradient accumulation) -- no hidden rescaling by token counts or accumulation steps."""
-    model = model_()
-    ref = model_()
+    model = patched_llama()
+    ref = patched_llama()
     data = samples(["a1", "a0", "__base__", "a2", "a1", "a1", "a0", "a2", "__base__", "a1", "a2", "a0"], seed=3)
     micro = len(data) // accum
     collate = MultiAdapterCollator(pad_token_id=0)
@@ -129,13 +119,13 @@ def test_trainer_step_is_the_per_adapter_gradient(tmp_path, accum):
         (fast_multilora.per_adapter_loss(out.logits, b["labels"], b["adapter_names"]) / accum).backward()
     want = {n: p.grad.clone() for n, p in ref.named_parameters() if "lora_" in n}
 
-    before = lora(model)
+    before = lora_weights(model)
     lr = 0.1
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     trainer = trainer_for(model, Stream(data), tmp_path, steps=1, batch=micro, optimizer=opt, max_grad_norm=0.0,
                           gradient_accumulation_steps=accum)
     trainer.train()
-    after = lora(model)
+    after = lora_weights(model)
     for n in want:
         torch.testing.assert_close((before[n] - after[n]) / lr, want[n], rtol=1e-4, atol=1e-6,
                                    msg=lambda m, n=n: f"{n}: {m}")
@@ -146,8 +136,8 @@ def test_trainer_with_packed_rows(tmp_path):
     and the step equals the per-adapter gradient of the packed batch."""
     from fast_multilora.data import PackedCollator
 
-    model = model_()
-    ref = model_()
+    model = patched_llama()
+    ref = patched_llama()
     data = samples(["a1", "a0", "__base__", "a2", "a1", "a2", "a0", "a1"], seed=4)
     collate = PackedCollator(max_length=24, pad_token_id=0, adapter_names=ADAPTERS)
     b = collate(data)
@@ -159,13 +149,13 @@ def test_trainer_with_packed_rows(tmp_path):
     loss.backward()
     want = {n: p.grad.clone() for n, p in ref.named_parameters() if "lora_" in n}
 
-    before = lora(model)
+    before = lora_weights(model)
     lr = 0.1
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     trainer = trainer_for(model, Stream(data), tmp_path, steps=1, batch=len(data), optimizer=opt, max_grad_norm=0.0,
                           collator=collate)
     trainer.train()
-    after = lora(model)
+    after = lora_weights(model)
     for n in want:
         torch.testing.assert_close((before[n] - after[n]) / lr, want[n], rtol=1e-4, atol=1e-6,
                                    msg=lambda m, n=n: f"{n}: {m}")

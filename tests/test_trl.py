@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from models import peft_model
+from models import lora_weights, patched_llama
 
 pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -60,16 +60,6 @@ def encoded(tok, samples):
     return out
 
 
-def model_():
-    model = peft_model("llama")  # 3 adapters, B != 0: A and B both get gradients
-    fast_multilora.patch(model, backend="torch")
-    return model
-
-
-def lora(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
-
-
 def trainer_for(model, data, tok, tmp_path, *, steps, batch, optimizer=None, **kw):
     args = SFTConfig(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=batch, learning_rate=1e-2,
                      logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, seed=0,
@@ -79,21 +69,21 @@ def trainer_for(model, data, tok, tmp_path, *, steps, batch, optimizer=None, **k
 
 
 def test_every_adapter_moves_base_rows_move_none(tmp_path, tok):
-    model = model_()
-    before = lora(model)
+    model = patched_llama()
+    before = lora_weights(model)
     trainer = trainer_for(model, dataset(rows(ADAPTERS * 4)), tok, tmp_path, steps=2, batch=6)
     trainer.train()
-    after = lora(model)
+    after = lora_weights(model)
     for n in before:
         assert not torch.equal(before[n], after[n]), f"{n} did not move"
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logged) == 2 and all({f"loss/{a}" for a in ADAPTERS} <= set(h) for h in logged), logged
     assert "mean_token_accuracy" in logged[0]  # TRL's own metrics stay
 
-    model = model_()
-    before = lora(model)
+    model = patched_llama()
+    before = lora_weights(model)
     trainer_for(model, dataset(rows(["__base__"] * 8)), tok, tmp_path, steps=2, batch=4).train()
-    after = lora(model)
+    after = lora_weights(model)
     for n in before:
         assert torch.equal(before[n], after[n]), n
 
@@ -105,7 +95,7 @@ def test_step_and_logged_losses_are_the_per_adapter_loss(tmp_path, tok, packing)
     samples into padding-free rows; equality shows that every token was routed to its own adapter and trained on
     its completion only, with no attention across samples."""
     samples = rows(["a1", "a0", "__base__", "a2", "a1", "a0", "a2", "a1", "__base__", "a2"], seed=3)
-    ref = model_()
+    ref = patched_llama()
     b = MultiAdapterCollator(tok)(encoded(tok, samples))
     out = ref(input_ids=b["input_ids"], attention_mask=b["attention_mask"], adapter_names=b["adapter_names"])
     want_loss, want_per = fast_multilora.per_adapter_loss(out.logits, b["labels"], b["adapter_names"],
@@ -113,11 +103,11 @@ def test_step_and_logged_losses_are_the_per_adapter_loss(tmp_path, tok, packing)
     want_loss.backward()
     want = {n: p.grad.clone() for n, p in ref.named_parameters() if "lora_" in n}
 
-    model = model_()
+    model = patched_llama()
     seen = []
     model.register_forward_pre_hook(lambda m, a, kw: seen.append((kw.get("adapter_ids"), kw.get("adapter_names"))),
                                     with_kwargs=True, prepend=True)
-    before = lora(model)
+    before = lora_weights(model)
     lr = 0.1
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     trainer = trainer_for(model, dataset(samples), tok, tmp_path, steps=1, batch=len(samples), optimizer=opt,
@@ -132,7 +122,7 @@ def test_step_and_logged_losses_are_the_per_adapter_loss(tmp_path, tok, packing)
     logged = trainer.state.log_history[0]
     for a in ADAPTERS:
         assert logged[f"loss/{a}"] == pytest.approx(want_per[a], abs=1e-4), (a, logged)
-    after = lora(model)
+    after = lora_weights(model)
     for n in want:
         torch.testing.assert_close((before[n] - after[n]) / lr, want[n], rtol=1e-4, atol=1e-6,
                                    msg=lambda m, n=n: f"{n}: {m}")
@@ -151,22 +141,22 @@ def test_gradient_accumulation(tmp_path, tok):
     """Two micro-batches per step: the update is -lr times the gradient of the mean over the micro-batches of
     per_adapter_loss (the loss is divided by the accumulation steps once: not again by the Trainer)."""
     samples = rows(["a1", "a0", "__base__", "a2", "a1", "a0", "a2", "a1"], seed=5)
-    model = model_()
+    model = patched_llama()
     seen = []
     model.register_forward_pre_hook(lambda m, a, kw: seen.append({k: kw[k] for k in ("input_ids", "attention_mask",
                                                                                        "labels", "adapter_names")}),
                                     with_kwargs=True, prepend=True)
-    before = lora(model)
+    before = lora_weights(model)
     lr = 0.1
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     trainer_for(model, dataset(samples), tok, tmp_path, steps=1, batch=4, optimizer=opt, max_grad_norm=0.0,
                 lr_scheduler_type="constant", gradient_accumulation_steps=2).train()
     assert len(seen) == 2
-    ref = model_()
+    ref = patched_llama()
     for b in seen:
         out = ref(input_ids=b["input_ids"], attention_mask=b["attention_mask"], adapter_names=b["adapter_names"])
         (fast_multilora.per_adapter_loss(out.logits, b["labels"], b["adapter_names"]) / 2).backward()
-    after = lora(model)
+    after = lora_weights(model)
     for n, p in ref.named_parameters():
         if "lora_" in n:
             torch.testing.assert_close((before[n] - after[n]) / lr, p.grad, rtol=1e-4, atol=1e-6,
@@ -175,16 +165,16 @@ def test_gradient_accumulation(tmp_path, tok):
 
 def test_datasets_per_adapter_interleaved(tmp_path, tok):
     """``{adapter: dataset}``: every batch holds every adapter in equal parts (the sampler's round-robin)."""
-    model = model_()
+    model = patched_llama()
     seen = []
     model.register_forward_pre_hook(lambda m, a, kw: seen.append(list(kw["adapter_names"])), with_kwargs=True,
                                     prepend=True)
     data = {a: dataset([{k: v for k, v in r.items() if k != "adapter_name"} for r in rows([a] * 4, seed=i)])
             for i, a in enumerate(ADAPTERS)}
-    before = lora(model)
+    before = lora_weights(model)
     trainer_for(model, data, tok, tmp_path, steps=4, batch=3).train()
     assert len(seen) == 4 and all(sorted(s) == ADAPTERS for s in seen), seen
-    after = lora(model)
+    after = lora_weights(model)
     assert all(not torch.equal(before[n], after[n]) for n in before)
 
 
@@ -198,7 +188,7 @@ def test_interleave_sampler():
 
 
 def test_bad_adapter_column(tmp_path, tok):
-    model = model_()
+    model = patched_llama()
     trainer = trainer_for(model, dataset(rows(["a0", "nope"])), tok, tmp_path, steps=1, batch=2)
     with pytest.raises(ValueError, match="'nope' is not one of the model's adapters"):
         trainer.train()
