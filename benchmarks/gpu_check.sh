@@ -7,17 +7,17 @@
 #
 # Stages: tests (tests marked gpu; the hypothesis fuzz sweep runs meanwhile -- on the second GPU where there is one
 # -- in FUZZ_PROCS processes of different seeds, FML_FUZZ_EXAMPLES examples per test in all), kernels, model,
-# profile (benchmarks/profile_step.py, per PROFILE_MODES entry), multi (benchmarks/multi_gpu.sh, needs 2 GPUs),
-# ktests (the kernel and fused-path test files whole, every dtype, on the GPU, in parallel processes), tune
-# (benchmarks/tune_kernels.py --parts $TUNE_PARTS, default model: block sweep at the training step's shapes), ab
-# (benchmarks/ab_step.py: patch settings A/B on the train step), gaps (benchmarks/kernel_gaps.py: an eval forward's
-# kernel gaps, and its wall-time A/B), compiled (bench_model.py's opt-in scenarios: train step and eval under
-# torch.compile, static- and dynamic-cache generate, merged into the model stage's h200.json; COMPILE_MODE, default
-# "default", lists torch.compile's modes, each but "default" written to h200_<mode>.json; T_COMPILED per mode).
-# qlora (opt-in): bench_model.py's qlora_step_8 / qlora_eval_8 (issue 19) merged into the model stage's h200.json
-# (T_QLORA); with GPU_TESTS=tests/test_quantized_gpu.py the tests stage runs the QLoRA GPU tests. bitsandbytes is not
-# in the GPU image and the machine has no network: a wheel wheels/bitsandbytes-*.whl in the tree is pip-installed
-# (--no-deps) before any stage.
+# profile (benchmarks/profile_step.py, per PROFILE_MODES entry: eager, a compile mode, or decode), multi
+# (benchmarks/multi_gpu.sh, needs 2 GPUs), ktests (the kernel and fused-path test files whole, every dtype, on the
+# GPU, in parallel processes), tune (benchmarks/tune_kernels.py --parts $TUNE_PARTS, default model: block sweep at
+# the training step's shapes), ab (benchmarks/ab_step.py: patch settings A/B on the train step), gaps
+# (benchmarks/kernel_gaps.py: an eval forward's kernel gaps, and its wall-time A/B), compiled (bench_model.py's
+# opt-in scenarios: train step and eval under torch.compile, static- and dynamic-cache generate, merged into the
+# model stage's h200.json; COMPILE_MODE, default "default", lists torch.compile's modes, each but "default" written
+# to h200_<mode>.json; T_COMPILED per mode). qlora (opt-in): bench_model.py's qlora_step_8 / qlora_eval_8 (issue 19)
+# merged into the model stage's h200.json (T_QLORA); with GPU_TESTS=tests/test_quantized_gpu.py the tests stage runs
+# the QLoRA GPU tests. bitsandbytes is not in the GPU image and the machine has no network: a wheel
+# wheels/bitsandbytes-*.whl in the tree is pip-installed (--no-deps) before any stage.
 # Default: "tests kernels model".
 #
 # A benchmark stage's rc=3: bench_model.py left scenarios or providers out for its time budget (it names them).
@@ -50,7 +50,7 @@ COMPILED_SCENARIOS=${COMPILED_SCENARIOS:-train_step_8_compiled,eval_8_compiled,g
 T_COMPILED=${T_COMPILED:-540}  # 12 providers, 9 of them compiled (40-90 s each on an H200)
 COMPILE_MODE=${COMPILE_MODE:-default}
 T_QLORA=${T_QLORA:-300}  # qlora_step_8 + qlora_eval_8: model save + 4-bit load, 4 + 4 providers
-PROFILE_MODES=${PROFILE_MODES:-eager}  # the profile stage's train steps: eager and/or torch.compile modes
+PROFILE_MODES=${PROFILE_MODES:-eager}  # the profile stage: train steps eager and/or per torch.compile mode; decode
 FML_FUZZ_EXAMPLES=${FML_FUZZ_EXAMPLES:-30}  # per fuzz test, over all shards
 FUZZ_PROCS=${FUZZ_PROCS:-1}
 TEST_PROCS=${TEST_PROCS:-1}  # the tests stage in that many processes (benchmarks/run_tests_parallel.py)
@@ -172,11 +172,12 @@ main() {
         stage qlora "$T_QLORA" "$PY" benchmarks/bench_model.py --out "$OUT/h200.json" --merge \
             --scenarios qlora_step_8,qlora_eval_8 --budget-s $((T_QLORA - 35)) ${COMMIT:+--commit "$COMMIT"}
     fi
-    if want profile; then  # one profile per PROFILE_MODES entry: eager, or a torch.compile mode
+    if want profile; then  # one profile per PROFILE_MODES entry: eager, a torch.compile mode, or decode
         local m
         for m in $PROFILE_MODES; do
             stage "profile_$m" "$T_PROFILE" env CUDA_VISIBLE_DEVICES=0 "$PY" benchmarks/profile_step.py \
-                $([ "$m" = eager ] || echo --compile "$m") --out "$OUT/profile_step_$m.txt"
+                $(case "$m" in eager) ;; decode) echo --decode ;; *) echo --compile "$m" ;; esac) \
+                --out "$OUT/profile_step_$m.txt"
         done
     fi
     if want multi; then

@@ -2,6 +2,10 @@
 0.05): host time per step, kernel launches per step by kernel, the top Python functions by own time (cProfile) and
 the top torch ops by self CPU time. Usage (GPU): ``python benchmarks/profile_step.py [--out FILE]``.
 
+``--decode``: one dynamic-cache decode step of ``generate_dynamic``'s batch (16 rows of 128 prompt tokens, 8 adapters
+mixed with ``__base__`` rows, eval, bf16) for ours and for the plain base model: host time per step, launches by
+kernel, torch ops and cProfile -- where a mixed decode step's per-layer host time goes.
+
 ``--layer``: the same for one call of the harness's ``layer_4096`` scenario (a 4096x4096 ``nn.Linear`` in a
 ``PeftModel``, 8 x 1024 tokens, forward + backward), ours with 8 adapters mixed against stock PEFT's single adapter:
 where a lone layer call's host time goes."""
@@ -199,15 +203,59 @@ def profile_layer(say):
             say(f"launch paths since import: {launch.stats()}")
 
 
+def build_decode(ours: bool, n_adapters=8, rows=16, prompt=128, cfg=None, device="cuda"):
+    """One decode step (1 token per row) after a prefill, dynamic cache, no grad: ours with ``n_adapters`` mixed
+    with ``__base__`` rows (every fourth), or the plain base model. Each call appends one position to the cache."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**(cfg or BENCH_LLAMA))).to(torch.bfloat16).eval()
+    kw = {}
+    if ours:
+        lc = LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS)
+        model = get_peft_model(model, lc, adapter_name="a0")
+        for i in range(1, n_adapters):
+            model.add_adapter(f"a{i}", lc)
+        fast_multilora.patch(model, backend="triton" if device == "cuda" else "torch")
+        model.eval()
+        kw["adapter_names"] = ["__base__" if i % 4 == 3 else f"a{i % n_adapters}" for i in range(rows)]
+    ids = torch.randint(0, model.config.vocab_size, (rows, prompt), device=device)
+    cache = DynamicCache()
+    with torch.no_grad():
+        tok = model(input_ids=ids, past_key_values=cache, use_cache=True, **kw).logits[:, -1:].argmax(-1)
+
+    def step():
+        with torch.no_grad():
+            return model(input_ids=tok, past_key_values=cache, use_cache=True, **kw).logits
+
+    return step
+
+
+def profile_decode(say):
+    for ours in (True, False):
+        label = "fast_multilora, 8 adapters + __base__ rows" if ours else "base model"
+        step = build_decode(ours)
+        for _ in range(5):
+            step()
+        say(f"=== decode step, {label}: host {host_ms(step, 21):.3f} ms (median of 21, each after a sync)")
+        report(say, step, "step", n_prof=5, n_cprof=10, top_kernels=20, op_rows=30, cprof_rows=35,
+               cumulative_rows=40)
+        del step
+        torch.cuda.empty_cache()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--layer", action="store_true", help="profile the layer_4096 call instead of the train step")
+    ap.add_argument("--decode", action="store_true", help="profile a mixed dynamic-cache decode step instead")
     ap.add_argument("--compile", default=None, help="torch.compile the model: default | reduce-overhead | ...")
     a = ap.parse_args(argv)
     say, buf = tee()
-    if a.layer:
-        profile_layer(say)
+    if a.decode or a.layer:
+        (profile_decode if a.decode else profile_layer)(say)
         if a.out:
             Path(a.out).write_text(buf.getvalue())
         return
