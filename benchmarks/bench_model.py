@@ -47,6 +47,11 @@ one AdamW step on 16 x 1024 tokens, ``fast_multilora`` with 8 adapters mixed (2 
 ``__base__`` rows. Both also time ``frozen`` (the 4-bit base alone). ``--quick`` loads a 64-wide model (bitsandbytes'
 CPU 4-bit layers need 64 input features).
 
+``train_step_scale`` (opt-in; issue 18) -- ``train_step_8``'s model and 16 x 1024 tokens in packed rows
+(``adapter_ids``: at least 4 samples per row, every resident adapter on one sample at least, positions per sample)
+with 8, 32, 64, 128 and 256 adapters resident and trained (providers ``fast_8`` ... ``fast_256``; ``--quick``: 2, 8,
+32), AdamW over all of them; each row records its host / GPU split and how many adapters got gradients.
+
 Opt-in scenarios (run only when named in ``--scenarios``; compiling takes 40-90 s per provider on the GPU):
 ``train_step_8_compiled`` and ``eval_8_compiled`` -- ``train_step_8``'s step and ``eval_8``'s forward with
 ``torch.compile(model)`` (``--compile-mode``; the loss and the AdamW step stay eager), providers ``fast_multilora``,
@@ -74,6 +79,7 @@ measure.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -85,7 +91,7 @@ import warnings
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIOS = ("layer_4096", "layer_2048", "train_step_8", "eval_8", "train_step_1", "train_step_32")  # the default
 OPT_IN = ("train_step_8_compiled", "eval_8_compiled", "generate_static", "generate_dynamic", "moe_step_8",
-          "qlora_step_8", "qlora_eval_8")  # when named
+          "qlora_step_8", "qlora_eval_8", "train_step_scale")  # when named
 ALL_SCENARIOS = SCENARIOS + OPT_IN
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -132,6 +138,7 @@ class Sizes:
             self.layer_warm, self.layer_iters = 1, 3
             self.gen_prompt, self.gen_new = 8, 4  # generation: batch x gen_prompt tokens, gen_new new tokens
             self.est = dict.fromkeys(ALL_SCENARIOS, 5.0)
+            self.scale_counts = (2, 8, 32)
             self.est_provider, self.est_compiled = 1.0, 3.0
         else:
             self.layers = {"layer_4096": (4096, 4096, 8, 1024), "layer_2048": (2048, 2048, 16, 1024)}
@@ -151,7 +158,9 @@ class Sizes:
             self.est = {"layer_4096": 12, "layer_2048": 10, "train_step_8": 80, "eval_8": 14, "train_step_1": 16,
                         "train_step_32": 55, "train_step_8_compiled": 150, "eval_8_compiled": 90,
                         "generate_static": 210, "generate_dynamic": 50,  # opt-in ones: one H200 run, inductor
-                        "moe_step_8": 90, "qlora_step_8": 90, "qlora_eval_8": 20}  # not measured yet: guesses
+                        "moe_step_8": 90, "qlora_step_8": 90, "qlora_eval_8": 20,  # one H200 run each
+                        "train_step_scale": 150}  # not measured yet: a guess
+            self.scale_counts = (8, 32, 64, 128, 256)
             self.est_provider, self.est_compiled = 5.0, 90.0  # compiled: compile + first call, 40-90 s on an H200
 
 
@@ -571,6 +580,59 @@ class Run:
         if eval_after and self.start("eval_8"):
             self.done(scenario)
             self.eval_mixed("eval_8", pm, ids)
+
+    def scale(self, scenario: str):
+        """The train step at equal tokens with each of ``Sizes.scale_counts`` adapters resident and trained: packed rows
+        (``adapter_ids``), every adapter on at least one sample (``max(4, n // rows)`` samples per row, each with its
+        own positions), AdamW (torch's default) over every adapter. One PEFT model grows by ``add_adapter`` from
+        one count to the next and is re-patched; per provider ``ms``, ``peak_mib`` and the host / GPU split."""
+        torch = self.torch
+        rows, T = self.sz.batch, self.sz.T
+        ids = self.token_ids(rows, T)
+        pm = self.peft_model(self.base_model(), self.sz.scale_counts[0], TARGET_MODULES)
+        opt = {}
+        for n in self.sz.scale_counts:
+            for i in range(n):
+                if f"a{i}" not in pm.peft_config:
+                    pm.add_adapter(f"a{i}", copy.deepcopy(pm.peft_config["a0"]))
+            pm.to(self.device, self.dtype)
+            per_row = max(4, -(-n // rows))
+            seg = T // per_row
+            j = (torch.arange(T, device=self.device) // seg).clamp(max=per_row - 1)  # [T] sample of each position
+            sample = torch.arange(rows, device=self.device)[:, None] * per_row + j  # [rows, T]
+            adapter_ids = (sample % n).contiguous()
+            pos = (torch.arange(T, device=self.device) - j * seg).expand(rows, T)
+            names = [f"a{i}" for i in range(n)]
+
+            def setup():
+                self.all_lora_trainable(pm)
+                self.patch(pm)
+                opt["o"] = self.adamw(self.lora_params(pm))
+
+            def teardown():
+                self.unpatch(pm)
+                opt.clear()
+
+            def step(names=names, adapter_ids=adapter_ids, pos=pos):
+                loss = pm(input_ids=ids, labels=ids, adapter_names=names, adapter_ids=adapter_ids,
+                          position_ids=pos).loss
+                loss.backward()
+                opt["o"].step()
+                opt["o"].zero_grad(set_to_none=True)
+
+            def trained(n=n, names=names, adapter_ids=adapter_ids, pos=pos):  # every resident adapter trains
+                loss = pm(input_ids=ids, labels=ids, adapter_names=names, adapter_ids=adapter_ids,
+                          position_ids=pos).loss
+                loss.backward()
+                got = sum(any(p.grad is not None and bool(p.grad.abs().sum() > 0)
+                              for p in self.lora_params(pm, f"a{i}")) for i in range(n))
+                opt["o"].zero_grad(set_to_none=True)
+                return {"adapters_with_grads": got}
+
+            self.measure(scenario, f"fast_{n}", step, setup=setup, teardown=teardown, verify=trained, split=True,
+                         adapters=n, samples_per_row=per_row)
+        pm = None  # the model's memory back before the next scenario
+        self.free()
 
     def moe_base(self):
         """The Qwen3-MoE-shaped model of ``moe_step_8`` (random init), experts on transformers' ``grouped_mm``."""
@@ -1157,6 +1219,9 @@ class Run:
             self.done("moe_step_8")
         if "qlora_step_8" in self.wanted or "qlora_eval_8" in self.wanted:
             self.qlora()
+        if self.start("train_step_scale"):
+            self.scale("train_step_scale")
+            self.done("train_step_scale")
         self.res["meta"]["patch"] = self.patch_info
         self.save()
         print(f"bench_model: wrote {self.args.out} in {self.budget.elapsed():.0f} s", flush=True)
@@ -1198,6 +1263,10 @@ class Run:
                              f"quantization, compute {self.sz.dtype}), {B} x {T} tokens, LoRA r=16 on all 7 "
                              f"projections, 8 adapters ({B // 8} rows each), AdamW step")
         d["qlora_eval_8"] = f"qlora_step_8's model, forward only: 8 adapters over {B - 2} rows + 2 __base__ rows"
+        d["train_step_scale"] = (f"train_step_8's model and tokens ({B} x {T}), packed rows (adapter_ids; at least 4 "
+                                 f"samples per row, every resident adapter on one at least), "
+                                 f"{'/'.join(map(str, self.sz.scale_counts))} adapters resident and trained, AdamW "
+                                 f"step; fast_N: N adapters")
         return d
 
     def wanted_eval_only(self, scenario):
@@ -1225,7 +1294,7 @@ def _ratio(a, b):
 
 
 def targets(res) -> list:
-    """Issue 4's targets: (what, target, measured, met)."""
+    """The issues' targets: (what, target, measured, met)."""
     out = []
 
     def add(what, target, val, ok):
@@ -1260,6 +1329,11 @@ def targets(res) -> list:
     r = _ratio(_ms(res, "qlora_step_8", "peft_mixed_loop"), q8)
     add("qlora_step_8: peft_mixed_loop / fast_multilora (issue 19)", "≥ ×4", r and f"×{r:.2f}",
         r is not None and r >= 4)
+    s8 = _ms(res, "train_step_scale", "fast_8")
+    for n, lim in ((64, 1.10), (256, 1.30)):
+        r = _ratio(_ms(res, "train_step_scale", f"fast_{n}"), s8)
+        add(f"train_step_scale: fast_{n} / fast_8 (issue 18)", f"≤ ×{lim}", r and f"×{r:.2f}",
+            r is not None and r <= lim)
     r = _ratio(_ms(res, "eval_8", "fast_multilora"), _ms(res, "eval_8", "frozen"))
     p = _ratio(_ms(res, "eval_8", "peft_mixed_loop"), _ms(res, "eval_8", "frozen"))
     add("eval_8: fast_multilora / base forward", "≤ ×1.10", r and (f"×{r:.2f} (PEFT adapter_names ×{p:.2f})" if p

@@ -121,3 +121,26 @@ def test_bench_model_budget_skips_exit_3(tmp_path):
     assert "skipped for the time budget: eval_8" in res.stdout
     d = json.loads(out.read_text())
     assert "eval_8" in d["meta"]["skipped_scenarios"] and not d.get("eval_8"), d.get("eval_8")
+
+
+@pytest.mark.slow
+def test_bench_model_quick_moe_and_scale(tmp_path):
+    """``moe_step_8`` (every provider times; ours trains every adapter, expert weights included, and equals stock
+    PEFT) and ``train_step_scale`` (one provider per adapter count, every resident adapter trained) on tiny models."""
+    out = tmp_path / "h200.json"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--quick", "--scenarios",
+                          "moe_step_8,train_step_scale", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert set(d["moe_step_8"]) == {"fast_multilora", "peft_single", "peft_sequential", "frozen"}
+    assert [p for p in d["train_step_scale"]] == ["fast_2", "fast_8", "fast_32"]
+    for scenario in ("moe_step_8", "train_step_scale"):
+        for name, r in d[scenario].items():
+            assert r.get("error") is None and r["ms"] is not None and r["ms"] > 0, (scenario, name, r)
+    fast = d["moe_step_8"]["fast_multilora"]
+    assert fast["all_adapters_got_grads"] and fast["patch"]["experts"] > 0, fast
+    assert fast["diff_rms_over_lora_effect_rms"] < 1e-3, fast
+    for name, r in d["train_step_scale"].items():
+        assert r["adapters_with_grads"] == r["adapters"], (name, r)
+    assert "## train_step_scale" in (tmp_path / "h200.md").read_text()
