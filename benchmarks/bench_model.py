@@ -412,6 +412,55 @@ class Run:
     def adamw(self, params):
         return self.torch.optim.AdamW(params, lr=1e-4)
 
+    @staticmethod
+    def opt_step(opt, loss_fn):
+        """A timed train step: ``loss_fn()``'s backward, then ``opt["o"]``'s step and its grads back to None."""
+        def step():
+            loss_fn().backward()
+            opt["o"].step()
+            opt["o"].zero_grad(set_to_none=True)
+        return step
+
+    def fast_setup(self, pm, opt, on_patch=None, **settings):
+        """Setup of a fast_multilora train provider: every LoRA weight trainable, ``pm`` patched with ``settings``
+        (its report handed to ``on_patch``), AdamW over every adapter in ``opt["o"]``."""
+        def setup():
+            self.all_lora_trainable(pm)
+            report = self.patch(pm, **settings)
+            if on_patch is not None:
+                on_patch(report)
+            opt["o"] = self.adamw(self.lora_params(pm))
+        return setup
+
+    def fast_teardown(self, pm, opt):
+        def teardown():
+            self.unpatch(pm)
+            opt.clear()
+        return teardown
+
+    def mixed_loop_setup(self, pm, names, opt, layer_type=None) -> tuple:
+        """``(setup, teardown)`` of ``peft_mixed_loop``: PEFT's per-adapter loop hooked into every LoRA layer of
+        ``layer_type`` (:meth:`mixed_loop_hooks`), AdamW over every adapter in ``opt["o"]``."""
+        hooks = []
+
+        def setup():
+            self.all_lora_trainable(pm)
+            hooks.extend(self.mixed_loop_hooks(pm, names, layer_type))
+            opt["o"] = self.adamw(self.lora_params(pm))
+
+        def teardown():
+            for h in hooks:
+                h.remove()
+            hooks.clear()
+            opt.clear()
+
+        return setup, teardown
+
+    def adapters_got_grads(self, pm, n_adapters) -> list:
+        """Per adapter ``a0 .. a{n-1}``: whether any of its LoRA weights got a nonzero gradient."""
+        return [any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in self.lora_params(pm, f"a{i}"))
+                for i in range(n_adapters)]
+
     def peft_steps(self, scenario, pm, ids, opt, n_adapters, split):
         """Stock PEFT's providers of a train scenario: ``peft_single`` (adapter a0 on all rows) and, with several
         adapters, ``peft_sequential`` (each adapter on its own rows, one after another). Returns the single step and
@@ -422,11 +471,7 @@ class Run:
             pm.set_adapter("a0")
             opt["o"] = self.adamw([p for p in pm.parameters() if p.requires_grad])
 
-        def single():
-            pm(input_ids=ids, labels=ids).loss.backward()
-            opt["o"].step()
-            opt["o"].zero_grad(set_to_none=True)
-
+        single = self.opt_step(opt, lambda: pm(input_ids=ids, labels=ids).loss)
         self.measure(scenario, "peft_single", single, setup=single_setup, teardown=opt.clear, split=split)
         if n_adapters > 1:
             per = rows // n_adapters
@@ -463,53 +508,26 @@ class Run:
         pm = self.peft_model(base, n_adapters, TARGET_MODULES)
         pm.train()
         opt = {}
-        adamw = self.adamw
         single, single_setup = self.peft_steps(scenario, pm, ids, opt, n_adapters, split=scenario == "train_step_8")
-        if n_adapters > 1:
-            # stock PEFT's per-adapter loop in every layer, forced into training
-            hooks = []
-
-            def loop_setup():
-                self.all_lora_trainable(pm)
-                hooks.extend(self.mixed_loop_hooks(pm, names))
-                opt["o"] = adamw(self.lora_params(pm))
-
-            def loop_teardown():
-                for h in hooks:
-                    h.remove()
-                opt.clear()
-
+        if n_adapters > 1:  # stock PEFT's per-adapter loop in every layer, forced into training
+            loop_setup, loop_teardown = self.mixed_loop_setup(pm, names, opt)
             self.measure(scenario, "peft_mixed_loop", single, slow=True, setup=loop_setup, teardown=loop_teardown)
 
         # fast_multilora: one mixed batch, every adapter trained in the same step
-        def fast_setup():
-            self.all_lora_trainable(pm)
-            self.patch(pm)
-            opt["o"] = adamw(self.lora_params(pm))
+        fast_setup, fast_teardown = self.fast_setup(pm, opt), self.fast_teardown(pm, opt)
 
-        def fast_teardown():
-            self.unpatch(pm)
-            opt.clear()
+        def loss():
+            return fast_multilora.per_adapter_loss(pm(input_ids=ids, adapter_names=names).logits, ids, names)
 
-        def fast():
-            out = pm(input_ids=ids, adapter_names=names)
-            fast_multilora.per_adapter_loss(out.logits, ids, names).backward()
-            opt["o"].step()
-            opt["o"].zero_grad(set_to_none=True)
-
-        def fast_plain():
-            pm(input_ids=ids, labels=ids, adapter_names=names).loss.backward()
-            opt["o"].step()
-            opt["o"].zero_grad(set_to_none=True)
+        fast = self.opt_step(opt, loss)
+        fast_plain = self.opt_step(opt, lambda: pm(input_ids=ids, labels=ids, adapter_names=names).loss)
 
         def grads_check():  # the timed steps trained every adapter (B moved off zero, so A gets gradients too)
-            out = pm(input_ids=ids, adapter_names=names)
-            loss = fast_multilora.per_adapter_loss(out.logits, ids, names)
-            loss.backward()
-            got = [any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in self.lora_params(pm, f"a{i}"))
-                   for i in range(n_adapters)]
+            value = loss()
+            value.backward()
+            got = self.adapters_got_grads(pm, n_adapters)
             opt["o"].zero_grad(set_to_none=True)
-            return {"loss": loss.item(), "all_adapters_got_grads": all(got)}
+            return {"loss": value.item(), "all_adapters_got_grads": all(got)}
 
         self.measure(scenario, "fast_multilora", fast, setup=fast_setup, teardown=fast_teardown,
                      verify=grads_check, adapters=n_adapters, loss_fn="per_adapter_loss",
@@ -538,25 +556,12 @@ class Run:
                             m.p = saved_p.pop(name)
                 return go
 
-            def unshared_setup(**kw):
-                self.all_lora_trainable(pm)
-                self.patch(pm, share_shrink=False, **kw)
-                opt["o"] = adamw(self.lora_params(pm))
-
-            def unfused_setup():
-                self.all_lora_trainable(pm)
-                self.patch(pm, fuse_base=False)
-                opt["o"] = adamw(self.lora_params(pm))
-
+            unshared_setup = self.fast_setup(pm, opt, share_shrink=False)
+            unfused_setup = self.fast_setup(pm, opt, fuse_base=False)
             self.measure(scenario, "fast_multilora_unfused", fast, setup=unfused_setup, teardown=fast_teardown)
 
-            def share_dropout_setup():
-                self.all_lora_trainable(pm)
-                self.patch(pm, share_dropout=True)
-                opt["o"] = adamw(self.lora_params(pm))
-
-            self.measure(scenario, "fast_multilora_share_dropout", fast, setup=share_dropout_setup,
-                         teardown=fast_teardown)
+            self.measure(scenario, "fast_multilora_share_dropout", fast,
+                         setup=self.fast_setup(pm, opt, share_dropout=True), teardown=fast_teardown)
 
             # the optimizer's host time grows with its tensor count (8 x 112 LoRA tensors here vs PEFT's 112):
             # AdamW(fused=True) for both, beside the anchors' default (foreach) AdamW
@@ -604,33 +609,19 @@ class Run:
             pos = (torch.arange(T, device=self.device) - j * seg).expand(rows, T)
             names = [f"a{i}" for i in range(n)]
 
-            def setup():
-                self.all_lora_trainable(pm)
-                self.patch(pm)
-                opt["o"] = self.adamw(self.lora_params(pm))
-
-            def teardown():
-                self.unpatch(pm)
-                opt.clear()
-
-            def step(names=names, adapter_ids=adapter_ids, pos=pos):
-                loss = pm(input_ids=ids, labels=ids, adapter_names=names, adapter_ids=adapter_ids,
+            def loss(names=names, adapter_ids=adapter_ids, pos=pos):
+                return pm(input_ids=ids, labels=ids, adapter_names=names, adapter_ids=adapter_ids,
                           position_ids=pos).loss
-                loss.backward()
-                opt["o"].step()
-                opt["o"].zero_grad(set_to_none=True)
 
-            def trained(n=n, names=names, adapter_ids=adapter_ids, pos=pos):  # every resident adapter trains
-                loss = pm(input_ids=ids, labels=ids, adapter_names=names, adapter_ids=adapter_ids,
-                          position_ids=pos).loss
-                loss.backward()
-                got = sum(any(p.grad is not None and bool(p.grad.abs().sum() > 0)
-                              for p in self.lora_params(pm, f"a{i}")) for i in range(n))
+            def trained(n=n, loss=loss):  # every resident adapter trains
+                loss().backward()
+                got = sum(self.adapters_got_grads(pm, n))
                 opt["o"].zero_grad(set_to_none=True)
                 return {"adapters_with_grads": got}
 
-            self.measure(scenario, f"fast_{n}", step, setup=setup, teardown=teardown, verify=trained, split=True,
-                         adapters=n, samples_per_row=per_row)
+            self.measure(scenario, f"fast_{n}", self.opt_step(opt, loss), setup=self.fast_setup(pm, opt),
+                         teardown=self.fast_teardown(pm, opt), verify=trained, split=True, adapters=n,
+                         samples_per_row=per_row)
         pm = None  # the model's memory back before the next scenario
         self.free()
 
@@ -661,35 +652,22 @@ class Run:
                              target_parameters=MOE_TARGET_PARAMETERS)
         pm.train()
         opt = {}
-        adamw = self.adamw
         self.peft_steps(scenario, pm, ids, opt, n_adapters, split=True)
 
-        def fast_setup():
-            self.all_lora_trainable(pm)
-            report = self.patch(pm)
+        def record(report):
             self.patch_info_moe = {"patched": len(report.patched), "experts": len(report.experts),
                                    "fallback": len(report.fallback), "unsupported": len(report.unsupported)}
-            opt["o"] = adamw(self.lora_params(pm))
 
-        def fast_teardown():
-            self.unpatch(pm)
-            opt.clear()
-
-        def fast():
-            out = pm(input_ids=ids, adapter_names=names)
-            fast_multilora.per_adapter_loss(out.logits, ids, names).backward()
-            opt["o"].step()
-            opt["o"].zero_grad(set_to_none=True)
+        def loss():
+            return fast_multilora.per_adapter_loss(pm(input_ids=ids, adapter_names=names).logits, ids, names)
 
         def check():
             """Every adapter (its expert weights too) got gradients; then, B off zero, two rows of a0 against stock
             PEFT's a0 (the patched model without adapter_names runs PEFT's own path)."""
-            out = pm(input_ids=ids, adapter_names=names)
-            loss = fast_multilora.per_adapter_loss(out.logits, ids, names)
-            loss.backward()
+            value = loss()
+            value.backward()
             params = [(n, p) for n, p in pm.named_parameters() if "lora_" in n]
-            got = [any(p.grad is not None and bool(p.grad.abs().sum() > 0) for n, p in params if f".a{i}." in n)
-                   for i in range(n_adapters)]
+            got = self.adapters_got_grads(pm, n_adapters)
             experts_got = all(p.grad is not None and bool(p.grad.abs().sum() > 0) for n, p in params
                               if "experts" in n)
             opt["o"].zero_grad(set_to_none=True)
@@ -703,13 +681,14 @@ class Run:
                     base_logits = pm(input_ids=few).logits.float()
             effect = (want - base_logits).pow(2).mean().sqrt()
             diff = mine - want
-            return {"loss": loss.item(), "all_adapters_got_grads": all(got) and experts_got,
+            return {"loss": value.item(), "all_adapters_got_grads": all(got) and experts_got,
                     "max_abs_diff_vs_peft": diff.abs().max().item(),
                     "diff_rms_over_lora_effect_rms": (diff.pow(2).mean().sqrt() / effect).item(),
                     "patch": self.patch_info_moe}
 
-        self.measure(scenario, "fast_multilora", fast, setup=fast_setup, teardown=fast_teardown, verify=check,
-                     adapters=n_adapters, loss_fn="per_adapter_loss", split=True)
+        self.measure(scenario, "fast_multilora", self.opt_step(opt, loss), setup=self.fast_setup(pm, opt, record),
+                     teardown=self.fast_teardown(pm, opt), verify=check, adapters=n_adapters,
+                     loss_fn="per_adapter_loss", split=True)
 
     # -- QLoRA (opt-in) ------------------------------------------------------------------------------------------------
     def qlora_base(self, folder):
@@ -764,63 +743,31 @@ class Run:
         pm = self.qlora_peft_model(base, n_adapters)
         opt = {}
 
-        def adamw(params):
-            return torch.optim.AdamW(params, lr=1e-4)
+        def loss():
+            return fast_multilora.per_adapter_loss(pm(input_ids=ids, adapter_names=names).logits, ids, names)
 
-        def step(loss_fn):
-            def fn():
-                loss_fn().backward()
-                opt["o"].step()
-                opt["o"].zero_grad(set_to_none=True)
-            return fn
+        loop_setup, loop_teardown = self.mixed_loop_setup(pm, names, opt, peft_bnb.Linear4bit)
 
-        def single_setup():
-            pm.set_adapter("a0")
-            opt["o"] = adamw([p for p in pm.parameters() if p.requires_grad])
-
-        single = step(lambda: pm(input_ids=ids, labels=ids).loss)
-        fast = step(lambda: fast_multilora.per_adapter_loss(pm(input_ids=ids, adapter_names=names).logits, ids,
-                                                            names))
-        hooks = []
-
-        def loop_setup():
-            self.all_lora_trainable(pm)
-            hooks.extend(self.mixed_loop_hooks(pm, names, peft_bnb.Linear4bit))
-            opt["o"] = adamw(self.lora_params(pm))
-
-        def loop_teardown():
-            for h in hooks:
-                h.remove()
-            hooks.clear()
-            opt.clear()
-
-        def fast_setup():
-            self.all_lora_trainable(pm)
-            report = self.patch(pm)
+        def record(report):
             self.qlora_info["patch"] = {"patched": len(report.patched), "fallback": len(report.fallback)}
-            opt["o"] = adamw(self.lora_params(pm))
-
-        def fast_teardown():
-            self.unpatch(pm)
-            opt.clear()
 
         def check():
             """Every adapter got gradients; then (B off zero) two rows of a0 against stock PEFT's a0 (the patched
             model without adapter_names runs PEFT's own path)."""
-            loss = fast_multilora.per_adapter_loss(pm(input_ids=ids, adapter_names=names).logits, ids, names)
-            loss.backward()
-            got = [any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in self.lora_params(pm, f"a{i}"))
-                   for i in range(n_adapters)]
+            value = loss()
+            value.backward()
+            got = self.adapters_got_grads(pm, n_adapters)
             opt["o"].zero_grad(set_to_none=True)
-            return {"loss": loss.item(), "all_adapters_got_grads": all(got), **self.qlora_vs_peft(pm, ids),
+            return {"loss": value.item(), "all_adapters_got_grads": all(got), **self.qlora_vs_peft(pm, ids),
                     **self.qlora_info}
 
         if train:
             pm.train()
-            self.measure(scenario, "peft_single", single, setup=single_setup, teardown=opt.clear, split=True)
+            single, _ = self.peft_steps(scenario, pm, ids, opt, 1, split=True)  # peft_single alone
             self.measure(scenario, "peft_mixed_loop", single, slow=True, setup=loop_setup, teardown=loop_teardown)
-            self.measure(scenario, "fast_multilora", fast, setup=fast_setup, teardown=fast_teardown, verify=check,
-                         adapters=n_adapters, loss_fn="per_adapter_loss", split=True)
+            self.measure(scenario, "fast_multilora", self.opt_step(opt, loss), setup=self.fast_setup(pm, opt, record),
+                         teardown=self.fast_teardown(pm, opt), verify=check, adapters=n_adapters,
+                         loss_fn="per_adapter_loss", split=True)
             self.done(scenario)
         scenario = "qlora_eval_8"
         if self.start(scenario):

@@ -188,19 +188,31 @@ def host_split(call, ours: bool) -> dict:
     return out
 
 
+def profile_both(say, what: str, build, labels: tuple, unit: str, details=None, **report_kw):
+    """Ours (``build(True)``) then the other provider (``build(False)``): warm-up, host time, ``details(fn, ours)``
+    (lines of its own), then :func:`report`."""
+    for ours in (True, False):
+        fn = build(ours)
+        for _ in range(5):
+            fn()
+        say(f"=== {what}, {labels[ours]}: host {host_ms(fn, 21):.3f} ms (median of 21, each after a sync)")
+        if details is not None:
+            details(fn, ours)
+        report(say, fn, unit, **report_kw)
+        del fn
+        torch.cuda.empty_cache()
+
+
 def profile_layer(say):
     from fast_multilora.kernels import launch
 
-    for ours in (True, False):
-        label = "fast_multilora, 8 adapters" if ours else "peft_single"
-        call = build_layer(ours)
-        for _ in range(5):
-            call()
-        say(f"=== layer_4096 call, {label}: host {host_ms(call, 21):.3f} ms (median of 21, each after a sync)")
+    def details(call, ours):
         say(f"host split: {host_split(call, ours)}")
-        report(say, call, "call", n_prof=10, n_cprof=20, top_kernels=20, op_rows=30, cprof_rows=35)
         if ours:
             say(f"launch paths since import: {launch.stats()}")
+
+    profile_both(say, "layer_4096 call", build_layer, ("peft_single", "fast_multilora, 8 adapters"), "call",
+                 details, n_prof=10, n_cprof=20, top_kernels=20, op_rows=30, cprof_rows=35)
 
 
 def build_decode(ours: bool, n_adapters=8, rows=16, prompt=128, cfg=None, device="cuda"):
@@ -234,16 +246,8 @@ def build_decode(ours: bool, n_adapters=8, rows=16, prompt=128, cfg=None, device
 
 
 def profile_decode(say):
-    for ours in (True, False):
-        label = "fast_multilora, 8 adapters + __base__ rows" if ours else "base model"
-        step = build_decode(ours)
-        for _ in range(5):
-            step()
-        say(f"=== decode step, {label}: host {host_ms(step, 21):.3f} ms (median of 21, each after a sync)")
-        report(say, step, "step", n_prof=5, n_cprof=10, top_kernels=20, op_rows=30, cprof_rows=35,
-               cumulative_rows=40)
-        del step
-        torch.cuda.empty_cache()
+    profile_both(say, "decode step", build_decode, ("base model", "fast_multilora, 8 adapters + __base__ rows"),
+                 "step", n_prof=5, n_cprof=10, top_kernels=20, op_rows=30, cprof_rows=35, cumulative_rows=40)
 
 
 def main(argv=None):

@@ -12,20 +12,31 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def bench(out, *args, rc=0, timeout=600):
+    """``bench_model.py --quick --out out *args`` in a subprocess; asserts its exit status ``rc`` and returns
+    ``(stdout, the JSON written)``."""
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--quick", *args,
+                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == rc, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout, json.loads(out.read_text())
+
+
+def assert_timed(d, scenario):
+    """Every provider of ``scenario`` timed, none raised."""
+    for name, r in d[scenario].items():
+        assert r.get("error") is None and r["ms"] is not None and r["ms"] > 0, (scenario, name, r)
+
+
 @pytest.mark.slow
 def test_bench_model_quick_runs_every_provider(tmp_path):
     out = tmp_path / "h200.json"
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--quick", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    d = json.loads(out.read_text())
+    _, d = bench(out)
     assert {"layer_4096", "layer_2048", "train_step_8", "eval_8", "train_step_1", "train_step_32", "meta"} <= set(d)
     for scenario, providers in d.items():
         if scenario == "meta":
             continue
         assert "fast_multilora" in providers and "frozen" in providers, scenario
-        for name, r in providers.items():
-            assert r.get("error") is None and r["ms"] is not None and r["ms"] > 0, (scenario, name, r)
+        assert_timed(d, scenario)
     assert {"fast_multilora_p0", "fast_multilora_p0_unshared", "peft_single_p0", "peft_single_fused_adamw",
             "fast_multilora_fused_adamw", "fast_multilora_share_dropout"} <= set(d["train_step_8"])
     assert d["train_step_8"]["fast_multilora"]["all_adapters_got_grads"]
@@ -49,11 +60,7 @@ def opt_in_run(tmp_path_factory):
                "meta": {"device": "cpu", "quick": True, "scenarios": {"train_step_8": "an earlier run"},
                         "skipped_scenarios": ["layer_4096"]}}
     out.write_text(json.dumps(earlier))
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--quick", "--merge",
-                          "--scenarios", ",".join(OPT_IN), "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return out, json.loads(out.read_text())
+    return out, bench(out, "--merge", "--scenarios", ",".join(OPT_IN))[1]
 
 
 def _check_row(scenario, name, r):
@@ -95,15 +102,10 @@ def test_bench_model_quick_qlora(tmp_path):
     every adapter trains, the patched model equals stock PEFT (eval: the mixed batch; train: a0 and a base row)."""
     pytest.importorskip("bitsandbytes")
     out = tmp_path / "h200.json"
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--quick", "--scenarios",
-                          "qlora_step_8,qlora_eval_8", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    d = json.loads(out.read_text())
+    _, d = bench(out, "--scenarios", "qlora_step_8,qlora_eval_8")
     for scenario in ("qlora_step_8", "qlora_eval_8"):
         assert set(d[scenario]) == {"fast_multilora", "peft_single", "peft_mixed_loop", "frozen"}, scenario
-        for name, r in d[scenario].items():
-            assert r.get("error") is None and r["ms"] is not None and r["ms"] > 0, (scenario, name, r)
+        assert_timed(d, scenario)
         fast = d[scenario]["fast_multilora"]
         assert fast["patch"] == {"patched": 14, "fallback": 0}, fast
         assert fast["diff_rms_over_lora_effect_rms"] < 1e-3, fast
@@ -114,12 +116,8 @@ def test_bench_model_quick_qlora(tmp_path):
 def test_bench_model_budget_skips_exit_3(tmp_path):
     """A scenario left out by ``--budget-s`` makes the run's exit status 3 (a partial run), naming it."""
     out = tmp_path / "h200.json"
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--quick", "--scenarios",
-                          "eval_8", "--budget-s", "0", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 3, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "skipped for the time budget: eval_8" in res.stdout
-    d = json.loads(out.read_text())
+    stdout, d = bench(out, "--scenarios", "eval_8", "--budget-s", "0", rc=3, timeout=300)
+    assert "skipped for the time budget: eval_8" in stdout
     assert "eval_8" in d["meta"]["skipped_scenarios"] and not d.get("eval_8"), d.get("eval_8")
 
 
@@ -128,16 +126,11 @@ def test_bench_model_quick_moe_and_scale(tmp_path):
     """``moe_step_8`` (every provider times; ours trains every adapter, expert weights included, and equals stock
     PEFT) and ``train_step_scale`` (one provider per adapter count, every resident adapter trained) on tiny models."""
     out = tmp_path / "h200.json"
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--quick", "--scenarios",
-                          "moe_step_8,train_step_scale", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    d = json.loads(out.read_text())
+    _, d = bench(out, "--scenarios", "moe_step_8,train_step_scale")
     assert set(d["moe_step_8"]) == {"fast_multilora", "peft_single", "peft_sequential", "frozen"}
     assert [p for p in d["train_step_scale"]] == ["fast_2", "fast_8", "fast_32"]
     for scenario in ("moe_step_8", "train_step_scale"):
-        for name, r in d[scenario].items():
-            assert r.get("error") is None and r["ms"] is not None and r["ms"] > 0, (scenario, name, r)
+        assert_timed(d, scenario)
     fast = d["moe_step_8"]["fast_multilora"]
     assert fast["all_adapters_got_grads"] and fast["patch"]["experts"] > 0, fast
     assert fast["diff_rms_over_lora_effect_rms"] < 1e-3, fast
