@@ -63,9 +63,10 @@ def parse_args(argv=None):
     p.add_argument("--adapter-lr", default="",
                    help="per-adapter learning rates, e.g. 'upper=4e-3,digits=2e-3' (one param group per adapter)")
     p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--optimizer", choices=["adamw", "adamw_fused", "sgd"], default="adamw",
-                   help="adamw_fused: AdamW(fused=True), the same update with less host time per step when training "
-                        "many adapters (docs/usage.md); sgd: momentum 0.9")
+    p.add_argument("--optimizer", choices=["adamw", "adamw_fused", "fast_adamw", "sgd"], default="adamw",
+                   help="adamw_fused: AdamW(fused=True); fast_adamw: fast_multilora.AdamW, the adapter store's "
+                        "one-launch AdamW (the same update; host time independent of the adapter count, for many "
+                        "adapters: docs/usage.md); sgd: momentum 0.9")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="clipped per adapter (0 = off)")
     p.add_argument("--train-per-adapter", type=int, default=400, help="generated training samples per adapter")
     p.add_argument("--eval-per-task", type=int, default=12, help="held-out prompts per task")
@@ -190,6 +191,7 @@ def main(argv=None):
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
+    import fast_multilora
     from fast_multilora.data import MultiAdapterCollator, adapter_param_groups, clip_grad_norm_per_adapter
     from fast_multilora.training import distributed_per_adapter_loss
 
@@ -232,6 +234,9 @@ def main(argv=None):
                                   default={"weight_decay": args.weight_decay})
     if args.optimizer == "sgd":
         optimizer = torch.optim.SGD(groups, lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
+    elif args.optimizer == "fast_adamw":
+        optimizer = fast_multilora.AdamW(model, lr=args.lr, weight_decay=args.weight_decay,
+                                         settings={a: {"lr": lr} for a, lr in args.adapter_lr.items()})
     else:
         optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay,
                                       fused=args.optimizer == "adamw_fused" or None)
@@ -293,7 +298,8 @@ def main(argv=None):
                "eval_per_task": args.eval_per_task,
                "processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
                "optimizer": type(optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer).__name__,
-               "fused": bool(optimizer.defaults.get("fused"))}
+               "fused": bool(optimizer.defaults.get("fused")),
+               "store": isinstance(getattr(optimizer, "optimizer", optimizer), fast_multilora.AdamW)}
         (out_dir / "run.json").write_text(json.dumps(run, indent=2))
         plot(history, args.adapters, out_dir / "loss_curves.png")
         log(f"saved adapters (PEFT format) to {out_dir / 'adapters'}/<name>/, loss curves to "

@@ -122,6 +122,10 @@ class TritonBackend:
                 return w
         return torch.cat(ws, dim)
 
+    def packed_b_weights(self, flat, table, N):
+        """The store's packed B block read in place (``kernels.packed_b_weights``), or ``None`` when misaligned."""
+        return self.k.packed_b_weights(flat, table, N)
+
     def shrink(self, x, A_cat, segs, table, stack_num, seed, store_mask=False):
         """``(h, keep_bits)``: with ``store_mask`` under dropout (one slice), the packed keep-mask the forward drew,
         for the backward to read; else ``None``."""
@@ -211,6 +215,9 @@ class LayerCall:
     # an MoE experts call (``fast_multilora.moe``): each weight holds this many slots of the table (its experts), so
     # dB comes as one concatenation [N, total_rank] (the expand backward's per-slot blocks are not the weights')
     experts: int = 1
+    # the adapter store's slots of this layer (``fast_multilora.store.LayerSlots``): the weights are its two leaves,
+    # ``A_cat[total_rank, K]`` and the packed B block, whose gradients come whole (no split per adapter)
+    stored: object = None
 
     @property
     def n_adapters(self) -> int:
@@ -218,7 +225,15 @@ class LayerCall:
 
     @property
     def n_a(self) -> int:
-        return self.stack_num * len(self.ranks) if self.lead else 0
+        """How many A weight tensors the call takes."""
+        if not self.lead:
+            return 0
+        return 1 if self.stored is not None else self.stack_num * len(self.ranks)
+
+    @property
+    def n_b(self) -> int:
+        """How many B weight tensors the call takes."""
+        return 1 if self.stored is not None else len(self.ranks)
 
 
 def as_rows(x_in: torch.Tensor) -> torch.Tensor:
@@ -264,15 +279,15 @@ class LoraLinear(torch.autograd.Function):
     def forward(ctx, x_in, y_in, W, b, h_in, call: LayerCall, *weights):
         ctx.set_materialize_grads(False)
         be, segs, table = call.backend, call.segs, call.table
-        n, n_a = call.n_adapters, call.n_a
+        n, n_a = call.n_b, call.n_a
         x = as_rows(x_in)
         keep = None
         if call.lead:
-            A = be.weights(weights[:n_a], table, 0, call.in_place and call.stack_num == 1)
+            A = _a_weight(call, weights[:n_a])
             h, keep = be.shrink(x, A, segs, table, call.stack_num, call.seed, call.store_mask)
         else:
             h = h_in
-        B = be.weights(weights[n_a : n_a + n], table, 1, call.in_place)
+        B = _b_weight(call, weights[n_a : n_a + n])
         if call.fused:
             rows = linear_with_delta(be, x, W, b, h, B, segs, table, call.stack_num, call.slice_idx)
             out = rows.view(*x_in.shape[:-1], W.shape[0])
@@ -293,7 +308,7 @@ class LoraLinear(torch.autograd.Function):
         call: LayerCall = ctx.call
         x, h, W, keep, *weights = ctx.saved_tensors
         be, segs, table, st = call.backend, call.segs, call.table, call.stack_num
-        n, n_a = call.n_adapters, call.n_a
+        n, n_a = call.n_b, call.n_a
         x_shape, N = ctx.shapes
         w_dtypes = ctx.w_dtypes
         needs = ctx.needs_input_grad  # x, y, W, b, h, call, *weights
@@ -310,10 +325,12 @@ class LoraLinear(torch.autograd.Function):
                 if dh is None and (st > 1 or not call.lead):
                     # a stack's other slices stay zero: their members' backwards did not run (or add theirs later)
                     dh = torch.zeros(dy.shape[0], st * table.max_rank, dtype=h.dtype, device=dy.device)
-                B = be.weights(weights[n_a : n_a + n], table, 1, call.in_place)
+                B = _b_weight(call, weights[n_a : n_a + n])
                 dh, dB = be.expand_bwd(dy, h, B, segs, table, st, call.slice_idx, dh=dh,
                                        grad_dtype=_grad_dtype(w_dtypes[n_a : n_a + n]) if call.experts == 1 else None)
-                if need_b:
+                if need_b and call.stored is not None:  # the packed block's gradient, whole
+                    grads[n_a] = (dB if dB.dim() == 1 else call.stored.packed_grad(dB)).to(w_dtypes[n_a])
+                elif need_b:
                     grads[n_a : n_a + n] = _split_grads(dB, call.ranks, w_dtypes[n_a : n_a + n], dim=1, n_rows=N)
             if call.has_bias and need_bias:
                 for i, g in enumerate(_bias_grad(dy, call)):
@@ -328,10 +345,12 @@ class LoraLinear(torch.autograd.Function):
             if call.lead:
                 reached, call.stack.reached = call.stack.reached, set()
         if call.lead and dh is not None and (need_dx or need_a):
-            A = be.weights(weights[:n_a], table, 0, call.in_place and st == 1)
+            A = _a_weight(call, weights[:n_a])
             dx, dA = be.shrink_bwd(dh, x, A, segs, table, st, call.seed, need_dx, keep,
                                    grad_dtype=_grad_dtype(w_dtypes[:n_a]))
-            if need_a:
+            if need_a and call.stored is not None:
+                grads[0] = dA.to(w_dtypes[0])
+            elif need_a:
                 a_ranks = tuple(r for r in call.ranks for _ in range(st))
                 a_grads = _split_grads(dA, a_ranks, w_dtypes[:n_a], dim=0)
                 if reached is not None:  # a member whose output got no gradient gets no dA, as unstacked
@@ -366,6 +385,26 @@ def run(fn_cls, *args):
     if torch.is_grad_enabled():
         return fn_cls.apply(*args)
     return fn_cls.forward(_NoGradCtx(), *args)
+
+
+def _a_weight(call: LayerCall, ws):
+    """The shrink weight of a lead: the store's leaf (already ``A_cat``) or the adapters' weights as the backend
+    takes them."""
+    if call.stored is not None:
+        return ws[0]
+    return call.backend.weights(ws, call.table, 0, call.in_place and call.stack_num == 1)
+
+
+def _b_weight(call: LayerCall, ws):
+    """The expand weight: the store's packed block read in place (eager Triton, when aligned), else its
+    ``B_cat``; or the adapters' weights as the backend takes them."""
+    if call.stored is None:
+        return call.backend.weights(ws, call.table, 1, call.in_place)
+    if call.backend.name == "triton" and not _compiling():
+        w = call.backend.packed_b_weights(ws[0], call.table, call.stored.N)
+        if w is not None:
+            return w
+    return call.stored.b_cat(ws[0])
 
 
 def _grad_dtype(dtypes: list):

@@ -196,6 +196,8 @@ def refresh_layers(router: Router, routing) -> None:
                 group.members[i].__dict__[_STACK_ATTR] = (stack, s)
     for wrapper in router.expert_layers:
         moe.refresh(wrapper.__dict__[_MOE_ATTR], wrapper, slot_names)
+    if router.store is not None:
+        router.store.follow(routing, torch.is_grad_enabled())
     for name in routing.names:
         if name in router.variants:
             kind, module = router.variants[name]
@@ -257,6 +259,14 @@ class _FastLinearMixin:
             in_place=config.weights_in_place and backend.name == "triton", has_bias=state.has_bias,
             bias_rows=state.bias_map[segs.token_slots.long()] if state.has_bias else None,
         )
+        store = router.store
+        slots = store.layer_slots(self) if store is not None and not _in_ddp_forward() else None
+        if slots is not None:  # the adapter store (fast_multilora.store): the layer's two leaves, no stack
+            call = LayerCall(
+                **common, seed=backend.draw_seed(x) if state.table.has_dropout else None,
+                store_mask=config.store_dropout_mask and torch.is_grad_enabled(), stored=slots,
+            )
+            return run(LoraLinear, x_d, y, W, b, None, call, slots.a_leaf, slots.b_leaf)[0]
         entry = self.__dict__.get(_STACK_ATTR) if config.share_shrink else None
         stack, index = entry if entry is not None else (None, 0)
         if stack is not None:  # a stack member called on the input its lead shrank: take the slice
@@ -281,6 +291,12 @@ class _FastLinearMixin:
             pending.h = h
             stack.group.pending = pending
         return out
+
+
+def _in_ddp_forward() -> bool:
+    """Inside ``DistributedDataParallel``'s forward: its gradient hooks sit on the parameters, so the adapter store's
+    leaves must not stand in for them."""
+    return torch.nn.parallel.DistributedDataParallel._active_ddp_module is not None
 
 
 def _fused_base(layer, x, args, kwargs, state: LayerState, config: PatchConfig):

@@ -88,6 +88,7 @@ class Router:
         self.config_key: tuple = ()
         self.repatch = None  # callable re-running patch() with the same settings
         self.refresh = None  # callable(routing): refresh the layers' tables (patching.refresh_layers)
+        self.store = None  # fast_multilora.store.AdapterStore, once an optimizer of ours built it
 
     # -- adapters known to the model ------------------------------------------------------------------------------
     def known_adapters(self) -> list:

@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from .kernels.adamw import ChunkTable
 from .kernels.segments import AdapterTable, Segments
 
 
@@ -154,3 +155,64 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
             dA[stack_num * off + s * r : stack_num * off + (s + 1) * r] = g[:, cols].T @ _dropped(xm, k, p)
             g_x = g_x + torch.where(m, _dropped(g[:, cols] @ w[cols], k, p), 0)
     return (g_x.to(x.dtype) if need_dx else None), dA
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Adapter arenas: AdamW, gradient norms and gradient scaling (``kernels/adamw.py``)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _arena_elements(table: ChunkTable) -> tuple:
+    """``(pos, adapter)``, int64 ``[table.covered]``: every element of the table's blocks and its owner, in the
+    table's chunk order (by adapter, then position)."""
+    lens = table.length.long()
+    dev = lens.device
+    chunk_of = torch.repeat_interleave(torch.arange(lens.numel(), device=dev), lens, output_size=table.covered)
+    first = torch.cumsum(lens, 0) - lens  # the element index of each chunk's first element
+    pos = table.start[chunk_of] + torch.arange(table.covered, device=dev) - first[chunk_of]
+    return pos, table.adapter.long()[chunk_of]
+
+
+def adamw_step_reference(param, grad, exp_avg, exp_avg_sq, table: ChunkTable, hyper, step, active) -> None:
+    """``kernels.adamw.adamw_step_``: ``torch.optim.AdamW``'s step on the elements of active adapters, in place.
+
+    The per-adapter scalars in float64 rounded to float32 (torch computes them in Python floats), the elementwise
+    math in float32 with torch's own ops in its order (``lerp``, ``mul`` + ``addcmul``, ``sqrt`` / + ``eps``, the
+    ``addcdiv`` quotient), every result rounded once to the buffers' dtype as it is stored."""
+    pos, ad = _arena_elements(table)
+    keep = active[ad] != 0
+    pos, ad = pos[keep], ad[keep]
+    lr, beta1, beta2, eps, wd = hyper.double().unbind(1)
+    t = step.double()
+    decay = (1 - lr * wd).float()[ad]
+    w1, w2, b2 = (1 - beta1).float()[ad], (1 - beta2).float()[ad], beta2.float()[ad]
+    neg_step = (-lr / (1 - beta1**t)).float()[ad]
+    bc2_sqrt = (1 - beta2**t).sqrt().float()[ad]
+    p, g, m, v = (x[pos].float() for x in (param, grad, exp_avg, exp_avg_sq))
+    p = p * decay
+    m = torch.lerp(m, g, w1)
+    v = torch.addcmul(v * b2, w2 * g, g)
+    # a correctly rounded float32 sqrt (double rounding through float64 is exact for sqrt); torch's CPU float32
+    # sqrt is not (1 ulp off on ~16% of inputs, torch 2.13 CPU build), CUDA's is
+    denom = v.double().sqrt().float() / bc2_sqrt + eps.float()[ad]
+    p = p + neg_step * m / denom
+    for buf, x in ((param, p), (exp_avg, m), (exp_avg_sq, v)):
+        buf[pos] = x.to(buf.dtype)
+
+
+def grad_sq_norms_reference(grad, table: ChunkTable) -> torch.Tensor:
+    """``kernels.adamw.grad_sq_norms``: float32 ``[n_adapters]``, each adapter's sum of squared gradient elements
+    (float32; a deterministic segment sum over the elements grouped by adapter)."""
+    pos, ad = _arena_elements(table)
+    counts = torch.bincount(ad, minlength=table.n_adapters)
+    return torch.segment_reduce(grad[pos].float().square(), "sum", lengths=counts)
+
+
+def scale_grads_reference(grad, table: ChunkTable, factors) -> None:
+    """``kernels.adamw.scale_grads_``: in place ``g *= factors[a]`` (float32 product, rounded once) on the elements
+    of every adapter whose factor is not 1."""
+    pos, ad = _arena_elements(table)
+    f = factors[ad]
+    sel = f != 1
+    pos, f = pos[sel], f[sel]
+    grad[pos] = (grad[pos].float() * f).to(grad.dtype)

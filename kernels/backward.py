@@ -40,7 +40,7 @@ from .chunks import chunk_table
 from .dropout import check_keep_bits, check_seed, keep_block, unpack_keep
 from .launch import cdiv, checked, launch, mark_checked, next_power_of_2
 from .segments import AdapterTable, Segments, slot_grouping, weight_args
-from .sgemm import slot_weight
+from .sgemm import slot_b, slot_weight
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -186,7 +186,7 @@ def _expand_bwd_kernel(
 ):
     """dh[t, s*r+i] (+)= c * dy[t, n-range] . B[n-range, off+i];  part_dB[chunk, n, i] = sum_t dy[t, n] h[t, s*r+i].
 
-    ``W_OFFS``: ``off = w_offs[slot]``, the slot's own ``[N, r]`` weight read in place (row stride ``r``)."""
+    ``W_OFFS``: the slot's own ``[N, r_a]`` weight read in place, row stride its rank ``r_a`` (``sgemm.slot_b``)."""
     i_c = tl.program_id(0).to(tl.int64)
     i_p = tl.program_id(1).to(tl.int64)
     slot = tl.load(info + i_c * 3)
@@ -197,7 +197,7 @@ def _expand_bwd_kernel(
         return
     start = tl.load(info + i_c * 3 + 1).to(tl.int64)
     end = tl.load(info + i_c * 3 + 2)
-    off = tl.load((w_offs if W_OFFS else offsets) + slot).to(tl.int64)  # W_OFFS: the slot's own [N, r] weight
+    B_a, b_col0, stride_bn_a, stride_br_a = slot_b(B, offsets, w_offs, slot, rank, stride_bn, stride_br, W_OFFS)
     col0 = slice_idx * rank  # this slice's first column of h / dh
 
     o_s = start + tl.arange(0, BLOCK_S)  # logical positions
@@ -220,7 +220,7 @@ def _expand_bwd_kernel(
             b_dy = tl.load(p_dy, mask=m_s[:, None], other=0.0)  # [BLOCK_S, BLOCK_N]
         else:
             b_dy = tl.load(p_dy, mask=m_s[:, None] & m_n[None, :], other=0.0)
-        p_b = B + o_n[:, None] * stride_bn + (off + o_r)[None, :] * stride_br
+        p_b = B_a + o_n[:, None] * stride_bn_a + (b_col0 + o_r)[None, :] * stride_br_a
         b_b = tl.load(p_b, mask=m_n[:, None] & m_r[None, :], other=0.0).to(b_dy.dtype)  # [BLOCK_N, BLOCK_R]  cast
         b_dh += tl.dot(b_dy, b_b, input_precision=DOT_PRECISION, out_dtype=b_dh.dtype)
         if STORE_DB:

@@ -150,9 +150,13 @@ def _check_2d(name: str, t, device) -> None:
 
 
 def _weights(name: str, w, device, stack_num: int) -> tuple:
-    """``segments.weight_args`` of a launcher's weight, its pointer tensor checked as any 2-D operand."""
+    """``segments.weight_args`` of a launcher's weight, its pointer tensor checked as any 2-D operand (a
+    ``SlotWeights``' base: one weight, or the 1-D buffer of ``segments.packed_b_weights``)."""
     t, w_offs = weight_args(name, w, device, stack_num)
-    _check_2d(name if w_offs is None else f"{name}.base", t, device)
+    if w_offs is None or not isinstance(t, torch.Tensor) or t.dim() != 1:
+        _check_2d(name if w_offs is None else f"{name}.base", t, device)
+    elif not t.is_contiguous() or t.device != device or not t.dtype.is_floating_point:
+        raise ValueError(f"{name}.base must be a contiguous floating tensor on {device}, got {t.dtype} on {t.device}")
     return t, w_offs
 
 

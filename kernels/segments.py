@@ -16,7 +16,7 @@ Conventions (every op follows them):
   ``stack_num*offsets[a] .. stack_num*(offsets[a]+ranks[a])`` (slice ``s`` of a stacked q/k/v group at
   ``stack_num*offsets[a] + s*ranks[a]``); ``B_cat[N, R_total]`` (one per slice) where slot ``a`` owns columns
   ``offsets[a] .. offsets[a]+ranks[a]``. Every launcher also takes, for ``stack_num == 1``, a :class:`SlotWeights`
-  instead: each slot's own ``[r_a, K]`` / ``[N, r]`` weight read where it is (no copy).
+  instead: each slot's own ``[r_a, K]`` / ``[N, r_a]`` weight read where it is (no copy).
 * The shrink output ``h[S, stack_num * max_rank]`` is float32; a token of slot ``a`` uses columns
   ``0 .. stack_num*ranks[a]`` (slice ``s`` at ``s*ranks[a]``). Columns beyond are don't-care.
 """
@@ -68,20 +68,23 @@ class SlotWeights(NamedTuple):
     """One layer's adapter weights read where they are, standing in for ``A_cat`` / ``B_cat`` (no concatenated copy).
 
     Slot ``a``'s weight starts ``offsets[a]`` elements after ``base``'s first element; ``base`` is the weight at the
-    lowest address, the kernels' pointer argument. Build it with :func:`slot_weights`, which checks what the kernels
-    assume: every weight contiguous, of one dtype and device, and at an offset that is a multiple of 16 elements (the
-    alignment the concatenation's rows have; the CUDA caching allocator hands out 512-byte aligned blocks).
-    A weights ``[r_a, K]`` (``stack_num == 1``); B weights ``[N, r]``, one rank ``r`` for all.
+    lowest address (or the buffer holding them all, :func:`packed_b_weights`), the kernels' pointer argument. Build
+    it with :func:`slot_weights` or :func:`packed_b_weights`, which check what the kernels assume: every weight
+    contiguous, of one dtype and device, and at an offset that is a multiple of 16 elements (the alignment the
+    concatenation's rows have; the CUDA caching allocator hands out 512-byte aligned blocks).
+    A weights ``[r_a, K]`` (``stack_num == 1``), row stride ``K``; B weights ``[N, r_a]``, row stride ``r_a``: the
+    kernels take it from the table's ``ranks[a]``, so B ranks may differ per slot.
     """
 
     base: torch.Tensor
     offsets: torch.Tensor  # int64 [n_slots] on the weights' device; 0 for slots without a weight (rank 0)
     shape: tuple  # the concatenation it stands for: (total_rank, K) for A, (N, total_rank) for B
-    row_stride: int  # elements between a weight's rows: K for A weights, r for B weights
 
     def stride(self) -> tuple:
-        """Row and column strides of each weight (where a concatenated weight has its own)."""
-        return self.row_stride, 1
+        """The strides of the concatenation it stands for, which launchers pass as the weight's strides: ``(K, 1)``
+        for A, each weight's own too; ``(total_rank, 1)`` for B, unread under ``W_OFFS`` (each slot's row stride is
+        its rank)."""
+        return self.shape[1], 1
 
 
 def weight_args(name: str, w, device, stack_num: int) -> tuple:
@@ -99,14 +102,16 @@ def weight_args(name: str, w, device, stack_num: int) -> tuple:
 
 
 _ALIGN = 16  # elements
-_SLOT_WEIGHTS: dict = {}  # key of slot_weights -> (base index, device offsets, shape, row stride) or None
+_SLOT_WEIGHTS: dict = {}  # key of slot_weights -> (base index, device offsets, shape) or None; of packed_b_weights
+# -> device offsets or None
 _CAPTURED: dict = {}  # the entries a CUDA graph capture used: kept when _SLOT_WEIGHTS is cleared
 
 
 def slot_weights(weights: Sequence[torch.Tensor], slots: tuple, n_slots: int, dim: int) -> Optional[SlotWeights]:
     """``weights`` (slot ``slots[i]`` owns ``weights[i]``) as a :class:`SlotWeights`, or ``None`` when the kernels
-    cannot read them in place (mixed dtypes or devices, a non-contiguous weight, a misaligned address, B weights of
-    unequal ranks): the caller then concatenates. ``dim=0``: A weights ``[r_a, K]``; ``dim=1``: B weights ``[N, r]``.
+    cannot read them in place (mixed dtypes or devices, a non-contiguous weight, a misaligned address, A weights of
+    unequal ``K`` or B weights of unequal ``N``): the caller then concatenates. ``dim=0``: A weights ``[r_a, K]``;
+    ``dim=1``: B weights ``[N, r_a]``, ranks free.
 
     Cached by what the result depends on -- per weight its address, shape, dtype and contiguity -- which in-place
     optimizer updates keep: a training loop builds each layer's device table of offsets once. Per call: the key.
@@ -117,32 +122,37 @@ def slot_weights(weights: Sequence[torch.Tensor], slots: tuple, n_slots: int, di
         return None
     key = (weights[0].device, n_slots, slots, dim,
            *[(w.data_ptr(), w.shape, w.dtype, w.is_contiguous()) for w in weights])
+    hit = _cached(key, lambda: _slot_offsets(weights, slots, n_slots, dim), weights[0].is_cuda)
+    if hit is None:
+        return None
+    index, offsets, shape = hit
+    return SlotWeights(weights[index], offsets, shape)
+
+
+def _cached(key, build, is_cuda: bool):
+    """The entry of ``key`` in the builders' cache, ``build()`` on a miss; kept for good while a CUDA graph is being
+    captured (the graph reads its device table on every replay)."""
     hit = _SLOT_WEIGHTS.get(key, False)
     if hit is False:
         hit = _CAPTURED.get(key, False)
         if hit is False:
-            hit = _slot_offsets(weights, slots, n_slots, dim)
+            hit = build()
         if len(_SLOT_WEIGHTS) >= 4096:  # bounded: entries are a few bytes of device memory each
             _SLOT_WEIGHTS.clear()
         _SLOT_WEIGHTS[key] = hit
-    if hit is None:
-        return None
-    if weights[0].is_cuda and torch.cuda.is_current_stream_capturing():
+    if hit is not None and is_cuda and torch.cuda.is_current_stream_capturing():
         _CAPTURED[key] = hit  # a CUDA graph now reads this table: never freed
-    index, offsets, shape, row_stride = hit
-    return SlotWeights(weights[index], offsets, shape, row_stride)
+    return hit
 
 
 def _slot_offsets(weights, slots, n_slots, dim):
-    """``(index of the base weight, int64 offsets [n_slots] on the device, shape, row stride)``, or ``None`` (see
+    """``(index of the base weight, int64 offsets [n_slots] on the device, shape)``, or ``None`` (see
     :func:`slot_weights`)."""
     w0 = weights[0]
     if len(slots) != len(weights) or any(w.dim() != 2 or w.dtype != w0.dtype or w.device != w0.device
                                          or not w.is_contiguous() for w in weights):
         return None
     if any(w.shape[1 - dim] != w0.shape[1 - dim] for w in weights):  # one K (A) or one N (B)
-        return None
-    if dim == 1 and any(w.shape[1] != w0.shape[1] for w in weights):  # B rows: one stride, the rank
         return None
     ptrs = [w.data_ptr() for w in weights]
     index = min(range(len(ptrs)), key=ptrs.__getitem__)
@@ -153,12 +163,48 @@ def _slot_offsets(weights, slots, n_slots, dim):
         if delta % (_ALIGN * size) or not 0 <= s < n_slots:
             return None
         host[s] = delta // size
-    offsets = torch.tensor(host, dtype=torch.int64)
-    if w0.device.type != "cpu":
-        offsets = offsets.to(w0.device, non_blocking=True)
     total = sum(w.shape[dim] for w in weights)
     shape = (total, w0.shape[1]) if dim == 0 else (w0.shape[0], total)
-    return index, offsets, shape, w0.shape[1]
+    return index, _device_offsets(host, w0.device), shape
+
+
+def _device_offsets(host: list, device) -> torch.Tensor:
+    offsets = torch.tensor(host, dtype=torch.int64)
+    return offsets.to(device, non_blocking=True) if device.type != "cpu" else offsets
+
+
+def packed_b_weights(flat: torch.Tensor, table: AdapterTable, N: int) -> Optional[SlotWeights]:
+    """B weights packed in one buffer as a :class:`SlotWeights`: slot ``a``'s ``[N, ranks[a]]`` weight is the
+    contiguous block at element ``N * offsets[a]`` of the 1-D contiguous ``flat`` (``[N * total_rank]``, the layout
+    ``lora_expand_bwd(..., dB_blocked=True)`` writes its ``dB`` in). ``None`` where the kernels cannot read it in
+    place: ``flat`` or some block of a slot of rank > 0 not at a multiple of 16 elements.
+
+    The device table of offsets depends on the table's offsets and ranks, ``N`` and the device only: cached by
+    those (``table.host``'s; a table without host copies is read from the device, a sync per call), so repeated
+    calls copy nothing to the device; ``flat``'s address is checked per call. Tables looked up while a CUDA graph is
+    being captured are kept for good, as :func:`slot_weights`' are.
+    """
+    if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or not flat.is_contiguous():
+        raise ValueError(f"flat must be a 1-D contiguous tensor, got {getattr(flat, 'shape', type(flat))}")
+    if flat.numel() != N * table.total_rank:
+        raise ValueError(f"flat must have N*total_rank = {N}*{table.total_rank} elements, got {flat.numel()}")
+    if flat.data_ptr() % (_ALIGN * flat.element_size()):
+        return None
+    if table.host is not None:
+        ranks, offsets = tuple(table.host[0]), tuple(table.host[1])
+    else:
+        ranks, offsets = tuple(table.ranks.tolist()), tuple(table.offsets.tolist())
+    key = ("packed_b", flat.device, N, ranks, offsets)
+    hit = _cached(key, lambda: _packed_offsets(ranks, offsets, N, flat.device), flat.is_cuda)
+    return None if hit is None else SlotWeights(flat, hit, (N, table.total_rank))
+
+
+def _packed_offsets(ranks, offsets, N, device) -> Optional[torch.Tensor]:
+    """int64 ``[n_slots]`` device offsets ``N * offsets[a]`` (0 for rank 0), or ``None`` where one is misaligned."""
+    host = [N * int(o) if r > 0 else 0 for r, o in zip(ranks, offsets, strict=True)]
+    if any(o % _ALIGN for o in host):
+        return None
+    return _device_offsets(host, device)
 
 
 def segments_from_token_slots(token_slots: torch.Tensor, grouped: bool, device=None) -> Segments:

@@ -82,7 +82,8 @@ def sgmv_expand_kernel(
     W_OFFS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """y[perm[j]] (+)= scale_a * h[perm[j], slice*r : (slice+1)*r] @ B_cat[:, off : off+r]^T for the chunk's j.
+    """y[perm[j]] (+)= scale_a * h[perm[j], slice*r : (slice+1)*r] @ B_cat[:, off : off+r]^T for the chunk's j
+    (``W_OFFS``: the slot's own ``[N, r_a]`` weight read in place, see ``sgemm.slot_b``).
 
     Rows outside every segment (base tokens) are not touched, in write mode too: the launcher fills them first.
     """
@@ -94,15 +95,16 @@ def sgmv_expand_kernel(
     slot = tl.load(seg_slot + i_g)
     if slot < 0:
         return
-    rank = tl.minimum(MAX_RANK, tl.load(ranks + slot))
+    r_a = tl.load(ranks + slot)  # the slot's rank: also its in-place B weight's row stride
+    rank = tl.minimum(MAX_RANK, r_a)
     if rank == 0:
         return
     o_m = tl.load(chunks + i_c * 3 + 1) + tl.arange(0, BLOCK_M)  # [BLOCK_M] logical positions
     m_s = o_m < tl.load(chunks + i_c * 3 + 2)
     o_s = tl.load(perm + o_m, mask=m_s, other=0).to(tl.int64)  # [BLOCK_M] physical rows
-    B_a, b_col0 = slot_b(B, offsets, w_offs, slot, W_OFFS)
+    B_a, b_col0, stride_bn_a, stride_br_a = slot_b(B, offsets, w_offs, slot, r_a, stride_bn, stride_br, W_OFFS)
     expand_tile(
         h, B_a, y, bias, o_s, m_s, i_n, slice_idx * rank, b_col0, rank, tl.load(scales + slot), N,
-        stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
+        stride_hs, stride_hn, stride_bn_a, stride_br_a, stride_ys, stride_yn,
         FP64, DOT_PRECISION, ACCUMULATE, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_R,
     )

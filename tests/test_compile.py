@@ -96,16 +96,22 @@ def _run_mixes(model, compiled, train, packed=False, T=9):
     return results
 
 
+@pytest.mark.parametrize("store", [False, True], ids=["params", "store"])
 @pytest.mark.parametrize("packed", [False, True], ids=["names", "adapter_ids"])
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_compiled_model_one_graph_for_every_mix(backend, train, packed, device):
+def test_compiled_model_one_graph_for_every_mix(backend, train, packed, store, device):
     """A patched tiny Llama under ``torch.compile(model, backend="aot_eager")``: one graph, no graph break, no
-    recompilation over six adapter mixes; logits and LoRA grads equal eager's (fp32-tight)."""
+    recompilation over six adapter mixes; logits and LoRA grads equal eager's (fp32-tight). ``store``: both models'
+    adapters in the adapter store (``fast_multilora.store``), whose leaves the layers take."""
     model = peft_model("llama").to(device)
     eager = twin(model)
     fast_multilora.patch(model, backend=backend)
     fast_multilora.patch(eager, backend=backend)
+    if store:
+        from fast_multilora.store import AdapterStore
+
+        assert AdapterStore.of(model).slots and AdapterStore.of(eager).slots
     model.train(train)
     eager.train(train)
     got = _run_mixes(model, torch.compile(model, backend="aot_eager"), train, packed)

@@ -413,7 +413,7 @@ def path_problems(draw, **kw):
     if not p["dropout"] and draw(st.booleans()):
         gen = torch.Generator().manual_seed(p["seed"] + 3)
         p.update(dropout=True, ps=(torch.rand(len(p["ranks"]), generator=gen) * 0.6).tolist())
-    if draw(st.booleans()):  # one rank for every present adapter: B weights read in place need it (their row stride)
+    if draw(st.booleans()):  # one rank for every present adapter (B in place also takes mixed ranks: both are drawn)
         p["ranks"] = [max(p["ranks"]) if r else 0 for r in p["ranks"]]  # the cost model counts max(ranks) only
     p.update(
         in_place=draw(st.sampled_from([True, True, False])),

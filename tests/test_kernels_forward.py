@@ -160,7 +160,7 @@ def test_empty_inputs(what, grouped, device):
 
 def test_chunk_table_covers_every_position_once():
     ts = torch.tensor([0] * 50 + [1] + [2] * 16 + [-1] * 3 + [3] * 17)[torch.randperm(87)]
-    segs = make_segments(ts, grouped=True)
+    segs = make_segments(ts, grouped=True, device=DEVICE)
     table = chunk_table(segs, 16)
     assert chunk_table(segs, 16) is table  # cached per block size
     seen = []

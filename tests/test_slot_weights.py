@@ -5,8 +5,10 @@ instead of ``torch.cat`` copies. Here the four launchers run on both forms of th
 reverse slot order with NaN-filled gaps between them, with absent slots (rank 0) -- and must give the same
 results: bit for bit (the kernels do the same arithmetic on the same values; only the addresses differ), and within
 the kernels' stated tolerances of the float64 reference (``test_kernels_forward.py``: fp32 1e-5 of max|ref|).
-Outputs are NaN-poisoned where the contract leaves them unwritten. Then the builder's rules: what it refuses
-(the caller concatenates instead) and its cache.
+Outputs are NaN-poisoned where the contract leaves them unwritten. B weights may differ in rank per slot (each is
+read with its own rank as row stride), read from separate tensors (``slot_weights``) or from one packed buffer
+(``packed_b_weights``, the layout of a blocked ``dB``). Then the builders' rules: what they refuse (the caller
+concatenates instead) and their caches.
 """
 
 import math
@@ -15,7 +17,7 @@ import pytest
 import torch
 from fast_multilora.kernels.backward import lora_expand_bwd, lora_shrink_bwd
 from fast_multilora.kernels.forward import lora_expand, lora_shrink
-from fast_multilora.kernels.segments import SlotWeights, slot_weights
+from fast_multilora.kernels.segments import SlotWeights, packed_b_weights, slot_weights
 from helpers import DEVICE, make_segments, make_table, poisoned, random_token_slots
 
 from fast_multilora import reference as ref
@@ -54,11 +56,14 @@ def _case(S, K, N, ranks, grouped, dtype, seed):
     return table, segs, x, torch.cat(As), torch.cat(Bs, 1), A_slot, B_slot
 
 
-# S, K, N, ranks (one rank for the B weights; 0 = adapter absent from the layer), seed
+# S, K, N, ranks (0 = adapter absent from the layer), seed
 CASES = [
     pytest.param(45, 123, 77, [4, 0, 4, 4, 0, 4], 1, id="S45-K123-N77-R4-A6-absent"),
     pytest.param(33, 64, 130, [16, 16, 16], 2, id="S33-K64-N130-R16-A3"),
     pytest.param(20, 16, 17, [1] * 9 + [0], 3, id="S20-K16-N17-R1-A10"),
+    # mixed ranks: each B weight read with its own rank as row stride (a shared stride reads the wrong elements)
+    pytest.param(50, 40, 123, [1, 4, 0, 16, 3], 7, id="S50-K40-N123-R1.4.16.3-A5-absent"),
+    pytest.param(37, 32, 64, [3, 16, 0, 1, 4], 8, id="S37-K32-N64-R3.16.1.4-A5-absent"),
 ]
 
 
@@ -114,7 +119,10 @@ def test_builder_refuses_what_the_kernels_cannot_read():
     assert slot_weights([a[0], big[1:].view(2, 32), a[2]], (0, 1, 3), n, 0) is None  # 1 element past alignment
     assert slot_weights([a[0], torch.randn(2, 31, device=DEVICE), a[2]], (0, 1, 3), n, 0) is None  # K differs
     b = [torch.randn(40, 2, device=DEVICE), torch.randn(40, 3, device=DEVICE)]
-    assert slot_weights(b, (0, 1), n, 1) is None  # B rows: one stride, the rank
+    w = slot_weights(b, (0, 1), n, 1)  # B weights of unequal ranks: each row stride is its slot's rank
+    assert w is not None and w.shape == (40, 5) and w.stride() == (5, 1)
+    assert slot_weights([b[0], torch.randn(41, 3, device=DEVICE)], (0, 1), n, 1) is None  # N differs
+    assert slot_weights([b[0], torch.randn(3, 40, device=DEVICE).t()], (0, 1), n, 1) is None  # strided B
     assert slot_weights([], (), n, 0) is None
 
 
@@ -141,7 +149,7 @@ def test_launchers_reject_stacked_slot_weights():
     segs = make_segments(torch.tensor([0, 1, 1, 0]), False, device=DEVICE)
     a = [torch.randn(2, 16, device=DEVICE) for _ in range(2)]
     w = slot_weights(a, (0, 1), 2, 0)
-    w2 = SlotWeights(w.base, w.offsets, (8, 16), 16)
+    w2 = SlotWeights(w.base, w.offsets, (8, 16))
     with pytest.raises(ValueError, match="stack_num=1"):
         lora_shrink(torch.randn(4, 16, device=DEVICE), w2, segs, table, stack_num=2)
 
@@ -167,3 +175,93 @@ def test_dropout_paths_in_place_equal_concatenated(grouped):
         outs.append((h, dB, *stored, *redrawn))
     for got, want, what in zip(outs[1], outs[0], ("h", "dB", "dx", "dA", "dx redrawn", "dA redrawn"), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=lambda m, w=what: f"{w}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# B weights packed in one flat buffer (packed_b_weights): slot a's [N, r_a] block at element N * offsets[a]
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _packed(B_cat, ranks):
+    """``B_cat``'s slots packed as ``packed_b_weights`` reads them: a 1-D view ``[N * total_rank]`` of a NaN-filled
+    buffer, NaN after its end (a read past a block's end reads a neighbour's values or NaN, never this slot's)."""
+    N, R = B_cat.shape
+    buf = torch.full((N * R + 16,), float("nan"), dtype=B_cat.dtype, device=B_cat.device)
+    flat, off = buf[: N * R], 0
+    for r in ranks:
+        flat[N * off : N * (off + r)] = B_cat[:, off : off + r].reshape(-1)  # row-major [N, r]: row stride r
+        off += r
+    return flat
+
+
+PACKED = [  # N * offsets[a] a multiple of 16 for every slot of rank > 0: N = 64, or 16-multiple ranks before it
+    pytest.param(37, 64, [3, 16, 0, 1, 4], 8, id="S37-N64-R3.16.1.4-A5-absent"),
+    pytest.param(29, 123, [16, 0, 16, 5], 9, id="S29-N123-R16.16.5-A4-absent"),
+]
+
+
+def _packed_case(S, N, ranks, grouped, dtype, seed):
+    table, segs, _, _, B_cat, _, _ = _case(S, 16, N, ranks, grouped, dtype, seed)
+    flat = _packed(B_cat, ranks)
+    B_packed = packed_b_weights(flat, table, N)
+    assert B_packed is not None and B_packed.base is flat and B_packed.shape == (N, sum(ranks))
+    offs = torch.tensor([0] + ranks[:-1]).cumsum(0).tolist()
+    assert B_packed.offsets.tolist() == [N * o if r else 0 for r, o in zip(ranks, offs, strict=True)]
+    return table, segs, B_cat, B_packed
+
+
+@pytest.mark.parametrize("grouped", FAMILIES)
+@pytest.mark.parametrize("S,N,ranks,seed", PACKED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_forward_packed_b_equals_concatenated(S, N, ranks, seed, grouped, dtype):
+    table, segs, B_cat, B_packed = _packed_case(S, N, ranks, grouped, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 2)
+    h = torch.randn(S, max(ranks), generator=g).to(DEVICE)
+    y0 = torch.randn(S, N, generator=g).to(DEVICE, dtype)
+    for accumulate in (False, True):
+        y_cat = lora_expand(h, B_cat, segs, table, y0.clone(), accumulate=accumulate)
+        y_packed = lora_expand(h, B_packed, segs, table, y0.clone(), accumulate=accumulate)
+        torch.testing.assert_close(y_packed, y_cat, rtol=0, atol=0, msg=lambda m, a=accumulate: f"acc={a}: {m}")
+
+
+@pytest.mark.parametrize("grouped", FAMILIES)
+@pytest.mark.parametrize("S,N,ranks,seed", PACKED)
+def test_backward_packed_b_equals_concatenated(S, N, ranks, seed, grouped):
+    """dh and dB with B read from the packed buffer equal the concatenated path; and a blocked ``dB`` (the layout
+    ``packed_b_weights`` reads), used as the B weights, expands as its concatenated form does."""
+    table, segs, B_cat, B_packed = _packed_case(S, N, ranks, grouped, torch.float32, seed)
+    g = torch.Generator().manual_seed(seed + 3)
+    h = torch.randn(S, max(ranks), generator=g).to(DEVICE)
+    dy = torch.randn(S, N, generator=g).to(DEVICE)
+    outs = [lora_expand_bwd(dy, h, B, segs, table, dh=torch.zeros(S, max(ranks), device=DEVICE))
+            for B in (B_cat, B_packed)]
+    for got, want, what in zip(outs[1], outs[0], ("dh", "dB"), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m, w=what: f"{w}: {m}")
+    _, dB_flat = lora_expand_bwd(dy, h, B_packed, segs, table, dB_blocked=True)
+    assert torch.equal(dB_flat, _packed(outs[0][1], ranks))  # blocked dB: slot a's [N, r_a] at N * offsets[a]
+    dB_slot = packed_b_weights(dB_flat, table, N)
+    assert dB_slot is not None
+    y_cat = lora_expand(h, outs[0][1], segs, table, torch.zeros(S, N, device=DEVICE))
+    y_packed = lora_expand(h, dB_slot, segs, table, torch.zeros(S, N, device=DEVICE))
+    torch.testing.assert_close(y_packed, y_cat, rtol=0, atol=0)
+
+
+def test_packed_b_weights_refuses_misalignment_and_caches():
+    ranks = [1, 4, 0, 16, 3]  # offsets 0, 1, 5, 5, 21
+    table = make_table(ranks, device=DEVICE)
+    R = sum(ranks)
+    assert packed_b_weights(torch.zeros(123 * R, device=DEVICE), table, 123) is None  # 123 * 1 elements: misaligned
+    buf = torch.zeros(64 * R + 16, device=DEVICE)
+    assert packed_b_weights(buf[1 : 1 + 64 * R], table, 64) is None  # the buffer itself 1 element past alignment
+    with pytest.raises(ValueError, match="N\\*total_rank"):
+        packed_b_weights(buf[: 64 * R - 1], table, 64)
+    with pytest.raises(ValueError, match="1-D contiguous"):
+        packed_b_weights(buf[: 64 * R].view(64, R), table, 64)
+    w1 = packed_b_weights(buf[: 64 * R], table, 64)
+    assert w1.offsets.tolist() == [0, 64, 0, 320, 1344] and w1.stride() == (R, 1) and w1.shape == (64, R)
+    host = table._replace(host=(tuple(ranks), (0, 1, 5, 5, 21), (1.0,) * 5, (0.0,) * 5))
+    other = torch.zeros(64 * R, device=DEVICE)  # another buffer: the same offsets, no new device table
+    assert packed_b_weights(other, host, 64).offsets is packed_b_weights(buf[: 64 * R], host, 64).offsets
+    assert packed_b_weights(other, table, 64).offsets is w1.offsets  # no host copies: read from the device, cached
+    assert packed_b_weights(other, host, 64).base is other
+    assert packed_b_weights(torch.zeros(80 * R, device=DEVICE), host, 80).offsets is not w1.offsets  # N is keyed

@@ -1,0 +1,287 @@
+"""``AdamW`` over a patched model's adapters, stepping the adapter store (``fast_multilora.store``) in one launch.
+
+``torch.optim.AdamW`` does host work per parameter tensor: 112 tensors per adapter on a Llama-shaped model of 8
+layers, so its step grows with the adapter count. This optimizer keeps ``torch.optim``'s interface (one param group
+per adapter with its own ``lr``, ``betas``, ``eps``, ``weight_decay``; LR schedulers, ``state_dict`` /
+``load_state_dict``, ``zero_grad``) and steps each arena of the store with one kernel (``kernels.adamw``) whose
+per-adapter hyperparameters and step counts are device tensors. Numerically it is ``torch.optim.AdamW`` run per
+adapter: an adapter that had no token in a gradient-recording call since the last ``zero_grad`` is not stepped
+(its step count stays), as ``torch.optim`` skips parameters without gradients; frozen parameters
+(``requires_grad=False``) are not stepped. Parameters the store does not hold (fallback layers, ``lora_bias``
+layers, MoE experts, ``modules_to_save``) are stepped by ``torch.optim``'s own AdamW with the same group settings.
+
+Gradient clipping: :meth:`AdamW.clip_grad_norm` (global, or ``per_adapter=True``) reads the arenas directly;
+``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` also works (the parameters' ``.grad`` are views of the
+gradient arena) but does per-tensor work.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+
+from . import reference
+from .store import AdapterStore
+
+_STATES = ("exp_avg", "exp_avg_sq")
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW over every adapter of a patched ``model`` (see the module docstring)::
+
+        opt = fast_multilora.AdamW(model, lr=2e-4, weight_decay=0.0, settings={"a3": {"lr": 1e-4}})
+
+    ``settings``: per-adapter group options (``lr``, ``betas``, ``eps``, ``weight_decay``); the other adapters get
+    the defaults. Adapters added to the model later (``add_adapter``, ``load_adapter``) join with the defaults at the
+    next forward call; deleted ones leave (their states are freed).
+    """
+
+    def __init__(self, model: torch.nn.Module, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, settings: Optional[Mapping[str, Mapping]] = None):
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"Invalid beta parameters: {betas}")
+        self.model = model
+        self.store = AdapterStore.of(model)
+        self.settings = {k: dict(v) for k, v in (settings or {}).items()}
+        known = self.store.router.known_adapters()
+        unknown = sorted(set(self.settings) - set(known))
+        if unknown:
+            raise ValueError(f"settings for unknown adapter(s) {unknown}; the model has {known}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(self._groups(known, defaults), defaults)
+        self._tables: dict = {}  # (dtype, device) -> (ChunkTable, group index per chunk's block) for trained blocks
+        self._pattern = None  # requires_grad of every store parameter when the tables were built
+        self.steps: Optional[torch.Tensor] = None  # float32 [groups] on the store's device: each group's step count
+        self._group_slots = None  # (seen_names, int64 [groups] index into store.seen) or None
+        self._others = None  # _outside()'s cache
+        self.store.listeners.append(self._follow)
+        self._follow(self.store)
+
+    # -- groups ---------------------------------------------------------------------------------------------------
+    def _params_of(self) -> dict:
+        from .data import adapter_of_parameter
+
+        known = self.store.router.known_adapters()
+        by: dict = {n: [] for n in known}
+        by[None] = []
+        for name, p in self.model.named_parameters():
+            a = adapter_of_parameter(name, known)
+            if a is not None or p.requires_grad:
+                by[a].append(p)
+        return by
+
+    def _groups(self, known, defaults) -> list:
+        by = self._params_of()
+        groups = [{"params": by[n], "adapter": n, **defaults, **self.settings.get(n, {})} for n in known if by[n]]
+        if by[None]:
+            groups.append({"params": by[None], "adapter": None, **defaults})
+        return groups
+
+    def _follow(self, store: AdapterStore) -> None:
+        """After a re-layout: groups for adapters that came, none for those that went, states on the new pieces."""
+        if not hasattr(self, "param_groups"):
+            return
+        by = self._params_of()
+        old_steps = {}
+        if self.steps is not None:
+            host = self.steps.tolist()
+            old_steps = {g["adapter"]: host[i] for i, g in enumerate(self.param_groups)}
+        keep = []
+        for g in self.param_groups:
+            if g["adapter"] is None or g["adapter"] in by:
+                g["params"] = by.get(g["adapter"], g["params"])
+                if g["params"]:
+                    keep.append(g)
+        have = {g["adapter"] for g in keep}
+        for n, params in by.items():
+            if n is not None and n not in have and params:
+                keep.append({"params": params, "adapter": n, **self.defaults, **self.settings.get(n, {})})
+        self.param_groups = keep
+        live = {p for g in keep for p in g["params"]}
+        for p in list(self.state):
+            if p not in live:
+                del self.state[p]
+        device = next(iter(store.arenas.values())).device if store.arenas else torch.device("cpu")
+        self.steps = torch.tensor([float(old_steps.get(g["adapter"], 0.0)) for g in keep], dtype=torch.float32,
+                                  device=device)
+        for arena in store.arenas.values():
+            for s in _STATES:
+                arena.states.setdefault(s, torch.zeros_like(arena.data))
+        group_of = {p: i for i, g in enumerate(keep) for p in g["params"]}
+        for arena in store.arenas.values():
+            for start, numel, p in arena.blocks:
+                i = group_of.get(p)
+                if i is None:
+                    continue
+                st = self.state[p]
+                st["step"] = self.steps[i]  # a 0-d view: the group's count
+                for s in _STATES:
+                    st[s] = arena.states[s][start : start + numel].view(p.shape)
+        self._tables, self._pattern, self._group_slots, self._others = {}, None, None, None
+
+    # -- tables ---------------------------------------------------------------------------------------------------
+    def _store_params(self) -> list:
+        return [p for arena in self.store.arenas.values() for _, _, p in arena.blocks]
+
+    def _build_tables(self) -> None:
+        from .kernels.adamw import chunk_table
+
+        group_of = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        tables = {}
+        for key, arena in self.store.arenas.items():
+            blocks = [(start, numel, group_of[p]) for start, numel, p in arena.blocks
+                      if p.requires_grad and p in group_of]
+            tables[key] = chunk_table(blocks, len(self.param_groups), arena.data.numel(), arena.device)
+        self._tables = tables
+        self._pattern = self.store.pattern
+        trained = {group_of[p] for arena in self.store.arenas.values() for _, _, p in arena.blocks
+                   if p.requires_grad and p in group_of}
+        device = self.steps.device
+        self._trained = torch.tensor([i in trained for i in range(len(self.param_groups))], device=device)
+
+    def _active(self) -> Optional[torch.Tensor]:
+        """bool [groups]: the groups whose adapter had tokens in a gradient-recording call since ``zero_grad``."""
+        store = self.store
+        if store.seen is None:
+            return None
+        if self._group_slots is None or self._group_slots[0] != store.seen_names:
+            index = {n: i + 1 for i, n in enumerate(store.seen_names)}
+            slots = torch.tensor([index.get(g["adapter"], 0) for g in self.param_groups], dtype=torch.int64)
+            self._group_slots = (store.seen_names, slots.to(store.seen.device))
+        active = store.seen[self._group_slots[1]]
+        return active & (self._group_slots[1] > 0) & self._trained  # frozen groups keep their step count
+
+    def _hyper(self, device) -> torch.Tensor:
+        rows = [(g["lr"], g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"]) for g in self.param_groups]
+        return torch.tensor(rows, dtype=torch.float32).to(device, non_blocking=True)
+
+    def _ops(self, device):
+        from .function import get_backend
+
+        if get_backend(self.store.router.config.backend, device).name == "triton":
+            from .kernels import adamw as K
+
+            return K.adamw_step_, K.grad_sq_norms, K.scale_grads_
+        return reference.adamw_step_reference, reference.grad_sq_norms_reference, reference.scale_grads_reference
+
+    def _prepare(self) -> None:
+        store = self.store
+        if store.enabled and store.stale():
+            store.layout()
+        store.attach_grads()
+        if self._pattern is not store.pattern:
+            self._build_tables()
+
+    # -- torch.optim interface ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._prepare()
+        active = self._active()
+        if active is not None and self._tables:
+            self.steps += active.to(self.steps.dtype)
+            hyper = self._hyper(self.steps.device)
+            for (dtype, device), table in self._tables.items():
+                arena = self.store.arenas[(dtype, device)]
+                step_, _, _ = self._ops(device)
+                step_(arena.data, arena.grad, arena.states["exp_avg"], arena.states["exp_avg_sq"], table, hyper,
+                      self.steps, active)
+        self._step_others()
+        return loss
+
+    def _outside(self) -> list:
+        """``[(group, its parameters outside the store)]``, for groups that have some (cached per layout)."""
+        if self._others is None:
+            held = {id(p) for p in self._store_params()}
+            self._others = [(g, [p for p in g["params"] if id(p) not in held]) for g in self.param_groups]
+            self._others = [(g, ps) for g, ps in self._others if ps]
+        return self._others
+
+    def _step_others(self) -> None:
+        """torch's AdamW for the parameters outside the store (their own ``step`` states)."""
+        for g, outside in self._outside():
+            params = [p for p in outside if p.grad is not None and p.requires_grad]
+            if not params:
+                continue
+            states = [self.state[p] for p in params]
+            for p, st in zip(params, states, strict=True):
+                if "step" not in st:
+                    st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            torch.optim.adamw.adamw(
+                params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                [], [s["step"] for s in states], foreach=False, amsgrad=False, beta1=g["betas"][0],
+                beta2=g["betas"][1], lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradient arena (its views stay the parameters' ``.grad``) and the ``seen`` adapters; the
+        parameters outside the store as ``torch.optim`` does."""
+        self.store.zero_grad()
+        for _, outside in self._outside():
+            for p in outside:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float, per_adapter: bool = False) -> torch.Tensor:
+        """Scale the trained gradients so that their 2-norm is at most ``max_norm``: over everything (as
+        ``clip_grad_norm_(model.parameters())``), or per adapter (each group on its own: one adapter's large
+        gradient does not shrink the others' steps). Returns the pre-clip norm: a scalar, or ``[groups]``."""
+        self._prepare()
+        G = len(self.param_groups)
+        device = self.steps.device
+        sq = torch.zeros(G, dtype=torch.float32, device=device)
+        for (dtype, dev), table in self._tables.items():
+            _, norms_, _ = self._ops(dev)
+            sq = sq + norms_(self.store.arenas[(dtype, dev)].grad, table).to(device)
+        index = {id(g): i for i, g in enumerate(self.param_groups)}
+        for g, outside in self._outside():
+            others = [p.grad for p in outside if p.grad is not None and p.requires_grad]
+            if others:
+                sq[index[id(g)]] += sum(o.float().pow(2).sum().to(device) for o in others)
+        norms = sq.sqrt()
+        total = sq.sum().sqrt()
+        if per_adapter:
+            factors = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+        else:
+            factors = (max_norm / (total + 1e-6)).clamp(max=1.0).expand(G).contiguous()
+        for (dtype, dev), table in self._tables.items():
+            _, _, scale_ = self._ops(dev)
+            scale_(self.store.arenas[(dtype, dev)].grad, table, factors.to(dev))
+        for g, outside in self._outside():
+            for p in outside:
+                if p.grad is not None and p.requires_grad:
+                    p.grad.mul_(factors[index[id(g)]].to(p.grad.device, p.grad.dtype))
+        return norms if per_adapter else total
+
+    def load_state_dict(self, state_dict) -> None:
+        """``torch.optim``'s, then the store's states copied into their arena pieces (the loaded tensors would
+        otherwise replace them) and the groups' step counts taken from their parameters."""
+        super().load_state_dict(state_dict)
+        store_params = set(self._store_params())
+        loaded = {p: dict(self.state[p]) for p in store_params if p in self.state}
+        self._follow(self.store)
+        with torch.no_grad():
+            for i, g in enumerate(self.param_groups):
+                for p in g["params"]:
+                    src = loaded.get(p)
+                    if src is None:
+                        continue
+                    for s in _STATES:
+                        if s in src:
+                            self.state[p][s].copy_(src[s])
+                    if "step" in src:
+                        self.steps[i] = float(src["step"])

@@ -1,0 +1,374 @@
+"""Slot-stacked adapter storage: a patched model's LoRA Linear weights, all adapters, in a few flat buffers.
+
+With many resident adapters the cost of a step is host work per adapter tensor: each adapter is two tensors per
+LoRA layer (112 on a Llama-shaped model of 8 layers), and each of them went through autograd's per-input
+bookkeeping, a gradient split and the optimizer's per-tensor work. An :class:`AdapterStore` removes that:
+
+* **Storage.** Per ``(dtype, device)`` one flat :class:`Arena`. Per patched layer (in the model's slot order, the
+  layer's adapters as its ``AdapterTable`` lists them) one block ``A[total_rank, K]`` -- adapter ``a``'s ``[r_a, K]``
+  rows at ``offsets[a]``, the kernels' ``A_cat`` -- and one block ``B[total_rank * N]`` -- adapter ``a``'s ``[N, r_a]``
+  weight contiguous at ``N * offsets[a]``, the layout the expand backward writes ``dB`` in. PEFT's own parameters
+  stay the model's parameters (names, ``state_dict``, ``save_pretrained``) and share the arena's memory: their
+  ``.data`` is their piece of it, so an update of either is an update of both.
+* **Autograd.** A layer call takes the layer's two blocks as two leaf tensors (:class:`LayerSlots`), whatever the
+  number of adapters; its backward returns each block's whole gradient, which autograd adds in place into the
+  gradient arena (the leaves' ``.grad`` are views of it, as are the parameters' ``.grad``: ``clip_grad_norm_`` and
+  any code reading ``p.grad`` see the gradients).
+* **Optimizer.** :class:`fast_multilora.optim.AdamW` steps each arena in one launch (per-adapter hyperparameters from
+  its param groups); adapters that were in no batch since the last ``zero_grad`` are not stepped (``seen``), as an
+  adapter without gradients is not stepped by ``torch.optim``.
+
+The store is built by that optimizer (``AdapterStore.of(model)``). It follows the model: a layer whose adapters,
+ranks, dtypes or devices change, an adapter added or deleted (``add_adapter``, ``delete_adapter``, ``load_adapter``)
+re-lays the arenas out at the next forward call, moving the weights, the gradients and the optimizer states of the
+adapters that stay (``Arena.states``) and freeing what went. Layers it cannot hold (``lora_bias``, mixed adapter
+dtypes or devices within a layer, MoE experts, PEFT's fallback layers) and every call under
+``DistributedDataParallel`` (whose gradient hooks sit on the parameters) take the per-parameter path, on which the
+parameters' gradients still land in the gradient arena (they are views of it). A model sharded by FSDP2 (its
+parameters replaced by sharded ones) drops the store with a warning.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+ALIGN = 64  # elements: every block starts 256-byte aligned for fp32 (the kernels' in-place reads need 16)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _piece(buf: torch.Tensor, start: int, shape: tuple) -> torch.Tensor:
+    """A tensor on ``buf``'s memory at element ``start`` (not a view: no ``_base``, its own autograd identity)."""
+    t = torch.empty(0, dtype=buf.dtype, device=buf.device)
+    strides = []
+    acc = 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return t.set_(buf.untyped_storage(), buf.storage_offset() + start, tuple(shape), tuple(reversed(strides)))
+
+
+@dataclass(eq=False)
+class Arena:
+    """One flat buffer of weights per ``(dtype, device)``, its gradient, and optimizer states of the same layout."""
+
+    dtype: torch.dtype
+    device: torch.device
+    data: torch.Tensor
+    grad: torch.Tensor
+    states: dict = field(default_factory=dict)  # name -> flat tensor (e.g. AdamW's exp_avg), migrated on re-layout
+    blocks: list = field(default_factory=list)  # (start, numel, param) of every parameter held
+
+
+@dataclass(eq=False)
+class LayerSlots:
+    """One layer's adapters in the store: the two leaf tensors its calls take, and where their pieces are."""
+
+    names: tuple  # adapters, slot order (the layer table's)
+    ranks: tuple
+    K: int
+    N: int
+    arena: Arena
+    a_start: int
+    b_start: int
+    a_leaf: torch.Tensor  # [total_rank, K]
+    b_leaf: torch.Tensor  # [total_rank * N]
+    params: tuple  # (A params..., B params...) slot order
+    first_ptr: int  # the first A parameter's address when laid out (a moved / replaced parameter changes it)
+
+    @property
+    def total_rank(self) -> int:
+        return sum(self.ranks)
+
+    def b_cat(self, b_leaf: torch.Tensor) -> torch.Tensor:
+        """``B_cat[N, total_rank]`` from the packed block (the torch backend's and a compiled graph's layout)."""
+        N = self.N
+        if len(set(self.ranks)) == 1:
+            r = self.ranks[0]
+            return b_leaf.view(len(self.ranks), N, r).permute(1, 0, 2).reshape(N, -1)
+        pieces, off = [], 0
+        for r in self.ranks:
+            pieces.append(b_leaf[off * N : (off + r) * N].view(N, r))
+            off += r
+        return torch.cat(pieces, 1)
+
+    def packed_grad(self, dB_cat: torch.Tensor) -> torch.Tensor:
+        """``dB_cat[N, total_rank]`` as the packed block's gradient (flat, adapter ``a``'s ``[N, r_a]`` contiguous)."""
+        N = self.N
+        if len(set(self.ranks)) == 1:
+            r = self.ranks[0]
+            return dB_cat.view(N, len(self.ranks), r).permute(1, 0, 2).reshape(-1)
+        return torch.cat([g.reshape(-1) for g in dB_cat.split(list(self.ranks), dim=1)])
+
+
+def _layer_key(layer, state) -> Optional[tuple]:
+    """What a layer's slots depend on, or ``None`` when the store cannot hold the layer."""
+    if state is None or state.has_bias or len(set(state.a_dtypes)) != 1:
+        return None
+    a_mods, b_mods = layer.lora_A, layer.lora_B
+    params = [a_mods[n].weight for n in state.present] + [b_mods[n].weight for n in state.present]
+    p0 = params[0]
+    for p in params:
+        if p.dtype != p0.dtype or p.device != p0.device or type(p) is not torch.nn.Parameter or p.dim() != 2:
+            return None
+        if type(p.data) is not torch.Tensor:  # e.g. an FSDP2 DTensor
+            return None
+    K, N = layer.in_features, layer.out_features
+    if any(a_mods[n].weight.shape != (r, K) or b_mods[n].weight.shape != (N, r)
+           for n, r in zip(state.present, state.ranks, strict=True)):
+        return None
+    return (state.present, state.ranks, p0.dtype, p0.device, K, N, tuple(id(p) for p in params))
+
+
+class AdapterStore:
+    """The slot-stacked storage of one patched model (see the module docstring)."""
+
+    def __init__(self, router):
+        self.router = router
+        self.arenas: dict = {}  # (dtype, device) -> Arena
+        self.slots: dict = {}  # id(layer) -> LayerSlots
+        self.keys: dict = {}  # id(layer) -> _layer_key when laid out
+        self.grad_views: list = []  # (param, its gradient piece): re-attached when a caller dropped them
+        self.listeners: list = []  # callables(store) run after every re-layout (the optimizer's)
+        self.enabled = True
+        self.generation = 0
+        self.seen: Optional[torch.Tensor] = None  # bool [n_slots + 1]: index 0 base, 1 + slot an adapter (mark_seen)
+        self.seen_names: tuple = ()
+        self.pattern: Optional[list] = None  # requires_grad of every held parameter (sync_requires_grad)
+        self.expected: list = []  # per held parameter: its gradient view, or None when frozen
+        self.layout()
+
+    # -- attaching ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def of(model) -> "AdapterStore":
+        """The store of a patched ``model`` (built on first use)."""
+        from .patching import _ROUTER_ATTR
+
+        router = model.__dict__.get(_ROUTER_ATTR)
+        if router is None:
+            raise ValueError("fast_multilora: the model is not patched; call fast_multilora.patch(model) first")
+        if router.store is None:
+            from .patching import refresh_layers
+            from .plan import Routing
+
+            refresh_layers(router, Routing((), tuple(router.known_adapters())))  # the layers' tables, no call yet
+            router.store = AdapterStore(router)
+            _shadow_zero_grad(model, router.store)
+        return router.store
+
+    def follow(self, routing, training: bool) -> None:
+        """At a forward call's entry (``patching.refresh_layers``): re-lay out when the layers' adapters changed; in
+        a call that records gradients, the leaves' ``requires_grad`` and the adapters the call trains (``seen``)."""
+        if not self.enabled:
+            return
+        if self.stale():
+            self.layout()
+            if not self.enabled:
+                return
+        if training:
+            self.sync_requires_grad()
+            self.mark_seen(routing)
+
+    def mark_seen(self, routing) -> None:
+        """``seen[slot]``: the adapter had a token in a gradient-recording call since the last ``zero_grad`` (device
+        ops only)."""
+        slots = routing.row_slots if routing.per_row else routing.token_slots
+        if slots is None or not self.arenas:
+            return
+        if self.seen is None or self.seen_names != routing.slot_names or self.seen.device != slots.device:
+            self.seen = torch.zeros(len(routing.slot_names) + 1, dtype=torch.bool, device=slots.device)
+            self.seen_names = routing.slot_names
+        self.seen.index_fill_(0, slots.reshape(-1).long() + 1, True)  # index 0: base tokens (slot -1)
+
+    # -- layout ---------------------------------------------------------------------------------------------------
+    def _wanted(self) -> dict:
+        from .patching import _STATE_ATTR
+
+        wanted = {}
+        for layer in self.router.fast_layers:
+            key = _layer_key(layer, layer.__dict__.get(_STATE_ATTR))
+            if key is not None:
+                wanted[id(layer)] = (layer, key)
+        return wanted
+
+    def stale(self) -> bool:
+        """Whether the layers' adapters no longer match the layout (cheap: one address per layer)."""
+        from .patching import _STATE_ATTR
+
+        if not self.enabled:
+            return False
+        for layer in self.router.fast_layers:
+            st = layer.__dict__.get(_STATE_ATTR)
+            slots = self.slots.get(id(layer))
+            if slots is None:
+                if _layer_key(layer, st) is not None:
+                    return True
+                continue
+            if st is None or st.present != slots.names or st.ranks != slots.ranks:
+                return True
+            p = layer.lora_A[slots.names[0]].weight
+            if p is not slots.params[0] or p.data_ptr() != slots.first_ptr:
+                return True
+        return not set(self.slots) <= {id(layer) for layer in self.router.fast_layers}
+
+    def layout(self) -> None:
+        """(Re-)lay the arenas out for the layers' current adapters; weights are read from the parameters, and the
+        gradients and optimizer states of parameters that stay are carried over."""
+        wanted = self._wanted()
+        for layer, _ in wanted.values():
+            if any(type(p.data) is not torch.Tensor for p in layer.parameters()):
+                self.disable("a parameter is not a plain tensor (FSDP2?)")
+                return
+        old_arenas = self.arenas
+        old_pieces = {}  # param id -> (arena, start, numel)
+        for arena in old_arenas.values():
+            for start, numel, p in arena.blocks:
+                old_pieces[id(p)] = (arena, start, numel)
+        sizes: dict = {}
+        for _, key in wanted.values():
+            _, ranks, dtype, device, K, N, _ = key
+            R = sum(ranks)
+            sizes[(dtype, device)] = sizes.get((dtype, device), 0) + _aligned(R * K) + _aligned(R * N)
+        arenas = {}
+        state_names = set()
+        for arena in old_arenas.values():
+            state_names.update(arena.states)
+        for (dtype, device), numel in sizes.items():
+            arenas[(dtype, device)] = Arena(dtype, device, torch.zeros(numel, dtype=dtype, device=device),
+                                            torch.zeros(numel, dtype=dtype, device=device),
+                                            {s: torch.zeros(numel, dtype=dtype, device=device) for s in state_names})
+        cursor = dict.fromkeys(arenas, 0)
+        slots, keys, grad_views = {}, {}, []
+        with torch.no_grad():
+            for lid, (layer, key) in wanted.items():
+                present, ranks, dtype, device, K, N, _ = key
+                arena = arenas[(dtype, device)]
+                R = sum(ranks)
+                a0 = cursor[(dtype, device)]
+                b0 = a0 + _aligned(R * K)
+                cursor[(dtype, device)] = b0 + _aligned(R * N)
+                a_params = tuple(layer.lora_A[n].weight for n in present)
+                b_params = tuple(layer.lora_B[n].weight for n in present)
+                off = 0
+                for r, pa, pb in zip(ranks, a_params, b_params, strict=True):
+                    for p, start, shape in ((pa, a0 + off * K, (r, K)), (pb, b0 + off * N, (N, r))):
+                        numel = shape[0] * shape[1]
+                        _piece(arena.data, start, shape).copy_(p.data)
+                        prev = old_pieces.get(id(p))
+                        if prev is not None and prev[2] == numel:
+                            pa_, ps_, _ = prev
+                            for buf, src in ((arena.grad, pa_.grad), *[(arena.states[s], pa_.states[s])
+                                                                     for s in arena.states if s in pa_.states]):
+                                buf[start : start + numel].copy_(src[ps_ : ps_ + numel])
+                        elif p.grad is not None and p.grad.shape == p.shape:
+                            _piece(arena.grad, start, shape).copy_(p.grad)
+                        p.data = _piece(arena.data, start, shape)
+                        gview = _piece(arena.grad, start, shape)
+                        if p.requires_grad:
+                            p.grad = gview
+                        grad_views.append((p, gview))
+                        arena.blocks.append((start, numel, p))
+                    off += r
+                a_leaf = _piece(arena.data, a0, (R, K))
+                b_leaf = _piece(arena.data, b0, (R * N,))
+                a_leaf.grad = _piece(arena.grad, a0, (R, K))
+                b_leaf.grad = _piece(arena.grad, b0, (R * N,))
+                slots[lid] = LayerSlots(present, ranks, K, N, arena, a0, b0, a_leaf, b_leaf, a_params + b_params,
+                                        a_params[0].data_ptr())
+                keys[lid] = key
+        self.arenas, self.slots, self.keys, self.grad_views = arenas, slots, keys, grad_views
+        self.pattern = None
+        self.sync_requires_grad()
+        self.generation += 1
+        for fn in self.listeners:
+            fn(self)
+
+    def disable(self, why: str) -> None:
+        """Drop the store: every layer takes the per-parameter path (the parameters keep their values)."""
+        if self.enabled:
+            warnings.warn(f"fast_multilora: the adapter store is off ({why}); layers take the per-parameter path",
+                          stacklevel=3)
+        with torch.no_grad():
+            for arena in self.arenas.values():
+                for start, _, p in arena.blocks:
+                    if p.data.data_ptr() == arena.data[start:].data_ptr():
+                        p.data = p.data.clone()
+                        if p.grad is not None and p.grad.data_ptr() == arena.grad[start:].data_ptr():
+                            p.grad = p.grad.clone()
+        self.enabled = False
+        self.arenas, self.slots, self.keys, self.grad_views = {}, {}, {}, []
+        self.pattern, self.expected = None, []
+        for fn in self.listeners:
+            fn(self)
+
+    # -- per step -------------------------------------------------------------------------------------------------
+    def sync_requires_grad(self) -> bool:
+        """A leaf requires a gradient when one of its parameters does (a frozen adapter's rows of a trained block get
+        gradients nobody reads: its parameters have no ``.grad`` and the optimizer skips them). Returns whether the
+        pattern changed since the last call (one list comprehension when it did not)."""
+        pattern = [p.requires_grad for p, _ in self.grad_views]
+        if pattern == self.pattern:
+            return False
+        self.pattern = pattern
+        self.expected = [g if r else None for (_, g), r in zip(self.grad_views, pattern, strict=True)]
+        for s in self.slots.values():
+            n = len(s.names)
+            a_req = any(p.requires_grad for p in s.params[:n])
+            b_req = any(p.requires_grad for p in s.params[n:])
+            if s.a_leaf.requires_grad != a_req:
+                s.a_leaf.requires_grad_(a_req)
+            if s.b_leaf.requires_grad != b_req:
+                s.b_leaf.requires_grad_(b_req)
+        return True
+
+    def attach_grads(self) -> None:
+        """Fold gradients that landed outside the arena into it (a parameter whose ``.grad`` was dropped and then
+        re-created by autograd on the per-parameter path, or assigned), and re-attach the parameters' views (a
+        frozen parameter has none). One identity check per parameter when everything is in place."""
+        self.sync_requires_grad()
+        if all(map(operator.is_, [p.grad for p, _ in self.grad_views], self.expected)):
+            return
+        with torch.no_grad():
+            for (p, gview), want in zip(self.grad_views, self.expected, strict=True):
+                g = p.grad
+                if g is want:
+                    continue
+                if want is None:
+                    p.grad = None
+                    continue
+                if g is not None:
+                    gview.add_(g)
+                p.grad = gview
+
+    def zero_grad(self) -> None:
+        for arena in self.arenas.values():
+            arena.grad.zero_()
+        if self.seen is not None:
+            self.seen.zero_()
+        self.attach_grads()
+
+    def layer_slots(self, layer) -> Optional[LayerSlots]:
+        return self.slots.get(id(layer)) if self.enabled else None
+
+
+def _shadow_zero_grad(model, store: AdapterStore) -> None:
+    """``model.zero_grad()`` (Trainer calls it) also clears the gradient arena: the parameters' ``.grad`` views would
+    otherwise be dropped while the arena kept the old sums."""
+    from .patching import _HOOKS_ATTR, _InstanceAttr
+
+    stock = type(model).zero_grad
+
+    def zero_grad(set_to_none: bool = True):
+        stock(model, set_to_none=set_to_none)
+        if store.enabled:
+            store.zero_grad()
+
+    model.__dict__["zero_grad"] = zero_grad
+    model.__dict__.setdefault(_HOOKS_ATTR, []).append(_InstanceAttr(model, "zero_grad"))

@@ -1,0 +1,304 @@
+"""AdamW, gradient norms and gradient scaling over slot-stacked adapter storage, one launch whatever the adapter count.
+
+Many adapters' weights live in one flat 1-D buffer per (dtype, device), an *arena*: blocks of contiguous elements,
+each owned by one adapter; the gradient, ``exp_avg`` and ``exp_avg_sq`` are buffers of the same layout. A
+:class:`ChunkTable` cuts the blocks into chunks of at most ``CHUNK`` elements, sorted by adapter; each kernel runs one
+program per chunk and reads the per-adapter values (hyperparameters, step, active flag, factor) from device tensors,
+so the host cost of an optimizer step does not grow with the number of adapters or blocks, and the launches can be
+captured in a CUDA graph. Elements outside every block, and (AdamW) those of inactive adapters, are never accessed.
+
+The AdamW update is ``torch.optim.AdamW``'s (``amsgrad=False, maximize=False``), in torch's operation order: the
+per-adapter scalars (``1 - lr*wd``, ``1 - beta``, ``lr / (1 - beta1^t)``, ``sqrt(1 - beta2^t)``) in float64 and
+rounded to float32, as torch computes them in Python floats; elementwise float32 math with FMAs exactly where torch's
+kernels have one (``lerp``, ``addcmul``) and none elsewhere (``enable_fp_fusion=False``), so a float32 arena gets
+torch's result to the last bit or so. 16-bit arenas keep every intermediate in float32 and round once as they store
+(as torch's ``fused=True`` does; the ``foreach`` and single-tensor paths round after each op).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import launch, next_power_of_2
+
+# One chunk is one program's tile. Measured on an H200 (AdamW over 33.5M elements in 512 blocks, fp32 / bf16): 1024
+# elements at 4 warps run at 90% / 60% of the copy bandwidth, 4096 at 8 warps ran at 52% / 26% (2048: 70-85% / 50%):
+# each program waits on a chain of dependent loads (table -> hyperparameters -> data), and small tiles keep enough
+# programs resident to hide it. The table costs 16 bytes per chunk (0.4% of an fp32 arena); a block smaller than a
+# chunk wastes lanes of one program, not bandwidth.
+CHUNK = 1024
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ACTIVE_DTYPES = (torch.bool, torch.int8, torch.uint8, torch.int32, torch.int64)
+
+
+class ChunkTable(NamedTuple):
+    """The arena's blocks cut into chunks, sorted by adapter then position (all tensors on the arena's device).
+
+    ``start`` int64 ``[C]`` first element of each chunk; ``length`` int32 ``[C]`` its element count (1..``chunk``);
+    ``adapter`` int32 ``[C]`` its owner; ``adapter_ptr`` int32 ``[n_adapters + 1]``: adapter ``a``'s chunks are
+    ``adapter_ptr[a] .. adapter_ptr[a+1]``. Host ints: ``n_adapters``, ``numel`` (the arena's size), ``chunk`` (the
+    longest chunk allowed; the kernels' tile), ``max_chunks`` (most chunks of one adapter), ``covered`` (elements in
+    all blocks)."""
+
+    start: torch.Tensor
+    length: torch.Tensor
+    adapter: torch.Tensor
+    adapter_ptr: torch.Tensor
+    n_adapters: int
+    numel: int
+    chunk: int
+    max_chunks: int
+    covered: int
+
+
+def chunk_table(blocks, n_adapters: int, numel: int, device, chunk: int = CHUNK) -> ChunkTable:
+    """The :class:`ChunkTable` of ``blocks``, a host list of ``(start, numel, adapter)``: any sizes (empty blocks are
+    skipped), any order, no overlaps, not necessarily covering the arena ``[0, numel)``. Built on the host (vectorised)
+    and copied to ``device`` once."""
+    if not (isinstance(chunk, int) and chunk >= 1 and isinstance(n_adapters, int) and n_adapters >= 0
+            and isinstance(numel, int) and numel >= 0):
+        raise ValueError(f"chunk_table: chunk={chunk!r}, n_adapters={n_adapters!r}, numel={numel!r} must be ints "
+                         "(chunk >= 1, the others >= 0)")
+    b = torch.tensor([tuple(x) for x in blocks], dtype=torch.int64).reshape(-1, 3)
+    b = b[b[:, 1] != 0]
+    start, size, adapter = b.unbind(1)
+    bad = (start < 0) | (size < 0) | (start + size > numel) | (adapter < 0) | (adapter >= n_adapters)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"chunk_table: block {tuple(b[i].tolist())} is outside the arena [0, {numel}) or its adapter "
+                         f"outside [0, {n_adapters})")
+    by_pos = torch.argsort(start)
+    overlap = start[by_pos][1:] < (start + size)[by_pos][:-1]
+    if bool(overlap.any()):
+        i = int(overlap.nonzero()[0, 0])
+        raise ValueError(f"chunk_table: blocks {tuple(b[by_pos[i]].tolist())} and {tuple(b[by_pos[i + 1]].tolist())} "
+                         "overlap")
+    order = by_pos[torch.argsort(adapter[by_pos], stable=True)]  # by adapter, then position
+    start, size, adapter = start[order], size[order], adapter[order]
+    n_c = (size + chunk - 1) // chunk
+    C = int(n_c.sum())
+    blk = torch.repeat_interleave(torch.arange(n_c.numel()), n_c, output_size=C)
+    offset = (torch.arange(C) - (torch.cumsum(n_c, 0) - n_c)[blk]) * chunk  # the chunk's offset in its block
+    per_adapter = torch.bincount(adapter[blk], minlength=n_adapters)
+    ptr = torch.zeros(n_adapters + 1, dtype=torch.int64)
+    ptr[1:] = torch.cumsum(per_adapter, 0)
+    if C >= 2**31:
+        raise ValueError(f"chunk_table: {C} chunks do not fit int32 indices; use a larger chunk")
+    return ChunkTable(
+        start=(start[blk] + offset).to(device),
+        length=(size[blk] - offset).clamp(max=chunk).to(torch.int32).to(device),
+        adapter=adapter[blk].to(torch.int32).to(device),
+        adapter_ptr=ptr.to(torch.int32).to(device),
+        n_adapters=n_adapters, numel=numel, chunk=chunk,
+        max_chunks=int(per_adapter.max()) if n_adapters else 0, covered=int(size.sum()))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernels: one program per chunk (the finish kernel: one per adapter)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _f32(x):
+    """``x`` in float32; bfloat16 through its bits (Triton 3.9's interpreter converts bfloat16 subnormals wrongly)."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _rounded(x, dtype: tl.constexpr):
+    """float32 ``x`` rounded to nearest even in ``dtype``; bfloat16 through its bits (Triton 3.9's interpreter
+    truncates float32 -> bfloat16 casts; the GPU's cvt.rn gives these bits), NaN kept NaN."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return tl.where(x == x, bits, 0x7FC0).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _pow(b, t):
+    """``b ** t`` in float64 for ``0 <= b < 1``, ``t >= 1`` (``b = 0``: 0, without taking log2(0))."""
+    return tl.where(b == 0.0, 0.0, tl.exp2(t * tl.log2(tl.where(b == 0.0, 1.0, b))))
+
+
+@triton.jit
+def _adamw_kernel(
+    param, grad, exp_avg, exp_avg_sq, c_start, c_length, c_adapter, hyper, step, active,
+    BLOCK: tl.constexpr,
+):
+    """p = p*(1 - lr*wd) - lr/(1 - b1^t) * m / (sqrt(v)/sqrt(1 - b2^t) + eps), m = lerp(m, g, 1 - b1),
+    v = b2*v + (1 - b2)*g*g on chunk c of adapter a = c_adapter[c] when active[a]; (lr, b1, b2, eps, wd) = hyper[a],
+    t = step[a]."""
+    i_c = tl.program_id(0).to(tl.int64)
+    a = tl.load(c_adapter + i_c).to(tl.int64)
+    o_e = tl.arange(0, BLOCK)
+    # an inactive adapter's chunk masks every access off (no branch: the data loads issue before the scalar math)
+    m_e = o_e < tl.where(tl.load(active + a) != 0, tl.load(c_length + i_c), 0)
+    o_x = tl.load(c_start + i_c) + o_e  # [BLOCK] int64 arena offsets
+    b_p = _f32(tl.load(param + o_x, mask=m_e))
+    b_g = _f32(tl.load(grad + o_x, mask=m_e))
+    b_m = _f32(tl.load(exp_avg + o_x, mask=m_e))
+    b_v = _f32(tl.load(exp_avg_sq + o_x, mask=m_e))
+    # the per-adapter scalars as torch computes them (Python floats), rounded to float32 where its kernels take them
+    lr = tl.load(hyper + a * 5).to(tl.float64)
+    beta1 = tl.load(hyper + a * 5 + 1).to(tl.float64)
+    beta2 = tl.load(hyper + a * 5 + 2).to(tl.float64)
+    eps = tl.load(hyper + a * 5 + 3)
+    wd = tl.load(hyper + a * 5 + 4).to(tl.float64)
+    t = tl.load(step + a).to(tl.float64)
+    decay = (1.0 - lr * wd).to(tl.float32)
+    w1 = (1.0 - beta1).to(tl.float32)
+    w2 = (1.0 - beta2).to(tl.float32)
+    b2 = beta2.to(tl.float32)
+    neg_step = (-lr / (1.0 - _pow(beta1, t))).to(tl.float32)
+    bc2_sqrt = tl.sqrt(1.0 - _pow(beta2, t)).to(tl.float32)
+    # torch's lerp: fma(w, end - self, self) for |w| < 0.5, else fma(w - 1, end - self, end)
+    small = w1 < 0.5
+    c1 = tl.where(small, w1, w1 - 1.0)
+    b_p = b_p * decay
+    b_m = tl.fma(c1, b_g - b_m, tl.where(small, b_m, b_g))  # exp_avg.lerp_(grad, 1 - beta1)
+    b_v = tl.fma(w2 * b_g, b_g, b_v * b2)  # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = tl.div_rn(tl.sqrt_rn(b_v), bc2_sqrt) + eps
+    b_p = b_p + tl.div_rn(neg_step * b_m, denom)  # param.addcdiv_(exp_avg, denom, value=-step_size)
+    tl.store(param + o_x, _rounded(b_p, param.dtype.element_ty), mask=m_e)
+    tl.store(exp_avg + o_x, _rounded(b_m, exp_avg.dtype.element_ty), mask=m_e)
+    tl.store(exp_avg_sq + o_x, _rounded(b_v, exp_avg_sq.dtype.element_ty), mask=m_e)
+
+
+@triton.jit
+def _sq_norm_partial_kernel(grad, c_start, c_length, partial, BLOCK: tl.constexpr):
+    """partial[c] = sum of g^2 over chunk c (float32)."""
+    i_c = tl.program_id(0).to(tl.int64)
+    o_e = tl.arange(0, BLOCK)
+    m_e = o_e < tl.load(c_length + i_c)
+    b_g = _f32(tl.load(grad + tl.load(c_start + i_c) + o_e, mask=m_e, other=0.0))  # [BLOCK]
+    tl.store(partial + i_c, tl.sum(b_g * b_g, 0))
+
+
+@triton.jit
+def _sq_norm_finish_kernel(partial, adapter_ptr, out, BLOCK_P: tl.constexpr):
+    """out[a] = sum of partial[c] over adapter a's chunks, in a fixed order (BLOCK_P-wide columns, then a tree)."""
+    i_a = tl.program_id(0)
+    c0 = tl.load(adapter_ptr + i_a)
+    c1 = tl.load(adapter_ptr + i_a + 1)
+    b_acc = tl.zeros([BLOCK_P], dtype=tl.float32)
+    for i in range(c0, c1, BLOCK_P):
+        o_c = i + tl.arange(0, BLOCK_P)
+        b_acc += tl.load(partial + o_c, mask=o_c < c1, other=0.0)
+    tl.store(out + i_a, tl.sum(b_acc, 0))
+
+
+@triton.jit
+def _scale_kernel(grad, c_start, c_length, c_adapter, factors, BLOCK: tl.constexpr):
+    """g *= factors[a] on chunk c of adapter a = c_adapter[c] (float32 product, rounded once); a factor of 1 exits."""
+    i_c = tl.program_id(0).to(tl.int64)
+    f = tl.load(factors + tl.load(c_adapter + i_c))
+    if f == 1.0:
+        return
+    o_e = tl.arange(0, BLOCK)
+    m_e = o_e < tl.load(c_length + i_c)
+    p_g = grad + tl.load(c_start + i_c) + o_e
+    b_g = _f32(tl.load(p_g, mask=m_e))
+    tl.store(p_g, _rounded(b_g * f, grad.dtype.element_ty), mask=m_e)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _meta(table: ChunkTable) -> dict:
+    BLOCK = next_power_of_2(table.chunk)
+    # no FP contraction: the explicit tl.fma calls are where torch's kernels fuse, every other op rounds on its own
+    return dict(BLOCK=BLOCK, num_warps=max(1, min(4, BLOCK // 256)), enable_fp_fusion=False)
+
+
+def _check_arena(name: str, table: ChunkTable, tensors: dict):
+    """Every arena buffer 1-D, contiguous, ``table.numel`` elements, one float dtype, on one device with the table."""
+    if not isinstance(table, ChunkTable):
+        raise ValueError(f"{name}: table must be a ChunkTable (kernels.adamw.chunk_table), got {type(table).__name__}")
+    first = next(iter(tensors.values()))
+    dev, dtype = getattr(first, "device", None), getattr(first, "dtype", None)
+    for what, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"{name}: {what} must be 1-D and contiguous, got shape {tuple(t.shape)}, "
+                             f"strides {t.stride()}")
+        if t.numel() != table.numel:
+            raise ValueError(f"{name}: {what} has {t.numel()} elements, the table's arena {table.numel}")
+        if t.dtype != dtype or t.dtype not in _DTYPES:
+            raise ValueError(f"{name}: {what} is {t.dtype}; the arena buffers must share one dtype of {_DTYPES}, "
+                             f"the first is {dtype}")
+        if t.device != dev:
+            raise ValueError(f"{name}: {what} is on {t.device}, the first buffer on {dev}")
+    if table.start.device != dev:
+        raise ValueError(f"{name}: the table is on {table.start.device}, the arena on {dev}")
+    return dev
+
+
+def _check_vec(name: str, what: str, t, shape: tuple, dtypes: tuple, dev) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape or t.dtype not in dtypes or t.device != dev or not t.is_contiguous():
+        raise ValueError(f"{name}: {what} must be a contiguous {'/'.join(str(d) for d in dtypes)} tensor of shape "
+                         f"{shape} on {dev}, got {t.dtype} {tuple(t.shape)} on {t.device}"
+                         f"{'' if t.is_contiguous() else ' (not contiguous)'}")
+
+
+def adamw_step_(param, grad, exp_avg, exp_avg_sq, table: ChunkTable, hyper, step, active) -> None:
+    """In place, ``torch.optim.AdamW``'s step (``amsgrad=False, maximize=False``) on every chunk of an adapter ``a``
+    with ``active[a] != 0``, one launch: ``hyper`` float32 ``[n_adapters, 5]`` = (lr, beta1, beta2, eps,
+    weight_decay), ``step`` float32 ``[n_adapters]`` (the step count after this step's increment, >= 1), ``active``
+    ``[n_adapters]`` bool or integer; all on the arena's device. The four arena buffers share one dtype (float32,
+    bfloat16 or float16). Elements of inactive adapters and outside every block are not accessed."""
+    name = "adamw_step_"
+    dev = _check_arena(name, table, dict(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq))
+    n = table.n_adapters
+    _check_vec(name, "hyper", hyper, (n, 5), (torch.float32,), dev)
+    _check_vec(name, "step", step, (n,), (torch.float32,), dev)
+    _check_vec(name, "active", active, (n,), _ACTIVE_DTYPES, dev)
+    n_chunks = table.start.shape[0]
+    if n_chunks == 0:
+        return
+    launch(_adamw_kernel, (n_chunks,), (param, grad, exp_avg, exp_avg_sq, table.start, table.length, table.adapter,
+                                        hyper, step, active), _meta(table))
+
+
+def grad_sq_norms(grad, table: ChunkTable) -> torch.Tensor:
+    """float32 ``[n_adapters]``: the sum of squares of each adapter's gradient elements (float32 accumulation; zero
+    for an adapter without elements). Deterministic: per-chunk partial sums, then a fixed-order sum per adapter (two
+    launches, no atomics)."""
+    dev = _check_arena("grad_sq_norms", table, dict(grad=grad))
+    out = torch.empty(table.n_adapters, dtype=torch.float32, device=dev)
+    if table.n_adapters == 0:
+        return out
+    n_chunks = table.start.shape[0]
+    partial = torch.empty(max(n_chunks, 1), dtype=torch.float32, device=dev)
+    if n_chunks:
+        launch(_sq_norm_partial_kernel, (n_chunks,), (grad, table.start, table.length, partial), _meta(table))
+    BLOCK_P = max(16, min(1024, next_power_of_2(table.max_chunks)))
+    launch(_sq_norm_finish_kernel, (table.n_adapters,), (partial, table.adapter_ptr, out),
+           dict(BLOCK_P=BLOCK_P, num_warps=4 if BLOCK_P >= 512 else 1))
+    return out
+
+
+def scale_grads_(grad, table: ChunkTable, factors) -> None:
+    """In place ``g *= factors[a]`` on every element of adapter ``a`` (float32 ``factors [n_adapters]`` on the
+    arena's device; the product in float32, rounded once); chunks whose factor is exactly 1 are not accessed."""
+    dev = _check_arena("scale_grads_", table, dict(grad=grad))
+    _check_vec("scale_grads_", "factors", factors, (table.n_adapters,), (torch.float32,), dev)
+    n_chunks = table.start.shape[0]
+    if n_chunks == 0:
+        return
+    launch(_scale_kernel, (n_chunks,), (grad, table.start, table.length, table.adapter, factors), _meta(table))
+
+
+__all__ = ["CHUNK", "ChunkTable", "adamw_step_", "chunk_table", "grad_sq_norms", "scale_grads_"]

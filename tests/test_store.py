@@ -1,0 +1,320 @@
+"""The adapter store (``fast_multilora.store``) and its optimizer (``fast_multilora.AdamW``).
+
+Many adapters: parity with stock PEFT per sample at 64 and 128 adapters (mixed ranks and targets), through the
+store's leaves; the optimizer against ``torch.optim.AdamW`` run per adapter (own hyperparameters, adapters absent
+from a batch not stepped, a frozen adapter untouched); checkpoint resume bit for bit; adapters added and deleted
+while training; ``save_pretrained`` files as stock PEFT writes them; gradient clipping.
+"""
+
+import copy
+
+import pytest
+import torch
+from models import LLAMA_TARGETS, tiny_llama, with_adapters
+from peft import LoraConfig
+from test_paths import _peft_per_sample
+
+import fast_multilora
+from fast_multilora.store import AdapterStore
+
+RANKS = (1, 2, 4, 8, 3)
+TARGET_SETS = (LLAMA_TARGETS, ["q_proj", "v_proj"], ["gate_proj", "up_proj", "down_proj", "o_proj"],
+               ["k_proj", "down_proj"])
+
+
+def many_configs(n, dropout=0.0):
+    """``n`` adapters, ranks and targets cycling, own alphas, every fifth rsLoRA; B != 0."""
+    return {f"m{i:03d}": LoraConfig(r=RANKS[i % len(RANKS)], lora_alpha=1 + i % 7,
+                                    target_modules=TARGET_SETS[i % len(TARGET_SETS)], use_rslora=i % 5 == 0,
+                                    init_lora_weights=False, lora_dropout=dropout)
+            for i in range(n)}
+
+
+def many_model(n, seed=0):
+    """A tiny Llama with ``many_configs(n)``; B scaled by 0.3: PEFT's ``init_lora_weights=False`` B with alphas up to
+    7 makes deltas far larger than the random base's outputs, and such a row amplifies 1-ulp differences to 1e-3
+    relative (measured: the same on the per-parameter path); a wrong slot still moves results by the delta itself."""
+    torch.manual_seed(seed + 1)
+    model = with_adapters(tiny_llama(seed), many_configs(n))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.3)
+    return model
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if "lora_" in n and p.grad is not None}
+
+
+def _close(got, want, what):
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * max(1.0, want.abs().max().item()),
+                               msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("n", [64, 128])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_many_adapters_match_peft_through_the_store(n, backend):
+    model = many_model(n)
+    ref = copy.deepcopy(model)
+    fast_multilora.patch(model, backend=backend)
+    store = AdapterStore.of(model)
+    assert len(store.slots) == len(model.__dict__["_fml_router"].fast_layers)  # every layer on the leaves
+    names = sorted(model.peft_config)
+    g = torch.Generator().manual_seed(n)
+    rows = [names[i] for i in torch.randperm(n, generator=g)[:13].tolist()] + ["__base__", names[-1]]
+    ids = torch.randint(0, 97, (len(rows), 6), generator=g)
+    w = torch.randn(len(rows), 6, 97, generator=g)
+    model.train()
+    ref.train()
+    model.zero_grad()
+    emb = model.get_input_embeddings()(ids).detach().requires_grad_()
+    out = model(inputs_embeds=emb, adapter_names=rows).logits
+    (out * w).sum().backward()
+    want_out, want_dx, want = _peft_per_sample(ref, ids, w, rows)
+    _close(out.detach(), want_out, "logits")
+    _close(emb.grad, want_dx, "input grad")
+    got = _grads(model)
+    for name, gw in want.items():
+        _close(got[name], gw, name)
+    for name in set(got) - set(want):  # adapters with no row: zero gradients
+        assert torch.count_nonzero(got[name]) == 0, name
+    # the parameters are the arena: a write through one is seen by the other
+    p = model.base_model.model.model.layers[0].self_attn.q_proj.lora_A[names[0]].weight
+    arena = next(iter(store.arenas.values()))
+    assert p.untyped_storage().data_ptr() == arena.data.untyped_storage().data_ptr()
+
+
+def _train(model, opt, batches, ref_opts=None):
+    for ids, rows in batches:
+        opt.zero_grad()
+        out = model(input_ids=ids, adapter_names=rows).logits
+        fast_multilora.per_adapter_loss(out, ids, rows).backward()
+        opt.step()
+
+
+def _per_adapter_reference(ref, batches, hyper, frozen=()):
+    """Stock PEFT, each adapter trained alone by its own ``torch.optim.AdamW`` on its rows of each batch; an adapter
+    without rows in a batch is not stepped."""
+    opts = {}
+    for a, h in hyper.items():
+        params = [p for n, p in ref.named_parameters() if f".{a}." in n and "lora_" in n]
+        opts[a] = torch.optim.AdamW(params, foreach=False, **h)
+    for ids, rows in batches:
+        for a in hyper:
+            mine = [i for i, r in enumerate(rows) if r == a]
+            if not mine or a in frozen:
+                continue
+            ref.set_adapter(a)
+            for n, p in ref.named_parameters():
+                p.requires_grad_("lora_" in n and f".{a}." in n)
+            opts[a].zero_grad()
+            out = ref(input_ids=ids[mine]).logits
+            fast_multilora.per_adapter_loss(out, ids[mine], [a] * len(mine)).backward()
+            opts[a].step()
+
+
+def _hyper(names):
+    return {a: dict(lr=1e-2 * (1 + i % 3), betas=(0.9 - 0.1 * (i % 2), 0.99 + 0.005 * (i % 2)),
+                    eps=1e-8 * (1 + i), weight_decay=0.1 * (i % 3)) for i, a in enumerate(names)}
+
+
+def _batches(names, steps=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in range(steps):
+        rows = [names[i] for i in torch.randint(0, len(names), (5,), generator=g).tolist()]
+        if s == 1:
+            rows[0] = names[0]
+        out.append((torch.randint(0, 97, (len(rows), 7), generator=g), rows))
+    return out
+
+
+def _assert_same_weights(model, ref, rtol=1e-5, atol=1e-6):
+    want = {n: p for n, p in ref.named_parameters() if "lora_" in n}
+    got = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert got.keys() == want.keys()
+    for n in want:
+        torch.testing.assert_close(got[n].detach(), want[n].detach(), rtol=rtol, atol=atol,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_adamw_equals_torch_adamw_per_adapter(backend):
+    model = many_model(6)
+    ref = copy.deepcopy(model)
+    names = sorted(model.peft_config)
+    frozen = names[4]
+    for n, p in model.named_parameters():
+        if f".{frozen}." in n:
+            p.requires_grad_(False)
+    fast_multilora.patch(model, backend=backend)
+    hyper = _hyper(names)
+    opt = fast_multilora.AdamW(model, settings={a: {k: v for k, v in h.items()} for a, h in hyper.items()})
+    batches = _batches(names[:5], steps=4)  # names[5] is never in a batch: never stepped
+    model.train()
+    ref.train()
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if f".{names[5]}." in n or f".{frozen}." in n}
+    _train(model, opt, batches)
+    _per_adapter_reference(ref, batches, hyper, frozen=(frozen,))
+    # Adam moves an element by about lr per step whatever its gradient's size, so an element whose gradient is near
+    # the rounding noise of per-sample vs mixed-batch sums moves by a different fraction of lr: the absolute
+    # tolerance is 1e-3 of the largest possible move (lr 3e-2 x 4 steps); the optimizer alone is checked tightly
+    # in test_adamw_step_equals_torch_on_the_same_gradients
+    _assert_same_weights(model, ref, rtol=1e-4, atol=1.2e-4)
+    for n, p in model.named_parameters():
+        if n in before:
+            assert torch.equal(p.detach(), before[n]), f"{n} moved"
+    steps = {g["adapter"]: float(opt.steps[i]) for i, g in enumerate(opt.param_groups)}
+    counts = {a: sum(a in rows for _, rows in batches) for a in names}
+    assert steps == {a: float(counts[a]) if a != frozen else 0.0 for a in names}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_adamw_step_equals_torch_on_the_same_gradients(backend):
+    """The optimizer alone: the same weights and gradients; ``torch.optim.AdamW`` with one group per adapter (those
+    without rows in the batch get no gradient) against ours, over three steps."""
+    model = many_model(7)
+    fast_multilora.patch(model, backend=backend)
+    twin = copy.deepcopy(model)
+    names = sorted(model.peft_config)
+    hyper = _hyper(names)
+    ours = fast_multilora.AdamW(model, settings=hyper)
+    groups = [{"params": [p for n, p in twin.named_parameters() if f".{a}." in n], **hyper[a]} for a in names]
+    stock = torch.optim.AdamW(groups, foreach=False)
+    model.train()
+    twin.train()
+    for ids, rows in _batches(names[:6], steps=3, seed=5):
+        ours.zero_grad()
+        out = model(input_ids=ids, adapter_names=rows).logits
+        fast_multilora.per_adapter_loss(out, ids, rows).backward()
+        for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
+            trained = "lora_" in n and any(f".{a}." in n for a in rows)
+            q.grad = p.grad.clone() if trained else None
+        ours.step()
+        stock.step()
+        # fp32: the kernel's update rounds as torch's single-tensor AdamW up to the order of a few operations
+        _assert_same_weights(model, twin, rtol=1e-6, atol=1e-7)
+
+
+def test_resume_is_bit_identical():
+    names = [f"m{i:03d}" for i in range(5)]
+    batches = _batches(names, steps=4, seed=1)
+
+    def fresh():
+        m = many_model(5)
+        fast_multilora.patch(m, backend="torch")
+        m.train()
+        return m, fast_multilora.AdamW(m, lr=1e-2, weight_decay=0.05)
+
+    m1, o1 = fresh()
+    _train(m1, o1, batches)
+    m2, o2 = fresh()
+    _train(m2, o2, batches[:2])
+    saved = copy.deepcopy(o2.state_dict())
+    weights = {n: p.detach().clone() for n, p in m2.named_parameters() if "lora_" in n}
+    m3, o3 = fresh()
+    with torch.no_grad():
+        for n, p in m3.named_parameters():
+            if n in weights:
+                p.copy_(weights[n])
+    o3.load_state_dict(saved)
+    _train(m3, o3, batches[2:])
+    for (n, a), (_, b) in zip(m1.named_parameters(), m3.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+
+
+def test_adapters_join_and_leave_while_training():
+    model = many_model(4)
+    ref = copy.deepcopy(model)
+    names = sorted(model.peft_config)
+    fast_multilora.patch(model, backend="torch")
+    opt = fast_multilora.AdamW(model, lr=1e-2)
+    model.train()
+    ref.train()
+    first = _batches(names, steps=2, seed=2)
+    _train(model, opt, first)
+    store = opt.store
+    size = sum(a.data.numel() for a in store.arenas.values())
+    cfg = LoraConfig(r=5, lora_alpha=7, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+    torch.manual_seed(9)
+    model.add_adapter("late", cfg)
+    torch.manual_seed(9)
+    ref.add_adapter("late", cfg)
+    for n, p in model.named_parameters():  # PEFT adds an adapter frozen unless it is active
+        if ".late." in n:
+            p.requires_grad_(True)
+    later = _batches(names + ["late"], steps=3, seed=3)
+    _train(model, opt, later)
+    grown = sum(a.data.numel() for a in store.arenas.values())
+    assert grown > size
+    hyper = {a: dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2) for a in names + ["late"]}
+    _per_adapter_reference(ref, first + later, hyper)
+    _assert_same_weights(model, ref)
+    model.delete_adapter(names[0])
+    _train(model, opt, _batches(names[1:] + ["late"], steps=1, seed=4))
+    assert all(g["adapter"] != names[0] for g in opt.param_groups)
+    assert sum(a.data.numel() for a in opt.store.arenas.values()) < grown  # its rows are gone
+    held = {id(p) for a in store.arenas.values() for _, _, p in a.blocks}
+    assert len(held) == sum(1 for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_save_pretrained_files_match_stock(tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    model = many_model(3)
+    stock = copy.deepcopy(model)
+    fast_multilora.patch(model, backend="torch")
+    opt = fast_multilora.AdamW(model, lr=1e-2)
+    model.train()
+    _train(model, opt, _batches(sorted(model.peft_config), steps=1))
+    with torch.no_grad():  # the stock copy holds the trained values
+        for p, q in zip(model.parameters(), stock.parameters(), strict=True):
+            q.copy_(p)
+    model.save_pretrained(tmp_path / "ours")
+    stock.save_pretrained(tmp_path / "stock")
+    for a in model.peft_config:
+        sub = "" if a == "default" else a
+        f1 = load_file(str(tmp_path / "ours" / sub / "adapter_model.safetensors"))
+        f2 = load_file(str(tmp_path / "stock" / sub / "adapter_model.safetensors"))
+        assert f1.keys() == f2.keys()
+        for k in f1:
+            assert torch.equal(f1[k], f2[k]), k
+    loaded = PeftModel.from_pretrained(tiny_llama(0), tmp_path / "ours" / "m001", adapter_name="m001")
+    want = {n: p for n, p in model.named_parameters() if ".m001." in n}
+    for n, p in loaded.named_parameters():
+        if n in want:
+            assert torch.equal(p, want[n]), n
+
+
+@pytest.mark.parametrize("per_adapter", [False, True])
+def test_clip_grad_norm(per_adapter):
+    from fast_multilora.data import adapter_param_groups, clip_grad_norm_per_adapter
+
+    model = many_model(4)
+    fast_multilora.patch(model, backend="torch")
+    opt = fast_multilora.AdamW(model, lr=1e-2)
+    ref = copy.deepcopy(model)
+    fast_multilora.unpatch(ref)
+    model.train()
+    names = sorted(model.peft_config)
+    ids, rows = _batches(names, steps=1)[0]
+    for m in (model, ref):
+        out = m(input_ids=ids, adapter_names=rows) if m is model else None
+        if m is ref:
+            fast_multilora.patch(ref, backend="torch")
+            out = ref(input_ids=ids, adapter_names=rows)
+        fast_multilora.per_adapter_loss(out.logits, ids, rows).backward()
+    got = opt.clip_grad_norm(0.05, per_adapter=per_adapter)
+    if per_adapter:
+        want = clip_grad_norm_per_adapter(adapter_param_groups(ref), 0.05)
+        for i, g in enumerate(opt.param_groups):
+            if g["adapter"] in want:
+                assert float(got[i]) == pytest.approx(want[g["adapter"]], rel=1e-5)
+    else:
+        want = torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], 0.05)
+        assert float(got) == pytest.approx(float(want), rel=1e-5)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-8, msg=lambda m, n=n: f"{n}: {m}")
