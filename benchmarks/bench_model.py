@@ -160,7 +160,7 @@ class Sizes:
                         "train_step_32": 55, "train_step_8_compiled": 150, "eval_8_compiled": 90,
                         "generate_static": 210, "generate_dynamic": 50,  # opt-in ones: one H200 run, inductor
                         "moe_step_8": 90, "qlora_step_8": 90, "qlora_eval_8": 20,  # one H200 run each
-                        "train_step_scale": 150}  # not measured yet: a guess
+                        "train_step_scale": 260}  # a guess: 5 counts x 2-3 providers, 256 adapters built
             self.scale_counts = (8, 32, 64, 128, 256)
             self.est_provider, self.est_compiled = 5.0, 90.0  # compiled: compile + first call, 40-90 s on an H200
 
