@@ -115,6 +115,10 @@ def parse_args(argv=None):
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no scenario/provider past this many seconds (exit status 3 when one was left out)")
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
+    ap.add_argument("--scale-counts", default=None,
+                    help="train_step_scale's adapter counts, e.g. 8,64,256 (default 8,32,64,128,256; quick 2,8,32)")
+    ap.add_argument("--no-scale-torch-adamw", action="store_true",
+                    help="train_step_scale without its torch.optim.AdamW comparison rows")
     ap.add_argument("--from-json", default=None, help="only re-render markdown and plot from this JSON")
     return ap.parse_args(argv)
 
@@ -178,6 +182,8 @@ class Run:
         self.quick = args.quick
         self.device = "cpu" if args.quick else "cuda"
         self.sz = Sizes(args.quick)
+        if args.scale_counts:
+            self.sz.scale_counts = tuple(int(c) for c in args.scale_counts.split(","))
         self.dtype = getattr(torch, self.sz.dtype)
         self.backend = args.backend or ("torch" if args.quick else "triton")
         if args.quick:
@@ -637,7 +643,8 @@ class Run:
             self.measure(scenario, f"fast_{n}_optimizer", self.opt_only(pm, opt, loss),
                          setup=self.fast_setup(pm, opt, store=True), teardown=self.fast_teardown(pm, opt),
                          adapters=n, optimizer="fast_multilora.AdamW")
-            if n in (self.sz.scale_counts[0], 64) or (self.quick and n == self.sz.scale_counts[-1]):
+            compare = n in (self.sz.scale_counts[0], 64) or (self.quick and n == self.sz.scale_counts[-1])
+            if compare and not self.args.no_scale_torch_adamw:
                 self.measure(scenario, f"fast_{n}_torch_adamw", self.opt_step(opt, loss),
                              setup=self.fast_setup(pm, opt), teardown=self.fast_teardown(pm, opt), split=True,
                              adapters=n, optimizer="torch.optim.AdamW (foreach), per-parameter layer path")

@@ -45,6 +45,7 @@ T_TUNE=${T_TUNE:-240}
 T_AB=${T_AB:-150}
 T_GAPS=${T_GAPS:-150}
 MODEL_SCENARIOS=${MODEL_SCENARIOS:-}  # the model stage's scenarios (default: bench_model.py's own list)
+MODEL_ARGS=${MODEL_ARGS:-}  # more bench_model.py flags for the model stage (e.g. --scale-counts 8,64,256)
 GPU_TESTS=${GPU_TESTS:-tests/}  # the tests stage's paths (e.g. GPU_TESTS=tests/test_compile_gpu.py)
 COMPILED_SCENARIOS=${COMPILED_SCENARIOS:-train_step_8_compiled,eval_8_compiled,generate_static,generate_dynamic}
 T_COMPILED=${T_COMPILED:-540}  # 12 providers, 9 of them compiled (40-90 s each on an H200)
@@ -156,7 +157,8 @@ main() {
     fi
     if want model; then
         stage model "$T_MODEL" "$PY" benchmarks/bench_model.py --out "$OUT/h200.json" \
-            ${MODEL_SCENARIOS:+--scenarios "$MODEL_SCENARIOS"} --budget-s $((T_MODEL - 35)) ${COMMIT:+--commit "$COMMIT"}
+            ${MODEL_SCENARIOS:+--scenarios "$MODEL_SCENARIOS"} --budget-s $((T_MODEL - 35)) ${COMMIT:+--commit "$COMMIT"} \
+            $MODEL_ARGS
     fi
     if want compiled; then  # default mode: --merge adds its scenarios to the model stage's h200.json; others: own file
         local cm cj

@@ -157,8 +157,14 @@ class AdamW(torch.optim.Optimizer):
         return active & (self._group_slots[1] > 0) & self._trained  # frozen groups keep their step count
 
     def _hyper(self, device) -> torch.Tensor:
+        """float32 [groups, 5] on ``device``: each group's lr, betas, eps, weight decay (read every step: LR
+        schedulers change them). Staged through pinned memory (torch's caching host allocator): a copy from pageable
+        memory would wait for the device to drain its queue, a sync per step."""
         rows = [(g["lr"], g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"]) for g in self.param_groups]
-        return torch.tensor(rows, dtype=torch.float32).to(device, non_blocking=True)
+        host = torch.tensor(rows, dtype=torch.float32)
+        if device.type != "cuda":
+            return host.to(device)
+        return host.pin_memory().to(device, non_blocking=True)
 
     def _ops(self, device):
         from .function import get_backend

@@ -23,31 +23,41 @@ def _step(model, ids, rows, w):
     return out.float().detach(), emb.grad.float(), grads
 
 
+def _rel(got, want):
+    return float((got - want).norm() / want.norm().clamp(min=1e-30))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_store_leaves_equal_the_parameter_path_on_cuda(dtype):
-    model = many_model(64).to("cuda", dtype)
+def test_store_leaves_equal_the_parameter_path_on_cuda(dtype, device="cuda"):
+    """fp32: the same kernels on the same values (B read packed in place instead of per adapter, no sibling
+    stacks): equal up to summation order. bf16: each path against an fp32 run of the same weights, the store's
+    relative RMSE at most twice the per-parameter path's plus bf16's unit roundoff (the per-parameter path stacks
+    q/k/v and gate/up, whose input gradient is one fp32 sum; the store's layers run alone and autograd sums their
+    bf16 input gradients: a few ulps apart)."""
+    ref = many_model(64).to(device)
+    model = copy.deepcopy(ref).to(dtype)
     params = copy.deepcopy(model)
-    fast_multilora.patch(model, backend="triton")
-    fast_multilora.patch(params, backend="triton")
+    for m in (ref, model, params):
+        fast_multilora.patch(m, backend="triton")
     assert AdapterStore.of(model).slots
     names = sorted(model.peft_config)
     g = torch.Generator().manual_seed(0)
     rows = [names[i] for i in torch.randperm(64, generator=g)[:20].tolist()] + ["__base__", names[3]]
-    ids = torch.randint(0, 97, (len(rows), 70), generator=g).cuda()  # 70 tokens: the SGEMM family
-    w = torch.randn(len(rows), 70, 97, generator=g).cuda()
-    model.train()
-    params.train()
-    got, want = _step(model, ids, rows, w), _step(params, ids, rows, w)
-    # the same kernels on the same values (B read packed in place instead of per adapter): equal up to the order
-    # in which a few sums are taken; bf16: 2 ulps of the outputs' scale
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(got[0], want[0], **tol)
-    torch.testing.assert_close(got[1], want[1], **tol)
-    assert got[2].keys() == want[2].keys()
-    for n, gw in want[2].items():
-        scale = max(1.0, gw.abs().max().item())
-        torch.testing.assert_close(got[2][n], gw, rtol=tol["rtol"], atol=tol["atol"] * scale,
-                                   msg=lambda m, n=n: f"{n}: {m}")
+    ids = torch.randint(0, 97, (len(rows), 70), generator=g).to(device)  # 70 tokens: the SGEMM family
+    w = torch.randn(len(rows), 70, 97, generator=g).to(device)
+    for m in (ref, model, params):
+        m.train()
+    got, other, want = _step(model, ids, rows, w), _step(params, ids, rows, w), _step(ref, ids, rows, w)
+    assert got[2].keys() == other[2].keys() == want[2].keys()
+    pairs = [("logits", got[0], other[0], want[0]), ("dx", got[1], other[1], want[1])]
+    pairs += [(n, got[2][n], other[2][n], want[2][n]) for n in want[2]]
+    for what, a, b, ref_t in pairs:
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()),
+                                       msg=lambda m, what=what: f"{what}: {m}")
+        else:
+            ea, eb = _rel(a, ref_t), _rel(b, ref_t)
+            assert ea <= 2 * eb + 2**-8, f"{what}: store {ea:.3e} vs per-parameter {eb:.3e} (relative RMSE vs fp32)"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
