@@ -179,7 +179,10 @@ class AdamW(torch.optim.Optimizer):
         store = self.store
         if store.enabled and store.stale():
             store.layout()
-        store.attach_grads()
+        if store.param_path:
+            store.attach_grads()
+        if store.pattern is None:
+            store.sync_requires_grad()
         if self._pattern is not store.pattern:
             self._build_tables()
 

@@ -260,7 +260,9 @@ class _FastLinearMixin:
             bias_rows=state.bias_map[segs.token_slots.long()] if state.has_bias else None,
         )
         store = router.store
-        slots = store.layer_slots(self) if store is not None and not _in_ddp_forward() else None
+        slots = store.layer_slots(self) if store is not None else None
+        if slots is not None and _in_ddp_forward():  # DDP's hooks sit on the parameters: their path, into the arena
+            store.param_path, slots = True, None
         if slots is not None:  # the adapter store (fast_multilora.store): the layer's two leaves, no stack
             call = LayerCall(
                 **common, seed=backend.draw_seed(x) if state.table.has_dropout else None,

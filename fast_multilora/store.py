@@ -142,6 +142,9 @@ class AdapterStore:
         self.seen: Optional[torch.Tensor] = None  # bool [n_slots + 1]: index 0 base, 1 + slot an adapter (mark_seen)
         self.seen_names: tuple = ()
         self.pattern: Optional[list] = None  # requires_grad of every held parameter (sync_requires_grad)
+        # a held layer ran on the per-parameter path (under DDP) since zero_grad: gradients may sit outside the
+        # arena if a caller dropped the views (the optimizer then folds them in: attach_grads)
+        self.param_path = False
         self.expected: list = []  # per held parameter: its gradient view, or None when frozen
         self.layout()
 
@@ -326,13 +329,14 @@ class AdapterStore:
                 s.a_leaf.requires_grad_(a_req)
             if s.b_leaf.requires_grad != b_req:
                 s.b_leaf.requires_grad_(b_req)
+        self.attach_grads()  # a parameter that now trains gets its view, one that no longer does loses it
         return True
 
     def attach_grads(self) -> None:
         """Fold gradients that landed outside the arena into it (a parameter whose ``.grad`` was dropped and then
         re-created by autograd on the per-parameter path, or assigned), and re-attach the parameters' views (a
         frozen parameter has none). One identity check per parameter when everything is in place."""
-        self.sync_requires_grad()
+        self.param_path = False
         if all(map(operator.is_, [p.grad for p, _ in self.grad_views], self.expected)):
             return
         with torch.no_grad():
@@ -348,11 +352,12 @@ class AdapterStore:
                 p.grad = gview
 
     def zero_grad(self) -> None:
+        """Zero the gradient arena and ``seen`` (no per-parameter work: the parameters' ``.grad`` stay its views)."""
         for arena in self.arenas.values():
             arena.grad.zero_()
         if self.seen is not None:
             self.seen.zero_()
-        self.attach_grads()
+        self.param_path = False
 
     def layer_slots(self, layer) -> Optional[LayerSlots]:
         return self.slots.get(id(layer)) if self.enabled else None
@@ -369,6 +374,7 @@ def _shadow_zero_grad(model, store: AdapterStore) -> None:
         stock(model, set_to_none=set_to_none)
         if store.enabled:
             store.zero_grad()
+            store.attach_grads()  # the views stock zero_grad dropped
 
     model.__dict__["zero_grad"] = zero_grad
     model.__dict__.setdefault(_HOOKS_ATTR, []).append(_InstanceAttr(model, "zero_grad"))

@@ -318,3 +318,30 @@ def test_clip_grad_norm(per_adapter):
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-8, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_parameter_path_gradients_fold_into_the_store(monkeypatch):
+    """Under DDP's forward (simulated: ``_active_ddp_module`` set) the held layers take the per-parameter path; with
+    the parameters' ``.grad`` dropped first (a wrapper's own ``zero_grad``), autograd puts the gradients outside the
+    arena and the step folds them in: the result equals the leaves' path."""
+    names = [f"m{i:03d}" for i in range(4)]
+    batches = _batches(names, steps=2, seed=7)
+    runs = []
+    for ddp in (False, True):
+        model = many_model(4)
+        fast_multilora.patch(model, backend="torch", share_shrink=False)  # both paths: each layer alone
+        opt = fast_multilora.AdamW(model, lr=1e-2)
+        model.train()
+        for ids, rows in batches:
+            opt.zero_grad()
+            if ddp:
+                for p in model.parameters():
+                    p.grad = None
+                monkeypatch.setattr(torch.nn.parallel.DistributedDataParallel, "_active_ddp_module", object())
+            out = model(input_ids=ids, adapter_names=rows).logits
+            monkeypatch.undo()
+            assert opt.store.param_path == ddp
+            fast_multilora.per_adapter_loss(out, ids, rows).backward()
+            opt.step()
+        runs.append(model)
+    _assert_same_weights(runs[1], runs[0], rtol=1e-6, atol=1e-7)
