@@ -345,3 +345,56 @@ def test_parameter_path_gradients_fold_into_the_store(monkeypatch):
             opt.step()
         runs.append(model)
     _assert_same_weights(runs[1], runs[0], rtol=1e-6, atol=1e-7)
+
+
+def test_gradient_accumulation_and_stock_optimizers_on_the_store():
+    """Two backward passes before one step sum into the arena (the parameters' ``.grad`` views show the sum), and a
+    stock ``torch.optim`` optimizer stepping the parameters of a model with a store updates the arena (the
+    parameters' memory) exactly as without a store."""
+    names = [f"m{i:03d}" for i in range(3)]
+    (ids1, rows1), (ids2, rows2) = _batches(names, steps=2, seed=8)
+    models = []
+    for with_store in (False, True):
+        model = many_model(3)
+        fast_multilora.patch(model, backend="torch", share_shrink=False)
+        if with_store:
+            AdapterStore.of(model)
+        model.train()
+        sgd = torch.optim.SGD([p for n, p in model.named_parameters() if "lora_" in n], lr=0.5, momentum=0.9)
+        for _ in range(2):
+            sgd.zero_grad(set_to_none=False)  # in place: the store's views stay
+            for ids, rows in ((ids1, rows1), (ids2, rows2)):
+                out = model(input_ids=ids, adapter_names=rows).logits
+                fast_multilora.per_adapter_loss(out, ids, rows).backward()
+            sgd.step()
+        models.append(model)
+    _assert_same_weights(models[1], models[0], rtol=1e-6, atol=1e-7)
+    for (n, p), (_, q) in zip(models[1].named_parameters(), models[0].named_parameters(), strict=True):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-8, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_a_saved_adapter_loads_into_the_store(tmp_path):
+    """``save_pretrained`` one adapter, ``delete_adapter`` it, ``load_adapter`` it back on the patched training model:
+    the store holds it again with its saved weights, and it trains (a new param group)."""
+    model = many_model(3)
+    fast_multilora.patch(model, backend="torch")
+    opt = fast_multilora.AdamW(model, lr=1e-2)
+    model.train()
+    names = sorted(model.peft_config)
+    _train(model, opt, _batches(names, steps=1, seed=9))
+    saved = {n: p.detach().clone() for n, p in model.named_parameters() if ".m002." in n}
+    model.save_pretrained(tmp_path, selected_adapters=["m002"])
+    model.delete_adapter("m002")
+    _train(model, opt, _batches(names[:2], steps=1, seed=10))
+    assert all(g["adapter"] != "m002" for g in opt.param_groups)
+    model.load_adapter(tmp_path / "m002", adapter_name="m002", is_trainable=True)
+    for n, p in model.named_parameters():
+        if ".m002." in n:
+            assert torch.equal(p.detach(), saved[n]), n
+    _train(model, opt, _batches(names, steps=2, seed=11))
+    held = {id(p) for a in opt.store.arenas.values() for _, _, p in a.blocks}
+    loaded = [p for n, p in model.named_parameters() if ".m002." in n]
+    assert loaded and all(id(p) in held for p in loaded)
+    assert any(not torch.equal(p.detach(), saved[n]) for n, p in model.named_parameters() if ".m002." in n)
+    assert any(g["adapter"] == "m002" for g in opt.param_groups)
