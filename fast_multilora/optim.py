@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 import torch
+from torch.optim.adamw import adamw as _adamw
 
 from . import reference
 from .store import AdapterStore
@@ -226,7 +227,7 @@ class AdamW(torch.optim.Optimizer):
                     st["step"] = torch.tensor(0.0, dtype=torch.float32)
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            torch.optim.adamw.adamw(
+            _adamw(
                 params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                 [], [s["step"] for s in states], foreach=False, amsgrad=False, beta1=g["betas"][0],
                 beta2=g["betas"][1], lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=False)

@@ -2,7 +2,8 @@
 
 FSDP2 (``fully_shard``) shards the frozen base and the adapters of a patched tiny Llama per decoder layer; each rank
 takes its half of a global mixed batch and backpropagates ``distributed_per_adapter_loss``. Rank 0 saves the full
-(gathered) LoRA gradients and the per-adapter gradient norms, which must equal one process's on the global batch.
+(gathered) LoRA gradients and the per-adapter gradient norms, which must equal one process's on the global batch, and
+the LoRA weights after one ``fast_multilora.AdamW`` step (its store holds no sharded parameter: torch's AdamW math).
 """
 
 import sys
@@ -38,6 +39,7 @@ def main(out_path):
     for layer in model.base_model.model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    opt = fast_multilora.AdamW(model, lr=1e-2)  # sharded parameters: the store holds none, torch's AdamW math steps
     ids, labels, names = global_batch()
     rows = slice(rank * len(names) // world, (rank + 1) * len(names) // world)
     model.train()
@@ -48,9 +50,13 @@ def main(out_path):
     # per-adapter clipping on DTensor gradients: the norms are global (over both ranks' shards)
     norms = clip_grad_norm_per_adapter(adapter_param_groups(model), max_norm=1e-3)
     sharded = sum(type(p).__name__ == "DTensor" for p in model.parameters())
+    held = sum(len(a.blocks) for a in opt.store.arenas.values())
+    opt.step()
+    stepped = {n: p.full_tensor() for n, p in model.named_parameters() if "lora_" in n}
     if rank == 0:
         n_params = sum(1 for _ in model.parameters())
-        torch.save({"grads": grads, "norms": norms, "sharded": sharded, "params": n_params}, out_path)
+        torch.save({"grads": grads, "norms": norms, "sharded": sharded, "params": n_params, "held": held,
+                    "stepped": stepped}, out_path)
     dist.destroy_process_group()
 
 

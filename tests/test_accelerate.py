@@ -139,6 +139,13 @@ def test_fsdp2_gradients_match_one_process(tmp_path):
     assert set(got["norms"]) == set(norms) == {"a0", "a1", "a2"}
     for a, v in norms.items():
         assert got["norms"][a] == pytest.approx(v, rel=1e-4), a
+    # fast_multilora.AdamW over FSDP2 shards: the store holds none of them; one step equals torch's AdamW
+    assert got["held"] == 0
+    torch.optim.AdamW(adapter_param_groups(ref), lr=1e-2, foreach=False).step()
+    want = {n: p for n, p in ref.named_parameters() if "lora_" in n}
+    assert set(got["stepped"]) == set(want)
+    for n, w in want.items():
+        torch.testing.assert_close(got["stepped"][n], w.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
 
 
 @pytest.mark.slow

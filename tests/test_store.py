@@ -398,3 +398,39 @@ def test_a_saved_adapter_loads_into_the_store(tmp_path):
     assert loaded and all(id(p) in held for p in loaded)
     assert any(not torch.equal(p.detach(), saved[n]) for n, p in model.named_parameters() if ".m002." in n)
     assert any(g["adapter"] == "m002" for g in opt.param_groups)
+
+
+def test_parameters_outside_the_store_step_as_torch():
+    """A ``lora_bias`` adapter's layers stay outside the store (per-parameter path): ``fast_multilora.AdamW`` steps
+    them with torch's AdamW math and the stored ones with its kernel; both equal ``torch.optim.AdamW`` on the same
+    gradients, and the clip's norm counts both."""
+    torch.manual_seed(5)
+    common = dict(init_lora_weights=False)
+    model = with_adapters(tiny_llama(0), {  # lora_bias cannot share a layer with adapters without it
+        "x0": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **common),
+        "biased": LoraConfig(r=2, lora_alpha=4, target_modules=["o_proj"], lora_bias=True, **common),
+        "x1": LoraConfig(r=3, lora_alpha=3, target_modules=["gate_proj", "q_proj"], **common)})
+    fast_multilora.patch(model, backend="torch")
+    twin = copy.deepcopy(model)
+    ours = fast_multilora.AdamW(model, lr=1e-2, weight_decay=0.1)
+    held = {id(p) for a in ours.store.arenas.values() for _, _, p in a.blocks}
+    outside = [n for n, p in model.named_parameters() if ".biased." in n and id(p) not in held]
+    assert outside and len(ours.store.slots) < len(model.__dict__["_fml_router"].fast_layers)
+    names = sorted(model.peft_config)
+    groups = [{"params": [p for n, p in twin.named_parameters() if f".{a}." in n]} for a in names]
+    stock = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, foreach=False)
+    model.train()
+    for ids, rows in _batches(names, steps=2, seed=12):
+        ours.zero_grad()
+        out = model(input_ids=ids, adapter_names=rows).logits
+        fast_multilora.per_adapter_loss(out, ids, rows).backward()
+        for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
+            trained = "lora_" in n and any(f".{a}." in n for a in rows)
+            q.grad = p.grad.clone() if trained and p.grad is not None else None
+        got = ours.clip_grad_norm(1e9)
+        want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(q.grad) for q in twin.parameters()
+                                                     if q.grad is not None]))
+        assert float(got) == pytest.approx(float(want), rel=1e-5)
+        ours.step()
+        stock.step()
+        _assert_same_weights(model, twin, rtol=1e-6, atol=1e-7)
