@@ -178,7 +178,7 @@ class AdamW(torch.optim.Optimizer):
 
     def _prepare(self) -> None:
         store = self.store
-        if store.enabled and store.stale():
+        if store.stale():
             store.layout()
         if store.param_path:
             store.attach_grads()

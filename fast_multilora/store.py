@@ -22,10 +22,11 @@ The store is built by that optimizer (``AdapterStore.of(model)``). It follows th
 ranks, dtypes or devices change, an adapter added or deleted (``add_adapter``, ``delete_adapter``, ``load_adapter``)
 re-lays the arenas out at the next forward call, moving the weights, the gradients and the optimizer states of the
 adapters that stay (``Arena.states``) and freeing what went. Layers it cannot hold (``lora_bias``, mixed adapter
-dtypes or devices within a layer, MoE experts, PEFT's fallback layers) and every call under
-``DistributedDataParallel`` (whose gradient hooks sit on the parameters) take the per-parameter path, on which the
-parameters' gradients still land in the gradient arena (they are views of it). A model sharded by FSDP2 (its
-parameters replaced by sharded ones) drops the store with a warning.
+dtypes or devices within a layer, MoE experts, PEFT's fallback layers, FSDP2's sharded parameters) keep their own
+parameters and take the per-parameter path (the optimizer steps them with torch's AdamW math). Every call under
+``DistributedDataParallel`` (whose gradient hooks sit on the parameters) takes the per-parameter path too, on which
+the held parameters' gradients still land in the gradient arena (their ``.grad`` are views of it). Sharding a model
+after its store was built takes its layers out of the store with a warning (their optimizer states start over).
 """
 
 from __future__ import annotations
@@ -137,7 +138,6 @@ class AdapterStore:
         self.keys: dict = {}  # id(layer) -> _layer_key when laid out
         self.grad_views: list = []  # (param, its gradient piece): re-attached when a caller dropped them
         self.listeners: list = []  # callables(store) run after every re-layout (the optimizer's)
-        self.enabled = True
         self.generation = 0
         self.seen: Optional[torch.Tensor] = None  # bool [n_slots + 1]: index 0 base, 1 + slot an adapter (mark_seen)
         self.seen_names: tuple = ()
@@ -169,12 +169,8 @@ class AdapterStore:
     def follow(self, routing, training: bool) -> None:
         """At a forward call's entry (``patching.refresh_layers``): re-lay out when the layers' adapters changed; in
         a call that records gradients, the leaves' ``requires_grad`` and the adapters the call trains (``seen``)."""
-        if not self.enabled:
-            return
         if self.stale():
             self.layout()
-            if not self.enabled:
-                return
         if training:
             self.sync_requires_grad()
             self.mark_seen(routing)
@@ -205,8 +201,6 @@ class AdapterStore:
         """Whether the layers' adapters no longer match the layout (cheap: one address per layer)."""
         from .patching import _STATE_ATTR
 
-        if not self.enabled:
-            return False
         for layer in self.router.fast_layers:
             st = layer.__dict__.get(_STATE_ATTR)
             slots = self.slots.get(id(layer))
@@ -225,10 +219,12 @@ class AdapterStore:
         """(Re-)lay the arenas out for the layers' current adapters; weights are read from the parameters, and the
         gradients and optimizer states of parameters that stay are carried over."""
         wanted = self._wanted()
-        for layer, _ in wanted.values():
-            if any(type(p.data) is not torch.Tensor for p in layer.parameters()):
-                self.disable("a parameter is not a plain tensor (FSDP2?)")
-                return
+        left = {id(layer) for layer in self.router.fast_layers if id(layer) in self.slots and id(layer) not in wanted}
+        if any(type(p.data) is not torch.Tensor for layer in self.router.fast_layers if id(layer) in left
+               for p in layer.parameters()):
+            warnings.warn("fast_multilora: parameters held by the adapter store were replaced by other tensor types "
+                          "(FSDP2's shards?): they leave the store and their optimizer states start over",
+                          stacklevel=3)
         old_arenas = self.arenas
         old_pieces = {}  # param id -> (arena, start, numel)
         for arena in old_arenas.values():
@@ -293,24 +289,6 @@ class AdapterStore:
         for fn in self.listeners:
             fn(self)
 
-    def disable(self, why: str) -> None:
-        """Drop the store: every layer takes the per-parameter path (the parameters keep their values)."""
-        if self.enabled:
-            warnings.warn(f"fast_multilora: the adapter store is off ({why}); layers take the per-parameter path",
-                          stacklevel=3)
-        with torch.no_grad():
-            for arena in self.arenas.values():
-                for start, _, p in arena.blocks:
-                    if p.data.data_ptr() == arena.data[start:].data_ptr():
-                        p.data = p.data.clone()
-                        if p.grad is not None and p.grad.data_ptr() == arena.grad[start:].data_ptr():
-                            p.grad = p.grad.clone()
-        self.enabled = False
-        self.arenas, self.slots, self.keys, self.grad_views = {}, {}, {}, []
-        self.pattern, self.expected = None, []
-        for fn in self.listeners:
-            fn(self)
-
     # -- per step -------------------------------------------------------------------------------------------------
     def sync_requires_grad(self) -> bool:
         """A leaf requires a gradient when one of its parameters does (a frozen adapter's rows of a trained block get
@@ -360,7 +338,7 @@ class AdapterStore:
         self.param_path = False
 
     def layer_slots(self, layer) -> Optional[LayerSlots]:
-        return self.slots.get(id(layer)) if self.enabled else None
+        return self.slots.get(id(layer))
 
 
 def _shadow_zero_grad(model, store: AdapterStore) -> None:
@@ -372,9 +350,8 @@ def _shadow_zero_grad(model, store: AdapterStore) -> None:
 
     def zero_grad(set_to_none: bool = True):
         stock(model, set_to_none=set_to_none)
-        if store.enabled:
-            store.zero_grad()
-            store.attach_grads()  # the views stock zero_grad dropped
+        store.zero_grad()
+        store.attach_grads()  # the views stock zero_grad dropped
 
     model.__dict__["zero_grad"] = zero_grad
     model.__dict__.setdefault(_HOOKS_ATTR, []).append(_InstanceAttr(model, "zero_grad"))

@@ -434,3 +434,23 @@ def test_parameters_outside_the_store_step_as_torch():
         ours.step()
         stock.step()
         _assert_same_weights(model, twin, rtol=1e-6, atol=1e-7)
+
+
+class _Shard(torch.Tensor):
+    """Stands in for FSDP2's DTensor parameters: a tensor subclass replacing a held parameter."""
+
+
+def test_a_parameter_replaced_by_a_shard_leaves_the_store_with_a_warning():
+    model = many_model(3)
+    fast_multilora.patch(model, backend="torch")
+    opt = fast_multilora.AdamW(model, lr=1e-2)
+    model.train()
+    names = sorted(model.peft_config)
+    layer = model.base_model.model.model.layers[1].self_attn.q_proj
+    before = len(opt.store.slots)
+    w = layer.lora_A[names[0]].weight
+    layer.lora_A[names[0]].weight = torch.nn.Parameter(w.detach().clone().as_subclass(_Shard))
+    with pytest.warns(UserWarning, match="leave the store"):
+        _train(model, opt, _batches(names, steps=1, seed=13))
+    assert len(opt.store.slots) == before - 1 and id(layer) not in opt.store.slots
+    assert layer.lora_A[names[0]].weight.grad is not None  # stepped outside the store, as torch's AdamW
