@@ -159,3 +159,23 @@ def test_trainer_with_packed_rows(tmp_path):
     for n in want:
         torch.testing.assert_close((before[n] - after[n]) / lr, want[n], rtol=1e-4, atol=1e-6,
                                    msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_trainer_with_fast_adamw_equals_torch_adamw(tmp_path):
+    """``Trainer(optimizers=(fast_multilora.AdamW(model), None))`` with the Trainer's own global clipping and its LR
+    schedule: the adapters end as with ``torch.optim.AdamW`` over per-adapter groups (the Trainer reads the
+    parameters' ``.grad``, which are views of the store's gradient arena). Every batch holds every adapter:
+    ``torch.optim`` would also step an adapter absent from a batch (its gradient is zero, not ``None``), ours not."""
+    data = samples(["a0", "a1", "a2", "__base__", "a1", "a2"] * 3)
+    ends = []
+    for fast in (False, True):
+        model = patched_llama()
+        opt = (fast_multilora.AdamW(model, lr=1e-2, weight_decay=0.0) if fast
+               else torch.optim.AdamW(adapter_param_groups(model), lr=1e-2, weight_decay=0.0, foreach=False))
+        trainer_for(model, Stream(data), tmp_path, steps=3, optimizer=opt, max_grad_norm=0.05).train()
+        if fast:
+            assert opt.store.slots and [float(s) for s in opt.steps] == [3.0, 3.0, 3.0]
+        ends.append(lora_weights(model))
+    for n, w in ends[0].items():
+        # AdamW moves each element by ~lr per step; near-zero gradients amplify the two paths' rounding
+        torch.testing.assert_close(ends[1][n], w, rtol=1e-4, atol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
