@@ -76,17 +76,10 @@ class LayerSlots:
     ranks: tuple
     K: int
     N: int
-    arena: Arena
-    a_start: int
-    b_start: int
     a_leaf: torch.Tensor  # [total_rank, K]
     b_leaf: torch.Tensor  # [total_rank * N]
     params: tuple  # (A params..., B params...) slot order
     first_ptr: int  # the first A parameter's address when laid out (a moved / replaced parameter changes it)
-
-    @property
-    def total_rank(self) -> int:
-        return sum(self.ranks)
 
     def b_cat(self, b_leaf: torch.Tensor) -> torch.Tensor:
         """``B_cat[N, total_rank]`` from the packed block (the torch backend's and a compiled graph's layout)."""
@@ -135,10 +128,8 @@ class AdapterStore:
         self.router = router
         self.arenas: dict = {}  # (dtype, device) -> Arena
         self.slots: dict = {}  # id(layer) -> LayerSlots
-        self.keys: dict = {}  # id(layer) -> _layer_key when laid out
         self.grad_views: list = []  # (param, its gradient piece): re-attached when a caller dropped them
         self.listeners: list = []  # callables(store) run after every re-layout (the optimizer's)
-        self.generation = 0
         self.seen: Optional[torch.Tensor] = None  # bool [n_slots + 1]: index 0 base, 1 + slot an adapter (mark_seen)
         self.seen_names: tuple = ()
         self.pattern: Optional[list] = None  # requires_grad of every held parameter (sync_requires_grad)
@@ -244,7 +235,7 @@ class AdapterStore:
                                             torch.zeros(numel, dtype=dtype, device=device),
                                             {s: torch.zeros(numel, dtype=dtype, device=device) for s in state_names})
         cursor = dict.fromkeys(arenas, 0)
-        slots, keys, grad_views = {}, {}, []
+        slots, grad_views = {}, []
         with torch.no_grad():
             for lid, (layer, key) in wanted.items():
                 present, ranks, dtype, device, K, N, _ = key
@@ -279,13 +270,11 @@ class AdapterStore:
                 b_leaf = _piece(arena.data, b0, (R * N,))
                 a_leaf.grad = _piece(arena.grad, a0, (R, K))
                 b_leaf.grad = _piece(arena.grad, b0, (R * N,))
-                slots[lid] = LayerSlots(present, ranks, K, N, arena, a0, b0, a_leaf, b_leaf, a_params + b_params,
+                slots[lid] = LayerSlots(present, ranks, K, N, a_leaf, b_leaf, a_params + b_params,
                                         a_params[0].data_ptr())
-                keys[lid] = key
-        self.arenas, self.slots, self.keys, self.grad_views = arenas, slots, keys, grad_views
+        self.arenas, self.slots, self.grad_views = arenas, slots, grad_views
         self.pattern = None
         self.sync_requires_grad()
-        self.generation += 1
         for fn in self.listeners:
             fn(self)
 
