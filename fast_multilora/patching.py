@@ -23,7 +23,8 @@ touched, so ``state_dict``, optimizers, ``save_pretrained`` and ``PeftModel.from
 
 A routed layer call, top-down (:meth:`_FastLinearMixin.forward`): the routing (set at the model's entry), the
 layer's adapter table (refreshed there too), the layout of ``x``'s tokens, the base (fused into the Function or run
-by the base layer), then one ``LoraLinear`` -- as a stack's lead, a stack member taking its slice, or alone.
+by the base layer), then one ``LoraLinear`` -- on the adapter store's two leaves (``fast_multilora.store``, once
+``fast_multilora.AdamW`` built it), as a stack's lead, a stack member taking its slice, or alone.
 """
 
 from __future__ import annotations
