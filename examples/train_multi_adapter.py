@@ -253,6 +253,13 @@ def main(argv=None):
         sharded = sum(isinstance(p, DTensor) for p in model.parameters())
         log(f"FSDP: {sharded} of {sum(1 for _ in model.parameters())} parameters sharded (DTensor)")
 
+    def clip_norms(opt, max_norm):  # per adapter; fast_multilora.AdamW reads its gradient arena directly
+        inner = getattr(opt, "optimizer", opt)
+        if isinstance(inner, fast_multilora.AdamW):
+            norms = inner.clip_grad_norm(max_norm, per_adapter=True).tolist()
+            return {g["adapter"]: v for g, v in zip(inner.param_groups, norms, strict=True) if g["adapter"]}
+        return clip_grad_norm_per_adapter(opt, max_norm)
+
     history = []
     model.train()
     t_train = time.time()
@@ -271,7 +278,7 @@ def main(argv=None):
         loss, per = distributed_per_adapter_loss(out.logits, batch["labels"], batch["adapter_names"], vocab,
                                                  return_dict=True)
         accelerator.backward(loss)
-        norms = clip_grad_norm_per_adapter(optimizer, args.max_grad_norm) if args.max_grad_norm > 0 else {}
+        norms = clip_norms(optimizer, args.max_grad_norm) if args.max_grad_norm > 0 else {}
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)

@@ -149,28 +149,38 @@ def test_fsdp2_gradients_match_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_fused_adamw_option_matches_foreach(tmp_path):
-    """The demo's ``--optimizer adamw_fused`` (``AdamW(fused=True)``, the recommendation for many adapters) ends with
-    the adapter weights of the default AdamW, up to float summation order."""
+@pytest.mark.parametrize("other", ["adamw_fused", "fast_adamw"])
+def test_adamw_options_match_foreach(tmp_path, other):
+    """The demo's ``--optimizer adamw_fused`` (``AdamW(fused=True)``) and ``fast_adamw`` (``fast_multilora.AdamW``
+    over the adapter store, clipping per adapter through ``clip_grad_norm(per_adapter=True)``) end with the adapter
+    weights of the default AdamW (clipping per adapter on), up to float summation order, with the same logged
+    per-adapter gradient norms."""
     flags = [f for f in FLAGS]
     flags[flags.index("--optimizer") + 1] = "adamw"
     flags[flags.index("--lr") + 1] = "0.05"
-    runs = {}
-    for opt in ("adamw", "adamw_fused"):
+    flags[flags.index("--max-grad-norm") + 1] = "0.5"
+    runs, norms = {}, {}
+    for opt in ("adamw", other):
         out = tmp_path / opt
         res = subprocess.run([sys.executable, str(DEMO), *flags, "--optimizer", opt, "--output-dir", str(out)],
                              cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, f"{opt}:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
         run = json.loads((out / "run.json").read_text())
         assert run["optimizer"] == "AdamW" and run["fused"] == (opt == "adamw_fused"), run
+        assert run["store"] == (opt == "fast_adamw"), run
         runs[opt] = _adapter_weights(out)
+        norms[opt] = [h["grad_norm"] for h in json.loads((out / "metrics.json").read_text())["history"]]
     for a in ADAPTERS:
-        assert runs["adamw"][a].keys() == runs["adamw_fused"][a].keys() and runs["adamw"][a]
+        assert runs["adamw"][a].keys() == runs[other][a].keys() and runs["adamw"][a]
         for k, want in runs["adamw"][a].items():
             if "lora_B" in k:
                 assert want.abs().max() > 1e-5, f"{k} did not train"
             # each AdamW update is ~lr (0.05) per element; the two implementations round it in another order:
             # ~1e-6 apart after 4 steps, up to ~5e-5 where a gradient is near zero (m / (sqrt(v) + eps) with
             # sqrt(v) ~ eps amplifies rounding); a missing or mis-scaled update would differ by ~lr
-            torch.testing.assert_close(runs["adamw_fused"][a][k], want, rtol=1e-4, atol=2e-3 * 0.05,
+            torch.testing.assert_close(runs[other][a][k], want, rtol=1e-4, atol=2e-3 * 0.05,
                                        msg=lambda m, k=k: f"{k}: {m}")
+    for step_a, step_b in zip(norms["adamw"], norms[other], strict=True):
+        assert step_a.keys() == step_b.keys() == set(ADAPTERS)
+        for a in ADAPTERS:
+            assert step_b[a] == pytest.approx(step_a[a], rel=1e-4), (a, step_a, step_b)
