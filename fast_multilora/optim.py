@@ -60,7 +60,11 @@ class AdamW(torch.optim.Optimizer):
         self.steps: Optional[torch.Tensor] = None  # float32 [groups] on the store's device: each group's step count
         self._group_slots = None  # (seen_names, int64 [groups] index into store.seen) or None
         self._others = None  # _outside()'s cache
-        self.store.listeners.append(self._follow)
+        # the arenas hold one optimizer's states: a new optimizer on the same model starts from zero moments and
+        # takes them over (the previous one then refuses to step)
+        for arena in self.store.arenas.values():
+            arena.states.clear()
+        self.store.owner = self
         self._follow(self.store)
 
     # -- groups ---------------------------------------------------------------------------------------------------
@@ -178,6 +182,9 @@ class AdamW(torch.optim.Optimizer):
 
     def _prepare(self) -> None:
         store = self.store
+        if store.owner is not self:
+            raise RuntimeError("fast_multilora.AdamW: a newer fast_multilora.AdamW was built on this model and holds "
+                               "its adapter store's optimizer states; step that one")
         if store.stale():
             store.layout()
         if store.param_path:

@@ -32,6 +32,7 @@ after its store was built takes its layers out of the store with a warning (thei
 from __future__ import annotations
 
 import operator
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional
@@ -129,7 +130,7 @@ class AdapterStore:
         self.arenas: dict = {}  # (dtype, device) -> Arena
         self.slots: dict = {}  # id(layer) -> LayerSlots
         self.grad_views: list = []  # (param, its gradient piece): re-attached when a caller dropped them
-        self.listeners: list = []  # callables(store) run after every re-layout (the optimizer's)
+        self.owner = None  # the fast_multilora.AdamW whose states the arenas hold (the latest one built)
         self.seen: Optional[torch.Tensor] = None  # bool [n_slots + 1]: index 0 base, 1 + slot an adapter (mark_seen)
         self.seen_names: tuple = ()
         self.pattern: Optional[list] = None  # requires_grad of every held parameter (sync_requires_grad)
@@ -138,6 +139,11 @@ class AdapterStore:
         self.param_path = False
         self.expected: list = []  # per held parameter: its gradient view, or None when frozen
         self.layout()
+
+    def __getstate__(self):  # a copy (deepcopy, pickle) of the model: its store has no optimizer yet
+        state = dict(self.__dict__)
+        state["owner"] = None
+        return state
 
     # -- attaching ------------------------------------------------------------------------------------------------
     @staticmethod
@@ -275,8 +281,8 @@ class AdapterStore:
         self.arenas, self.slots, self.grad_views = arenas, slots, grad_views
         self.pattern = None
         self.sync_requires_grad()
-        for fn in self.listeners:
-            fn(self)
+        if self.owner is not None:
+            self.owner._follow(self)
 
     # -- per step -------------------------------------------------------------------------------------------------
     def sync_requires_grad(self) -> bool:
@@ -330,17 +336,21 @@ class AdapterStore:
         return self.slots.get(id(layer))
 
 
+def _zero_grad(model, set_to_none: bool = True) -> None:
+    """``model.zero_grad()`` of a model with a store (bound to the model: a deep copy binds to the copy)."""
+    from .patching import _ROUTER_ATTR
+
+    type(model).zero_grad(model, set_to_none=set_to_none)
+    router = model.__dict__.get(_ROUTER_ATTR)
+    if router is not None and router.store is not None:
+        router.store.zero_grad()
+        router.store.attach_grads()  # the views the stock zero_grad dropped
+
+
 def _shadow_zero_grad(model, store: AdapterStore) -> None:
     """``model.zero_grad()`` (Trainer calls it) also clears the gradient arena: the parameters' ``.grad`` views would
     otherwise be dropped while the arena kept the old sums."""
     from .patching import _HOOKS_ATTR, _InstanceAttr
 
-    stock = type(model).zero_grad
-
-    def zero_grad(set_to_none: bool = True):
-        stock(model, set_to_none=set_to_none)
-        store.zero_grad()
-        store.attach_grads()  # the views stock zero_grad dropped
-
-    model.__dict__["zero_grad"] = zero_grad
+    model.__dict__["zero_grad"] = types.MethodType(_zero_grad, model)
     model.__dict__.setdefault(_HOOKS_ATTR, []).append(_InstanceAttr(model, "zero_grad"))

@@ -455,3 +455,48 @@ def test_a_parameter_replaced_by_a_shard_leaves_the_store_with_a_warning():
         _train(model, opt, _batches(names, steps=1, seed=13))
     assert len(opt.store.slots) == before - 1 and id(layer) not in opt.store.slots
     assert layer.lora_A[names[0]].weight.grad is not None  # stepped outside the store, as torch's AdamW
+
+
+def test_a_new_optimizer_starts_from_zero_moments():
+    """A second ``fast_multilora.AdamW`` on the same model takes the store's states over, from zero (equal to a fresh
+    model's first steps with the same weights); the first one then refuses to step."""
+    names = [f"m{i:03d}" for i in range(3)]
+    model = many_model(3)
+    fast_multilora.patch(model, backend="torch")
+    first = fast_multilora.AdamW(model, lr=1e-2)
+    model.train()
+    _train(model, first, _batches(names, steps=2, seed=14))
+    twin = copy.deepcopy(model)  # the trained weights, no optimizer
+    fast_multilora.unpatch(twin)
+    fast_multilora.patch(twin, backend="torch")
+    second = fast_multilora.AdamW(model, lr=1e-2)
+    fresh = fast_multilora.AdamW(twin, lr=1e-2)
+    later = _batches(names, steps=2, seed=15)
+    _train(model, second, later)
+    _train(twin, fresh, later)
+    _assert_same_weights(model, twin, rtol=1e-6, atol=1e-7)
+    with pytest.raises(RuntimeError, match="newer fast_multilora.AdamW"):
+        first.step()
+
+
+def test_a_deep_copy_has_its_own_store():
+    """``copy.deepcopy`` of a model with a store: the copy gives the same outputs, trains with its own optimizer and
+    leaves the original untouched (its ``zero_grad`` and store are the copy's)."""
+    names = [f"m{i:03d}" for i in range(3)]
+    model = many_model(3)
+    fast_multilora.patch(model, backend="torch")
+    opt = fast_multilora.AdamW(model, lr=1e-2)
+    model.train()
+    _train(model, opt, _batches(names, steps=1, seed=16))
+    copy_ = copy.deepcopy(model)
+    ids, rows = _batches(names, steps=1, seed=17)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(copy_(input_ids=ids, adapter_names=rows).logits,
+                                   model(input_ids=ids, adapter_names=rows).logits, rtol=0, atol=0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    _train(copy_, fast_multilora.AdamW(copy_, lr=1e-2), _batches(names, steps=2, seed=18))
+    copy_.zero_grad()
+    for n, p in model.named_parameters():
+        if n in before:
+            assert torch.equal(p.detach(), before[n]), n
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in copy_.named_parameters() if n in before)
