@@ -89,7 +89,7 @@ class AdamW(torch.optim.Optimizer):
 
     def _follow(self, store: AdapterStore) -> None:
         """After a re-layout: groups for adapters that came, none for those that went, states on the new pieces."""
-        if not hasattr(self, "param_groups"):
+        if not hasattr(self, "param_groups") or store.owner is not self:
             return
         by = self._params_of()
         old_steps = {}
@@ -180,11 +180,14 @@ class AdamW(torch.optim.Optimizer):
             return K.adamw_step_, K.grad_sq_norms, K.scale_grads_
         return reference.adamw_step_reference, reference.grad_sq_norms_reference, reference.scale_grads_reference
 
+    def _check_owner(self, what: str) -> None:
+        if self.store.owner is not self:
+            raise RuntimeError("fast_multilora.AdamW: a newer fast_multilora.AdamW was built on this model and holds "
+                               f"its adapter store's optimizer states; {what} that one")
+
     def _prepare(self) -> None:
         store = self.store
-        if store.owner is not self:
-            raise RuntimeError("fast_multilora.AdamW: a newer fast_multilora.AdamW was built on this model and holds "
-                               "its adapter store's optimizer states; step that one")
+        self._check_owner("step")
         if store.stale():
             store.layout()
         if store.param_path:
@@ -287,6 +290,7 @@ class AdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict) -> None:
         """``torch.optim``'s, then the store's states copied into their arena pieces (the loaded tensors would
         otherwise replace them) and the groups' step counts taken from their parameters."""
+        self._check_owner("load into")
         super().load_state_dict(state_dict)
         store_params = set(self._store_params())
         loaded = {p: dict(self.state[p]) for p in store_params if p in self.state}
