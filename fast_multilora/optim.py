@@ -118,6 +118,11 @@ class AdamW(torch.optim.Optimizer):
             for s in _STATES:
                 arena.states.setdefault(s, torch.zeros_like(arena.data))
         group_of = {p: i for i, g in enumerate(keep) for p in g["params"]}
+        held = {p for arena in store.arenas.values() for _, _, p in arena.blocks}
+        for p in live - held:  # a parameter that left the store keeps its states, now its own tensors (its dtype)
+            st = self.state.get(p)
+            if st and any(isinstance(v, torch.Tensor) and v._base is not None for v in st.values()):
+                self.state[p] = {k: (v.clone() if k == "step" else v.to(p.dtype, copy=True)) for k, v in st.items()}
         for arena in store.arenas.values():
             for start, numel, p in arena.blocks:
                 i = group_of.get(p)

@@ -81,6 +81,8 @@ class LayerSlots:
     b_leaf: torch.Tensor  # [total_rank * N]
     params: tuple  # (A params..., B params...) slot order
     first_ptr: int  # the first A parameter's address when laid out (a moved / replaced parameter changes it)
+    key: tuple  # _layer_key when laid out
+    state: object  # the layer's patching.LayerState it was checked against (a new one: the key is checked again)
 
     def b_cat(self, b_leaf: torch.Tensor) -> torch.Tensor:
         """``B_cat[N, total_rank]`` from the packed block (the torch backend's and a compiled graph's layout)."""
@@ -205,8 +207,10 @@ class AdapterStore:
                 if _layer_key(layer, st) is not None:
                     return True
                 continue
-            if st is None or st.present != slots.names or st.ranks != slots.ranks:
-                return True
+            if st is not slots.state:  # the layer's adapters, modes, dtypes or devices changed since the check
+                if _layer_key(layer, st) != slots.key:
+                    return True
+                slots.state = st
             p = layer.lora_A[slots.names[0]].weight
             if p is not slots.params[0] or p.data_ptr() != slots.first_ptr:
                 return True
@@ -215,6 +219,8 @@ class AdapterStore:
     def layout(self) -> None:
         """(Re-)lay the arenas out for the layers' current adapters; weights are read from the parameters, and the
         gradients and optimizer states of parameters that stay are carried over."""
+        from .patching import _STATE_ATTR
+
         wanted = self._wanted()
         left = {id(layer) for layer in self.router.fast_layers if id(layer) in self.slots and id(layer) not in wanted}
         if any(type(p.data) is not torch.Tensor for layer in self.router.fast_layers if id(layer) in left
@@ -277,7 +283,7 @@ class AdapterStore:
                 a_leaf.grad = _piece(arena.grad, a0, (R, K))
                 b_leaf.grad = _piece(arena.grad, b0, (R * N,))
                 slots[lid] = LayerSlots(present, ranks, K, N, a_leaf, b_leaf, a_params + b_params,
-                                        a_params[0].data_ptr())
+                                        a_params[0].data_ptr(), key, layer.__dict__.get(_STATE_ATTR))
         self.arenas, self.slots, self.grad_views = arenas, slots, grad_views
         self.pattern = None
         self.sync_requires_grad()

@@ -500,3 +500,26 @@ def test_a_deep_copy_has_its_own_store():
         if n in before:
             assert torch.equal(p.detach(), before[n]), n
     assert any(not torch.equal(p.detach(), before[n]) for n, p in copy_.named_parameters() if n in before)
+
+
+def test_a_layer_leaving_the_store_keeps_its_optimizer_states():
+    """A layer whose parameters stay the same objects but which the store can no longer hold (one adapter's weights
+    cast to another dtype: one layer, two dtypes) leaves the store at the next forward: its parameters keep their
+    AdamW moments and step counts as their own tensors (not views of the arenas, not the group's shared step
+    counter), and training goes on."""
+    names = [f"m{i:03d}" for i in range(2)]
+    model = many_model(2)
+    fast_multilora.patch(model, backend="torch")
+    opt = fast_multilora.AdamW(model, lr=1e-2)
+    model.train()
+    _train(model, opt, _batches(names, steps=2, seed=19))
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    p = layer.lora_A["m000"].weight
+    moments, step = opt.state[p]["exp_avg"].clone(), float(opt.state[p]["step"])
+    assert id(layer) in opt.store.slots and opt.state[p]["exp_avg"]._base is not None
+    layer.lora_A["m001"].to(torch.float64)
+    _train(model, opt, _batches(names, steps=1, seed=20))
+    assert id(layer) not in opt.store.slots
+    st = opt.state[p]
+    assert st["exp_avg"]._base is None and st["step"]._base is None
+    assert float(st["step"]) == step + 1 and not torch.equal(st["exp_avg"], moments)  # stepped on from its moments
