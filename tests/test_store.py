@@ -85,12 +85,52 @@ def test_many_adapters_match_peft_through_the_store(n, backend):
     assert p.untyped_storage().data_ptr() == arena.data.untyped_storage().data_ptr()
 
 
-def _train(model, opt, batches, ref_opts=None):
+def _train(model, opt, batches):
     for ids, rows in batches:
         opt.zero_grad()
         out = model(input_ids=ids, adapter_names=rows).logits
         fast_multilora.per_adapter_loss(out, ids, rows).backward()
         opt.step()
+
+
+def _trained(n, seed, steps=1):
+    """A patched (torch backend) ``many_model(n)`` in training mode with its ``fast_multilora.AdamW`` (lr 1e-2),
+    trained ``steps`` steps on all its adapters; returns ``(model, optimizer, adapter names)``."""
+    model = many_model(n)
+    fast_multilora.patch(model, backend="torch")
+    opt = fast_multilora.AdamW(model, lr=1e-2)
+    model.train()
+    names = sorted(model.peft_config)
+    _train(model, opt, _batches(names, steps=steps, seed=seed))
+    return model, opt, names
+
+
+def _mirror_grads(model, twin, rows):
+    """``twin``'s gradients: ``model``'s for the LoRA weights of the adapters in ``rows``, ``None`` elsewhere (what
+    ``torch.optim`` skips)."""
+    for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
+        trained = "lora_" in n and any(f".{a}." in n for a in rows)
+        q.grad = p.grad.clone() if trained and p.grad is not None else None
+
+
+def adamw_against_torch(model, hyper, batches, device="cpu", **tol):
+    """The optimizer alone: ``fast_multilora.AdamW`` on the patched ``model`` against ``torch.optim.AdamW`` (one group
+    per adapter, ``hyper``) on a copy given the same gradients each step (``_mirror_grads``); weights compared after
+    every step within ``tol``."""
+    twin = copy.deepcopy(model)
+    ours = fast_multilora.AdamW(model, settings=hyper)
+    groups = [{"params": [p for n, p in twin.named_parameters() if f".{a}." in n], **h} for a, h in hyper.items()]
+    stock = torch.optim.AdamW(groups, foreach=False)
+    model.train()
+    for ids, rows in batches:
+        ours.zero_grad()
+        ids = ids.to(device)
+        out = model(input_ids=ids, adapter_names=rows).logits
+        fast_multilora.per_adapter_loss(out.float(), ids, rows).backward()
+        _mirror_grads(model, twin, rows)
+        ours.step()
+        stock.step()
+        _assert_same_weights(model, twin, **tol)
 
 
 def _per_adapter_reference(ref, batches, hyper, frozen=()):
@@ -176,25 +216,9 @@ def test_adamw_step_equals_torch_on_the_same_gradients(backend):
     without rows in the batch get no gradient) against ours, over three steps."""
     model = many_model(7)
     fast_multilora.patch(model, backend=backend)
-    twin = copy.deepcopy(model)
     names = sorted(model.peft_config)
-    hyper = _hyper(names)
-    ours = fast_multilora.AdamW(model, settings=hyper)
-    groups = [{"params": [p for n, p in twin.named_parameters() if f".{a}." in n], **hyper[a]} for a in names]
-    stock = torch.optim.AdamW(groups, foreach=False)
-    model.train()
-    twin.train()
-    for ids, rows in _batches(names[:6], steps=3, seed=5):
-        ours.zero_grad()
-        out = model(input_ids=ids, adapter_names=rows).logits
-        fast_multilora.per_adapter_loss(out, ids, rows).backward()
-        for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
-            trained = "lora_" in n and any(f".{a}." in n for a in rows)
-            q.grad = p.grad.clone() if trained else None
-        ours.step()
-        stock.step()
-        # fp32: the kernel's update rounds as torch's single-tensor AdamW up to the order of a few operations
-        _assert_same_weights(model, twin, rtol=1e-6, atol=1e-7)
+    # fp32: the kernel's update rounds as torch's single-tensor AdamW up to the order of a few operations
+    adamw_against_torch(model, _hyper(names), _batches(names[:6], steps=3, seed=5), rtol=1e-6, atol=1e-7)
 
 
 def test_resume_is_bit_identical(tmp_path):
@@ -378,12 +402,7 @@ def test_gradient_accumulation_and_stock_optimizers_on_the_store():
 def test_a_saved_adapter_loads_into_the_store(tmp_path):
     """``save_pretrained`` one adapter, ``delete_adapter`` it, ``load_adapter`` it back on the patched training model:
     the store holds it again with its saved weights, and it trains (a new param group)."""
-    model = many_model(3)
-    fast_multilora.patch(model, backend="torch")
-    opt = fast_multilora.AdamW(model, lr=1e-2)
-    model.train()
-    names = sorted(model.peft_config)
-    _train(model, opt, _batches(names, steps=1, seed=9))
+    model, opt, names = _trained(3, seed=9)
     saved = {n: p.detach().clone() for n, p in model.named_parameters() if ".m002." in n}
     model.save_pretrained(tmp_path, selected_adapters=["m002"])
     model.delete_adapter("m002")
@@ -425,9 +444,7 @@ def test_parameters_outside_the_store_step_as_torch():
         ours.zero_grad()
         out = model(input_ids=ids, adapter_names=rows).logits
         fast_multilora.per_adapter_loss(out, ids, rows).backward()
-        for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
-            trained = "lora_" in n and any(f".{a}." in n for a in rows)
-            q.grad = p.grad.clone() if trained and p.grad is not None else None
+        _mirror_grads(model, twin, rows)
         got = ours.clip_grad_norm(1e9)
         want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(q.grad) for q in twin.parameters()
                                                      if q.grad is not None]))
@@ -442,11 +459,7 @@ class _Shard(torch.Tensor):
 
 
 def test_a_parameter_replaced_by_a_shard_leaves_the_store_with_a_warning():
-    model = many_model(3)
-    fast_multilora.patch(model, backend="torch")
-    opt = fast_multilora.AdamW(model, lr=1e-2)
-    model.train()
-    names = sorted(model.peft_config)
+    model, opt, names = _trained(3, seed=21, steps=0)
     layer = model.base_model.model.model.layers[1].self_attn.q_proj
     before = len(opt.store.slots)
     w = layer.lora_A[names[0]].weight
@@ -460,12 +473,7 @@ def test_a_parameter_replaced_by_a_shard_leaves_the_store_with_a_warning():
 def test_a_new_optimizer_starts_from_zero_moments():
     """A second ``fast_multilora.AdamW`` on the same model takes the store's states over, from zero (equal to a fresh
     model's first steps with the same weights); the first one then refuses to step."""
-    names = [f"m{i:03d}" for i in range(3)]
-    model = many_model(3)
-    fast_multilora.patch(model, backend="torch")
-    first = fast_multilora.AdamW(model, lr=1e-2)
-    model.train()
-    _train(model, first, _batches(names, steps=2, seed=14))
+    model, first, names = _trained(3, seed=14, steps=2)
     twin = copy.deepcopy(model)  # the trained weights, no optimizer
     fast_multilora.unpatch(twin)
     fast_multilora.patch(twin, backend="torch")
@@ -482,12 +490,7 @@ def test_a_new_optimizer_starts_from_zero_moments():
 def test_a_deep_copy_has_its_own_store():
     """``copy.deepcopy`` of a model with a store: the copy gives the same outputs, trains with its own optimizer and
     leaves the original untouched (its ``zero_grad`` and store are the copy's)."""
-    names = [f"m{i:03d}" for i in range(3)]
-    model = many_model(3)
-    fast_multilora.patch(model, backend="torch")
-    opt = fast_multilora.AdamW(model, lr=1e-2)
-    model.train()
-    _train(model, opt, _batches(names, steps=1, seed=16))
+    model, opt, names = _trained(3, seed=16)
     copy_ = copy.deepcopy(model)
     ids, rows = _batches(names, steps=1, seed=17)[0]
     with torch.no_grad():
@@ -507,12 +510,7 @@ def test_a_layer_leaving_the_store_keeps_its_optimizer_states():
     cast to another dtype: one layer, two dtypes) leaves the store at the next forward: its parameters keep their
     AdamW moments and step counts as their own tensors (not views of the arenas, not the group's shared step
     counter), and training goes on."""
-    names = [f"m{i:03d}" for i in range(2)]
-    model = many_model(2)
-    fast_multilora.patch(model, backend="torch")
-    opt = fast_multilora.AdamW(model, lr=1e-2)
-    model.train()
-    _train(model, opt, _batches(names, steps=2, seed=19))
+    model, opt, names = _trained(2, seed=19, steps=2)
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
     p = layer.lora_A["m000"].weight
     moments, step = opt.state[p]["exp_avg"].clone(), float(opt.state[p]["step"])
