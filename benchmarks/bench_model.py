@@ -83,7 +83,6 @@ import copy
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -624,9 +623,9 @@ class Run:
                           position_ids=pos).loss
 
             def trained(n=n, loss=loss, names=names, adapter_ids=adapter_ids):  # every resident adapter trains
-                import fast_multilora
-
                 from harness import time_steps
+
+                import fast_multilora
 
                 loss().backward()
                 got = sum(self.adapters_got_grads(pm, n))
@@ -655,21 +654,16 @@ class Run:
 
     def layer_host_us(self, pm, rows, T) -> float:
         """Median host microseconds of one patched ``q_proj`` call in layer 0 (forward + backward of a random
-        input under the active routing; a sync every 10 calls keeps the queue short)."""
+        input under the active routing; ``harness.host_ms``: each call after a sync, 10 warm-up calls first)."""
+        from harness import host_ms
+
         torch = self.torch
         layer = pm.base_model.model.model.layers[0].self_attn.q_proj
         x = torch.randn(rows, T, layer.in_features, device=self.device, dtype=self.dtype, requires_grad=True)
         gy = torch.randn(rows, T, layer.out_features, device=self.device, dtype=self.dtype)
-        ts = []
-        for i in range(40):
-            t0 = time.perf_counter()
+        for _ in range(10):
             layer(x).backward(gy)
-            ts.append((time.perf_counter() - t0) * 1e6)
-            if i % 10 == 9 and self.device == "cuda":
-                torch.cuda.synchronize()
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-        return round(statistics.median(ts[10:]), 1)
+        return round(host_ms(lambda: layer(x).backward(gy), 30) * 1e3, 1)
 
     def moe_base(self):
         """The Qwen3-MoE-shaped model of ``moe_step_8`` (random init), experts on transformers' ``grouped_mm``."""

@@ -106,16 +106,17 @@ def time_steps(fn, device: str, *, warm: int, iters: int) -> dict:
 
 def host_ms(fn, n: int) -> float:
     """Median host ms until ``fn`` returns, over ``n`` calls each started after a ``torch.cuda.synchronize()`` (the
-    time the host spends on a call, not waiting for earlier work)."""
+    time the host spends on a call, not waiting for earlier work; without CUDA, wall clock)."""
     import torch
 
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []
     for _ in range(n):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
+    sync()
     return statistics.median(times)
 
 
