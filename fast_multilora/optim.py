@@ -142,15 +142,14 @@ class AdamW(torch.optim.Optimizer):
         from .kernels.adamw import chunk_table
 
         group_of = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
-        tables = {}
+        tables, trained = {}, set()
         for key, arena in self.store.arenas.items():
             blocks = [(start, numel, group_of[p]) for start, numel, p in arena.blocks
                       if p.requires_grad and p in group_of]
             tables[key] = chunk_table(blocks, len(self.param_groups), arena.data.numel(), arena.device)
+            trained.update(i for _, _, i in blocks)
         self._tables = tables
         self._pattern = self.store.pattern
-        trained = {group_of[p] for arena in self.store.arenas.values() for _, _, p in arena.blocks
-                   if p.requires_grad and p in group_of}
         device = self.steps.device
         self._trained = torch.tensor([i in trained for i in range(len(self.param_groups))], device=device)
 
@@ -197,8 +196,6 @@ class AdamW(torch.optim.Optimizer):
             store.layout()
         if store.param_path:
             store.attach_grads()
-        if store.pattern is None:
-            store.sync_requires_grad()
         if self._pattern is not store.pattern:
             self._build_tables()
 
@@ -223,19 +220,22 @@ class AdamW(torch.optim.Optimizer):
         return loss
 
     def _outside(self) -> list:
-        """``[(group, its parameters outside the store)]``, for groups that have some (cached per layout)."""
+        """``[(group index, group, its parameters outside the store)]``, for groups that have some (cached per
+        layout)."""
         if self._others is None:
             held = {id(p) for p in self._store_params()}
-            self._others = [(g, [p for p in g["params"] if id(p) not in held]) for g in self.param_groups]
-            self._others = [(g, ps) for g, ps in self._others if ps]
+            others = [(i, g, [p for p in g["params"] if id(p) not in held]) for i, g in enumerate(self.param_groups)]
+            self._others = [o for o in others if o[2]]
         return self._others
+
+    def _outside_trained(self) -> list:
+        """``[(group index, group, its parameters outside the store that train and have a gradient)]``."""
+        out = [(i, g, [p for p in ps if p.grad is not None and p.requires_grad]) for i, g, ps in self._outside()]
+        return [o for o in out if o[2]]
 
     def _step_others(self) -> None:
         """torch's AdamW for the parameters outside the store (their own ``step`` states)."""
-        for g, outside in self._outside():
-            params = [p for p in outside if p.grad is not None and p.requires_grad]
-            if not params:
-                continue
+        for _, g, params in self._outside_trained():
             states = [self.state[p] for p in params]
             for p, st in zip(params, states, strict=True):
                 if "step" not in st:
@@ -251,7 +251,7 @@ class AdamW(torch.optim.Optimizer):
         """Clears the gradient arena (its views stay the parameters' ``.grad``) and the ``seen`` adapters; the
         parameters outside the store as ``torch.optim`` does."""
         self.store.zero_grad()
-        for _, outside in self._outside():
+        for _, _, outside in self._outside():
             for p in outside:
                 if p.grad is None:
                     continue
@@ -272,11 +272,9 @@ class AdamW(torch.optim.Optimizer):
         for (dtype, dev), table in self._tables.items():
             _, norms_, _ = self._ops(dev)
             sq = sq + norms_(self.store.arenas[(dtype, dev)].grad, table).to(device)
-        index = {id(g): i for i, g in enumerate(self.param_groups)}
-        for g, outside in self._outside():
-            others = [p.grad for p in outside if p.grad is not None and p.requires_grad]
-            if others:
-                sq[index[id(g)]] += sum(o.float().pow(2).sum().to(device) for o in others)
+        trained_outside = self._outside_trained()
+        for i, _, params in trained_outside:
+            sq[i] += sum(p.grad.float().pow(2).sum().to(device) for p in params)
         norms = sq.sqrt()
         total = sq.sum().sqrt()
         if per_adapter:
@@ -286,10 +284,9 @@ class AdamW(torch.optim.Optimizer):
         for (dtype, dev), table in self._tables.items():
             _, _, scale_ = self._ops(dev)
             scale_(self.store.arenas[(dtype, dev)].grad, table, factors.to(dev))
-        for g, outside in self._outside():
-            for p in outside:
-                if p.grad is not None and p.requires_grad:
-                    p.grad.mul_(factors[index[id(g)]].to(p.grad.device, p.grad.dtype))
+        for i, _, params in trained_outside:
+            for p in params:
+                p.grad.mul_(factors[i].to(p.grad.device, p.grad.dtype))
         return norms if per_adapter else total
 
     def load_state_dict(self, state_dict) -> None:
@@ -300,8 +297,10 @@ class AdamW(torch.optim.Optimizer):
         store_params = set(self._store_params())
         loaded = {p: dict(self.state[p]) for p in store_params if p in self.state}
         self._follow(self.store)
+        steps = self.steps.tolist()
         with torch.no_grad():
             for i, g in enumerate(self.param_groups):
+                counted = False
                 for p in g["params"]:
                     src = loaded.get(p)
                     if src is None:
@@ -309,5 +308,6 @@ class AdamW(torch.optim.Optimizer):
                     for s in _STATES:
                         if s in src:
                             self.state[p][s].copy_(src[s])
-                    if "step" in src:
-                        self.steps[i] = float(src["step"])
+                    if "step" in src and not counted:  # one count per group (its parameters share it)
+                        steps[i], counted = float(src["step"]), True
+            self.steps.copy_(torch.tensor(steps, dtype=self.steps.dtype))
