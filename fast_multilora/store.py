@@ -264,11 +264,12 @@ class AdapterStore:
                         numel = shape[0] * shape[1]
                         _piece(arena.data, start, shape).copy_(p.data)
                         prev = old_pieces.get(id(p))
-                        if prev is not None and prev[2] == numel:
-                            pa_, ps_, _ = prev
-                            for buf, src in ((arena.grad, pa_.grad), *[(arena.states[s], pa_.states[s])
-                                                                     for s in arena.states if s in pa_.states]):
-                                buf[start : start + numel].copy_(src[ps_ : ps_ + numel])
+                        if prev is not None and prev[2] == numel:  # carried over: its gradient and states
+                            old, old_start, _ = prev
+                            pairs = [(arena.grad, old.grad)]
+                            pairs += [(arena.states[s], old.states[s]) for s in arena.states if s in old.states]
+                            for buf, src in pairs:
+                                buf[start : start + numel].copy_(src[old_start : old_start + numel])
                         elif p.grad is not None and p.grad.shape == p.shape:
                             _piece(arena.grad, start, shape).copy_(p.grad)
                         p.data = _piece(arena.data, start, shape)
