@@ -6,6 +6,11 @@ the top torch ops by self CPU time. Usage (GPU): ``python benchmarks/profile_ste
 mixed with ``__base__`` rows, eval, bf16) for ours and for the plain base model: host time per step, launches by
 kernel, torch ops and cProfile -- where a mixed decode step's per-layer host time goes.
 
+``--scale 8,64``: the issue-18 step (``train_step_scale``: packed rows, every resident adapter trained, the adapter
+store with ``fast_multilora.AdamW``) at each adapter count on one model grown by ``add_adapter``: per phase (forward,
+backward, optimizer step + ``zero_grad``) host and GPU time, kernel time by kernel against the first count, the
+optimizer step alone, and at the last count the torch ops and cProfile -- what grows with the adapter count.
+
 ``--layer``: the same for one call of the harness's ``layer_4096`` scenario (a 4096x4096 ``nn.Linear`` in a
 ``PeftModel``, 8 x 1024 tokens, forward + backward), ours with 8 adapters mixed against stock PEFT's single adapter:
 where a lone layer call's host time goes."""
@@ -245,6 +250,132 @@ def build_decode(ours: bool, n_adapters=8, rows=16, prompt=128, cfg=None, device
     return step
 
 
+def build_scale(pm, n: int, rows=16, T=1024):
+    """``step`` of ``train_step_scale`` at ``n`` adapters on ``pm`` (grown to ``n`` by ``add_adapter``): packed rows,
+    ``max(4, n // rows)`` samples per row, the store with ``fast_multilora.AdamW``; ``step.parts`` the three phases."""
+    import copy
+
+    for i in range(n):
+        if f"a{i}" not in pm.peft_config:
+            pm.add_adapter(f"a{i}", copy.deepcopy(pm.peft_config["a0"]))
+    pm.to("cuda", torch.bfloat16)
+    for k, q in pm.named_parameters():
+        q.requires_grad_("lora_" in k)
+    pm.train()
+    opt = fast_multilora.AdamW(pm, lr=1e-4)
+    ids = torch.randint(0, BENCH_LLAMA["vocab_size"], (rows, T), device="cuda")
+    per_row = max(4, -(-n // rows))
+    seg = T // per_row
+    j = (torch.arange(T, device="cuda") // seg).clamp(max=per_row - 1)
+    adapter_ids = ((torch.arange(rows, device="cuda")[:, None] * per_row + j) % n).contiguous()
+    pos = (torch.arange(T, device="cuda") - j * seg).expand(rows, T)
+    names = [f"a{i}" for i in range(n)]
+    box = {}
+
+    def fwd():
+        box["loss"] = pm(input_ids=ids, labels=ids, adapter_names=names, adapter_ids=adapter_ids,
+                         position_ids=pos).loss
+
+    def bwd():
+        box.pop("loss").backward()
+
+    def opt_step():
+        opt.step()
+        opt.zero_grad()
+
+    def step():
+        fwd()
+        bwd()
+        opt_step()
+
+    step.parts = (("forward", fwd), ("backward", bwd), ("optimizer", opt_step))
+    step.opt = opt
+    return step
+
+
+def phase_times(step, iters=7) -> dict:
+    """Per phase of ``step.parts``: median ``(host ms, GPU ms)`` -- host until its last launch returns, GPU between
+    CUDA events around it (a phase whose host time reaches its GPU time is host-bound)."""
+    rows = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(step.parts) + 1)]
+        host = []
+        marks[0].record()
+        for (_, fn), mark in zip(step.parts, marks[1:]):
+            t0 = time.perf_counter()
+            fn()
+            host.append((time.perf_counter() - t0) * 1e3)
+            mark.record()
+        torch.cuda.synchronize()
+        rows.append((host, [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]))
+    return {k: (round(statistics.median(r[0][i] for r in rows), 2), round(statistics.median(r[1][i] for r in rows), 2))
+            for i, (k, _) in enumerate(step.parts)}
+
+
+def profile_scale(say, counts):
+    from harness import time_steps
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        base = LlamaForCausalLM(LlamaConfig(**BENCH_LLAMA)).to(torch.bfloat16)
+    lc = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=TARGETS)
+    pm = get_peft_model(base, lc, adapter_name="a0")
+    fast_multilora.patch(pm, backend="triton")
+    first = None
+    for n in counts:
+        step = build_scale(pm, n)
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        wall = time_steps(step, "cuda", warm=1, iters=7)["ms"]
+        say(f"=== {n} adapters: step {wall:.2f} ms (CUDA events, median of 7)")
+        say(f"phases: {phase_times(step)}")
+        for name, fn in step.parts[:2]:  # gradients of every adapter, then the optimizer step alone on them
+            fn()
+        say(f"optimizer step alone: {time_steps(step.opt.step, 'cuda', warm=2, iters=10)['ms']:.3f} ms; "
+            f"host {host_ms(step.opt.step, 11):.3f} ms")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step.opt.step()
+            torch.cuda.synchronize()
+        launches, us = cuda_kernels(prof)
+        say("  its kernels: " + "; ".join(f"{launches[k]} x {us[k]:.1f} us {k}" for k in launches))
+        step.opt.zero_grad()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+        launches, us = cuda_kernels(prof)
+        say(f"kernel launches per step {sum(launches.values()) / 2:.0f}; CUDA time {sum(us.values()) / 2e3:.2f} ms")
+        if first is None:
+            first = (n, launches, us)
+            for k, c in launches.most_common(25):
+                say(f"  {c / 2:7.1f} x {us[k] / c:8.1f} us  {k}")
+        else:
+            n0, l0, u0 = first
+            say(f"kernels by CUDA-time growth over {n0} adapters (per step: launches, ms here, ms at {n0}):")
+            keys = sorted(set(us) | set(u0), key=lambda k: -(us[k] - u0[k]))
+            for k in keys[:20]:
+                say(f"  {launches[k] / 2:7.1f} {us[k] / 2e3:8.3f} {u0[k] / 2e3:8.3f}  {k}")
+    say(f"--- torch ops by self CPU time ({counts[-1]} adapters, 2 steps)")
+    say(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=55))
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    pr.disable()
+    for order in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(pr, stream=out).sort_stats(order).print_stats(40)
+        say(f"--- cProfile, 3 steps at {counts[-1]} adapters, by {order}")
+        say(out.getvalue())
+
+
 def profile_decode(say):
     profile_both(say, "decode step", build_decode, ("base model", "fast_multilora, 8 adapters + __base__ rows"),
                  "step", n_prof=5, n_cprof=10, top_kernels=20, op_rows=30, cprof_rows=35, cumulative_rows=40)
@@ -255,9 +386,15 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--layer", action="store_true", help="profile the layer_4096 call instead of the train step")
     ap.add_argument("--decode", action="store_true", help="profile a mixed dynamic-cache decode step instead")
+    ap.add_argument("--scale", default=None, help="adapter counts, e.g. 8,64: the issue-18 step's growth")
     ap.add_argument("--compile", default=None, help="torch.compile the model: default | reduce-overhead | ...")
     a = ap.parse_args(argv)
     say, buf = tee()
+    if a.scale:
+        profile_scale(say, [int(c) for c in a.scale.split(",")])
+        if a.out:
+            Path(a.out).write_text(buf.getvalue())
+        return
     if a.decode or a.layer:
         (profile_decode if a.decode else profile_layer)(say)
         if a.out:

@@ -21,12 +21,19 @@ from harness import kernel_ms  # benchmarks/ is on sys.path when this runs as a 
 from fast_multilora import kernels as K
 
 
-def make_case(S=8192, Kd=4096, N=4096, r=16, A=8, dtype=torch.bfloat16, grouped=False, dropout=0.0, dev="cuda"):
+def make_case(S=8192, Kd=4096, N=4096, r=16, A=8, dtype=torch.bfloat16, grouped=False, dropout=0.0, dev="cuda",
+              skewed=False):
+    """Tokens of ``A`` adapters: equal shares, or (``skewed``) 90 % on adapter 0 and the rest evenly spread; sorted by
+    adapter (SGEMM family), or (``grouped``) interleaved at random and grouped through a permutation (chunked)."""
     g = torch.Generator().manual_seed(0)
-    if grouped:
-        ts = torch.randint(0, A, (S,), generator=g)
+    if skewed:
+        rest = (S - S * 9 // 10) // (A - 1)
+        counts = [S - rest * (A - 1)] + [rest] * (A - 1)
     else:
-        ts = torch.arange(A).repeat_interleave(S // A)
+        counts = [S // A] * A
+    ts = torch.repeat_interleave(torch.arange(A), torch.tensor(counts))
+    if grouped:
+        ts = ts[torch.randperm(S, generator=g)]
     segs = segments_from_token_slots(ts, grouped=grouped, device=dev)
     ranks = torch.full((A,), r, dtype=torch.int32)
     table = AdapterTable(ranks.to(dev), (torch.arange(A, dtype=torch.int32) * r).to(dev),
@@ -69,13 +76,17 @@ def record(rows, op, family, config, fn):
 
 
 def sweep_shrink(rows, case, family, seed):
+    """The forward shrink's block rows (``SHRINK_BLOCKS``, or ``SHRINK_DROPOUT_BLOCKS`` with a dropout ``seed``)."""
     segs, table, x, y, dy, A_cat, B_cat = case
-    saved = kf.SHRINK_BLOCKS["gpu"]
+    tables = kf.SHRINK_BLOCKS if seed is None else kf.SHRINK_DROPOUT_BLOCKS
+    saved = tables["gpu"]
     for bs, bk, w, st in itertools.product((16, 32, 64), (128, 256), (4, 8), (3,)):
-        kf.SHRINK_BLOCKS["gpu"] = [(math.inf, bs, 32, bk, w, st)]
+        tables["gpu"] = [(math.inf, bs, 32, bk, w, st)]
         record(rows, "shrink" + ("_dropout" if seed is not None else ""), family, (bs, bk, w, st),
                lambda: K.lora_shrink(x, A_cat, segs, table, seed=seed))
-    kf.SHRINK_BLOCKS["gpu"] = saved
+    tables["gpu"] = saved
+    record(rows, "shrink" + ("_dropout" if seed is not None else ""), family, ("shipped",),
+           lambda: K.lora_shrink(x, A_cat, segs, table, seed=seed))
 
 
 def sweep_expand(rows, case, family):
@@ -341,7 +352,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune.json")
     ap.add_argument("--parts", default="profile,layer,shrink,expand,bwd", help="any of profile, layer, shrink, "
-                    "expand, bwd (headline shape), model, model_expand, model_shrink and model_expand_bwd (the "
+                    "expand, bwd (headline shape), skewed (the shrink at 32 adapters, 90 % on one), model, model_expand, model_shrink and model_expand_bwd (the "
                     "training step's shapes)")
     args = ap.parse_args()
     parts = args.parts.split(",")
@@ -358,6 +369,13 @@ def main():
             sweep(rows)
             with open(args.out, "w") as f:
                 json.dump(out, f)
+    if "skewed" in parts:  # the many-adapter shrink: 32 adapters, 90 % of the tokens on one
+        for family, grouped in (("chunked", True), ("sgemm", False)):
+            case = make_case(A=32, grouped=grouped, skewed=True)
+            sweep_shrink(rows, case, family + "-A32-skewed", None)
+            sweep_shrink(rows, make_case(A=32, grouped=grouped, skewed=True, dropout=0.05), family + "-A32-skewed", 5)
+        with open(args.out, "w") as f:
+            json.dump(out, f)
     for family, grouped in (("sgemm", False), ("chunked", True)):
         if not {"profile", "shrink", "expand", "bwd"} & set(parts):
             break
