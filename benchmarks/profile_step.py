@@ -302,13 +302,13 @@ def phase_times(step, iters=7) -> dict:
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(step.parts) + 1)]
         host = []
         marks[0].record()
-        for (_, fn), mark in zip(step.parts, marks[1:]):
+        for (_, fn), mark in zip(step.parts, marks[1:], strict=True):
             t0 = time.perf_counter()
             fn()
             host.append((time.perf_counter() - t0) * 1e3)
             mark.record()
         torch.cuda.synchronize()
-        rows.append((host, [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]))
+        rows.append((host, [a.elapsed_time(b) for a, b in zip(marks, marks[1:], strict=False)]))
     return {k: (round(statistics.median(r[0][i] for r in rows), 2), round(statistics.median(r[1][i] for r in rows), 2))
             for i, (k, _) in enumerate(step.parts)}
 
@@ -333,7 +333,7 @@ def profile_scale(say, counts):
         wall = time_steps(step, "cuda", warm=1, iters=7)["ms"]
         say(f"=== {n} adapters: step {wall:.2f} ms (CUDA events, median of 7)")
         say(f"phases: {phase_times(step)}")
-        for name, fn in step.parts[:2]:  # gradients of every adapter, then the optimizer step alone on them
+        for _, fn in step.parts[:2]:  # gradients of every adapter, then the optimizer step alone on them
             fn()
         say(f"optimizer step alone: {time_steps(step.opt.step, 'cuda', warm=2, iters=10)['ms']:.3f} ms; "
             f"host {host_ms(step.opt.step, 11):.3f} ms")

@@ -352,7 +352,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune.json")
     ap.add_argument("--parts", default="profile,layer,shrink,expand,bwd", help="any of profile, layer, shrink, "
-                    "expand, bwd (headline shape), skewed (the shrink at 32 adapters, 90 % on one), model, model_expand, model_shrink and model_expand_bwd (the "
+                    "expand, bwd (headline shape), skewed (the shrink at 32 adapters, 90 % on one), "
+                    "model, model_expand, model_shrink and model_expand_bwd (the "
                     "training step's shapes)")
     args = ap.parse_args()
     parts = args.parts.split(",")
