@@ -313,6 +313,23 @@ def phase_times(step, iters=7) -> dict:
             for i, (k, _) in enumerate(step.parts)}
 
 
+def host_syncs(fn) -> dict:
+    """``{file:line: count}`` of the Python lines whose CUDA calls synchronized with the host during ``fn()``
+    (``torch.cuda.set_sync_debug_mode("warn")``)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    where = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    return dict(where)
+
+
 def profile_scale(say, counts):
     from harness import time_steps
     from peft import LoraConfig, get_peft_model
@@ -344,6 +361,9 @@ def profile_scale(say, counts):
         launches, us = cuda_kernels(prof)
         say("  its kernels: " + "; ".join(f"{launches[k]} x {us[k]:.1f} us {k}" for k in launches))
         step.opt.zero_grad()
+        say(f"host syncs in one step: {host_syncs(step)}")
+        if n not in (counts[0], counts[-1]):
+            continue
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(2):

@@ -89,17 +89,24 @@ class Router:
         self.repatch = None  # callable re-running patch() with the same settings
         self.refresh = None  # callable(routing): refresh the layers' tables (patching.refresh_layers)
         self.store = None  # fast_multilora.store.AdapterStore, once an optimizer of ours built it
+        self.checked = None  # (change count, slot names) of the layers' last full check (patching.refresh_layers)
+        self._known = None  # (change count, sorted adapter names): known_adapters' last answer
 
     # -- adapters known to the model ------------------------------------------------------------------------------
     def known_adapters(self) -> list:
         """Sorted names of the adapters held by the model's LoRA layers (the model-wide slot order)."""
+        from .patching import _CHANGES  # every way an adapter comes or goes writes the layers' ``r`` dicts
+
         self._repatch_if_changed()
+        if self._known is not None and self._known[0] == _CHANGES[0]:
+            return list(self._known[1])
         known = set()
         for m in self.layers:
             known.update(m.lora_A.keys())
             e = getattr(m, "lora_embedding_A", None)
             if e is not None:
                 known.update(e.keys())
+        self._known = (_CHANGES[0], tuple(sorted(known)))
         return sorted(known)
 
     def _repatch_if_changed(self) -> None:

@@ -39,6 +39,7 @@ from typing import Optional
 
 import torch
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 ALIGN = 64  # elements: every block starts 256-byte aligned for fp32 (the kernels' in-place reads need 16)
 
 
@@ -132,6 +133,7 @@ class AdapterStore:
         self.arenas: dict = {}  # (dtype, device) -> Arena
         self.slots: dict = {}  # id(layer) -> LayerSlots
         self.grad_views: list = []  # (param, its gradient piece): re-attached when a caller dropped them
+        self.held: list = []  # the parameters of grad_views, in order
         self.owner = None  # the fast_multilora.AdamW whose states the arenas hold (the latest one built)
         self.seen: Optional[torch.Tensor] = None  # bool [n_slots + 1]: index 0 base, 1 + slot an adapter (mark_seen)
         self.seen_names: tuple = ()
@@ -286,6 +288,7 @@ class AdapterStore:
                 slots[lid] = LayerSlots(present, ranks, K, N, a_leaf, b_leaf, a_params + b_params,
                                         a_params[0].data_ptr(), key, layer.__dict__.get(_STATE_ATTR))
         self.arenas, self.slots, self.grad_views = arenas, slots, grad_views
+        self.held = [p for p, _ in grad_views]
         self.pattern = None
         self.sync_requires_grad()
         if self.owner is not None:
@@ -296,7 +299,7 @@ class AdapterStore:
         """A leaf requires a gradient when one of its parameters does (a frozen adapter's rows of a trained block get
         gradients nobody reads: its parameters have no ``.grad`` and the optimizer skips them). Returns whether the
         pattern changed since the last call (one list comprehension when it did not)."""
-        pattern = [p.requires_grad for p, _ in self.grad_views]
+        pattern = list(map(_REQUIRES_GRAD, self.held))  # C-level: ~0.1-0.3 us per parameter (cache misses)
         if pattern == self.pattern:
             return False
         self.pattern = pattern

@@ -326,3 +326,86 @@ def test_custom_lora_class_falls_back_without_a_warning_of_ours():
         with model.disable_adapter():
             base = model(input_ids=ids[1:]).logits
     torch.testing.assert_close(got, torch.cat([want, base]), rtol=1e-5, atol=1e-6)
+
+
+def _edits():
+    """Edits made between forward calls, each applied to the patched model and its stock twin alike: ``(name,
+    edit(model))``. The patched layers read their adapters' settings once per change (not per call), so each of these
+    must be seen at the next call without anything else."""
+    def layer(m):
+        return m.base_model.model.model.layers[0].self_attn.q_proj
+
+    def set_scale(m):
+        layer(m).set_scale("a1", 3.0)
+
+    def scaling_written(m):  # as PEFT's hotswapping writes it
+        layer(m).scaling["a0"] = 0.25
+
+    def scale_layer(m):
+        for mod in m.modules():
+            if hasattr(mod, "scale_layer") and "a2" in getattr(mod, "scaling", {}):
+                mod.scaling["a2"] *= 1.0  # no change, then a real one
+                mod.scale_layer(0.5)
+
+    def to_float64(m):
+        m.to(torch.float64)
+
+    def dropout_in_eval(m):  # train() -> eval(): the adapters' dropout stops
+        m.eval()
+
+    def add_adapter(m):
+        torch.manual_seed(5)
+        m.add_adapter("late", LoraConfig(r=2, lora_alpha=3, target_modules=["q_proj", "v_proj"],
+                                         init_lora_weights=False))
+
+    def delete_adapter(m):
+        m.delete_adapter("a1")
+
+    return [("set_scale", set_scale), ("scaling_written", scaling_written), ("scale_layer", scale_layer),
+            ("to_float64", to_float64), ("eval", dropout_in_eval), ("add_adapter", add_adapter),
+            ("delete_adapter", delete_adapter)]
+
+
+@pytest.mark.parametrize("name,edit", _edits(), ids=[n for n, _ in _edits()])
+def test_edits_between_calls_are_seen(name, edit):
+    """After a first mixed call, each edit is seen by the next one: outputs equal stock PEFT's edited twin (PEFT's
+    own mixed-batch path in eval), in the layers' and in the adapter store's paths."""
+    model = peft_model(dropout=0.5)
+    plain = twin(model)
+    fast_multilora.patch(model)
+    for m in (model, plain):  # the edit is the only change between the two calls (eval: from train mode)
+        m.train(name == "eval")
+    ids = _ids()
+    with torch.no_grad():
+        model(input_ids=ids, adapter_names=NAMES)  # states built before the edit
+    for m in (model, plain):
+        edit(m)
+        assert not m.training
+    names = [n if n in model.peft_config else "a0" for n in ["late", "a1", "__base__", "a2"]]
+    if name == "add_adapter":
+        names = ["late", "a0", "__base__", "late"]
+    dtype = torch.float64 if name == "to_float64" else torch.float32
+    with torch.no_grad():
+        got = model(input_ids=ids, adapter_names=names).logits
+        want = plain(input_ids=ids, adapter_names=names).logits
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_edited_submodule_needs_mark_changed():
+    """Editing an adapter's submodule directly (here its dropout rate, then its scaling dict entry through a
+    reference taken before patching) is announced by ``fast_multilora.mark_changed()``; without it the layer keeps
+    the rate it read. Documented in docs/usage.md."""
+    model = peft_model(dropout=0.0)
+    fast_multilora.patch(model)
+    model.train()
+    ids = _ids()
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    model(input_ids=ids, adapter_names=NAMES)
+    state = layer.__dict__["_fml_state"]
+    layer.lora_dropout["a0"] = torch.nn.Dropout(0.3)  # a ModuleDict write: a new module, not a tracked dict write
+    model(input_ids=ids, adapter_names=NAMES)
+    assert layer.__dict__["_fml_state"] is state  # not seen
+    fast_multilora.mark_changed()
+    model(input_ids=ids, adapter_names=NAMES)
+    assert layer.__dict__["_fml_state"] is not state and 0.29 < layer.__dict__["_fml_state"].rates[0] < 0.31
