@@ -12,6 +12,8 @@ Providers (every scenario runs the ones that make sense for it):
                        ``peft_single_p0`` (8-adapter train step with LoRA dropout 0): the shared shrink of sibling
                        layers on and off
 * ``peft_single_fused_adamw`` / ``fast_multilora_fused_adamw`` (8-adapter step): both with ``AdamW(fused=True)``
+* ``fast_multilora_adamw`` (8-adapter step, eager and compiled): ``fast_multilora.AdamW`` (the adapter store: two
+                       tensors per layer call through autograd, one optimizer launch)
 * ``fast_multilora_unfused`` (layers, 8-adapter step, eval; ``_p0_unfused`` at dropout 0): ``patch(...,
                        fuse_base=False)``, the base layer run by itself and the delta added in place afterwards
 * ``peft_single``      stock PEFT, one adapter active, the same tokens
@@ -159,8 +161,8 @@ class Sizes:
             self.layer_warm, self.layer_iters = 5, 30
             # rough H200 seconds per scenario incl. model build and first-call Triton compiles (budget planning)
             self.gen_prompt, self.gen_new = 128, 64
-            self.est = {"layer_4096": 12, "layer_2048": 10, "train_step_8": 80, "eval_8": 14, "train_step_1": 16,
-                        "train_step_32": 55, "train_step_8_compiled": 150, "eval_8_compiled": 90,
+            self.est = {"layer_4096": 12, "layer_2048": 10, "train_step_8": 88, "eval_8": 14, "train_step_1": 16,
+                        "train_step_32": 55, "train_step_8_compiled": 200, "eval_8_compiled": 90,
                         "generate_static": 210, "generate_dynamic": 50,  # opt-in ones: one H200 run, inductor
                         "moe_step_8": 90, "qlora_step_8": 90, "qlora_eval_8": 20,  # one H200 run each
                         "train_step_scale": 330}  # 52698c4: 8..128 (4 counts, 2 AdamW rows) in ~325 s
@@ -584,6 +586,8 @@ class Run:
                          teardown=opt.clear, optimizer="AdamW(fused=True)")
             self.measure(scenario, "fast_multilora_fused_adamw", fast, setup=fused_adamw(fast_setup),
                          teardown=fast_teardown, optimizer="AdamW(fused=True)")
+            self.measure(scenario, "fast_multilora_adamw", fast, setup=self.fast_setup(pm, opt, store=True),
+                         teardown=fast_teardown, optimizer="fast_multilora.AdamW")
 
             self.measure(scenario, "peft_single_p0", single, setup=p0(single_setup), teardown=p_back(opt.clear))
             self.measure(scenario, "fast_multilora_p0", fast, setup=p0(fast_setup), teardown=p_back(fast_teardown))
@@ -991,6 +995,18 @@ class Run:
         self.measure(scenario, "fast_multilora", fast, compiled=True, setup=fast_setup,
                      teardown=lambda: (clear(), self.unpatch(pm)), adapters=8, loss_fn="per_adapter_loss",
                      **self.compile_info())
+
+        def store_setup():  # the recommended optimizer: the layers take the adapter store's two leaves per call
+            import fast_multilora
+
+            self.all_lora_trainable(pm)
+            self.patch(pm)
+            opt["o"] = fast_multilora.AdamW(pm, lr=1e-4)
+            cm["m"] = self.compile(pm)
+
+        self.measure(scenario, "fast_multilora_adamw", fast, compiled=True, setup=store_setup,
+                     teardown=lambda: (clear(), self.unpatch(pm)), adapters=8, loss_fn="per_adapter_loss",
+                     optimizer="fast_multilora.AdamW", **self.compile_info())
         if eval_after and self.start("eval_8_compiled"):
             self.done(scenario)
             self.eval_compiled("eval_8_compiled", pm, ids)

@@ -38,7 +38,8 @@ def test_bench_model_quick_runs_every_provider(tmp_path):
         assert "fast_multilora" in providers and "frozen" in providers, scenario
         assert_timed(d, scenario)
     assert {"fast_multilora_p0", "fast_multilora_p0_unshared", "peft_single_p0", "peft_single_fused_adamw",
-            "fast_multilora_fused_adamw", "fast_multilora_share_dropout"} <= set(d["train_step_8"])
+            "fast_multilora_fused_adamw", "fast_multilora_share_dropout",
+            "fast_multilora_adamw"} <= set(d["train_step_8"])
     assert d["train_step_8"]["fast_multilora"]["all_adapters_got_grads"]
     ev = d["eval_8"]["fast_multilora"]
     assert ev["diff_rms_over_lora_effect_rms"] < 1e-3, ev  # the mixed batch equals stock PEFT's adapter_names path
@@ -46,7 +47,7 @@ def test_bench_model_quick_runs_every_provider(tmp_path):
 
 
 OPT_IN = ("train_step_8_compiled", "eval_8_compiled", "generate_static", "generate_dynamic")
-PROVIDERS = {"train_step_8_compiled": {"fast_multilora", "peft_single", "frozen"},
+PROVIDERS = {"train_step_8_compiled": {"fast_multilora", "fast_multilora_adamw", "peft_single", "frozen"},
              "eval_8_compiled": {"fast_multilora", "peft_single", "frozen"},
              "generate_static": {"fast_multilora", "peft_mixed", "frozen"},
              "generate_dynamic": {"fast_multilora", "peft_mixed", "frozen"}}
