@@ -79,12 +79,14 @@ def sweep_shrink(rows, case, family, seed):
     """The forward shrink's block rows (``SHRINK_BLOCKS``, or ``SHRINK_DROPOUT_BLOCKS`` with a dropout ``seed``)."""
     segs, table, x, y, dy, A_cat, B_cat = case
     tables = kf.SHRINK_BLOCKS if seed is None else kf.SHRINK_DROPOUT_BLOCKS
-    saved = tables["gpu"]
+    saved, saved_many = tables["gpu"], dict(kf.SHRINK_MANY_BLOCKS["gpu"])
+    kf.SHRINK_MANY_BLOCKS["gpu"].clear()  # the swept row, whatever the segment count
     for bs, bk, w, st in itertools.product((16, 32, 64), (128, 256), (4, 8), (3,)):
         tables["gpu"] = [(math.inf, bs, 32, bk, w, st)]
         record(rows, "shrink" + ("_dropout" if seed is not None else ""), family, (bs, bk, w, st),
                lambda: K.lora_shrink(x, A_cat, segs, table, seed=seed))
     tables["gpu"] = saved
+    kf.SHRINK_MANY_BLOCKS["gpu"].update(saved_many)
     record(rows, "shrink" + ("_dropout" if seed is not None else ""), family, ("shipped",),
            lambda: K.lora_shrink(x, A_cat, segs, table, seed=seed))
 

@@ -48,6 +48,16 @@ SHRINK_BLOCKS = {
     ],
     "interpreter": [(_INF, 16, 32, 32, 1, 1)],
 }
+# a mix of many adapters (at least SHRINK_MANY_SEGMENTS segments), no dropout, stack*rank <= 32: (BLOCK_S, BLOCK_N cap,
+# BLOCK_K, num_warps, num_stages) per family. Measured on H200 at S=8192, K=N=4096, r=16, bf16, 32 adapters with 90 %
+# of the tokens on one (benchmarks/tune_kernels.py --parts skewed): chunked 32x256 tiles 21.5 us against 30.2 us for
+# the 64-row tiles above (147 chunks of 64 rows on 132 SMs, one program per SM: a 1.1-wave tail), SGEMM 64x128
+# 25.9 against 32.4 us. Few-adapter mixes keep the rows above (the 8-adapter headline case was tuned on them).
+SHRINK_MANY_SEGMENTS = 32
+SHRINK_MANY_BLOCKS = {
+    "gpu": {"chunked": (32, 32, 256, 4, 3), "sgemm": (64, 32, 128, 4, 3)},
+    "interpreter": {"chunked": (16, 32, 16, 1, 1), "sgemm": (16, 32, 16, 1, 1)},
+}
 # with fused dropout (Philox per element group: more registers), measured best on H200 at S=8192, K=4096, r=16, bf16
 # (16-bit Philox halves, 8 columns per draw; sweep at S=16384, K in {2048, 5632}: 4 warps x 4 stages best at both)
 SHRINK_DROPOUT_BLOCKS = {
@@ -109,11 +119,16 @@ def _rows_block(segs: Segments, cap: int) -> int:
 def _shrink_blocks(segs: Segments, width: int, x: torch.Tensor, A_cat: torch.Tensor, dropout: bool = False,
                    stack_num: int = 1, store_mask: bool = False):
     """``(BLOCK_S, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for the shrink, from ``SHRINK_BLOCKS`` (or
-    ``SHRINK_DROPOUT_BLOCKS``, ``SHRINK_DROPOUT_STORE_BLOCKS``) and the rules."""
+    ``SHRINK_DROPOUT_BLOCKS``, ``SHRINK_DROPOUT_STORE_BLOCKS``; ``SHRINK_MANY_BLOCKS`` for many-adapter mixes) and
+    the rules."""
     target = _target()
     tables = SHRINK_DROPOUT_STORE_BLOCKS if store_mask else SHRINK_DROPOUT_BLOCKS if dropout else SHRINK_BLOCKS
     rows = tables[target]
     S_BLK, N_CAP, BLOCK_K, num_warps, num_stages = _pick(rows, width)
+    if not dropout and width <= 32 and segs.num_segments >= SHRINK_MANY_SEGMENTS:
+        many = SHRINK_MANY_BLOCKS[target].get("sgemm" if segs.perm is None else "chunked")
+        if many is not None:
+            S_BLK, N_CAP, BLOCK_K, num_warps, num_stages = many
     BLOCK_N = _pow2_clamp(width, 16, N_CAP)
     BLOCK_S = _rows_block(segs, S_BLK)
     if target == "gpu":

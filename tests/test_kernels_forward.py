@@ -211,18 +211,23 @@ def test_validation_errors(device):
 
 # --- GPU: the benchmark shape (S=8192, K=N=4096, r=16, 8 adapters) and determinism -------------------------------
 
-def _big_problem(grouped, dtype, ps=None):
+def _big_problem(grouped, dtype, ps=None, n=8):
+    """The benchmark's shape (S = 8192, K = N = 4096, r = 16): ``n`` adapters in equal shares, or with ``n = 32``
+    90 % of the tokens on adapter 0 (the many-adapter mix, ``SHRINK_MANY_BLOCKS``); 5 % base tokens."""
     g = torch.Generator().manual_seed(8192)
-    S, K, N, ranks = 8192, 4096, 4096, [16] * 8
-    ts = torch.arange(8).repeat_interleave(S // 8)
+    S, K, N, ranks = 8192, 4096, 4096, [16] * n
+    if n == 8:
+        ts = torch.arange(8).repeat_interleave(S // 8)
+    else:
+        ts = torch.where(torch.rand(S, generator=g) < 0.9, 0, torch.randint(1, n, (S,), generator=g))
     if grouped:
         ts = ts[torch.randperm(S, generator=g)]  # interleaved tokens: the chunked family gathers them
     ts[torch.rand(S, generator=g) < 0.05] = -1
-    table = make_table(ranks, scales=[2.0] * 8, dropout=ps, device="cuda")
+    table = make_table(ranks, scales=[2.0] * n, dropout=ps, device="cuda")
     segs = make_segments(ts, grouped, device="cuda")
     x = torch.randn(S, K, generator=g).to("cuda", dtype)
-    A = (torch.randn(16 * 8, K, generator=g) / K**0.5).cuda()
-    B = (torch.randn(N, 16 * 8, generator=g) / 4).cuda()
+    A = (torch.randn(16 * n, K, generator=g) / K**0.5).cuda()
+    B = (torch.randn(N, 16 * n, generator=g) / 4).cuda()
     y0 = torch.randn(S, N, generator=g).to("cuda", dtype)
     return ts, table, segs, x, A, B, y0
 
@@ -230,8 +235,9 @@ def _big_problem(grouped, dtype, ps=None):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("grouped", FAMILIES)
-def test_gpu_benchmark_shape(grouped, dtype):
-    ts, table, segs, x, A, B, y0 = _big_problem(grouped, dtype)
+@pytest.mark.parametrize("n", [8, 32], ids=["A8", "A32-skewed"])
+def test_gpu_benchmark_shape(grouped, dtype, n):
+    ts, table, segs, x, A, B, y0 = _big_problem(grouped, dtype, n=n)
     live = (ts >= 0).cuda()
     h = lora_shrink(x, A, segs, table)
     h64 = ref.lora_shrink(x.double(), A.double(), segs, table)
@@ -278,3 +284,24 @@ def test_dropout_mask_rate_and_halves(device):
             assert abs(cells.sum().item() - n * p) <= 5 * sd, f"slot {a} half {half}: rate {cells.float().mean():.4f}"
         assert not torch.equal(drop[0], drop[1]), "two rows drew the same mask"
     assert not torch.equal(keep, dropout_keep_mask(8, segs, table, K).cpu()), "the seed does not change the mask"
+
+
+@pytest.mark.parametrize("grouped", FAMILIES)
+def test_many_adapter_mixes_take_their_shrink_tiles(grouped, monkeypatch):
+    """The GPU's shrink tiles: a mix of at least ``SHRINK_MANY_SEGMENTS`` segments without dropout takes the
+    many-adapter row of its family (``SHRINK_MANY_BLOCKS``), fewer segments or dropout the default rows. The
+    kernels on those tiles are checked against the reference on the GPU (``test_gpu_benchmark_shape``'s sizes) and,
+    with the interpreter's rows, by the 70-adapter case above."""
+    from fast_multilora.kernels import forward as kf
+
+    monkeypatch.setattr(kf, "_target", lambda: "gpu")
+    x = torch.empty(4096, 4096, dtype=torch.bfloat16)
+    A = torch.empty(16, 4096, dtype=torch.bfloat16)
+    family = "chunked" if grouped else "sgemm"
+    for n, dropout, many in ((40, False, True), (8, False, False), (40, True, False)):
+        segs = make_segments(torch.arange(n).repeat_interleave(4096 // n + 1)[:4096], grouped, "cpu")
+        got = kf._shrink_blocks(segs, 16, x, A, dropout=dropout)
+        rows = kf.SHRINK_DROPOUT_BLOCKS if dropout else kf.SHRINK_BLOCKS
+        S_BLK, _, BLOCK_K, warps, _ = kf.SHRINK_MANY_BLOCKS["gpu"][family] if many else kf._pick(rows["gpu"], 16)
+        assert (got[0], got[2], got[3]) == (kf._rows_block(segs, S_BLK), BLOCK_K, warps), (n, dropout, got)
+        assert (segs.num_segments >= kf.SHRINK_MANY_SEGMENTS) == (n == 40), segs.num_segments
