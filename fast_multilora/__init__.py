@@ -30,8 +30,8 @@ if not _here:
 from .config import PatchConfig  # noqa: E402
 from .loss import per_adapter_loss, per_adapter_mean  # noqa: E402
 from .optim import AdamW  # noqa: E402
-from .patching import PatchReport, mark_changed, patch, route, unpatch  # noqa: E402
-from .plan import BASE  # noqa: E402
+from .patching import PatchReport, patch, route, unpatch  # noqa: E402
+from .plan import BASE, mark_changed  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -46,7 +46,7 @@ from . import moe, stacked
 from .config import PatchConfig
 from .function import LayerCall, LoraLinear, get_backend, lora_dropout_rate, run
 from .kernels.segments import AdapterTable
-from .plan import BASE, Router
+from .plan import BASE, CHANGES, Router
 
 _ROUTER_ATTR = "_fml_router"
 _HOOKS_ATTR = "_fml_hooks"
@@ -118,18 +118,9 @@ class LayerState:
 # forward call re-reads them only after a change was seen: a write to a patched layer's per-adapter setting dicts
 # (``_TrackedDict``: what ``update_layer``, ``delete_adapter``, ``set_scale``, hotswapping and loading write), a
 # ``train()`` / ``eval()`` that changes a patched layer's mode, a ``.to()`` / ``.half()`` / ... (``_apply``) reaching
-# one, a re-patch. Not seen: assigning a parameter's ``.data`` or a new weight ``Parameter``, or a dropout module's
-# ``p`` or mode, directly on an adapter's submodule -- :func:`mark_changed` after such an edit.
-_CHANGES = [0]
+# one, a re-patch (``plan.CHANGES``). Not seen: assigning a parameter's ``.data`` or a new weight ``Parameter``, or a
+# dropout module's ``p`` or mode, directly on an adapter's submodule -- ``mark_changed`` after such an edit.
 _TRACKED_DICTS = ("r", "lora_alpha", "scaling", "lora_bias", "use_dora", "use_rslora", "lora_variant")
-
-
-def mark_changed() -> None:
-    """Make the next forward call of every patched model re-read its LoRA layers' adapters, settings, modes, dtypes
-    and devices. Needed only after editing an adapter's submodules directly (a parameter's ``.data`` or a new weight
-    ``Parameter``, a dropout module's ``p`` or mode); PEFT's methods, ``train()`` / ``eval()`` and ``.to()`` are
-    seen without it."""
-    _CHANGES[0] += 1
 
 
 class _TrackedDict(dict):
@@ -138,20 +129,20 @@ class _TrackedDict(dict):
     __slots__ = ()
 
     def __setitem__(self, key, value):
-        _CHANGES[0] += 1
+        CHANGES[0] += 1
         dict.__setitem__(self, key, value)
 
     def __delitem__(self, key):
-        _CHANGES[0] += 1
+        CHANGES[0] += 1
         dict.__delitem__(self, key)
 
     def __ior__(self, other):
-        _CHANGES[0] += 1
+        CHANGES[0] += 1
         return dict.__ior__(self, other)
 
     def _wrap(name):  # noqa: N805 - a class-body helper
         def method(self, *args, **kwargs):
-            _CHANGES[0] += 1
+            CHANGES[0] += 1
             return getattr(dict, name)(self, *args, **kwargs)
         method.__name__ = name
         return method
@@ -165,7 +156,7 @@ def _track(module) -> None:
         d = module.__dict__.get(attr)
         if type(d) is dict:
             module.__dict__[attr] = _TrackedDict(d)
-    _CHANGES[0] += 1
+    CHANGES[0] += 1
 
 
 def _untrack(module) -> None:
@@ -181,11 +172,11 @@ class _TrackedMixin:
 
     def train(self, mode: bool = True):
         if mode != self.training:
-            _CHANGES[0] += 1
+            CHANGES[0] += 1
         return super().train(mode)
 
     def _apply(self, fn, *args, **kwargs):
-        _CHANGES[0] += 1
+        CHANGES[0] += 1
         return super()._apply(fn, *args, **kwargs)
 
 
@@ -266,12 +257,12 @@ def _build_state(layer, slot_names) -> Optional[LayerState]:
 def refresh_layers(router: Router, routing) -> None:
     """Bring every patched layer's :class:`LayerState` (and the sibling stacks) up to date with the routing's slot
     order and the layers' adapters and modes; cheap when nothing changed (no layer is read unless a change was
-    marked, see ``_CHANGES``; then one signature per layer). Raises when the
+    marked, see ``plan.CHANGES``; then one signature per layer). Raises when the
     routing names an adapter with a LoRA variant."""
     slot_names = routing.slot_names
     changed = False
     get_backend(router.config.backend, router._weights_device())  # created outside any traced graph
-    seen = (_CHANGES[0], slot_names)
+    seen = (CHANGES[0], slot_names)
     if router.checked != seen:  # something changed since the last check (or the slot order): read every layer
         for layer in router.fast_layers:
             sig = _state_signature(layer, slot_names)
@@ -663,6 +654,11 @@ def _swap(module, mixin, router):
 
 def unpatch(model: torch.nn.Module) -> None:
     """Restore stock PEFT behaviour: original classes, no hooks, no routing state."""
+    router = model.__dict__.get(_ROUTER_ATTR)
+    if router is not None and router.store is not None:  # its parameters keep their memory, not the store's class
+        from .store import release
+
+        release(router.store.held)
     for module in model.modules():
         if _is_patched(module):
             module.__class__ = type(module)._fml_base

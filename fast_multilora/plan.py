@@ -70,6 +70,20 @@ def _check_rows(n_names: int, rows: int) -> None:
         )
 
 
+# Changes to what the patched layers read from PEFT's modules (``patching``: the layers' per-adapter dicts, modes,
+# ``_apply``, re-patches) and to a held parameter's ``requires_grad`` (``store``): a forward call re-reads them only
+# when this count moved since its last read.
+CHANGES = [0]
+
+
+def mark_changed() -> None:
+    """Make the next forward call of every patched model re-read its LoRA layers' adapters, settings, modes, dtypes
+    and devices. Needed only after editing an adapter's submodules directly (a parameter's ``.data`` or a new weight
+    ``Parameter``, one adapter's ``lora_A[name].to(...)``, a dropout module's ``p`` or mode); PEFT's methods,
+    ``train()`` / ``eval()``, ``.to()`` and ``requires_grad_`` are seen without it."""
+    CHANGES[0] += 1
+
+
 class Router:
     """Per-model routing state: the settings, the active :class:`Routing`, the model's LoRA layers."""
 
@@ -95,10 +109,8 @@ class Router:
     # -- adapters known to the model ------------------------------------------------------------------------------
     def known_adapters(self) -> list:
         """Sorted names of the adapters held by the model's LoRA layers (the model-wide slot order)."""
-        from .patching import _CHANGES  # every way an adapter comes or goes writes the layers' ``r`` dicts
-
-        self._repatch_if_changed()
-        if self._known is not None and self._known[0] == _CHANGES[0]:
+        self._repatch_if_changed()  # every way an adapter comes or goes writes the layers' ``r`` dicts (CHANGES)
+        if self._known is not None and self._known[0] == CHANGES[0]:
             return list(self._known[1])
         known = set()
         for m in self.layers:
@@ -106,7 +118,7 @@ class Router:
             e = getattr(m, "lora_embedding_A", None)
             if e is not None:
                 known.update(e.keys())
-        self._known = (_CHANGES[0], tuple(sorted(known)))
+        self._known = (CHANGES[0], tuple(sorted(known)))
         return sorted(known)
 
     def _repatch_if_changed(self) -> None:

@@ -522,3 +522,52 @@ def test_a_layer_leaving_the_store_keeps_its_optimizer_states():
     st = opt.state[p]
     assert st["exp_avg"]._base is None and st["step"]._base is None
     assert float(st["step"]) == step + 1 and not torch.equal(st["exp_avg"], moments)  # stepped on from its moments
+
+
+@pytest.mark.parametrize("how", ["requires_grad_", "assignment", "set_requires_grad"])
+def test_freezing_and_unfreezing_while_training_is_seen(how):
+    """A held parameter's ``requires_grad`` changed between steps (``p.requires_grad_``, ``p.requires_grad = ...``,
+    PEFT's ``set_requires_grad``) takes effect at the next forward, though the store reads the flags only after such
+    a change (``store._HeldParameter``): frozen, the adapter's weights stay bit-identical and it has no ``.grad``
+    while the others train; unfrozen, it gets gradients and trains again."""
+    model, opt, names = _trained(3, seed=23, steps=1)
+    frozen = names[1]
+    params = [p for n, p in model.named_parameters() if f".{frozen}." in n]
+    others = [p for n, p in model.named_parameters() if "lora_" in n and f".{frozen}." not in n]
+    g = torch.Generator().manual_seed(24)
+    batches = [(torch.randint(0, 97, (5, 7), generator=g), [names[i % 3] for i in range(5)]) for _ in range(3)]
+
+    def set_flag(flag):
+        if how == "requires_grad_":
+            for p in params:
+                p.requires_grad_(flag)
+        elif how == "assignment":
+            for p in params:
+                p.requires_grad = flag
+        else:
+            model.set_requires_grad([frozen], requires_grad=flag)
+
+    set_flag(False)
+    before = [p.detach().clone() for p in params]
+    moved = [p.detach().clone() for p in others]
+    _train(model, opt, batches[:2])
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True)), "a frozen adapter moved"
+    assert all(p.grad is None for p in params)
+    assert all(p.grad is not None for p in others)
+    assert all(not torch.equal(p, b) for p, b in zip(others, moved, strict=True))
+    set_flag(True)
+    _train(model, opt, batches[2:])
+    assert all(p.grad is not None for p in params)
+    assert all(not torch.equal(p, b) for p, b in zip(params, before, strict=True)), "an unfrozen adapter did not train"
+
+
+def test_held_parameters_are_parameters_and_unpatch_gives_their_class_back():
+    """While held, PEFT's parameters are ``torch.nn.Parameter`` instances of the store's subclass (names, identity
+    and ``state_dict`` unchanged); ``unpatch`` gives every one its ``Parameter`` class back."""
+    model, opt, _ = _trained(2, seed=29, steps=1)
+    lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert all(isinstance(p, torch.nn.Parameter) and type(p) is not torch.nn.Parameter for p in lora.values())
+    assert all(type(t) is torch.Tensor for t in model.state_dict().values())
+    fast_multilora.unpatch(model)
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert {n: p for n, p in model.named_parameters() if "lora_" in n} == lora
