@@ -29,7 +29,6 @@ by the base layer), then one ``LoraLinear`` -- on the adapter store's two leaves
 
 from __future__ import annotations
 
-import operator
 import sys
 import warnings
 from contextlib import contextmanager
@@ -180,32 +179,19 @@ class _TrackedMixin:
         return super()._apply(fn, *args, **kwargs)
 
 
-_WEIGHT = operator.itemgetter("weight")
-_PARAMS = operator.attrgetter("_parameters")
-_DTYPE = operator.attrgetter("dtype")
-_DEVICE = operator.attrgetter("device")
-_TRAINING = operator.attrgetter("training")
-_RATE = operator.methodcaller("get", "p", 0.0)
-_BIAS = operator.methodcaller("get", "bias")
-_DICT = operator.attrgetter("__dict__")
-
-
 def _state_signature(layer, slot_names) -> tuple:
     """Everything a :class:`LayerState` depends on, read through the module dicts (no ``nn.Module.__getattr__``).
-    Read once per layer per forward call, so with hundreds of adapters it is built column by column in C (``map``
-    over the adapters' modules): a few tuples per layer, not one tuple per adapter (whose allocations also drove
-    Python's cyclic garbage collector through the whole model)."""
+    Read for every layer only after a reported change (``refresh_layers``): with 256 adapters it costs ~0.5 ms per
+    layer, mostly cache misses on the adapters' modules and weights."""
     mods = layer._modules
     a_mods, b_mods, drops = mods["lora_A"]._modules, mods["lora_B"]._modules, mods["lora_dropout"]._modules
-    a, b, d = tuple(a_mods.values()), tuple(b_mods.values()), tuple(drops.values())
-    a_w = tuple(map(_WEIGHT, map(_PARAMS, a)))
-    b_p = tuple(map(_PARAMS, b))
-    b_w = tuple(map(_WEIGHT, b_p))
     r, scaling, lora_bias = layer.r, layer.scaling, layer.lora_bias
-    return (slot_names, tuple(sorted(layer.lora_variant)), tuple(a_mods), tuple(b_mods), tuple(drops), a, b, d,
-            tuple(r), tuple(r.values()), tuple(scaling), tuple(scaling.values()), tuple(lora_bias),
-            tuple(lora_bias.values()), tuple(map(_RATE, map(_DICT, d))), tuple(map(_TRAINING, d)),
-            tuple(map(_DTYPE, a_w)), tuple(map(_DEVICE, a_w)), tuple(map(_DTYPE, b_w)), tuple(map(_BIAS, b_p)))
+    items = []
+    for n, a in a_mods.items():
+        w, bw = a._parameters["weight"], b_mods[n]._parameters["weight"]
+        items.append((n, a, b_mods[n], r[n], scaling[n], drops[n].__dict__.get("p", 0.0), drops[n].training,
+                      lora_bias[n], w.dtype, w.device, bw.dtype, b_mods[n]._parameters.get("bias") is not None))
+    return (slot_names, tuple(sorted(layer.lora_variant)), tuple(items))
 
 
 def _build_state(layer, slot_names) -> Optional[LayerState]:

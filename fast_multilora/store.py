@@ -81,6 +81,8 @@ def release(params) -> None:
     for p in params:
         if type(p) is _HeldParameter:
             p.__class__ = torch.nn.Parameter
+
+
 ALIGN = 64  # elements: every block starts 256-byte aligned for fp32 (the kernels' in-place reads need 16)
 
 
