@@ -315,19 +315,11 @@ def phase_times(step, iters=7) -> dict:
 
 def host_syncs(fn) -> dict:
     """``{file:line: count}`` of the Python lines whose CUDA calls synchronized with the host during ``fn()``
-    (``torch.cuda.set_sync_debug_mode("warn")``)."""
-    import warnings
+    (``tests/helpers.sync_warnings``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from helpers import sync_warnings
 
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    where = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
-    return dict(where)
+    return dict(Counter(f"{Path(w.filename).name}:{w.lineno}" for w in sync_warnings(fn)))
 
 
 def profile_scale(say, counts):

@@ -175,8 +175,8 @@ class AdapterStore:
         self.router = router
         self.arenas: dict = {}  # (dtype, device) -> Arena
         self.slots: dict = {}  # id(layer) -> LayerSlots
-        self.grad_views: list = []  # (param, its gradient piece): re-attached when a caller dropped them
-        self.held: list = []  # the parameters of grad_views, in order (class _HeldParameter while held)
+        self.held: list = []  # every held parameter, in layout order (class _HeldParameter while held)
+        self.views: list = []  # held[i]'s gradient piece: re-attached when a caller dropped it
         self.flags_read = None  # plan.CHANGES when the held parameters' requires_grad were last read
         self.owner = None  # the fast_multilora.AdamW whose states the arenas hold (the latest one built)
         self.seen: Optional[torch.Tensor] = None  # bool [n_slots + 1]: index 0 base, 1 + slot an adapter (mark_seen)
@@ -294,7 +294,7 @@ class AdapterStore:
                                             torch.zeros(numel, dtype=dtype, device=device),
                                             {s: torch.zeros(numel, dtype=dtype, device=device) for s in state_names})
         cursor = dict.fromkeys(arenas, 0)
-        slots, grad_views = {}, []
+        slots, held, views = {}, [], []
         with torch.no_grad():
             for lid, (layer, key) in wanted.items():
                 present, ranks, dtype, device, K, N, _ = key
@@ -323,7 +323,8 @@ class AdapterStore:
                         gview = _piece(arena.grad, start, shape)
                         if p.requires_grad:
                             p.grad = gview
-                        grad_views.append((p, gview))
+                        held.append(p)
+                        views.append(gview)
                         arena.blocks.append((start, numel, p))
                     off += r
                 a_leaf = _piece(arena.data, a0, (R, K))
@@ -332,11 +333,10 @@ class AdapterStore:
                 b_leaf.grad = _piece(arena.grad, b0, (R * N,))
                 slots[lid] = LayerSlots(present, ranks, K, N, a_leaf, b_leaf, a_params + b_params,
                                         a_params[0].data_ptr(), key, layer.__dict__.get(_STATE_ATTR))
-        self.arenas, self.slots, self.grad_views = arenas, slots, grad_views
-        self.held = [p for p, _ in grad_views]
-        for p in self.held:
+        self.arenas, self.slots, self.held, self.views = arenas, slots, held, views
+        for p in held:
             _hold(p)
-        kept = {id(p) for p in self.held}
+        kept = {id(p) for p in held}
         release(p for arena in old_arenas.values() for _, _, p in arena.blocks if id(p) not in kept)
         self.pattern = None
         self.sync_requires_grad()
@@ -347,13 +347,13 @@ class AdapterStore:
     def sync_requires_grad(self) -> bool:
         """A leaf requires a gradient when one of its parameters does (a frozen adapter's rows of a trained block get
         gradients nobody reads: its parameters have no ``.grad`` and the optimizer skips them). Returns whether the
-        pattern changed since the last call (one list comprehension when it did not)."""
+        pattern changed since the last call (one pass over the flags when it did not)."""
         self.flags_read = CHANGES[0]
         pattern = list(map(_REQUIRES_GRAD, self.held))  # C-level: ~0.1-0.3 us per parameter (cache misses)
         if pattern == self.pattern:
             return False
         self.pattern = pattern
-        self.expected = [g if r else None for (_, g), r in zip(self.grad_views, pattern, strict=True)]
+        self.expected = [g if r else None for g, r in zip(self.views, pattern, strict=True)]
         for s in self.slots.values():
             n = len(s.names)
             a_req = any(p.requires_grad for p in s.params[:n])
@@ -370,10 +370,10 @@ class AdapterStore:
         re-created by autograd on the per-parameter path, or assigned), and re-attach the parameters' views (a
         frozen parameter has none). One identity check per parameter when everything is in place."""
         self.param_path = False
-        if all(map(operator.is_, [p.grad for p, _ in self.grad_views], self.expected)):
+        if all(map(operator.is_, [p.grad for p in self.held], self.expected)):
             return
         with torch.no_grad():
-            for (p, gview), want in zip(self.grad_views, self.expected, strict=True):
+            for p, gview, want in zip(self.held, self.views, self.expected, strict=True):
                 g = p.grad
                 if g is want:
                     continue

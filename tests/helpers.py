@@ -2,8 +2,24 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from fast_multilora.kernels.segments import AdapterTable, segments_from_token_slots
+
+
+def sync_warnings(fn) -> list:
+    """The ``warnings.WarningMessage`` s of device->host synchronisations during ``fn()`` (PyTorch's own detector,
+    ``torch.cuda.set_sync_debug_mode("warn")``; CUDA only): each names the Python line that synchronised."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [w for w in caught if "synchroniz" in str(w.message)]
 
 
 def make_table(ranks, scales=None, dropout=None, device="cpu") -> AdapterTable:

@@ -7,10 +7,9 @@ detector (``torch.cuda.set_sync_debug_mode("warn")``), against the same model's 
 baseline catches syncs of the model code itself). GPU only: the detector watches CUDA streams.
 """
 
-import warnings
-
 import pytest
 import torch
+from helpers import sync_warnings
 from models import peft_model
 
 import fast_multilora
@@ -19,15 +18,7 @@ NAMES = ["a1", "__base__", "a0", "a2", "a0", "a1", "a2", "a1"]
 
 
 def _sync_warnings(fn) -> list:
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    return [str(w.message) for w in sync_warnings(fn)]
 
 
 @pytest.mark.gpu
