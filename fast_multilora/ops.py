@@ -17,11 +17,13 @@ compiled forward and backward graphs both hold them. A dropout ``seed`` is a one
 inside the traced graph: every replay of a captured CUDA graph draws a fresh one.
 
 Op schemas take tensors and host scalars only: ``Segments`` and ``AdapterTable`` are passed as their fields
-(``_layout``). ``Segments.cache`` does not cross the boundary: each op call rebuilds the ``Segments`` with an empty
-cache, so the derived chunk tables (a few small device ops, no host sync) are recomputed inside every op call and
-therefore belong to whatever graph is traced or captured -- a cache hit across calls would freeze a layout into a
-CUDA graph. The eager path (``function.TritonBackend`` outside ``torch.compile``) calls the launchers directly and
-keeps its per-``Segments`` cache.
+(``_layout``), in two list arguments -- the tensors, then the host ints with the op's own ints after them -- because
+a custom op call's dispatch costs host time per schema argument (a mutable op's version bump walks the schema once
+per argument: quadratic in their number). ``Segments.cache`` does not cross the boundary: each op call rebuilds the
+``Segments`` with an empty cache, so the derived chunk tables (a few small device ops, no host sync) are recomputed
+inside every op call and therefore belong to whatever graph is traced or captured -- a cache hit across calls would
+freeze a layout into a CUDA graph. The eager path (``function.TritonBackend`` outside ``torch.compile``) calls the
+launchers directly and keeps its per-``Segments`` cache.
 
 The Python wrappers below (``lora_shrink`` ... ``lora_shrink_bwd``) take ``Segments`` / ``AdapterTable`` like the
 launchers in ``fast_multilora.kernels`` and call the ops.
@@ -43,123 +45,107 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _layout(segs: Segments, table: AdapterTable) -> tuple:
-    """The op arguments of a layout: ``Segments`` less its cache, then the ``AdapterTable`` fields the kernels read
-    (not ``slots``: the ops take concatenated weights)."""
+def _layout(segs: Segments, table: AdapterTable, *extra: int) -> tuple[list, list]:
+    """The op arguments of a layout as two lists (an op call's host cost grows with its schema's argument count):
+    the tensors of ``Segments`` (less its cache) and of the ``AdapterTable`` the kernels read (not ``slots``: the ops
+    take concatenated weights), then its host ints followed by the op's own ``extra`` ints."""
     order, bounds = segs.grouping if segs.grouping is not None else (None, None)
-    return (segs.indptr, segs.slot, segs.perm, segs.max_len, segs.num_tokens, segs.base_max_len, order, bounds,
-            table.ranks, table.offsets, table.scales, table.dropout, table.max_rank, table.total_rank,
-            table.has_dropout)
+    tensors = [segs.indptr, segs.slot, segs.perm, order, bounds, table.ranks, table.offsets, table.scales,
+               table.dropout]
+    ints = [segs.max_len, segs.num_tokens, segs.base_max_len, table.max_rank, table.total_rank,
+            int(table.has_dropout), *(int(e) for e in extra)]
+    return tensors, ints
 
 
-def _unpack(indptr, slot, perm, max_len, num_tokens, base_max_len, order, bounds, ranks, offsets, scales, dropout,
-            max_rank, total_rank, has_dropout) -> tuple[Segments, AdapterTable]:
-    """Inverse of ``_layout`` inside an op: a ``Segments`` with a fresh (per-call) cache and the ``AdapterTable``."""
+_N_LAYOUT_INTS = 6
+
+
+def _unpack(tensors: list, ints: list) -> tuple[Segments, AdapterTable, list]:
+    """Inverse of ``_layout`` inside an op: a ``Segments`` with a fresh (per-call) cache, the ``AdapterTable`` and the
+    op's own ints."""
+    indptr, slot, perm, order, bounds, ranks, offsets, scales, dropout = tensors
+    max_len, num_tokens, base_max_len, max_rank, total_rank, has_dropout = ints[:_N_LAYOUT_INTS]
     grouping = (order, bounds) if order is not None else None
     segs = Segments(indptr, slot, perm, max_len, num_tokens, {}, base_max_len, grouping=grouping)
-    return segs, AdapterTable(ranks, offsets, scales, dropout, max_rank, total_rank, has_dropout)
+    table = AdapterTable(ranks, offsets, scales, dropout, max_rank, total_rank, bool(has_dropout))
+    return segs, table, ints[_N_LAYOUT_INTS:]
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# The four launchers
+# The four launchers; ``layout`` / ``ints`` as ``_layout`` builds them, the op's own ints after the layout's
 # ------------------------------------------------------------------------------------------------------------------
 
 
 @torch.library.custom_op("fast_multilora::lora_shrink", mutates_args=())
-def _shrink_op(
-    x: Tensor, A_cat: Tensor,
-    indptr: Tensor, slot: Tensor, perm: Optional[Tensor], max_len: int, num_tokens: int, base_max_len: int,
-    order: Optional[Tensor], bounds: Optional[Tensor],
-    ranks: Tensor, offsets: Tensor, scales: Tensor, dropout: Tensor, max_rank: int, total_rank: int, has_dropout: bool,
-    stack_num: int, seed: Optional[Tensor], store_mask: bool,
-) -> tuple[Tensor, Tensor]:
-    segs, table = _unpack(indptr, slot, perm, max_len, num_tokens, base_max_len, order, bounds, ranks, offsets,
-                          scales, dropout, max_rank, total_rank, has_dropout)
-    out = torch.zeros(x.shape[0], stack_num * max_rank, dtype=_acc(x.dtype), device=x.device)
+def _shrink_op(x: Tensor, A_cat: Tensor, layout: list[Optional[Tensor]], ints: list[int],
+               seed: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """ints: layout, stack_num, store_mask."""
+    segs, table, (stack_num, store_mask) = _unpack(layout, ints)
+    out = torch.zeros(x.shape[0], stack_num * table.max_rank, dtype=_acc(x.dtype), device=x.device)
     # zero-filled: the kernel writes adapter tokens' rows only, and an op's output must be fully defined
-    keep = K.keep_bits_buffer(x).zero_() if _stores(seed, has_dropout, store_mask, stack_num) else None
+    keep = K.keep_bits_buffer(x).zero_() if _stores(seed, table.has_dropout, store_mask, stack_num) else None
     K.lora_shrink(x, A_cat, segs, table, stack_num=stack_num, seed=seed, out=out, keep_out=keep)
     return out, keep if keep is not None else x.new_empty(0, 0, dtype=torch.uint8)
 
 
 def _stores(seed, has_dropout: bool, store_mask: bool, stack_num: int) -> bool:
-    return seed is not None and has_dropout and store_mask and stack_num == 1
+    return seed is not None and bool(has_dropout) and bool(store_mask) and stack_num == 1
 
 
 @_shrink_op.register_fake
-def _(x, A_cat,
-      indptr, slot, perm, max_len, num_tokens, base_max_len, order, bounds, ranks, offsets, scales, dropout, max_rank,
-      total_rank, has_dropout, stack_num, seed, store_mask):
-    h = x.new_empty(x.shape[0], stack_num * max_rank, dtype=_acc(x.dtype))
-    shape = (x.shape[0], (x.shape[1] + 7) // 8) if _stores(seed, has_dropout, store_mask, stack_num) else (0, 0)
+def _(x, A_cat, layout, ints, seed):
+    stack_num, store_mask = ints[_N_LAYOUT_INTS:]
+    h = x.new_empty(x.shape[0], stack_num * ints[3], dtype=_acc(x.dtype))
+    shape = (x.shape[0], (x.shape[1] + 7) // 8) if _stores(seed, ints[5], store_mask, stack_num) else (0, 0)
     return h, x.new_empty(shape, dtype=torch.uint8)
 
 
 @torch.library.custom_op("fast_multilora::lora_expand", mutates_args=("y",))
-def _expand_op(
-    h: Tensor, B_cat: Tensor, y: Tensor,
-    indptr: Tensor, slot: Tensor, perm: Optional[Tensor], max_len: int, num_tokens: int, base_max_len: int,
-    order: Optional[Tensor], bounds: Optional[Tensor],
-    ranks: Tensor, offsets: Tensor, scales: Tensor, dropout: Tensor, max_rank: int, total_rank: int, has_dropout: bool,
-    stack_num: int, slice_idx: int, accumulate: bool, bias: Optional[Tensor],
-) -> None:
-    segs, table = _unpack(indptr, slot, perm, max_len, num_tokens, base_max_len, order, bounds, ranks, offsets,
-                          scales, dropout, max_rank, total_rank, has_dropout)
-    K.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx, accumulate=accumulate,
+def _expand_op(h: Tensor, B_cat: Tensor, y: Tensor, layout: list[Optional[Tensor]], ints: list[int],
+               bias: Optional[Tensor]) -> None:
+    """ints: layout, stack_num, slice_idx, accumulate."""
+    segs, table, (stack_num, slice_idx, accumulate) = _unpack(layout, ints)
+    K.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx, accumulate=bool(accumulate),
                   bias=bias)
 
 
 @_expand_op.register_fake
-def _(h, B_cat, y,
-      indptr, slot, perm, max_len, num_tokens, base_max_len, order, bounds, ranks, offsets, scales, dropout, max_rank,
-      total_rank, has_dropout, stack_num, slice_idx, accumulate, bias):
+def _(h, B_cat, y, layout, ints, bias):
     return None
 
 
 @torch.library.custom_op("fast_multilora::lora_expand_bwd", mutates_args=())
-def _expand_bwd_op(
-    dy: Tensor, h: Tensor, B_cat: Tensor,
-    indptr: Tensor, slot: Tensor, perm: Optional[Tensor], max_len: int, num_tokens: int, base_max_len: int,
-    order: Optional[Tensor], bounds: Optional[Tensor],
-    ranks: Tensor, offsets: Tensor, scales: Tensor, dropout: Tensor, max_rank: int, total_rank: int, has_dropout: bool,
-    stack_num: int, slice_idx: int, dh: Optional[Tensor],
-) -> tuple[Tensor, Tensor]:
-    segs, table = _unpack(indptr, slot, perm, max_len, num_tokens, base_max_len, order, bounds, ranks, offsets,
-                          scales, dropout, max_rank, total_rank, has_dropout)
+def _expand_bwd_op(dy: Tensor, h: Tensor, B_cat: Tensor, layout: list[Optional[Tensor]], ints: list[int],
+                   dh: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """ints: layout, stack_num, slice_idx."""
+    segs, table, (stack_num, slice_idx) = _unpack(layout, ints)
     dh = dh.clone() if dh is not None else None  # functional: the input is the starting content, never written
     return K.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx, dh=dh)
 
 
 @_expand_bwd_op.register_fake
-def _(dy, h, B_cat,
-      indptr, slot, perm, max_len, num_tokens, base_max_len, order, bounds, ranks, offsets, scales, dropout, max_rank,
-      total_rank, has_dropout, stack_num, slice_idx, dh):
+def _(dy, h, B_cat, layout, ints, dh):
     acc = _acc(dy.dtype)
-    return (dy.new_empty(dy.shape[0], stack_num * max_rank, dtype=acc),
-            dy.new_empty(dy.shape[1], total_rank, dtype=acc))
+    stack_num = ints[_N_LAYOUT_INTS]
+    return (dy.new_empty(dy.shape[0], stack_num * ints[3], dtype=acc), dy.new_empty(dy.shape[1], ints[4], dtype=acc))
 
 
 @torch.library.custom_op("fast_multilora::lora_shrink_bwd", mutates_args=())
-def _shrink_bwd_op(
-    dh: Tensor, x: Tensor, A_cat: Tensor,
-    indptr: Tensor, slot: Tensor, perm: Optional[Tensor], max_len: int, num_tokens: int, base_max_len: int,
-    order: Optional[Tensor], bounds: Optional[Tensor],
-    ranks: Tensor, offsets: Tensor, scales: Tensor, dropout: Tensor, max_rank: int, total_rank: int, has_dropout: bool,
-    stack_num: int, seed: Optional[Tensor], need_dx: bool, keep: Optional[Tensor],
-) -> tuple[Tensor, Tensor]:
-    segs, table = _unpack(indptr, slot, perm, max_len, num_tokens, base_max_len, order, bounds, ranks, offsets,
-                          scales, dropout, max_rank, total_rank, has_dropout)
+def _shrink_bwd_op(dh: Tensor, x: Tensor, A_cat: Tensor, layout: list[Optional[Tensor]], ints: list[int],
+                   seed: Optional[Tensor], keep: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """ints: layout, stack_num, need_dx."""
+    segs, table, (stack_num, need_dx) = _unpack(layout, ints)
     keep = keep if keep is not None and keep.numel() else None
-    dx, dA = K.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed, need_dx=need_dx, keep=keep)
+    dx, dA = K.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed, need_dx=bool(need_dx),
+                               keep=keep)
     return (dx if need_dx else x.new_empty(0, x.shape[1])), dA
 
 
 @_shrink_bwd_op.register_fake
-def _(dh, x, A_cat,
-      indptr, slot, perm, max_len, num_tokens, base_max_len, order, bounds, ranks, offsets, scales, dropout, max_rank,
-      total_rank, has_dropout, stack_num, seed, need_dx, keep):
+def _(dh, x, A_cat, layout, ints, seed, keep):
+    stack_num, need_dx = ints[_N_LAYOUT_INTS:]
     dx = x.new_empty(x.shape) if need_dx else x.new_empty(0, x.shape[1])
-    return dx, x.new_empty(stack_num * total_rank, x.shape[1], dtype=_acc(x.dtype))
+    return dx, x.new_empty(stack_num * ints[4], x.shape[1], dtype=_acc(x.dtype))
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -170,14 +156,14 @@ def _(dh, x, A_cat,
 def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1, seed: Optional[Tensor] = None,
                 store_mask: bool = False) -> tuple[Tensor, Optional[Tensor]]:
     """``(h, keep_bits or None)`` through ``fast_multilora::lora_shrink`` (``h``'s don't-care entries are zero)."""
-    h, keep = torch.ops.fast_multilora.lora_shrink(x, A_cat, *_layout(segs, table), stack_num, seed, store_mask)
+    h, keep = torch.ops.fast_multilora.lora_shrink(x, A_cat, *_layout(segs, table, stack_num, store_mask), seed)
     return h, (keep if _stores(seed, table.has_dropout, store_mask, stack_num) else None)
 
 
 def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: int = 1, slice_idx: int = 0,
                 accumulate: bool = True, bias: Optional[Tensor] = None):
     """``kernels.lora_expand`` through ``fast_multilora::lora_expand``: ``y`` updated in place and returned."""
-    torch.ops.fast_multilora.lora_expand(h, B_cat, y, *_layout(segs, table), stack_num, slice_idx, accumulate, bias)
+    torch.ops.fast_multilora.lora_expand(h, B_cat, y, *_layout(segs, table, stack_num, slice_idx, accumulate), bias)
     return y
 
 
@@ -185,12 +171,12 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
                     dh: Optional[Tensor] = None):
     """``kernels.lora_expand_bwd`` through ``fast_multilora::lora_expand_bwd``: ``(dh, dB_cat)``; a given ``dh`` is
     the starting content of the returned one (a new tensor: the op is functional)."""
-    return torch.ops.fast_multilora.lora_expand_bwd(dy, h, B_cat, *_layout(segs, table), stack_num, slice_idx, dh)
+    return torch.ops.fast_multilora.lora_expand_bwd(dy, h, B_cat, *_layout(segs, table, stack_num, slice_idx), dh)
 
 
 def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1,
                     seed: Optional[Tensor] = None, need_dx: bool = True, keep: Optional[Tensor] = None):
     """``kernels.lora_shrink_bwd`` through ``fast_multilora::lora_shrink_bwd``: ``(dx or None, dA_cat)``."""
-    dx, dA = torch.ops.fast_multilora.lora_shrink_bwd(dh, x, A_cat, *_layout(segs, table), stack_num, seed, need_dx,
+    dx, dA = torch.ops.fast_multilora.lora_shrink_bwd(dh, x, A_cat, *_layout(segs, table, stack_num, need_dx), seed,
                                                       keep)
     return (dx if need_dx else None), dA

@@ -51,20 +51,23 @@ def test_opcheck(op, grouped, device):
     """The four ops' schema, fake tensors and AOT dispatch (dynamic shapes), with a device seed; the expand in
     add and write mode (with a bias), the backward ops with their optional inputs."""
     t, segs, table = _problem(grouped, device, dropout=True)
-    L = ops._layout(segs, table)
     seed = torch.tensor([1234], dtype=torch.int32, device=device)
-    keep = torch.ops.fast_multilora.lora_shrink(t["x"], t["A"], *L, 1, seed, True)[1]
+
+    def L(*extra):  # the layout's two list arguments, the op's own ints after the layout's
+        return ops._layout(segs, table, *extra)
+
+    keep = torch.ops.fast_multilora.lora_shrink(t["x"], t["A"], *L(1, True), seed)[1]
     f = torch.ops.fast_multilora
     cases = {
-        "lora_shrink": (f.lora_shrink, (t["x"], t["A"], *L, 1, seed, False)),
-        "lora_shrink_store": (f.lora_shrink, (t["x"], t["A"], *L, 1, seed, True)),
-        "lora_expand": (f.lora_expand, (t["h"], t["B"], t["y"], *L, 1, 0, True, None)),
-        "lora_expand_write": (f.lora_expand, (t["h"], t["B"], t["y"], *L, 1, 0, False, t["bias"])),
-        "lora_expand_bwd": (f.lora_expand_bwd, (t["dy"], t["h"], t["B"], *L, 1, 0, None)),
-        "lora_expand_bwd_dh": (f.lora_expand_bwd, (t["dy"], t["h"], t["B"], *L, 1, 0, t["h"])),
-        "lora_shrink_bwd": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L, 1, seed, True, None)),
-        "lora_shrink_bwd_keep": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L, 1, seed, True, keep)),
-        "lora_shrink_bwd_no_dx": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L, 1, None, False, None)),
+        "lora_shrink": (f.lora_shrink, (t["x"], t["A"], *L(1, False), seed)),
+        "lora_shrink_store": (f.lora_shrink, (t["x"], t["A"], *L(1, True), seed)),
+        "lora_expand": (f.lora_expand, (t["h"], t["B"], t["y"], *L(1, 0, True), None)),
+        "lora_expand_write": (f.lora_expand, (t["h"], t["B"], t["y"], *L(1, 0, False), t["bias"])),
+        "lora_expand_bwd": (f.lora_expand_bwd, (t["dy"], t["h"], t["B"], *L(1, 0), None)),
+        "lora_expand_bwd_dh": (f.lora_expand_bwd, (t["dy"], t["h"], t["B"], *L(1, 0), t["h"])),
+        "lora_shrink_bwd": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L(1, True), seed, None)),
+        "lora_shrink_bwd_keep": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L(1, True), seed, keep)),
+        "lora_shrink_bwd_no_dx": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L(1, False), None, None)),
     }
     fn, args = cases[op]
     result = torch.library.opcheck(fn, args)
