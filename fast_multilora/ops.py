@@ -17,13 +17,13 @@ compiled forward and backward graphs both hold them. A dropout ``seed`` is a one
 inside the traced graph: every replay of a captured CUDA graph draws a fresh one.
 
 Op schemas take tensors and host scalars only: ``Segments`` and ``AdapterTable`` are passed as their fields
-(``_layout``), in two list arguments -- the tensors, then the host ints with the op's own ints after them -- because
-a custom op call's dispatch costs host time per schema argument (a mutable op's version bump walks the schema once
-per argument: quadratic in their number). ``Segments.cache`` does not cross the boundary: each op call rebuilds the
-``Segments`` with an empty cache, so the derived chunk tables (a few small device ops, no host sync) are recomputed
-inside every op call and therefore belong to whatever graph is traced or captured -- a cache hit across calls would
-freeze a layout into a CUDA graph. The eager path (``function.TritonBackend`` outside ``torch.compile``) calls the
-launchers directly and keeps its per-``Segments`` cache.
+(``_layout``), in two list arguments -- the tensors, then the host ints with the op's own ints after them -- because an
+op call's dispatch costs host time per schema argument (``torch.library.custom_op``'s version bump of a mutable op even
+walked the schema once per argument: 0.12 ms per call at 23 arguments). ``Segments.cache`` does not cross the boundary:
+each op call rebuilds the ``Segments`` with an empty cache, so the derived chunk tables (a few small device ops, no host
+sync) are recomputed inside every op call and therefore belong to whatever graph is traced or captured -- a cache hit
+across calls would freeze a layout into a CUDA graph. The eager path (``function.TritonBackend`` outside
+``torch.compile``) calls the launchers directly and keeps its per-``Segments`` cache.
 
 The Python wrappers below (``lora_shrink`` ... ``lora_shrink_bwd``) take ``Segments`` / ``AdapterTable`` like the
 launchers in ``fast_multilora.kernels`` and call the ops.
@@ -58,6 +58,7 @@ def _layout(segs: Segments, table: AdapterTable, *extra: int) -> tuple[list, lis
 
 
 _N_LAYOUT_INTS = 6
+_MAX_RANK, _TOTAL_RANK, _HAS_DROPOUT = 3, 4, 5  # positions in ``ints`` (the fake kernels read them)
 
 
 def _unpack(tensors: list, ints: list) -> tuple[Segments, AdapterTable, list]:
@@ -82,8 +83,8 @@ _LIB = torch.library.Library("fast_multilora", "DEF")
 def _op(schema: str):
     """Define ``fast_multilora::<schema>`` and register the decorated function as its kernel on every device
     (``CompositeExplicitAutograd``), so the dispatcher calls it directly: ``torch.library.custom_op``'s Python layers
-    around a kernel (autograd wrapper, version bump of mutated inputs, aliasing checks) cost ~15-40 us of host time
-    per call on this repo's VM, up to 5x a launcher's own. The ops are not differentiable (their callers are an
+    around a kernel (autograd wrapper, version bump of mutated inputs, aliasing checks) cost ~40-50 us of host time
+    per call on this repo's VM, around a launcher's own ~8 us. The ops are not differentiable (their callers are an
     autograd Function's forward and backward); ``register_fake`` gives them their fake-tensor kernels."""
     name = schema.split("(", 1)[0]
     _LIB.define(schema, tags=(torch.Tag.pt2_compliant_tag,))  # opcheck-tested, as custom_op would tag it
@@ -118,8 +119,9 @@ def _stores(seed, has_dropout: bool, store_mask: bool, stack_num: int) -> bool:
 @_fake("lora_shrink")
 def _(x, A_cat, layout, ints, seed):
     stack_num, store_mask = ints[_N_LAYOUT_INTS:]
-    h = x.new_empty(x.shape[0], stack_num * ints[3], dtype=_acc(x.dtype))
-    shape = (x.shape[0], (x.shape[1] + 7) // 8) if _stores(seed, ints[5], store_mask, stack_num) else (0, 0)
+    h = x.new_empty(x.shape[0], stack_num * ints[_MAX_RANK], dtype=_acc(x.dtype))
+    stores = _stores(seed, ints[_HAS_DROPOUT], store_mask, stack_num)
+    shape = (x.shape[0], (x.shape[1] + 7) // 8) if stores else (0, 0)
     return h, x.new_empty(shape, dtype=torch.uint8)
 
 
@@ -151,7 +153,8 @@ def _expand_bwd_op(dy: Tensor, h: Tensor, B_cat: Tensor, layout: list[Optional[T
 def _(dy, h, B_cat, layout, ints, dh):
     acc = _acc(dy.dtype)
     stack_num = ints[_N_LAYOUT_INTS]
-    return (dy.new_empty(dy.shape[0], stack_num * ints[3], dtype=acc), dy.new_empty(dy.shape[1], ints[4], dtype=acc))
+    return (dy.new_empty(dy.shape[0], stack_num * ints[_MAX_RANK], dtype=acc),
+            dy.new_empty(dy.shape[1], ints[_TOTAL_RANK], dtype=acc))
 
 
 @_op("lora_shrink_bwd(Tensor dh, Tensor x, Tensor A_cat, Tensor?[] layout, SymInt[] ints, Tensor? seed, "
@@ -170,7 +173,7 @@ def _shrink_bwd_op(dh: Tensor, x: Tensor, A_cat: Tensor, layout: list[Optional[T
 def _(dh, x, A_cat, layout, ints, seed, keep):
     stack_num, need_dx = ints[_N_LAYOUT_INTS:]
     dx = x.new_empty(x.shape) if need_dx else x.new_empty(0, x.shape[1])
-    return dx, x.new_empty(stack_num * ints[4], x.shape[1], dtype=_acc(x.dtype))
+    return dx, x.new_empty(stack_num * ints[_TOTAL_RANK], x.shape[1], dtype=_acc(x.dtype))
 
 
 # ------------------------------------------------------------------------------------------------------------------
