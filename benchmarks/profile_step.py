@@ -11,6 +11,10 @@ store with ``fast_multilora.AdamW``) at each adapter count on one model grown by
 backward, optimizer step + ``zero_grad``) host and GPU time, kernel time by kernel against the first count, the
 optimizer step alone, and at the last count the torch ops and cProfile -- what grows with the adapter count.
 
+``--eval`` (with ``--compile MODE`` or eager): ``eval_8``'s forward (16 x 1024 tokens, 8 adapters over 14 rows and 2
+``__base__`` rows, no grad) for ours and for the plain base model, side by side: where a forward's host and kernel
+time go, compiled or not.
+
 ``--layer``: the same for one call of the harness's ``layer_4096`` scenario (a 4096x4096 ``nn.Linear`` in a
 ``PeftModel``, 8 x 1024 tokens, forward + backward), ours with 8 adapters mixed against stock PEFT's single adapter:
 where a lone layer call's host time goes."""
@@ -250,6 +254,42 @@ def build_decode(ours: bool, n_adapters=8, rows=16, prompt=128, cfg=None, device
     return step
 
 
+def build_eval(ours: bool, compile_mode=None, n_adapters=8, rows=16, T=1024, cfg=None, device="cuda"):
+    """``eval_8``'s forward (no grad): ours with ``n_adapters`` over ``rows - 2`` rows and 2 ``__base__`` rows, or the
+    plain base model; with ``compile_mode`` under ``torch.compile`` (the first call compiles)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**(cfg or BENCH_LLAMA))).to(torch.bfloat16).eval()
+    kw = {}
+    if ours:
+        lc = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=TARGETS)
+        model = get_peft_model(model, lc, adapter_name="a0")
+        for i in range(1, n_adapters):
+            model.add_adapter(f"a{i}", lc)
+        fast_multilora.patch(model, backend="triton" if device == "cuda" else "torch")
+        model.eval()
+        kw["adapter_names"] = [f"a{i % n_adapters}" for i in range(rows - 2)] + ["__base__"] * 2
+    ids = torch.randint(0, model.config.vocab_size, (rows, T), device=device)
+    fwd = model if compile_mode is None else torch.compile(
+        model, mode=None if compile_mode == "default" else compile_mode)
+
+    def forward():
+        with torch.no_grad():
+            return fwd(input_ids=ids, **kw).logits
+
+    return forward
+
+
+def profile_eval(say, compile_mode=None):
+    how = "eager" if compile_mode is None else f"torch.compile, mode {compile_mode}"
+    profile_both(say, f"eval_8 forward ({how})", lambda ours: build_eval(ours, compile_mode),
+                 ("base model", "fast_multilora, 8 adapters + 2 __base__ rows"), "forward", n_prof=5, n_cprof=10,
+                 top_kernels=30, op_rows=30, cprof_rows=35)
+
+
 def build_scale(pm, n: int, rows=16, T=1024):
     """``step`` of ``train_step_scale`` at ``n`` adapters on ``pm`` (grown to ``n`` by ``add_adapter``): packed rows,
     ``max(4, n // rows)`` samples per row, the store with ``fast_multilora.AdamW``; ``step.parts`` the three phases."""
@@ -409,8 +449,14 @@ def main(argv=None):
     ap.add_argument("--decode", action="store_true", help="profile a mixed dynamic-cache decode step instead")
     ap.add_argument("--scale", default=None, help="adapter counts, e.g. 8,64: the issue-18 step's growth")
     ap.add_argument("--compile", default=None, help="torch.compile the model: default | reduce-overhead | ...")
+    ap.add_argument("--eval", action="store_true", help="profile eval_8's forward (eager, or --compile) instead")
     a = ap.parse_args(argv)
     say, buf = tee()
+    if a.eval:
+        profile_eval(say, a.compile)
+        if a.out:
+            Path(a.out).write_text(buf.getvalue())
+        return
     if a.scale:
         profile_scale(say, [int(c) for c in a.scale.split(",")])
         if a.out:
