@@ -1,6 +1,7 @@
 """Where a train step's time goes (issue-4 step: 8 adapters mixed, 16 x 1024, Llama shape, bf16, r=16, dropout
-0.05): host time per step, kernel launches per step by kernel, the top Python functions by own time (cProfile) and
-the top torch ops by self CPU time. Usage (GPU): ``python benchmarks/profile_step.py [--out FILE]``.
+0.05; ``--shape 32,32,512``: ``train_step_32``'s): host time per step, kernel launches per step by kernel, the top
+Python functions by own time (cProfile) and the top torch ops by self CPU time. Usage (GPU):
+``python benchmarks/profile_step.py [--out FILE]``.
 
 ``--decode``: one dynamic-cache decode step of ``generate_dynamic``'s batch (16 rows of 128 prompt tokens, 8 adapters
 mixed with ``__base__`` rows, eval, bf16) for ours and for the plain base model: host time per step, launches by
@@ -450,6 +451,8 @@ def main(argv=None):
     ap.add_argument("--scale", default=None, help="adapter counts, e.g. 8,64: the issue-18 step's growth")
     ap.add_argument("--compile", default=None, help="torch.compile the model: default | reduce-overhead | ...")
     ap.add_argument("--eval", action="store_true", help="profile eval_8's forward (eager, or --compile) instead")
+    ap.add_argument("--shape", default="8,16,1024",
+                    help="the train step's adapters,rows,tokens per row (train_step_32: 32,32,512)")
     a = ap.parse_args(argv)
     say, buf = tee()
     if a.eval:
@@ -468,7 +471,8 @@ def main(argv=None):
             Path(a.out).write_text(buf.getvalue())
         return
 
-    _, step = build(compile_mode=a.compile)
+    n_adapters, rows, T = (int(v) for v in a.shape.split(","))
+    _, step = build(n_adapters, rows, T, compile_mode=a.compile)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
