@@ -225,23 +225,32 @@ def profile_layer(say):
                  details, n_prof=10, n_cprof=20, top_kernels=20, op_rows=30, cprof_rows=35)
 
 
-def build_decode(ours: bool, n_adapters=8, rows=16, prompt=128, cfg=None, device="cuda"):
-    """One decode step (1 token per row) after a prefill, dynamic cache, no grad: ours with ``n_adapters`` mixed
-    with ``__base__`` rows (every fourth), or the plain base model. Each call appends one position to the cache."""
+def eval_model(ours: bool, n_adapters: int, cfg=None, device="cuda", lora_dropout=0.0):
+    """The benchmark Llama (random init, bf16, eval): plain, or (``ours``) a PEFT model of ``n_adapters`` patched."""
     from peft import LoraConfig, get_peft_model
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(LlamaConfig(**(cfg or BENCH_LLAMA))).to(torch.bfloat16).eval()
-    kw = {}
     if ours:
-        lc = LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS)
+        lc = LoraConfig(r=16, lora_alpha=32, lora_dropout=lora_dropout, target_modules=TARGETS)
         model = get_peft_model(model, lc, adapter_name="a0")
         for i in range(1, n_adapters):
             model.add_adapter(f"a{i}", lc)
         fast_multilora.patch(model, backend="triton" if device == "cuda" else "torch")
         model.eval()
+    return model
+
+
+def build_decode(ours: bool, n_adapters=8, rows=16, prompt=128, cfg=None, device="cuda"):
+    """One decode step (1 token per row) after a prefill, dynamic cache, no grad: ours with ``n_adapters`` mixed
+    with ``__base__`` rows (every fourth), or the plain base model. Each call appends one position to the cache."""
+    from transformers import DynamicCache
+
+    model = eval_model(ours, n_adapters, cfg, device)
+    kw = {}
+    if ours:
         kw["adapter_names"] = ["__base__" if i % 4 == 3 else f"a{i % n_adapters}" for i in range(rows)]
     ids = torch.randint(0, model.config.vocab_size, (rows, prompt), device=device)
     cache = DynamicCache()
@@ -258,20 +267,9 @@ def build_decode(ours: bool, n_adapters=8, rows=16, prompt=128, cfg=None, device
 def build_eval(ours: bool, compile_mode=None, n_adapters=8, rows=16, T=1024, cfg=None, device="cuda"):
     """``eval_8``'s forward (no grad): ours with ``n_adapters`` over ``rows - 2`` rows and 2 ``__base__`` rows, or the
     plain base model; with ``compile_mode`` under ``torch.compile`` (the first call compiles)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(LlamaConfig(**(cfg or BENCH_LLAMA))).to(torch.bfloat16).eval()
+    model = eval_model(ours, n_adapters, cfg, device, lora_dropout=0.05)
     kw = {}
     if ours:
-        lc = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=TARGETS)
-        model = get_peft_model(model, lc, adapter_name="a0")
-        for i in range(1, n_adapters):
-            model.add_adapter(f"a{i}", lc)
-        fast_multilora.patch(model, backend="triton" if device == "cuda" else "torch")
-        model.eval()
         kw["adapter_names"] = [f"a{i % n_adapters}" for i in range(rows - 2)] + ["__base__"] * 2
     ids = torch.randint(0, model.config.vocab_size, (rows, T), device=device)
     fwd = model if compile_mode is None else torch.compile(
@@ -443,6 +441,25 @@ def profile_decode(say):
                  "step", n_prof=5, n_cprof=10, top_kernels=20, op_rows=30, cprof_rows=35, cumulative_rows=40)
 
 
+def profile_train(say, n_adapters: int, rows: int, T: int, compile_mode=None):
+    """The train step (``build``): wall and host time per step, then :func:`report`."""
+    _, step = build(n_adapters, rows, T, compile_mode=compile_mode)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    host, total = [], []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        host.append((t1 - t0) * 1e3)
+        total.append((time.perf_counter() - t0) * 1e3)
+    say(f"step: wall {statistics.median(total):.1f} ms, host (until the last launch returns) "
+        f"{statistics.median(host):.1f} ms (medians of 7)")
+    report(say, step, "step", n_prof=1, n_cprof=3, top_kernels=30, op_rows=35, cprof_rows=45, cumulative_rows=60)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -457,40 +474,14 @@ def main(argv=None):
     say, buf = tee()
     if a.eval:
         profile_eval(say, a.compile)
-        if a.out:
-            Path(a.out).write_text(buf.getvalue())
-        return
-    if a.scale:
+    elif a.scale:
         profile_scale(say, [int(c) for c in a.scale.split(",")])
-        if a.out:
-            Path(a.out).write_text(buf.getvalue())
-        return
-    if a.decode or a.layer:
+    elif a.decode or a.layer:
         (profile_decode if a.decode else profile_layer)(say)
-        if a.out:
-            Path(a.out).write_text(buf.getvalue())
-        return
-
-    n_adapters, rows, T = (int(v) for v in a.shape.split(","))
-    _, step = build(n_adapters, rows, T, compile_mode=a.compile)
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    host, total = [], []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        step()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        host.append((t1 - t0) * 1e3)
-        total.append((time.perf_counter() - t0) * 1e3)
-    say(f"step: wall {statistics.median(total):.1f} ms, host (until the last launch returns) "
-        f"{statistics.median(host):.1f} ms (medians of 7)")
-
-    report(say, step, "step", n_prof=1, n_cprof=3, top_kernels=30, op_rows=35, cprof_rows=45, cumulative_rows=60)
+    else:
+        profile_train(say, *(int(v) for v in a.shape.split(",")), compile_mode=a.compile)
     if a.out:
         Path(a.out).write_text(buf.getvalue())
-
 
 if __name__ == "__main__":
     main()
