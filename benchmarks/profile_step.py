@@ -43,7 +43,7 @@ from multi_adapter_tasks import BENCH_LLAMA  # noqa: E402
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def build(n_adapters=8, rows=16, T=1024, compile_mode=None):
+def build(n_adapters=8, rows=16, T=1024, compile_mode=None, store=False):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -61,9 +61,12 @@ def build(n_adapters=8, rows=16, T=1024, compile_mode=None):
     ids = torch.randint(0, BENCH_LLAMA["vocab_size"], (rows, T), device="cuda")
     names = [f"a{i % n_adapters}" for i in range(rows)]
     params = [p for p in pm.parameters() if p.requires_grad]
-    opts = {"foreach": torch.optim.AdamW(params, lr=1e-4, foreach=True),
-            "fused": torch.optim.AdamW(params, lr=1e-4, fused=True)}
-    use = {"opt": opts["foreach"]}
+    if store:  # the adapter store's one-launch AdamW (the layers then take the store's leaves)
+        opts = {"store": fast_multilora.AdamW(pm, lr=1e-4)}
+    else:
+        opts = {"foreach": torch.optim.AdamW(params, lr=1e-4, foreach=True),
+                "fused": torch.optim.AdamW(params, lr=1e-4, fused=True)}
+    use = {"opt": next(iter(opts.values()))}
     split = []  # host seconds per step: (forward + loss, backward, optimizer step + zero_grad)
     fwd = pm if compile_mode is None else torch.compile(pm, mode=None if compile_mode == "default" else compile_mode)
 
@@ -441,9 +444,9 @@ def profile_decode(say):
                  "step", n_prof=5, n_cprof=10, top_kernels=20, op_rows=30, cprof_rows=35, cumulative_rows=40)
 
 
-def profile_train(say, n_adapters: int, rows: int, T: int, compile_mode=None):
+def profile_train(say, n_adapters: int, rows: int, T: int, compile_mode=None, store=False):
     """The train step (``build``): wall and host time per step, then :func:`report`."""
-    _, step = build(n_adapters, rows, T, compile_mode=compile_mode)
+    _, step = build(n_adapters, rows, T, compile_mode=compile_mode, store=store)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -470,6 +473,8 @@ def main(argv=None):
     ap.add_argument("--eval", action="store_true", help="profile eval_8's forward (eager, or --compile) instead")
     ap.add_argument("--shape", default="8,16,1024",
                     help="the train step's adapters,rows,tokens per row (train_step_32: 32,32,512)")
+    ap.add_argument("--store", action="store_true",
+                    help="train step with fast_multilora.AdamW (the adapter store) instead of torch's AdamW")
     a = ap.parse_args(argv)
     say, buf = tee()
     if a.eval:
@@ -479,7 +484,8 @@ def main(argv=None):
     elif a.decode or a.layer:
         (profile_decode if a.decode else profile_layer)(say)
     else:
-        profile_train(say, *(int(v) for v in a.shape.split(",")), compile_mode=a.compile)
+        profile_train(say, *(int(v) for v in a.shape.split(",")), compile_mode=a.compile,
+                      store=a.store)
     if a.out:
         Path(a.out).write_text(buf.getvalue())
 
