@@ -83,8 +83,11 @@ class TorchBackend:
         return reference.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx, dh=dh)
 
     @_no_autocast
-    def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx, keep=None, grad_dtype=None):
-        return reference.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, keep=keep, need_dx=need_dx)
+    def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx, keep=None, grad_dtype=None,
+                   dx_acc=None):
+        dx, dA = reference.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, keep=keep,
+                                           need_dx=need_dx)
+        return (dx if dx_acc is None or dx is None else dx_acc.add_(dx)), dA
 
 
 class TritonBackend:
@@ -159,15 +162,18 @@ class TritonBackend:
         return self.k.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx,
                                       dh=dh, dB_out=dB, dB_blocked=True)
 
-    def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx, keep=None, grad_dtype=None):
-        """``(dx, dA)``; with ``grad_dtype`` (eager only) ``dA`` comes in that dtype, else float32."""
+    def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx, keep=None, grad_dtype=None,
+                   dx_acc=None):
+        """``(dx, dA)``; with ``grad_dtype`` (eager only) ``dA`` comes in that dtype, else float32. ``dx_acc``: the
+        dx terms are added into it (returned as ``dx``)."""
         if _compiling():
             return self.ops.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed,
-                                            need_dx=need_dx, keep=keep)
+                                            need_dx=need_dx, keep=keep, dx_acc=dx_acc)
         dA = None if grad_dtype is None else torch.empty(stack_num * table.total_rank, x.shape[1],
                                                          dtype=grad_dtype, device=x.device)
+        acc = need_dx and dx_acc is not None
         return self.k.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed, need_dx=need_dx,
-                                      keep=keep, dA_out=dA)
+                                      keep=keep, dA_out=dA, dx_out=dx_acc if acc else None, accumulate_dx=acc)
 
 
 _BACKENDS: dict = {}
@@ -249,8 +255,15 @@ def lora_dropout_rate(drop: torch.nn.Module) -> float:
 
 
 def linear_with_delta(backend, x, W, bias, h, B_cat, segs, table, stack_num, slice_idx) -> torch.Tensor:
-    """``x Wᵀ (+ bias) + delta``: the expand writes the delta into a fresh ``y`` (write mode, bias folded in, every
-    row defined) and cuBLAS accumulates the base GEMM into it (``addmm_``, beta 1)."""
+    """``x Wᵀ (+ bias) + delta``. Eager: the expand writes the delta into a fresh ``y`` (write mode, bias folded in,
+    every row defined) and cuBLAS accumulates the base GEMM into it (``addmm_``, beta 1). While ``torch.compile``
+    traces, the base GEMM comes first and the expand accumulates into its output: a traced ``addmm_`` becomes an
+    out-of-place ``addmm``, which copies its input first, where the expand's in-place update of a fresh
+    intermediate is re-inplaced by Inductor (no copy)."""
+    if _compiling():
+        y = x @ W.t() if bias is None else torch.addmm(bias, x, W.t())
+        backend.expand(h, B_cat, segs, table, y, stack_num, slice_idx)
+        return y
     y = torch.empty(x.shape[0], W.shape[0], dtype=x.dtype, device=x.device)
     backend.expand(h, B_cat, segs, table, y, stack_num, slice_idx, accumulate=False, bias=bias)
     return y.addmm_(x, W.t())
@@ -344,10 +357,15 @@ class LoraLinear(torch.autograd.Function):
                 call.stack.reached.add(call.slice_idx)
             if call.lead:
                 reached, call.stack.reached = call.stack.reached, set()
+        base_dx = call.fused and need_dx and dy is not None
+        if base_dx and _compiling():
+            # the base part first, the shrink backward adds its terms into it: a traced ``addmm_`` onto the
+            # kernel's dx (below, eager) would become an ``addmm`` that copies its input first
+            dx = dy @ W
         if call.lead and dh is not None and (need_dx or need_a):
             A = _a_weight(call, weights[:n_a])
             dx, dA = be.shrink_bwd(dh, x, A, segs, table, st, call.seed, need_dx, keep,
-                                   grad_dtype=_grad_dtype(w_dtypes[:n_a]))
+                                   grad_dtype=_grad_dtype(w_dtypes[:n_a]), dx_acc=dx)
             if need_a and call.stored is not None:
                 grads[0] = dA.to(w_dtypes[0])
             elif need_a:
@@ -356,7 +374,7 @@ class LoraLinear(torch.autograd.Function):
                 if reached is not None:  # a member whose output got no gradient gets no dA, as unstacked
                     a_grads = [g if i % st in reached else None for i, g in enumerate(a_grads)]
                 grads[:n_a] = a_grads
-        if call.fused and need_dx and dy is not None:
+        if base_dx and not _compiling():
             dx = dy @ W if dx is None else dx.addmm_(dy, W)  # cuBLAS accumulates the base part (beta 1)
         if dx is not None:
             dx = dx.view(x_shape)

@@ -9,7 +9,9 @@ Ops, namespace ``fast_multilora`` (``torch.ops.fast_multilora.<name>``):
   zero): mutates ``y``, returns nothing; ``torch.compile`` functionalises it.
 * ``lora_expand_bwd``  ``(dh, dB_cat)``; an optional ``dh`` input is the starting content of the returned ``dh``
   (the launcher's fill-in-place ``dh``, made functional).
-* ``lora_shrink_bwd``  ``(dx, dA_cat)``; without ``need_dx``, ``dx`` is an empty ``[0, K]`` tensor.
+* ``lora_shrink_bwd``  ``(dx, dA_cat)``; without ``need_dx``, ``dx`` is an empty ``[0, K]`` tensor. With ``dx_acc``
+  (mutated) the adapter rows' dx terms are added into it instead, and ``dx`` is empty: a fused layer's backward passes
+  the base part ``dy W`` there (a traced ``addmm_`` onto the op's ``dx`` would copy it first).
 
 The ops are not differentiable: ``function.LoraLinear``, the one autograd Function of a patched layer call, calls
 them in its forward and backward while ``torch.compile`` traces (and the launchers directly in eager mode), so the
@@ -158,21 +160,21 @@ def _(dy, h, B_cat, layout, ints, dh):
 
 
 @_op("lora_shrink_bwd(Tensor dh, Tensor x, Tensor A_cat, Tensor?[] layout, SymInt[] ints, Tensor? seed, "
-     "Tensor? keep) -> (Tensor, Tensor)")
+     "Tensor? keep, Tensor(a!)? dx_acc) -> (Tensor, Tensor)")
 def _shrink_bwd_op(dh: Tensor, x: Tensor, A_cat: Tensor, layout: list[Optional[Tensor]], ints: list[int],
-                   seed: Optional[Tensor], keep: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+                   seed: Optional[Tensor], keep: Optional[Tensor], dx_acc: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """ints: layout, stack_num, need_dx."""
     segs, table, (stack_num, need_dx) = _unpack(layout, ints)
     keep = keep if keep is not None and keep.numel() else None
     dx, dA = K.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed, need_dx=bool(need_dx),
-                               keep=keep)
-    return (dx if need_dx else x.new_empty(0, x.shape[1])), dA
+                               keep=keep, dx_out=dx_acc if need_dx else None, accumulate_dx=need_dx and dx_acc is not None)
+    return (dx if need_dx and dx_acc is None else x.new_empty(0, x.shape[1])), dA
 
 
 @_fake("lora_shrink_bwd")
-def _(dh, x, A_cat, layout, ints, seed, keep):
+def _(dh, x, A_cat, layout, ints, seed, keep, dx_acc):
     stack_num, need_dx = ints[_N_LAYOUT_INTS:]
-    dx = x.new_empty(x.shape) if need_dx else x.new_empty(0, x.shape[1])
+    dx = x.new_empty(x.shape) if need_dx and dx_acc is None else x.new_empty(0, x.shape[1])
     return dx, x.new_empty(stack_num * ints[_TOTAL_RANK], x.shape[1], dtype=_acc(x.dtype))
 
 
@@ -203,8 +205,10 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
 
 
 def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1,
-                    seed: Optional[Tensor] = None, need_dx: bool = True, keep: Optional[Tensor] = None):
-    """``kernels.lora_shrink_bwd`` through ``fast_multilora::lora_shrink_bwd``: ``(dx or None, dA_cat)``."""
+                    seed: Optional[Tensor] = None, need_dx: bool = True, keep: Optional[Tensor] = None,
+                    dx_acc: Optional[Tensor] = None):
+    """``kernels.lora_shrink_bwd`` through ``fast_multilora::lora_shrink_bwd``: ``(dx or None, dA_cat)``; with
+    ``dx_acc`` (and ``need_dx``) the dx terms are added into it, which is returned as ``dx``."""
     dx, dA = torch.ops.fast_multilora.lora_shrink_bwd(dh, x, A_cat, *_layout(segs, table, stack_num, need_dx), seed,
-                                                      keep)
-    return (dx if need_dx else None), dA
+                                                      keep, dx_acc)
+    return (None if not need_dx else dx if dx_acc is None else dx_acc), dA

@@ -683,12 +683,22 @@ def _lora_tuner(model):
     return base if isinstance(base, BaseTuner) else None
 
 
-def _input_device(args, kwargs):
-    """The device of a forward call's first tensor argument (``input_ids``, ``inputs_embeds``, ...), or ``None``."""
+def _input_info(args, kwargs) -> tuple:
+    """``(device, token shape)`` of a forward call's first tensor argument: ``input_ids`` / ``attention_mask``
+    ``[rows, T]`` as they are, ``inputs_embeds`` less its last dim; ``(None, None)`` without one."""
     for v in (*args, *kwargs.values()):
         if isinstance(v, torch.Tensor):
-            return v.device
-    return None
+            lead = tuple(v.shape[:-1]) if v.is_floating_point() else tuple(v.shape)
+            return v.device, (lead if len(lead) == 2 else None)
+    return None, None
+
+
+def _begin(router: Router, names, ids, args, kwargs, decode: bool = False) -> None:
+    """``router.begin`` for a call on ``args`` / ``kwargs``; with ``decode`` (generate) also the layout of the
+    one-token decode steps."""
+    device, lead = _input_info(args, kwargs)
+    leads = () if lead is None else (lead, (lead[0], 1)) if decode and ids is None else (lead,)
+    router.begin(names, ids, device, leads)
 
 
 def _refuse_mixed_alora(kwargs, names, ids) -> None:
@@ -705,7 +715,7 @@ def _model_pre_hook(model, args, kwargs):
     names = kwargs.pop("adapter_names", None)
     ids = kwargs.pop("adapter_ids", None)
     _refuse_mixed_alora(kwargs, names, ids)
-    router.begin(names, ids, _input_device(args, kwargs))
+    _begin(router, names, ids, args, kwargs)
     router.entered = True  # PeftModel.forward's _enable_peft_forward_hooks then keeps this routing
     return args, kwargs
 
@@ -731,7 +741,7 @@ def _enable_routing(router: Router, *args, **kwargs):
                 "active while generating; call model.eval() first (PEFT itself refuses adapter_names in training)",
                 stacklevel=4,
             )
-        router.begin(names, ids, _input_device(args, kwargs))
+        _begin(router, names, ids, args, kwargs, decode=not entered)
     yield
 
 

@@ -166,9 +166,11 @@ class Router:
         return Routing(names, tuple(known), token_slots=vocab[torch.where(ids < 0, len(names), ids)])
 
     @torch.compiler.disable
-    def begin(self, adapter_names=None, adapter_ids=None, device=None) -> None:
+    def begin(self, adapter_names=None, adapter_ids=None, device=None, leads=()) -> None:
         """Start routing a forward call; ``adapter_names=None`` turns routing off (stock PEFT behaviour).
-        ``device``: where the slot tensor goes (the input's device; default: the LoRA weights')."""
+        ``device``: where the slot tensor goes (the input's device; default: the LoRA weights'). ``leads``: token
+        shapes the layers will see (the input's ``[rows, T]``; ``[rows, 1]`` for generate's decode steps), whose
+        layouts are built here, outside any compiled graph (:meth:`segments`)."""
         for group in self.groups:
             group.pending = None
         if adapter_names is None:
@@ -179,9 +181,23 @@ class Router:
         device = torch.device(device) if device is not None else self._weights_device()
         if adapter_ids is None:  # per-row names: reuse the routing (and its layouts) of an identical earlier call
             self.current = self.routing_for_names(adapter_names, device)
+        else:
+            self.current = self._make_routing(adapter_names, adapter_ids, device)
+            self.refresh(self.current)
+        for lead in leads:
+            self._prebuild(self.current, tuple(lead), device)
+
+    def _prebuild(self, routing: Routing, lead: tuple, device) -> None:
+        """Build (eagerly) and cache the layout of token shape ``lead``, when the routing fits it; a shape it does
+        not fit is left to the layers, which raise the error that names the mismatch."""
+        key = (lead, device)
+        if key in routing.layouts or not lead:
             return
-        self.current = self._make_routing(adapter_names, adapter_ids, device)
-        self.refresh(self.current)
+        if routing.per_row and lead[0] != routing.rows:
+            return
+        if not routing.per_row and lead != tuple(routing.token_slots.shape):
+            return
+        self._store(routing, key, self._build(routing, lead, device))
 
     @torch.compiler.disable
     def routing_for_names(self, names, device) -> Routing:
@@ -207,17 +223,25 @@ class Router:
 
     # -- layouts --------------------------------------------------------------------------------------------------
     def segments(self, routing: Routing, x: torch.Tensor) -> Segments:
-        """The ``Segments`` of ``x``'s rows (tokens ``x.shape[:-1]``): cached per shape in eager mode, built by
-        device ops while ``torch.compile`` traces (a compiled graph holds no layout of one mix)."""
+        """The ``Segments`` of ``x``'s rows (tokens ``x.shape[:-1]``), cached per shape in the routing. While
+        ``torch.compile`` traces, a layout :meth:`begin` built for the call's token shape enters the graph as inputs
+        (one layout per forward call, as in eager mode; the graph guards on the key only, so it serves every mix);
+        any other shape is built by device ops inside the graph (a compiled graph holds no layout of one mix)."""
         lead = tuple(x.shape[:-1])
-        if torch.compiler.is_compiling():
-            return self._build(routing, lead, x.device)
         key = (lead, x.device)
+        if torch.compiler.is_compiling():
+            segs = routing.layouts.get(key) if all(type(d) is int for d in lead) else None
+            return segs if segs is not None else self._build(routing, lead, x.device)
         segs = routing.layouts.get(key)
         if segs is None:
-            if len(routing.layouts) > 16:  # e.g. a long generate(): keep the cache bounded
-                routing.layouts.clear()
-            segs = routing.layouts[key] = self._build(routing, lead, x.device)
+            segs = self._store(routing, key, self._build(routing, lead, x.device))
+        return segs
+
+    @staticmethod
+    def _store(routing: Routing, key, segs: Segments) -> Segments:
+        if len(routing.layouts) > 16:  # e.g. a long generate(): keep the cache bounded
+            routing.layouts.clear()
+        routing.layouts[key] = segs
         return segs
 
     def _build(self, routing: Routing, lead: tuple, device) -> Segments:

@@ -345,9 +345,11 @@ def _shrink_bwd_kernel(
     NEED_DX: tl.constexpr, HAS_DROPOUT: tl.constexpr, LOAD_MASK: tl.constexpr, HOIST_A: tl.constexpr,
     EVEN_K: tl.constexpr, W_OFFS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    DROP_STACK: tl.constexpr,
+    DROP_STACK: tl.constexpr, ACC_DX: tl.constexpr,
 ):
     """dx[t, k] = keep/(1-p) * dh[t, :R] . A[rows, k];  part_dA[chunk, j, k] = sum_t dh[t, j] x[t, k] keep/(1-p).
+
+    ``ACC_DX``: dx (+)= instead: adapter rows get their term added (in fp32, rounded once), base rows stay as they are.
 
     ``DROP_STACK > 1`` (dropout on a stack of that many slices): column ``j`` of dh (row of A) belongs to slice
     ``j // rank``, whose own mask (key ``slice_seed(seed, s)``) multiplies that slice's terms of dx and dA.
@@ -365,8 +367,8 @@ def _shrink_bwd_kernel(
     rank = tl.load(ranks + tl.maximum(slot, 0), mask=slot >= 0, other=0)
     o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
     m_k = o_k < K
-    if (slot < 0) | (rank == 0):  # base tokens / absent adapter: dx rows are zero
-        if NEED_DX:
+    if (slot < 0) | (rank == 0):  # base tokens / absent adapter: dx rows are zero (untouched with ACC_DX)
+        if NEED_DX and not ACC_DX:
             if i_r == 0:
                 for s0 in range(start, end, BLOCK_S):
                     o_s = s0 + tl.arange(0, BLOCK_S)
@@ -428,7 +430,11 @@ def _shrink_bwd_kernel(
             if NEED_DX:
                 if i_r == 0:
                     p_dx = dx + o_t[:, None] * stride_dxs + o_k[None, :] * stride_dxk
-                    tl.store(p_dx, (b_dx * inv_keep).to(dx.dtype.element_ty), mask=m_s[:, None] & m_k[None, :])
+                    b_dx = (b_dx * inv_keep).to(dx.dtype.element_ty)
+                    if ACC_DX:
+                        b_dx = (tl.load(p_dx, mask=m_s[:, None] & m_k[None, :], other=0.0).to(b_da.dtype)
+                                + b_dx.to(b_da.dtype)).to(dx.dtype.element_ty)
+                    tl.store(p_dx, b_dx, mask=m_s[:, None] & m_k[None, :])
         else:
             if HAS_DROPOUT:
                 if LOAD_MASK:  # the forward's draw, packed: [BLOCK_S, BLOCK_K // 8] bytes
@@ -470,6 +476,9 @@ def _shrink_bwd_kernel(
                     else:
                         b_dx = b_dx.to(dx.dtype.element_ty)
                     p_dx = dx + o_t[:, None] * stride_dxs + o_k[None, :] * stride_dxk
+                    if ACC_DX:  # the term rounded as when written, then added to what dx holds
+                        b_dx = (tl.load(p_dx, mask=m_s[:, None] & m_k[None, :], other=0.0).to(b_da.dtype)
+                                + b_dx.to(b_da.dtype)).to(dx.dtype.element_ty)
                     tl.store(p_dx, b_dx, mask=m_s[:, None] & m_k[None, :])
     if HAS_DROPOUT:
         b_da = b_da * inv_keep
@@ -644,10 +653,12 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
 
 def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1,
                     seed=None, need_dx: bool = True, dx_out: Optional[torch.Tensor] = None,
-                    dA_out: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None):
+                    dA_out: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None,
+                    accumulate_dx: bool = False):
     """Returns ``(dx, dA_cat)``: ``dx`` in ``x``'s dtype, every row written (zero for base tokens, slot -1 and rank
     0; ``None`` unless ``need_dx``) and ``dA_cat`` float32 ``[stack_num*total_rank, K]`` (every row written, zero for
-    slots without tokens). ``seed`` (Philox, or ``None``) regenerates the forward's dropout mask; ``keep``, the
+    slots without tokens). ``accumulate_dx``: adapter rows' terms are added to the given ``dx_out`` (each rounded to
+    ``x``'s dtype, as written, then summed in fp32 and rounded once), base rows keep what it holds. ``seed`` (Philox, or ``None``) regenerates the forward's dropout mask; ``keep``, the
     packed mask ``lora_shrink(..., keep_out=)`` stored for the same seed, is read instead of drawn again. A given
     ``dA_out`` may be bfloat16 or float16 (float32 accumulation): the sums are rounded once, as they are stored."""
     name = "lora_shrink_bwd"
@@ -662,6 +673,8 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
         check_keep_bits(name, keep, x, stack_num)
     if not (need_dx or dx_out is None):
         raise ValueError(f"{name}: dx_out given but need_dx=False")
+    if accumulate_dx and dx_out is None:
+        raise ValueError(f"{name}: accumulate_dx needs dx_out (the tensor the terms are added to)")
     dx = None
     if need_dx:
         dx = dx_out if dx_out is not None else torch.empty_like(x)
@@ -705,6 +718,7 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
         EVEN_K=K % BLOCK_K == 0, DOT_PRECISION=_dot_precision(x.dtype), W_OFFS=w_offs is not None,
         BLOCK_S=BLOCK_S, BLOCK_K=BLOCK_K, BLOCK_R=BLOCK_R, num_warps=num_warps, num_stages=num_stages,
         DROP_STACK=stack_num if has_dropout else 1,  # a mask per stacked slice
+        ACC_DX=accumulate_dx,
     ))
     if R_tot > 0 and n_slots > 0:
         BLOCK_KF = min(128, max(16, _FINISH_TILE // BLOCK_R))

@@ -46,10 +46,11 @@ def _problem(grouped, device, dropout=False):
 @pytest.mark.parametrize("grouped", FAMILIES)
 @pytest.mark.parametrize("op", ["lora_shrink", "lora_shrink_store", "lora_expand", "lora_expand_write",
                                 "lora_expand_bwd", "lora_expand_bwd_dh", "lora_shrink_bwd", "lora_shrink_bwd_keep",
-                                "lora_shrink_bwd_no_dx"])
+                                "lora_shrink_bwd_no_dx", "lora_shrink_bwd_acc"])
 def test_opcheck(op, grouped, device):
     """The four ops' schema, fake tensors and AOT dispatch (dynamic shapes), with a device seed; the expand in
-    add and write mode (with a bias), the backward ops with their optional inputs."""
+    add and write mode (with a bias), the backward ops with their optional inputs (the shrink backward's mutated
+    ``dx_acc`` too)."""
     t, segs, table = _problem(grouped, device, dropout=True)
     seed = torch.tensor([1234], dtype=torch.int32, device=device)
 
@@ -65,9 +66,11 @@ def test_opcheck(op, grouped, device):
         "lora_expand_write": (f.lora_expand, (t["h"], t["B"], t["y"], *L(1, 0, False), t["bias"])),
         "lora_expand_bwd": (f.lora_expand_bwd, (t["dy"], t["h"], t["B"], *L(1, 0), None)),
         "lora_expand_bwd_dh": (f.lora_expand_bwd, (t["dy"], t["h"], t["B"], *L(1, 0), t["h"])),
-        "lora_shrink_bwd": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L(1, True), seed, None)),
-        "lora_shrink_bwd_keep": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L(1, True), seed, keep)),
-        "lora_shrink_bwd_no_dx": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L(1, False), None, None)),
+        "lora_shrink_bwd": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L(1, True), seed, None, None)),
+        "lora_shrink_bwd_keep": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L(1, True), seed, keep, None)),
+        "lora_shrink_bwd_no_dx": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L(1, False), None, None, None)),
+        "lora_shrink_bwd_acc": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L(1, True), seed, keep,
+                                                    t["x"].clone())),
     }
     fn, args = cases[op]
     result = torch.library.opcheck(fn, args)
