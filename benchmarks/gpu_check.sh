@@ -46,7 +46,7 @@ T_TUNE=${T_TUNE:-240}
 T_AB=${T_AB:-150}
 T_GAPS=${T_GAPS:-150}
 MODEL_SCENARIOS=${MODEL_SCENARIOS:-}  # the model stage's scenarios (default: bench_model.py's own list)
-MODEL_ARGS=${MODEL_ARGS:-}  # more bench_model.py flags for the model stage (e.g. --scale-counts 8,64,256)
+MODEL_ARGS=${MODEL_ARGS:-}  # more bench_model.py flags for the model and compiled stages (e.g. --scale-counts 8,64,256)
 GPU_TESTS=${GPU_TESTS:-tests/}  # the tests stage's paths (e.g. GPU_TESTS=tests/test_compile_gpu.py)
 COMPILED_SCENARIOS=${COMPILED_SCENARIOS:-train_step_8_compiled,eval_8_compiled,generate_static,generate_dynamic}
 T_COMPILED=${T_COMPILED:-540}  # 12 providers, 9 of them compiled (40-90 s each on an H200)
@@ -171,7 +171,7 @@ main() {
             [ "$cm" = default ] || cj="$OUT/h200_$cm.json"
             stage "compiled_$cm" "$T_COMPILED" "$PY" benchmarks/bench_model.py --out "$cj" --merge \
                 --scenarios "$COMPILED_SCENARIOS" \
-                --compile-mode "$cm" --budget-s $((T_COMPILED - 35)) ${COMMIT:+--commit "$COMMIT"}
+                --compile-mode "$cm" --budget-s $((T_COMPILED - 35)) ${COMMIT:+--commit "$COMMIT"} $MODEL_ARGS
         done
     fi
     if want qlora; then  # --merge: adds its scenarios to the model stage's h200.json (or starts one)
