@@ -430,11 +430,12 @@ def _shrink_bwd_kernel(
             if NEED_DX:
                 if i_r == 0:
                     p_dx = dx + o_t[:, None] * stride_dxs + o_k[None, :] * stride_dxk
-                    b_dx = (b_dx * inv_keep).to(dx.dtype.element_ty)
+                    # a new name: Triton keeps a variable's type across an if (b_dx is fp32 outside)
+                    b_out = (b_dx * inv_keep).to(dx.dtype.element_ty)
                     if ACC_DX:
-                        b_dx = (tl.load(p_dx, mask=m_s[:, None] & m_k[None, :], other=0.0).to(b_da.dtype)
-                                + b_dx.to(b_da.dtype)).to(dx.dtype.element_ty)
-                    tl.store(p_dx, b_dx, mask=m_s[:, None] & m_k[None, :])
+                        b_out = (tl.load(p_dx, mask=m_s[:, None] & m_k[None, :], other=0.0).to(b_da.dtype)
+                                 + b_out.to(b_da.dtype)).to(dx.dtype.element_ty)
+                    tl.store(p_dx, b_out, mask=m_s[:, None] & m_k[None, :])
         else:
             if HAS_DROPOUT:
                 if LOAD_MASK:  # the forward's draw, packed: [BLOCK_S, BLOCK_K // 8] bytes
