@@ -81,6 +81,18 @@ _SHRINK_R16 = {
     "redrawn": ((4096, 32, 128, 8, 3), (float("inf"), 32, 128, 4, 2)),
     "stored": ((4096, 32, 256, 4, 3), (float("inf"), 32, 128, 4, 3)),
 }
+
+
+def _shrink_r16_tile(mode: str, K: int, accumulate_dx: bool) -> tuple:
+    """``(BLOCK_S, BLOCK_K, num_warps, num_stages)`` of ``_SHRINK_R16[mode]`` for ``K``. Adding into dx holds one more
+    [BLOCK_S, BLOCK_K] tile: the stored-mask row's 256-wide K tile then spills on sm_90 (255 registers + 64 bytes
+    of stack, ``test_gpu_table_compiles_for_sm90_without_spills``), so it takes 128."""
+    BLOCK_S, BLOCK_K, num_warps, num_stages = next(row[1:] for row in _SHRINK_R16[mode] if K <= row[0])
+    if accumulate_dx and mode == "stored":
+        BLOCK_K = min(BLOCK_K, 128)
+    return BLOCK_S, BLOCK_K, num_warps, num_stages
+
+
 # dA alone (``need_dx=False``: an input that needs no gradient): no dx tile, so wider K tiles and a pipelined row
 # loop. BLOCK_R -> (BLOCK_S, BLOCK_K, num_warps, num_stages), 16-bit entry then fp32/fp64.
 _SHRINK_DA_BLOCKS = {
@@ -690,8 +702,8 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     has_dropout = seed is not None and table.has_dropout
     load_mask = has_dropout and keep is not None
     if BLOCK_R == 16 and need_dx and stack_num == 1 and x.element_size() == 2 and not _INTERPRET:
-        rows = _SHRINK_R16["stored" if load_mask else "redrawn" if has_dropout else "none"]
-        BLOCK_S, BLOCK_K, num_warps, num_stages = next(row[1:] for row in rows if K <= row[0])
+        BLOCK_S, BLOCK_K, num_warps, num_stages = _shrink_r16_tile(
+            "stored" if load_mask else "redrawn" if has_dropout else "none", K, accumulate_dx)
     else:
         blocks = _SHRINK_BLOCKS if need_dx else _SHRINK_DA_BLOCKS
         BLOCK_S, BLOCK_K, num_warps, num_stages = blocks[BLOCK_R][x.element_size() >= 4]

@@ -468,7 +468,8 @@ def spills(kernel, types, consts, num_warps):
     out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     os.unlink(f.name)
     m = re.search(r"REG:(\d+) STACK:(\d+)", out)
-    print(fn.__name__, consts.get("BLOCK_S"), consts.get("BLOCK_R"), consts.get("W_OFFS"), m.group(0))
+    print(fn.__name__, consts.get("BLOCK_S"), consts.get("BLOCK_R"), consts.get("W_OFFS"), consts.get("LOAD_MASK"),
+          consts.get("ACC_DX"), m.group(0))
     return int(m.group(2))
 
 act = "bf16"
@@ -492,18 +493,20 @@ for need_dx, table in ((True, B._SHRINK_BLOCKS), (False, B._SHRINK_DA_BLOCKS)):
         if stack > 1:  # the launcher's rule for a mask per slice
             BS, nw = min(BS, 32), max(nw, 8)
         for load_mask in ((False, True) if stack == 1 else (False,)):  # the forward's stored mask, or redrawn
-            bad += spills(B._shrink_bwd_kernel, ptr, dict(NEED_DX=need_dx, HAS_DROPOUT=True, LOAD_MASK=load_mask,
-                                                          HOIST_A=True, EVEN_K=True, DOT_PRECISION="tf32",
-                                                          W_OFFS=False, BLOCK_S=BS, BLOCK_K=BK, BLOCK_R=block_r,
-                                                          DROP_STACK=stack),
-                          nw)
+            for acc in ((False, True) if need_dx else (False,)):  # dx written, or added (a compiled fused layer)
+                bad += spills(B._shrink_bwd_kernel, ptr, dict(NEED_DX=need_dx, HAS_DROPOUT=True, LOAD_MASK=load_mask,
+                                                              HOIST_A=True, EVEN_K=True, DOT_PRECISION="tf32",
+                                                              W_OFFS=False, BLOCK_S=BS, BLOCK_K=BK, BLOCK_R=block_r,
+                                                              DROP_STACK=stack, ACC_DX=acc),
+                              nw)
 # the training step's rows: 16-bit, one rank tile of 16, by the dropout mask's source
 for mode, rows in B._SHRINK_R16.items():
-    for (_bound, BS, BK, nw, _stages), w_offs in ((row, w) for row in rows for w in (False, True)):
+    for (bound, *_), w_offs, acc in ((row, w, a) for row in rows for w in (False, True) for a in (False, True)):
+        BS, BK, nw, _stages = B._shrink_r16_tile(mode, min(bound, 8192), acc)  # the launcher's rule
         bad += spills(B._shrink_bwd_kernel, ptr, dict(NEED_DX=True, HAS_DROPOUT=mode != "none",
                                                       LOAD_MASK=mode == "stored", HOIST_A=True, EVEN_K=True,
                                                       DOT_PRECISION="tf32", W_OFFS=w_offs, BLOCK_S=BS, BLOCK_K=BK,
-                                                      BLOCK_R=16, DROP_STACK=1), nw)
+                                                      BLOCK_R=16, DROP_STACK=1, ACC_DX=acc), nw)
 # the forward shrink with a mask per slice (dropout on a q/k/v stack), the dropout table's r <= 32 row
 from fast_multilora.kernels import forward as F
 from fast_multilora.kernels.sgemm import sgemm_shrink_kernel
