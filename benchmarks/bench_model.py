@@ -166,10 +166,11 @@ class Sizes:
             self.est = {"layer_4096": 12, "layer_2048": 10, "train_step_8": 88, "eval_8": 14, "train_step_1": 16,
                         "train_step_32": 55, "train_step_8_compiled": 200, "eval_8_compiled": 90,
                         "generate_static": 210, "generate_dynamic": 50,  # opt-in ones: one H200 run, inductor
-                        "moe_step_8": 90, "qlora_step_8": 90, "qlora_eval_8": 20,  # one H200 run each
-                        "train_step_scale": 330,  # 52698c4: 8..128 (4 counts, 2 AdamW rows) in ~325 s
-                        "train_step_scale_compiled": 450}  # not yet run: 5 compiles of ~60-80 s (the 8-adapter one)
+                        "moe_step_8": 90, "qlora_step_8": 90, "qlora_eval_8": 20}  # one H200 run each
             self.scale_counts = (8, 32, 64, 128, 256)
+            # the scale scenarios per adapter count (Run sets their est from the counts): 52698c4's eager run took
+            # ~325 s for 4 counts with 2 AdamW rows; compiled, one compile of ~60-80 s per count
+            self.est_scale_count = {"train_step_scale": 82, "train_step_scale_compiled": 90}
             self.est_provider, self.est_compiled = 5.0, 90.0  # compiled: compile + first call, 40-90 s on an H200
 
 
@@ -188,6 +189,8 @@ class Run:
         self.sz = Sizes(args.quick)
         if args.scale_counts:
             self.sz.scale_counts = tuple(int(c) for c in args.scale_counts.split(","))
+        for sc, per_count in getattr(self.sz, "est_scale_count", {}).items():
+            self.sz.est[sc] = per_count * len(self.sz.scale_counts)
         self.dtype = getattr(torch, self.sz.dtype)
         self.backend = args.backend or ("torch" if args.quick else "triton")
         if args.quick:
