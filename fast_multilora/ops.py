@@ -166,9 +166,10 @@ def _shrink_bwd_op(dh: Tensor, x: Tensor, A_cat: Tensor, layout: list[Optional[T
     """ints: layout, stack_num, need_dx."""
     segs, table, (stack_num, need_dx) = _unpack(layout, ints)
     keep = keep if keep is not None and keep.numel() else None
+    acc = bool(need_dx) and dx_acc is not None
     dx, dA = K.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed, need_dx=bool(need_dx),
-                               keep=keep, dx_out=dx_acc if need_dx else None, accumulate_dx=need_dx and dx_acc is not None)
-    return (dx if need_dx and dx_acc is None else x.new_empty(0, x.shape[1])), dA
+                               keep=keep, dx_out=dx_acc if acc else None, accumulate_dx=acc)
+    return (dx if need_dx and not acc else x.new_empty(0, x.shape[1])), dA
 
 
 @_fake("lora_shrink_bwd")

@@ -671,9 +671,10 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     """Returns ``(dx, dA_cat)``: ``dx`` in ``x``'s dtype, every row written (zero for base tokens, slot -1 and rank
     0; ``None`` unless ``need_dx``) and ``dA_cat`` float32 ``[stack_num*total_rank, K]`` (every row written, zero for
     slots without tokens). ``accumulate_dx``: adapter rows' terms are added to the given ``dx_out`` (each rounded to
-    ``x``'s dtype, as written, then summed in fp32 and rounded once), base rows keep what it holds. ``seed`` (Philox, or ``None``) regenerates the forward's dropout mask; ``keep``, the
-    packed mask ``lora_shrink(..., keep_out=)`` stored for the same seed, is read instead of drawn again. A given
-    ``dA_out`` may be bfloat16 or float16 (float32 accumulation): the sums are rounded once, as they are stored."""
+    ``x``'s dtype, as written, then summed in fp32 and rounded once), base rows keep what it holds. ``seed``
+    (Philox, or ``None``) regenerates the forward's dropout mask; ``keep``, the packed mask ``lora_shrink(...,
+    keep_out=)`` stored for the same seed, is read instead of drawn again. A given ``dA_out`` may be bfloat16 or
+    float16 (float32 accumulation): the sums are rounded once, as they are stored."""
     name = "lora_shrink_bwd"
     _check_common(name, x, segs, table, stack_num)
     S, K = x.shape

@@ -571,3 +571,60 @@ def test_held_parameters_are_parameters_and_unpatch_gives_their_class_back():
     fast_multilora.unpatch(model)
     assert all(type(p) is torch.nn.Parameter for p in model.parameters())
     assert {n: p for n, p in model.named_parameters() if "lora_" in n} == lora
+
+
+def test_a_layer_call_does_the_same_work_at_any_adapter_count(monkeypatch):
+    """Issue 18's premise, counted: one patched layer call (forward + backward, packed rows, every adapter with
+    tokens, the store's leaves) makes the same kernel launches, the same torch ops and the same autograd inputs at
+    8 and 64 adapters -- only tensor sizes grow. Launches are counted, not run (the interpreter would take minutes)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import fast_multilora.kernels.backward as KB
+    import fast_multilora.kernels.chunks as KC
+    import fast_multilora.kernels.forward as KF
+
+    launches = Counter()
+    for m in (KF, KB, KC):
+        monkeypatch.setattr(m, "launch", lambda fn, grid, args, meta: launches.update([fn.__name__]))
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    def work(n):
+        model = with_adapters(tiny_llama(0), {f"a{i:02d}": LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                                                                       target_modules=["q_proj"])
+                                              for i in range(n)})  # one target: 64 adapters build in seconds
+        fast_multilora.patch(model, backend="triton")
+        fast_multilora.AdamW(model, lr=1e-3)  # the store: the layers take its two leaves per call
+        model.train()
+        rows, T = 4, 32
+        ids = (torch.arange(rows * T).reshape(rows, T) * 7) % n  # every adapter has tokens
+        layer = model.base_model.model.model.layers[0].self_attn.q_proj
+        x = torch.randn(rows, T, layer.in_features, requires_grad=True)
+        inputs = Counter()
+        apply = fast_multilora.function.LoraLinear.apply
+
+        def counting_apply(*args):
+            inputs.update(["tensor" if torch.is_tensor(a) else type(a).__name__ for a in args])
+            return apply(*args)
+
+        with fast_multilora.route(model, sorted(model.peft_config), ids):
+            layer(x).sum().backward()  # first call: the layer's tables, kernel keys
+            launches.clear()
+            monkeypatch.setattr(fast_multilora.function.LoraLinear, "apply", counting_apply)
+            with Ops() as ops:
+                layer(x).sum().backward()
+            monkeypatch.setattr(fast_multilora.function.LoraLinear, "apply", apply)
+        return dict(launches), dict(ops.ops), dict(inputs)
+
+    few, many = work(8), work(64)
+    assert few[0] and few[1], "nothing counted"
+    assert few == many
