@@ -184,7 +184,7 @@ def test_shrink_bwd_matches_reference(case, dtype, grouped, device):
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
-@pytest.mark.parametrize("case,dtype", _params(CASES, KERNEL_DTYPES))
+@pytest.mark.parametrize("case,dtype", _params([CASES[0], CASES[3], CASES[4], CASES[5]], KERNEL_DTYPES))
 def test_shrink_bwd_accumulates_dx(case, dtype, grouped, device):
     """``accumulate_dx`` (a compiled fused layer's backward: the base part ``dy W`` first): adapter rows get the
     written-mode term added, rounded as written and then summed once, bit for bit; base rows keep what they held;
