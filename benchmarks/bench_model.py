@@ -147,6 +147,7 @@ class Sizes:
             self.gen_prompt, self.gen_new = 8, 4  # generation: batch x gen_prompt tokens, gen_new new tokens
             self.est = dict.fromkeys(ALL_SCENARIOS, 5.0)
             self.scale_counts = (2, 8, 32)
+            self.est_scale_count = {}  # dry runs: every scenario's est stays 5 s, whatever the counts
             self.est_provider, self.est_compiled = 1.0, 3.0
         else:
             self.layers = {"layer_4096": (4096, 4096, 8, 1024), "layer_2048": (2048, 2048, 16, 1024)}
@@ -189,7 +190,7 @@ class Run:
         self.sz = Sizes(args.quick)
         if args.scale_counts:
             self.sz.scale_counts = tuple(int(c) for c in args.scale_counts.split(","))
-        for sc, per_count in getattr(self.sz, "est_scale_count", {}).items():
+        for sc, per_count in self.sz.est_scale_count.items():
             self.sz.est[sc] = per_count * len(self.sz.scale_counts)
         self.dtype = getattr(torch, self.sz.dtype)
         self.backend = args.backend or ("torch" if args.quick else "triton")

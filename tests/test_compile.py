@@ -162,6 +162,12 @@ def test_compiled_training_with_dropout(backend, device):
     assert not torch.equal(other, outs[3])  # another RNG state: other masks
 
 
+def _called(node) -> tuple:
+    """The callables a traced graph node calls: its target, and a mutating op under ``auto_functionalized_v2`` (its
+    first argument)."""
+    return tuple(t for t in (node.target, *node.args[:1]) if callable(t)) if node.op == "call_function" else ()
+
+
 def test_compiled_graphs_hold_the_ops(device):
     """The compiled forward and backward graphs hold the Triton ops (the delta is traced, not run between graphs),
     the expand in both modes (fused base: write mode; a hooked base: add mode), and siblings still share a shrink."""
@@ -174,7 +180,7 @@ def test_compiled_graphs_hold_the_ops(device):
 
     def record(gm, _example_inputs):
         for node in gm.graph.nodes:
-            for target in (node.target, *node.args[:1]):  # a mutating op sits under auto_functionalized_v2
+            for target in _called(node):
                 if isinstance(target, torch._ops.OpOverload) and target.namespace == "fast_multilora":
                     seen.add(target.name())
                     if target.name() == "fast_multilora::lora_shrink":
@@ -207,9 +213,7 @@ def test_compiled_graphs_take_the_entry_layout_and_copy_no_base_output(packed, d
     ops_seen = []
 
     def record(gm, _example_inputs):
-        for n in gm.graph.nodes:  # a mutating op sits under auto_functionalized_v2, as its first argument
-            if n.op == "call_function":
-                ops_seen.extend(str(t) for t in (n.target, *n.args[:1]) if callable(t))
+        ops_seen.extend(str(t) for n in gm.graph.nodes for t in _called(n))
         return make_boxed_func(gm)
 
     compiled = torch.compile(model, backend=aot_autograd(fw_compiler=record, bw_compiler=record))
