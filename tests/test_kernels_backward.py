@@ -187,23 +187,32 @@ def test_shrink_bwd_matches_reference(case, dtype, grouped, device):
 @pytest.mark.parametrize("case,dtype", _params([CASES[0], CASES[3], CASES[4], CASES[5]], KERNEL_DTYPES))
 def test_shrink_bwd_accumulates_dx(case, dtype, grouped, device):
     """``accumulate_dx`` (a compiled fused layer's backward: the base part ``dy W`` first): adapter rows get the
-    written-mode term added, rounded as written and then summed once, bit for bit; base rows keep what they held;
-    the stored mask's path too. ``dA`` is the written mode's, bit for bit."""
+    written-mode term added, rounded as written and then summed once; base rows keep what they held; the stored and
+    the redrawn mask's paths. 16-bit outputs bit for bit (the term's rounding to the output dtype is explicit). In
+    fp32 the GPU compiler may contract the term's last multiply (the dropout scale) with the add into one FMA: one
+    rounding fewer, so there the two may differ by the product's and the sum's last bit. ``dA`` is the written
+    mode's, bit for bit."""
     gen = torch.Generator().manual_seed(1)
     d = build(case, dtype, grouped, device, gen)
     S, K, st = case.S, case.K, case.stack
-    keep = pack_keep_bits(d["keep"]) if d["seed"] is not None and st == 1 else None
+    keeps = [pack_keep_bits(d["keep"]), None] if d["seed"] is not None and st == 1 else [None]
     args = (d["dh_in"], d["x"], d["A"], d["segs"], d["table"])
-    dx_w, dA_w = lora_shrink_bwd(*args, stack_num=st, seed=d["seed"], keep=keep)
     base = torch.randn(S, K, generator=gen).to(dtype).to(device)
-    acc = base.clone()
-    out_dx, out_dA = lora_shrink_bwd(*args, stack_num=st, seed=d["seed"], keep=keep, dx_out=acc, accumulate_dx=True)
-    assert out_dx is acc
     live = d["live"].to(device)
-    want = (base.float() + dx_w.float()).to(dtype)
-    assert torch.equal(acc[live], want[live]), "adapter rows: not the written term added to dx"
-    assert torch.equal(acc[~live], base[~live]), "base rows changed"
-    assert torch.equal(out_dA, dA_w)
+    for keep in keeps:
+        dx_w, dA_w = lora_shrink_bwd(*args, stack_num=st, seed=d["seed"], keep=keep)
+        acc = base.clone()
+        out_dx, out_dA = lora_shrink_bwd(*args, stack_num=st, seed=d["seed"], keep=keep, dx_out=acc,
+                                         accumulate_dx=True)
+        assert out_dx is acc
+        want = (base.float() + dx_w.float()).to(dtype)
+        if dtype == torch.float32:
+            slack = torch.finfo(dtype).eps * (dx_w.abs() + want.abs())
+            assert bool(((acc - want).abs() <= slack)[live].all()), "adapter rows: not the written term added to dx"
+        else:
+            assert torch.equal(acc[live], want[live]), "adapter rows: not the written term added to dx"
+        assert torch.equal(acc[~live], base[~live]), "base rows changed"
+        assert torch.equal(out_dA, dA_w)
     with pytest.raises(ValueError, match="accumulate_dx needs dx_out"):
         lora_shrink_bwd(*args, stack_num=st, seed=d["seed"], accumulate_dx=True)
 
