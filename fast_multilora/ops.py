@@ -21,11 +21,13 @@ inside the traced graph: every replay of a captured CUDA graph draws a fresh one
 Op schemas take tensors and host scalars only: ``Segments`` and ``AdapterTable`` are passed as their fields
 (``_layout``), in two list arguments -- the tensors, then the host ints with the op's own ints after them -- because an
 op call's dispatch costs host time per schema argument (``torch.library.custom_op``'s version bump of a mutable op even
-walked the schema once per argument: 0.12 ms per call at 23 arguments). ``Segments.cache`` does not cross the boundary:
-each op call rebuilds the ``Segments`` with an empty cache, so the derived chunk tables (a few small device ops, no host
-sync) are recomputed inside every op call and therefore belong to whatever graph is traced or captured -- a cache hit
-across calls would freeze a layout into a CUDA graph. The eager path (``function.TritonBackend`` outside
-``torch.compile``) calls the launchers directly and keeps its per-``Segments`` cache.
+walked the schema once per argument: 0.12 ms per call at 23 arguments). ``Segments.cache`` (the derived chunk tables,
+the launchers' validation memos) does not cross the boundary as an argument; an op call finds it again by the layout's
+tensors (:func:`_shared_cache`): the same tensor objects, unmodified since (their version counters), and the same host
+ints give the same cache, so the 56 layer calls of a compiled step build each chunk table once, as eager calls do,
+instead of once per op call. The one exception is a CUDA graph being captured: there every op call builds its tables
+inside the graph with an empty cache -- a cache hit would freeze one layout into the graph, whose replays see new
+layouts copied into the same tensors.
 
 The Python wrappers below (``lora_shrink`` ... ``lora_shrink_bwd``) take ``Segments`` / ``AdapterTable`` like the
 launchers in ``fast_multilora.kernels`` and call the ops.
@@ -33,6 +35,8 @@ launchers in ``fast_multilora.kernels`` and call the ops.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Optional
 
 import torch
@@ -64,14 +68,58 @@ _MAX_RANK, _TOTAL_RANK, _HAS_DROPOUT = 3, 4, 5  # positions in ``ints`` (the fak
 
 
 def _unpack(tensors: list, ints: list) -> tuple[Segments, AdapterTable, list]:
-    """Inverse of ``_layout`` inside an op: a ``Segments`` with a fresh (per-call) cache, the ``AdapterTable`` and the
-    op's own ints."""
+    """Inverse of ``_layout`` inside an op: the ``Segments`` (with the layout's shared cache, :func:`_shared_cache`),
+    the ``AdapterTable`` and the op's own ints."""
     indptr, slot, perm, order, bounds, ranks, offsets, scales, dropout = tensors
     max_len, num_tokens, base_max_len, max_rank, total_rank, has_dropout = ints[:_N_LAYOUT_INTS]
     grouping = (order, bounds) if order is not None else None
-    segs = Segments(indptr, slot, perm, max_len, num_tokens, {}, base_max_len, grouping=grouping)
+    cache = _shared_cache(tensors[:5], (max_len, num_tokens, base_max_len))
+    segs = Segments(indptr, slot, perm, max_len, num_tokens, cache, base_max_len, grouping=grouping)
     table = AdapterTable(ranks, offsets, scales, dropout, max_rank, total_rank, bool(has_dropout))
     return segs, table, ints[_N_LAYOUT_INTS:]
+
+
+_SHARED: dict = {}  # id(indptr) -> (weakrefs of the layout's tensors, their versions, its host ints, the cache)
+_SHARED_MAX = 64
+
+
+def _capturing(t: Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _shared_cache(seg_tensors: list, seg_ints: tuple) -> dict:
+    """The ``Segments.cache`` of the layout ``(indptr, slot, perm, order, bounds)`` + its host ints: the one an earlier
+    op call used when these are the same tensor objects, none modified in place since (``Tensor._version``), with the
+    same ints; else a new one, kept while ``indptr`` lives (at most ``_SHARED_MAX`` layouts). A fresh, unshared one
+    while a CUDA graph is being captured (the module docstring says why), and for inference tensors (made under
+    ``torch.inference_mode``: no version counter tells whether they were written). Nothing in a cache refers to its
+    ``indptr``, so an entry does not keep it alive."""
+    indptr = seg_tensors[0]
+    if _capturing(indptr):
+        return {}
+    key = id(indptr)
+    try:
+        versions = tuple(-1 if t is None else t._version for t in seg_tensors)
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return {}
+    hit = _SHARED.get(key)
+    if (hit is not None and hit[1] == versions and hit[2] == seg_ints
+            and all(t is None if r is None else r() is t for r, t in zip(hit[0], seg_tensors))):
+        return hit[3]
+    if len(_SHARED) >= _SHARED_MAX:
+        _SHARED.clear()
+    first = weakref.ref(indptr, functools.partial(_forget, key))
+    refs = (first, *(None if t is None else weakref.ref(t) for t in seg_tensors[1:]))
+    cache: dict = {}
+    _SHARED[key] = (refs, versions, seg_ints, cache)
+    return cache
+
+
+def _forget(key: int, ref) -> None:
+    """``indptr`` of a shared cache died: drop its entry (unless a newer layout took the key)."""
+    hit = _SHARED.get(key)
+    if hit is not None and hit[0][0] is ref:
+        del _SHARED[key]
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -129,19 +129,27 @@ def stats() -> dict:
     return dict(_stats)
 
 
+def _table_key(table) -> tuple:
+    # the tensors and host ints the checks read: equal for tables rebuilt around the same tensors (every custom-op
+    # call under torch.compile builds its own AdapterTable), and the memo holds the table, so the ids stay taken
+    return (id(table.ranks), id(table.offsets), id(table.scales), id(table.dropout), table.max_rank, table.total_rank)
+
+
 def checked(segs, table, key) -> bool:
-    """Whether :func:`mark_checked` recorded ``table`` as validated against ``segs`` under ``key``."""
+    """Whether :func:`mark_checked` recorded ``table`` (its tensors and host ints) as validated against ``segs``
+    under ``key``."""
     memo = segs.cache.get(key)
-    return memo is not None and memo.get(id(table)) is table
+    return memo is not None and memo.get(_table_key(table)) is not None
 
 
 def mark_checked(segs, table, key) -> None:
     """Record that ``table`` passed the checks against ``segs``: one bounded entry in ``segs.cache`` (tables are
-    rebuilt when a layer's adapters or mode change; the memo holds them, so their ids are not reused meanwhile)."""
+    rebuilt when a layer's adapters or mode change; the memo holds them, so their tensors' ids are not reused
+    meanwhile)."""
     memo = segs.cache.setdefault(key, {})
     if len(memo) >= 256:
         memo.clear()
-    memo[id(table)] = table
+    memo[_table_key(table)] = table
 
 
 def cdiv(a: int, b: int) -> int:
