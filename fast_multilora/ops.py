@@ -21,13 +21,15 @@ inside the traced graph: every replay of a captured CUDA graph draws a fresh one
 Op schemas take tensors and host scalars only: ``Segments`` and ``AdapterTable`` are passed as their fields
 (``_layout``), in two list arguments -- the tensors, then the host ints with the op's own ints after them -- because an
 op call's dispatch costs host time per schema argument (``torch.library.custom_op``'s version bump of a mutable op even
-walked the schema once per argument: 0.12 ms per call at 23 arguments). ``Segments.cache`` (the derived chunk tables,
-the launchers' validation memos) does not cross the boundary as an argument; an op call finds it again by the layout's
-tensors (:func:`_shared_cache`): the same tensor objects, unmodified since (their version counters), and the same host
-ints give the same cache, so the 56 layer calls of a compiled step build each chunk table once, as eager calls do,
-instead of once per op call. The one exception is a CUDA graph being captured: there every op call builds its tables
-inside the graph with an empty cache -- a cache hit would freeze one layout into the graph, whose replays see new
-layouts copied into the same tensors.
+walked the schema once per argument: 0.12 ms per call at 23 arguments). ``Segments.cache`` does not cross the
+boundary: each op call gets a cache of its own for the derived device tables (the backward's chunk tables, a few small
+device ops, no host sync), which are therefore rebuilt inside every op call and belong to whatever graph is traced or
+captured -- a table kept across calls would freeze one layout into a captured CUDA graph, and one allocated while CUDA
+graph trees warm up lives in the graph's memory pool, which they refuse ("tensors in the cudagraph pool not tracked
+as outputs", measured on the H200). Only the launchers' validation memos (host values) are shared between the op
+calls of one kind of layout (:func:`_shared_memos`), so a layout and a layer table are checked once, as in eager mode. The
+eager path (``function.TritonBackend`` outside ``torch.compile``) calls the launchers directly and keeps its
+per-``Segments`` cache.
 
 The Python wrappers below (``lora_shrink`` ... ``lora_shrink_bwd``) take ``Segments`` / ``AdapterTable`` like the
 launchers in ``fast_multilora.kernels`` and call the ops.
@@ -35,14 +37,13 @@ launchers in ``fast_multilora.kernels`` and call the ops.
 
 from __future__ import annotations
 
-import functools
-import weakref
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from . import kernels as K
+from .kernels.launch import memo_keys
 from .kernels.segments import AdapterTable, Segments
 
 
@@ -68,58 +69,35 @@ _MAX_RANK, _TOTAL_RANK, _HAS_DROPOUT = 3, 4, 5  # positions in ``ints`` (the fak
 
 
 def _unpack(tensors: list, ints: list) -> tuple[Segments, AdapterTable, list]:
-    """Inverse of ``_layout`` inside an op: the ``Segments`` (with the layout's shared cache, :func:`_shared_cache`),
-    the ``AdapterTable`` and the op's own ints."""
+    """Inverse of ``_layout`` inside an op: a ``Segments`` with a per-call cache holding the layout's shared
+    validation memos (:func:`_shared_memos`), the ``AdapterTable`` and the op's own ints."""
     indptr, slot, perm, order, bounds, ranks, offsets, scales, dropout = tensors
     max_len, num_tokens, base_max_len, max_rank, total_rank, has_dropout = ints[:_N_LAYOUT_INTS]
     grouping = (order, bounds) if order is not None else None
-    cache = _shared_cache(tensors[:5], (max_len, num_tokens, base_max_len))
+    cache = dict(_shared_memos(tensors[:5], (max_len, num_tokens, base_max_len)))
     segs = Segments(indptr, slot, perm, max_len, num_tokens, cache, base_max_len, grouping=grouping)
     table = AdapterTable(ranks, offsets, scales, dropout, max_rank, total_rank, bool(has_dropout))
     return segs, table, ints[_N_LAYOUT_INTS:]
 
 
-_SHARED: dict = {}  # id(indptr) -> (weakrefs of the layout's tensors, their versions, its host ints, the cache)
-_SHARED_MAX = 64
+_SHARED: dict = {}  # what the launchers check of a layout -> its validation memos
+_SHARED_MAX = 256
 
 
-def _capturing(t: Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def _shared_cache(seg_tensors: list, seg_ints: tuple) -> dict:
-    """The ``Segments.cache`` of the layout ``(indptr, slot, perm, order, bounds)`` + its host ints: the one an earlier
-    op call used when these are the same tensor objects, none modified in place since (``Tensor._version``), with the
-    same ints; else a new one, kept while ``indptr`` lives (at most ``_SHARED_MAX`` layouts). A fresh, unshared one
-    while a CUDA graph is being captured (the module docstring says why), and for inference tensors (made under
-    ``torch.inference_mode``: no version counter tells whether they were written). Nothing in a cache refers to its
-    ``indptr``, so an entry does not keep it alive."""
-    indptr = seg_tensors[0]
-    if _capturing(indptr):
-        return {}
-    key = id(indptr)
-    try:
-        versions = tuple(-1 if t is None else t._version for t in seg_tensors)
-    except RuntimeError:  # "Inference tensors do not track version counter"
-        return {}
-    hit = _SHARED.get(key)
-    if (hit is not None and hit[1] == versions and hit[2] == seg_ints
-            and all(t is None if r is None else r() is t for r, t in zip(hit[0], seg_tensors))):
-        return hit[3]
-    if len(_SHARED) >= _SHARED_MAX:
-        _SHARED.clear()
-    first = weakref.ref(indptr, functools.partial(_forget, key))
-    refs = (first, *(None if t is None else weakref.ref(t) for t in seg_tensors[1:]))
-    cache: dict = {}
-    _SHARED[key] = (refs, versions, seg_ints, cache)
-    return cache
-
-
-def _forget(key: int, ref) -> None:
-    """``indptr`` of a shared cache died: drop its entry (unless a newer layout took the key)."""
-    hit = _SHARED.get(key)
-    if hit is not None and hit[0][0] is ref:
-        del _SHARED[key]
+def _shared_memos(seg_tensors: list, seg_ints: tuple) -> dict:
+    """The launchers' validation memos (``kernels.launch.memo_keys``: host sets, filled in place by
+    ``mark_checked``) of the layout ``(indptr, slot, perm, order, bounds)`` + its host ints, shared by every op call
+    of a layout with the same dtypes, shapes, device and ints: what the checks read of a layout (and of a table: the
+    memos' entries). Not by the tensors' identity: a compiled backward's op calls receive new tensor objects for the
+    forward's layout and tables. Bounded: at most ``_SHARED_MAX`` kinds of layout."""
+    key = (seg_tensors[0].device, seg_ints,
+           *[None if t is None else (t.dtype, t.shape) for t in seg_tensors])
+    memos = _SHARED.get(key)
+    if memos is None:
+        if len(_SHARED) >= _SHARED_MAX:
+            _SHARED.clear()
+        memos = _SHARED[key] = {k: set() for k in memo_keys(seg_tensors[0].device)}
+    return memos
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from .chunks import chunk_table
 from .dropout import check_keep_bits, check_seed, keep_block, unpack_keep
-from .launch import cdiv, checked, launch, mark_checked, next_power_of_2
+from .launch import CHECK_KEYS, cdiv, checked, launch, mark_checked, next_power_of_2
 from .segments import AdapterTable, Segments, slot_grouping, weight_args
 from .sgemm import slot_b, slot_weight
 
@@ -558,7 +558,7 @@ def _check_common(name: str, act: torch.Tensor, segs: Segments, table: AdapterTa
         _check(act.shape[0] == segs.num_tokens, f"{name}: {act.shape[0]} rows but segs.num_tokens={segs.num_tokens}")
         _check(stack_num >= 1, f"{name}: stack_num must be >= 1, got {stack_num}")
     dev = act.device
-    if checked(segs, table, ("bwd_layout_ok", dev)):  # the checks below run once per (segments, table)
+    if checked(segs, table, (CHECK_KEYS[1], dev)):  # the checks below run once per (segments, kind of table)
         return
     for t_name, t in (("segs.indptr", segs.indptr), ("segs.slot", segs.slot), ("segs.perm", segs.perm),
                       ("table.ranks", table.ranks), ("table.offsets", table.offsets), ("table.scales", table.scales),
@@ -572,7 +572,7 @@ def _check_common(name: str, act: torch.Tensor, segs: Segments, table: AdapterTa
         _check(t.dtype in (torch.int32, torch.int64), f"{name}: {t_name} must be an integer tensor, got {t.dtype}")
     if table.max_rank > 512:
         raise ValueError(f"{name}: max_rank={table.max_rank} > 512 is not supported by the backward kernels")
-    mark_checked(segs, table, ("bwd_layout_ok", dev))
+    mark_checked(segs, table, (CHECK_KEYS[1], dev))
 
 
 def _check_tensor(name: str, what: str, t: torch.Tensor, shape, dtypes, device):

@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from .dropout import check_keep_bits, check_seed
-from .launch import cdiv, checked, launch, mark_checked, next_power_of_2
+from .launch import CHECK_KEYS, cdiv, checked, launch, mark_checked, next_power_of_2
 from .segments import AdapterTable, Segments, weight_args
 from .sgemm import sgemm_expand_kernel, sgemm_shrink_kernel
 from .sgmv import chunk_table, sgmv_expand_kernel, sgmv_shrink_kernel
@@ -180,7 +180,7 @@ def _check_layout(segs: Segments, table: AdapterTable, S: int, device, stack_num
         raise ValueError(f"stack_num must be a positive int, got {stack_num!r}")
     if segs.num_tokens != S:
         raise ValueError(f"segs covers {segs.num_tokens} tokens but the activations have {S} rows")
-    if checked(segs, table, ("fwd_layout_ok", device)):  # the checks below run once per (segments, table)
+    if checked(segs, table, (CHECK_KEYS[0], device)):  # the checks below run once per (segments, kind of table)
         return
     tensors = {"segs.indptr": segs.indptr, "segs.slot": segs.slot, "table.ranks": table.ranks,
                "table.offsets": table.offsets}
@@ -194,7 +194,7 @@ def _check_layout(segs: Segments, table: AdapterTable, S: int, device, stack_num
     for name, t in (("table.scales", table.scales), ("table.dropout", table.dropout)):
         if t.dtype != torch.float32 or t.device != device:
             raise ValueError(f"{name} must be float32 on {device}, got {t.dtype} on {t.device}")
-    mark_checked(segs, table, ("fwd_layout_ok", device))
+    mark_checked(segs, table, (CHECK_KEYS[0], device))
 
 
 def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1, seed=None,

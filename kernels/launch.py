@@ -130,26 +130,34 @@ def stats() -> dict:
 
 
 def _table_key(table) -> tuple:
-    # the tensors and host ints the checks read: equal for tables rebuilt around the same tensors (every custom-op
-    # call under torch.compile builds its own AdapterTable), and the memo holds the table, so the ids stay taken
-    return (id(table.ranks), id(table.offsets), id(table.scales), id(table.dropout), table.max_rank, table.total_rank)
+    # what the checks read of a table: its tensors' dtypes, devices and sizes, and its host ints -- not its identity:
+    # tables are rebuilt around equal (or, in a compiled backward, re-wrapped) tensors
+    r, o, s, d = table.ranks, table.offsets, table.scales, table.dropout
+    return (r.dtype, o.dtype, s.dtype, d.dtype, r.device, o.device, s.device, d.device,
+            r.numel(), o.numel(), s.numel(), d.numel(), table.max_rank, table.total_rank)
+
+
+CHECK_KEYS = ("fwd_layout_ok", "bwd_layout_ok")  # the launchers' validation memos in ``Segments.cache`` (per device)
+
+
+def memo_keys(device) -> tuple:
+    """The ``Segments.cache`` keys of the launchers' validation memos for ``device``."""
+    return tuple((k, device) for k in CHECK_KEYS)
 
 
 def checked(segs, table, key) -> bool:
-    """Whether :func:`mark_checked` recorded ``table`` (its tensors and host ints) as validated against ``segs``
-    under ``key``."""
+    """Whether :func:`mark_checked` recorded a table like ``table`` (its tensors' dtypes, devices and sizes, its host
+    ints) as validated against ``segs`` under ``key``."""
     memo = segs.cache.get(key)
-    return memo is not None and memo.get(_table_key(table)) is not None
+    return memo is not None and _table_key(table) in memo
 
 
 def mark_checked(segs, table, key) -> None:
-    """Record that ``table`` passed the checks against ``segs``: one bounded entry in ``segs.cache`` (tables are
-    rebuilt when a layer's adapters or mode change; the memo holds them, so their tensors' ids are not reused
-    meanwhile)."""
-    memo = segs.cache.setdefault(key, {})
+    """Record that ``table`` passed the checks against ``segs``: one bounded entry in ``segs.cache``."""
+    memo = segs.cache.setdefault(key, set())
     if len(memo) >= 256:
         memo.clear()
-    memo[_table_key(table)] = table
+    memo.add(_table_key(table))
 
 
 def cdiv(a: int, b: int) -> int:
@@ -162,4 +170,4 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-__all__ = ["cdiv", "checked", "launch", "mark_checked", "next_power_of_2", "stats"]
+__all__ = ["CHECK_KEYS", "cdiv", "checked", "launch", "mark_checked", "memo_keys", "next_power_of_2", "stats"]

@@ -10,9 +10,7 @@ when new token -> slot values are copied into the static layout tensors, provide
 * ``Segments.max_len`` bounds every new segment (SGEMM): :func:`static_problem` sets it to ``S``, the capacity,
 * the derived chunk tables are recomputed inside the graph: the captured call gets a ``Segments`` with an empty cache
   (a cache filled by the warm-up would freeze the warm-up's layout into the graph). ``fast_multilora.ops`` does this
-  on every call made during a capture (outside one it shares a layout's cache while the layout's tensors are
-  unmodified: ``test_static_setup_on_new_values`` writes new values into them between calls), the launchers through
-  :func:`run_ops`.
+  on every call, the launchers through :func:`run_ops`.
 
 Allocations during capture come from the graph's private memory pool (``torch.cuda.graph``); the outputs of the
 captured call are that pool's static tensors, rewritten by every replay.
