@@ -1419,9 +1419,9 @@ def render_md(res) -> str:
             e = rows[prov]
             note = e.get("error") or e.get("skipped") or ""
             if "optimizer" in e:
-                note += f"{e['optimizer']} "
+                note += f"{e['optimizer']}; "
             if "gpu_ms" in e:
-                note += f"kernels {e['gpu_ms']:.2f} ms, host {e['host_ms']:.2f} ms per call "
+                note += f"kernels {e['gpu_ms']:.2f} ms, host {e['host_ms']:.2f} ms per call; "
             if "all_adapters_got_grads" in e:
                 note += f"every adapter got gradients: {'yes' if e['all_adapters_got_grads'] else 'NO'}; "
             if "diff_rms_over_lora_effect_rms" in e:
