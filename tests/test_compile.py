@@ -251,6 +251,34 @@ def test_compiled_graphs_take_the_entry_layout_and_copy_no_base_output(packed, d
         assert not marks, marks
 
 
+@pytest.mark.parametrize("grouped", FAMILIES)
+def test_compiled_layer_gradchecks_in_float64(grouped):
+    """float64 gradcheck of a compiled layer call (``aot_eager``, one graph) with dropout, on the paths only a
+    compiled call takes: fused, the base GEMM first and the expand adding into it, the backward's ``dy W`` first and
+    the shrink backward adding its dx terms into it (``accumulate_dx``); unfused, the delta added into a copy of the
+    base output. The seed is a device tensor, as the compiled path draws it. Also equal to the eager call."""
+    from helpers import random_token_slots
+    from test_function import _call, _gradcheck, _weights, delta, fused
+
+    g = torch.Generator().manual_seed(0)
+    S, K, N, ranks = 13, 5, 6, [2, 0, 1, 3]
+    ts = random_token_slots(S, len(ranks), g)
+    As, Bs = _weights(ranks, K, N, torch.float64, g)
+    x = torch.randn(S, K, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(S, N, generator=g, dtype=torch.float64, requires_grad=True)
+    W, b = torch.randn(N, K, generator=g, dtype=torch.float64), torch.randn(N, generator=g, dtype=torch.float64)
+    kw = dict(dropout=[0.5, 0, 0.25, 0.1], seed=torch.tensor([1234], dtype=torch.int32))
+    fcall = _call(ts, ranks, grouped, "triton", fused=True, **kw)
+    dcall = _call(ts, ranks, grouped, "triton", **kw)
+    f_fused = torch.compile(lambda x, *w: fused(x, W, b, fcall, *w), backend="aot_eager", fullgraph=True)
+    f_delta = torch.compile(lambda x, y, *w: delta(x, y, dcall, *w), backend="aot_eager", fullgraph=True)
+    assert _gradcheck(f_fused, (x, *As, *Bs), "triton")
+    assert _gradcheck(f_delta, (x, y, *As, *Bs), "triton")
+    assert _breaks_and_graphs() == (0, 2)
+    torch.testing.assert_close(f_fused(x, *As, *Bs), fused(x, W, b, fcall, *As, *Bs))
+    torch.testing.assert_close(f_delta(x, y, *As, *Bs), delta(x, y.clone(), dcall, *As, *Bs))
+
+
 @pytest.mark.parametrize("kind", ["rows", "grouped"])
 def test_device_layouts_match_the_host_builder(kind, device):
     """The layouts the layers build on the device from a slot tensor (``row_segments``: one segment per row;
