@@ -85,7 +85,7 @@ _SHARED_MAX = 256
 
 
 def _shared_memos(seg_tensors: list, seg_ints: tuple) -> dict:
-    """The launchers' validation memos (``kernels.launch.memo_keys``: host sets, filled in place by
+    """The launchers' validation memos (``kernels.launch.memo_keys``: host dicts, filled in place by
     ``mark_checked``) of the layout ``(indptr, slot, perm, order, bounds)`` + its host ints, shared by every op call
     of a layout with the same dtypes, shapes, device and ints: what the checks read of a layout (and of a table: the
     memos' entries). Not by the tensors' identity: a compiled backward's op calls receive new tensor objects for the
@@ -96,7 +96,7 @@ def _shared_memos(seg_tensors: list, seg_ints: tuple) -> dict:
     if memos is None:
         if len(_SHARED) >= _SHARED_MAX:
             _SHARED.clear()
-        memos = _SHARED[key] = {k: set() for k in memo_keys(seg_tensors[0].device)}
+        memos = _SHARED[key] = {k: {} for k in memo_keys(seg_tensors[0].device)}
     return memos
 
 

@@ -130,8 +130,7 @@ def stats() -> dict:
 
 
 def _table_key(table) -> tuple:
-    # what the checks read of a table: its tensors' dtypes, devices and sizes, and its host ints -- not its identity:
-    # tables are rebuilt around equal (or, in a compiled backward, re-wrapped) tensors
+    # what the checks read of a table: its tensors' dtypes, devices and sizes, and its host ints
     r, o, s, d = table.ranks, table.offsets, table.scales, table.dropout
     return (r.dtype, o.dtype, s.dtype, d.dtype, r.device, o.device, s.device, d.device,
             r.numel(), o.numel(), s.numel(), d.numel(), table.max_rank, table.total_rank)
@@ -146,18 +145,22 @@ def memo_keys(device) -> tuple:
 
 
 def checked(segs, table, key) -> bool:
-    """Whether :func:`mark_checked` recorded a table like ``table`` (its tensors' dtypes, devices and sizes, its host
-    ints) as validated against ``segs`` under ``key``."""
+    """Whether :func:`mark_checked` recorded ``table`` -- or one like it: the same tensors' dtypes, devices and sizes,
+    the same host ints -- as validated against ``segs`` under ``key``. By identity first (an eager layer passes its
+    own table every call); by those properties for tables rebuilt around the same or re-wrapped tensors (every
+    custom-op call under ``torch.compile`` builds its own, and a compiled backward receives new tensor objects)."""
     memo = segs.cache.get(key)
-    return memo is not None and _table_key(table) in memo
+    return memo is not None and (memo.get(id(table)) is table or _table_key(table) in memo)
 
 
 def mark_checked(segs, table, key) -> None:
-    """Record that ``table`` passed the checks against ``segs``: one bounded entry in ``segs.cache``."""
-    memo = segs.cache.setdefault(key, set())
-    if len(memo) >= 256:
+    """Record that ``table`` passed the checks against ``segs``: bounded entries in ``segs.cache`` (the memo holds
+    the table, so its id is not reused meanwhile)."""
+    memo = segs.cache.setdefault(key, {})
+    if len(memo) >= 512:
         memo.clear()
-    memo.add(_table_key(table))
+    memo[id(table)] = table
+    memo[_table_key(table)] = True
 
 
 def cdiv(a: int, b: int) -> int:
