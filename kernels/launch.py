@@ -150,17 +150,28 @@ def checked(segs, table, key) -> bool:
     own table every call); by those properties for tables rebuilt around the same or re-wrapped tensors (every
     custom-op call under ``torch.compile`` builds its own, and a compiled backward receives new tensor objects)."""
     memo = segs.cache.get(key)
-    return memo is not None and (memo.get(id(table)) is table or _table_key(table) in memo)
+    if memo is None:
+        return False
+    if memo.get(id(table)) is table:
+        return True
+    if _table_key(table) not in memo:
+        return False
+    _remember(memo, table)  # the next call with this table takes the identity path
+    return True
 
 
 def mark_checked(segs, table, key) -> None:
     """Record that ``table`` passed the checks against ``segs``: bounded entries in ``segs.cache`` (the memo holds
     the table, so its id is not reused meanwhile)."""
     memo = segs.cache.setdefault(key, {})
-    if len(memo) >= 512:
+    _remember(memo, table)
+    memo[_table_key(table)] = True
+
+
+def _remember(memo: dict, table) -> None:
+    if len(memo) >= 512:  # bounded (the op calls under torch.compile bring a new table each)
         memo.clear()
     memo[id(table)] = table
-    memo[_table_key(table)] = True
 
 
 def cdiv(a: int, b: int) -> int:
