@@ -27,9 +27,9 @@ device ops, no host sync), which are therefore rebuilt inside every op call and 
 captured -- a table kept across calls would freeze one layout into a captured CUDA graph, and one allocated while CUDA
 graph trees warm up lives in the graph's memory pool, which they refuse ("tensors in the cudagraph pool not tracked
 as outputs", measured on the H200). Only the launchers' validation memos (host values) are shared between the op
-calls of one kind of layout (:func:`_shared_memos`), so a layout and a layer table are checked once, as in eager mode. The
-eager path (``function.TritonBackend`` outside ``torch.compile``) calls the launchers directly and keeps its
-per-``Segments`` cache.
+calls of one kind of layout (:func:`_shared_memos`), so a layout and a kind of layer table are checked once, as in
+eager mode. The eager path (``function.TritonBackend`` outside ``torch.compile``) calls the launchers directly and
+keeps its per-``Segments`` cache.
 
 The Python wrappers below (``lora_shrink`` ... ``lora_shrink_bwd``) take ``Segments`` / ``AdapterTable`` like the
 launchers in ``fast_multilora.kernels`` and call the ops.
@@ -84,6 +84,18 @@ _SHARED: dict = {}  # what the launchers check of a layout -> its validation mem
 _SHARED_MAX = 256
 
 
+class _PropertyMemo(dict):
+    """A validation memo shared by op calls: tables' properties only, never a table itself (``launch.checked``
+    also records a table by identity, holding it: an op call's table tensors may be a CUDA graph's static copies in
+    its memory pool, which CUDA graph trees refuse to see kept past the call)."""
+
+    __slots__ = ()
+
+    def __setitem__(self, key, value):
+        if type(key) is not int:  # ``id(table)`` entries
+            dict.__setitem__(self, key, value)
+
+
 def _shared_memos(seg_tensors: list, seg_ints: tuple) -> dict:
     """The launchers' validation memos (``kernels.launch.memo_keys``: host dicts, filled in place by
     ``mark_checked``) of the layout ``(indptr, slot, perm, order, bounds)`` + its host ints, shared by every op call
@@ -96,7 +108,7 @@ def _shared_memos(seg_tensors: list, seg_ints: tuple) -> dict:
     if memos is None:
         if len(_SHARED) >= _SHARED_MAX:
             _SHARED.clear()
-        memos = _SHARED[key] = {k: {} for k in memo_keys(seg_tensors[0].device)}
+        memos = _SHARED[key] = {k: _PropertyMemo() for k in memo_keys(seg_tensors[0].device)}
     return memos
 
 

@@ -205,9 +205,9 @@ def test_compiled_graphs_take_the_entry_layout_and_copy_no_base_output(packed, d
     searchsorted (the layout builders' ops) in the traced graphs -- built per layer, the 8-layer benchmark model's
     eval graph ran 56 sorts. And no ``addmm``: a fused layer's base GEMM runs first and the LoRA ops add into it,
     where a traced ``addmm_`` would become an ``addmm`` that copies its input. The op calls of one layout share its
-    validation memos (``ops._shared_memos``): each kind of (layout, layer table) is checked once, as in eager mode, while
-    the chunk tables are built inside every op call (a cached device table would freeze one layout into a captured
-    CUDA graph, or live in CUDA graph trees' memory pool)."""
+    validation memos (``ops._shared_memos``): each kind of (layout, layer table) is checked once, as in eager mode,
+    while the chunk tables are built inside every op call (a cached device table would freeze one layout into a
+    captured CUDA graph, or live in CUDA graph trees' memory pool). The shared memos hold no table."""
     from fast_multilora.kernels import backward as kb
     from fast_multilora.kernels import forward as kf
     from fast_multilora.kernels import launch
@@ -249,6 +249,8 @@ def test_compiled_graphs_take_the_entry_layout_and_copy_no_base_output(packed, d
         marks.clear()
         compiled(input_ids=ids, **kw).logits.sum().backward()
         assert not marks, marks
+    held = [v for memos in ops._SHARED.values() for memo in memos.values() for v in memo.values()]
+    assert held and all(v is True for v in held), "a shared memo holds a table"
 
 
 @pytest.mark.parametrize("grouped", FAMILIES)
