@@ -84,31 +84,20 @@ _SHARED: dict = {}  # what the launchers check of a layout -> its validation mem
 _SHARED_MAX = 256
 
 
-class _PropertyMemo(dict):
-    """A validation memo shared by op calls: tables' properties only, never a table itself (``launch.checked``
-    also records a table by identity, holding it: an op call's table tensors may be a CUDA graph's static copies in
-    its memory pool, which CUDA graph trees refuse to see kept past the call)."""
-
-    __slots__ = ()
-
-    def __setitem__(self, key, value):
-        if type(key) is not int:  # ``id(table)`` entries
-            dict.__setitem__(self, key, value)
-
-
 def _shared_memos(seg_tensors: list, seg_ints: tuple) -> dict:
-    """The launchers' validation memos (``kernels.launch.memo_keys``: host dicts, filled in place by
-    ``mark_checked``) of the layout ``(indptr, slot, perm, order, bounds)`` + its host ints, shared by every op call
-    of a layout with the same dtypes, shapes, device and ints: what the checks read of a layout (and of a table: the
-    memos' entries). Not by the tensors' identity: a compiled backward's op calls receive new tensor objects for the
-    forward's layout and tables. Bounded: at most ``_SHARED_MAX`` kinds of layout."""
+    """The launchers' validation memos (``kernels.launch.memo_keys``: sets of tables' properties, filled in place by
+    ``mark_checked``; the tables seen by identity stay in each call's own cache) of the layout ``(indptr, slot, perm,
+    order, bounds)`` + its host ints, shared by every op call of a layout with the same dtypes, shapes, device and
+    ints: what the checks read of a layout (and of a table: the memos' entries). Not by the tensors' identity: a
+    compiled backward's op calls receive new tensor objects for the forward's layout and tables. Bounded: at most
+    ``_SHARED_MAX`` kinds of layout."""
     key = (seg_tensors[0].device, seg_ints,
            *[None if t is None else (t.dtype, t.shape) for t in seg_tensors])
     memos = _SHARED.get(key)
     if memos is None:
         if len(_SHARED) >= _SHARED_MAX:
             _SHARED.clear()
-        memos = _SHARED[key] = {k: _PropertyMemo() for k in memo_keys(seg_tensors[0].device)}
+        memos = _SHARED[key] = {k: set() for k in memo_keys(seg_tensors[0].device)}
     return memos
 
 

@@ -140,7 +140,9 @@ CHECK_KEYS = ("fwd_layout_ok", "bwd_layout_ok")  # the launchers' validation mem
 
 
 def memo_keys(device) -> tuple:
-    """The ``Segments.cache`` keys of the launchers' validation memos for ``device``."""
+    """The ``Segments.cache`` keys of the launchers' validation memos for ``device``: sets of tables' properties,
+    which hold no tensor (``fast_multilora.ops`` shares them between op calls). Each has a companion ``key + ("id",)``
+    of the tables seen by identity, per ``Segments``."""
     return tuple((k, device) for k in CHECK_KEYS)
 
 
@@ -149,29 +151,31 @@ def checked(segs, table, key) -> bool:
     the same host ints -- as validated against ``segs`` under ``key``. By identity first (an eager layer passes its
     own table every call); by those properties for tables rebuilt around the same or re-wrapped tensors (every
     custom-op call under ``torch.compile`` builds its own, and a compiled backward receives new tensor objects)."""
-    memo = segs.cache.get(key)
-    if memo is None:
-        return False
-    if memo.get(id(table)) is table:
+    seen = segs.cache.get((*key, "id"))
+    if seen is not None and seen.get(id(table)) is table:
         return True
-    if _table_key(table) not in memo:
+    memo = segs.cache.get(key)
+    if memo is None or _table_key(table) not in memo:
         return False
-    _remember(memo, table)  # the next call with this table takes the identity path
+    _remember(segs, table, key)  # the next call with this table takes the identity path
     return True
 
 
 def mark_checked(segs, table, key) -> None:
-    """Record that ``table`` passed the checks against ``segs``: bounded entries in ``segs.cache`` (the memo holds
-    the table, so its id is not reused meanwhile)."""
-    memo = segs.cache.setdefault(key, {})
-    _remember(memo, table)
-    memo[_table_key(table)] = True
-
-
-def _remember(memo: dict, table) -> None:
-    if len(memo) >= 512:  # bounded (the op calls under torch.compile bring a new table each)
+    """Record that ``table`` passed the checks against ``segs``: its properties, and itself by identity (held, so
+    its id is not reused meanwhile); both bounded."""
+    memo = segs.cache.setdefault(key, set())
+    if len(memo) >= 256:
         memo.clear()
-    memo[id(table)] = table
+    memo.add(_table_key(table))
+    _remember(segs, table, key)
+
+
+def _remember(segs, table, key) -> None:
+    seen = segs.cache.setdefault((*key, "id"), {})
+    if len(seen) >= 256:
+        seen.clear()
+    seen[id(table)] = table
 
 
 def cdiv(a: int, b: int) -> int:
