@@ -27,7 +27,7 @@ import torch
 
 from . import reference
 from .kernels.dropout import quantize_p
-from .kernels.segments import AdapterTable, Segments
+from .kernels.segments import AdapterTable, Segments, SlotWeights
 
 
 def _compiling() -> bool:
@@ -62,8 +62,9 @@ class TorchBackend:
         return torch.cat(ws, dim)
 
     @_no_autocast
-    def shrink(self, x, A_cat, segs, table, stack_num, seed, store_mask=False):
-        """``(h, keep)``: ``keep`` is the mask the backward needs (``None`` without dropout)."""
+    def shrink(self, x, A_cat, segs, table, stack_num, seed, store_mask=False, record=None):
+        """``(h, keep)``: ``keep`` is the mask the backward needs (``None`` without dropout). ``record``: Triton
+        only (a launch plan replays kernel launches)."""
         keep = None
         if seed is not None and table.has_dropout:
             ts = reference.token_slots(segs)
@@ -73,7 +74,7 @@ class TorchBackend:
         return reference.lora_shrink(x, A_cat, segs, table, stack_num=stack_num, keep=keep), keep
 
     @_no_autocast
-    def expand(self, h, B_cat, segs, table, y, stack_num, slice_idx, accumulate=True, bias=None):
+    def expand(self, h, B_cat, segs, table, y, stack_num, slice_idx, accumulate=True, bias=None, record=None):
         return reference.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx,
                                      accumulate=accumulate, bias=bias)
 
@@ -129,21 +130,32 @@ class TritonBackend:
         """The store's packed B block read in place (``kernels.packed_b_weights``), or ``None`` when misaligned."""
         return self.k.packed_b_weights(flat, table, N)
 
-    def shrink(self, x, A_cat, segs, table, stack_num, seed, store_mask=False):
+    def shrink(self, x, A_cat, segs, table, stack_num, seed, store_mask=False, record=None):
         """``(h, keep_bits)``: with ``store_mask`` under dropout (one slice), the packed keep-mask the forward drew,
-        for the backward to read; else ``None``."""
+        for the backward to read; else ``None``. ``record`` (a dict, eager calls without dropout): the launch is kept
+        under ``"shrink"`` (``kernels.forward.Replay``)."""
         if _compiling():
             return self.ops.lora_shrink(x, A_cat, segs, table, stack_num=stack_num, seed=seed, store_mask=store_mask)
         keep = None
         if store_mask and seed is not None and table.has_dropout and stack_num == 1:
             keep = self.k.keep_bits_buffer(x)
-        h = self.k.lora_shrink(x, A_cat, segs, table, stack_num=stack_num, seed=seed, keep_out=keep)
+        launches = None if record is None else []
+        h = self.k.lora_shrink(x, A_cat, segs, table, stack_num=stack_num, seed=seed, keep_out=keep, record=launches)
+        if record is not None:
+            record["shrink"] = launches[0]
         return h, keep
 
-    def expand(self, h, B_cat, segs, table, y, stack_num, slice_idx, accumulate=True, bias=None):
-        impl = self.ops if _compiling() else self.k
-        return impl.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx,
-                                accumulate=accumulate, bias=bias)
+    def expand(self, h, B_cat, segs, table, y, stack_num, slice_idx, accumulate=True, bias=None, record=None):
+        """``record`` (a dict, eager calls): the launch is kept under ``"expand"``."""
+        if _compiling():
+            return self.ops.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx,
+                                        accumulate=accumulate, bias=bias)
+        launches = None if record is None else []
+        out = self.k.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx,
+                                 accumulate=accumulate, bias=bias, record=launches)
+        if record is not None:
+            record["expand"] = launches[0]
+        return out
 
     def expand_bwd(self, dy, h, B_cat, segs, table, stack_num, slice_idx, dh=None, grad_dtype=None):
         """``(dh, dB)``; a given ``dh`` is the starting content (written in place in eager mode). With
@@ -224,6 +236,8 @@ class LayerCall:
     # the adapter store's slots of this layer (``fast_multilora.store.LayerSlots``): the weights are its two leaves,
     # ``A_cat[total_rank, K]`` and the packed B block, whose gradients come whole (no split per adapter)
     stored: object = None
+    # a dict the forward fills with what a :class:`LaunchPlan` replays (eager no-grad Triton calls, ``plan_key``)
+    record: Optional[dict] = None
 
     @property
     def n_adapters(self) -> int:
@@ -254,7 +268,7 @@ def lora_dropout_rate(drop: torch.nn.Module) -> float:
     return quantize_p(float(drop.p)) if isinstance(drop, torch.nn.Dropout) and drop.training else 0.0
 
 
-def linear_with_delta(backend, x, W, bias, h, B_cat, segs, table, stack_num, slice_idx) -> torch.Tensor:
+def linear_with_delta(backend, x, W, bias, h, B_cat, segs, table, stack_num, slice_idx, record=None) -> torch.Tensor:
     """``x Wᵀ (+ bias) + delta``. Eager: the expand writes the delta into a fresh ``y`` (write mode, bias folded in,
     every row defined) and cuBLAS accumulates the base GEMM into it (``addmm_``, beta 1). While ``torch.compile``
     traces, the base GEMM comes first and the expand accumulates into its output: a traced ``addmm_`` becomes an
@@ -265,7 +279,7 @@ def linear_with_delta(backend, x, W, bias, h, B_cat, segs, table, stack_num, sli
         backend.expand(h, B_cat, segs, table, y, stack_num, slice_idx)
         return y
     y = torch.empty(x.shape[0], W.shape[0], dtype=x.dtype, device=x.device)
-    backend.expand(h, B_cat, segs, table, y, stack_num, slice_idx, accumulate=False, bias=bias)
+    backend.expand(h, B_cat, segs, table, y, stack_num, slice_idx, accumulate=False, bias=bias, record=record)
     return y.addmm_(x, W.t())
 
 
@@ -295,18 +309,21 @@ class LoraLinear(torch.autograd.Function):
         n, n_a = call.n_b, call.n_a
         x = as_rows(x_in)
         keep = None
+        rec = call.record
         if call.lead:
             A = _a_weight(call, weights[:n_a])
-            h, keep = be.shrink(x, A, segs, table, call.stack_num, call.seed, call.store_mask)
+            h, keep = be.shrink(x, A, segs, table, call.stack_num, call.seed, call.store_mask, record=rec)
         else:
             h = h_in
         B = _b_weight(call, weights[n_a : n_a + n])
         if call.fused:
-            rows = linear_with_delta(be, x, W, b, h, B, segs, table, call.stack_num, call.slice_idx)
+            rows = linear_with_delta(be, x, W, b, h, B, segs, table, call.stack_num, call.slice_idx, record=rec)
             out = rows.view(*x_in.shape[:-1], W.shape[0])
         else:
             out, rows = _delta_target(ctx, y_in)
-            be.expand(h, B, segs, table, rows, call.stack_num, call.slice_idx)
+            be.expand(h, B, segs, table, rows, call.stack_num, call.slice_idx, record=rec)
+        if rec is not None:
+            rec.update(A=A if call.lead else None, B=B, h=h, N=rows.shape[1])
         if call.has_bias:
             _add_bias(rows, weights[n_a + n :], call)
         # the backward reads the weights as the forward did
@@ -403,6 +420,95 @@ def run(fn_cls, *args):
     if torch.is_grad_enabled():
         return fn_cls.apply(*args)
     return fn_cls.forward(_NoGradCtx(), *args)
+
+
+_NO_GRAD_CTX = _NoGradCtx()
+
+
+def run_layer(plans: Optional[dict], key, segs, stored, make_call, x, y, W, b, h_in, a_ws, b_ws, extra=()):
+    """``run(LoraLinear, x, y, W, b, h_in, make_call(record), *a_ws, *b_ws, *extra)`` for one patched layer call,
+    through its :class:`LaunchPlan` when it has one: ``plans`` is the layer state's dict of them when this call may
+    replay one (an eager Triton call with autograd off, no dropout, no ``lora_bias``; else ``None``), ``key`` what
+    the plan depends on besides the layout, the store's slots and the weights' addresses (checked here). A call
+    without a plan records one."""
+    record = None
+    if plans is not None:
+        plan = plans.get(key)
+        if plan is not None and plan.segs is segs and plan.stored is stored and plan.ptrs == _ptrs(a_ws, b_ws):
+            return plan.replay(x, y, W, b, h_in, a_ws, b_ws)
+        record = {}
+    call = make_call(record)
+    out = run(LoraLinear, x, y, W, b, h_in, call, *a_ws, *b_ws, *extra)
+    if record is not None:
+        if len(plans) >= 8:
+            plans.clear()
+        plans[key] = LaunchPlan(record, call, a_ws, b_ws)
+    return out
+
+
+def _ptrs(a_ws, b_ws) -> tuple:
+    return (*map(torch.Tensor.data_ptr, a_ws), *map(torch.Tensor.data_ptr, b_ws))
+
+
+class LaunchPlan:
+    """One eager no-grad Triton layer call, recorded by the general path and replayed.
+
+    A decode step calls each of its layers with the same layout, table and weights as the step before, so the
+    general path's checks, block choices, weight tables and specialisation keys -- most of an eval call's host
+    time -- need doing once per (layer state, layout, input kind). The call that records a plan runs the general
+    path with ``LayerCall.record`` set: its launchers hand back their launches (``kernels.forward.Replay``), bound
+    to every argument but the call's tensors. A replay makes the same allocations, fills and launches, with the
+    same kernels, grids, constexprs and arguments, so its results equal the general path's bit for bit.
+    Valid while the layout (``segs``, held), the store's slots and the layer's ``LayerState`` (which holds its
+    plans and is rebuilt on every change ``plan.CHANGES`` reports) stay, and every weight is at the address it had
+    (an optimizer steps weights in place; a replaced ``.data`` moves them): :func:`run_layer` checks these."""
+
+    __slots__ = ("segs", "stored", "ptrs", "lead", "fused", "a_pick", "b_pick", "shrink", "expand", "h_shape",
+                 "h_dtype", "N")
+
+    def __init__(self, rec: dict, call: LayerCall, a_ws, b_ws):
+        self.segs, self.stored, self.ptrs = call.segs, call.stored, _ptrs(a_ws, b_ws)
+        self.lead, self.fused = call.lead, call.fused
+        stored = call.stored
+        self.a_pick = _picker(rec["A"], a_ws, lambda ws: torch.cat(ws, 0)) if call.lead else None
+        self.b_pick = _picker(rec["B"], b_ws, (lambda ws: stored.b_cat(ws[0])) if stored is not None
+                              else (lambda ws: torch.cat(ws, 1)))
+        self.shrink, self.expand = rec.get("shrink"), rec["expand"]
+        self.h_shape, self.h_dtype, self.N = rec["h"].shape, rec["h"].dtype, rec["N"]
+
+    def replay(self, x_in, y_in, W, b, h_in, a_ws, b_ws):
+        """What ``LoraLinear.forward`` returns for this call (see :class:`LaunchPlan`)."""
+        x = as_rows(x_in)
+        if self.lead:
+            h = torch.empty(self.h_shape, dtype=self.h_dtype, device=x.device)
+            self.shrink(x, _pick(self.a_pick, a_ws), h)
+        else:
+            h = h_in
+        B = _pick(self.b_pick, b_ws)
+        if self.fused:
+            y = torch.empty(x.shape[0], self.N, dtype=x.dtype, device=x.device)
+            self.expand(h, B, y, b)
+            out = y.addmm_(x, W.t()).view(*x_in.shape[:-1], self.N)
+        else:
+            out, rows = _delta_target(_NO_GRAD_CTX, y_in)
+            self.expand(h, B, rows)
+        return (out, h) if self.lead else out
+
+
+def _picker(w, ws, derive):
+    """How a replay finds the weight operand ``w`` the recording call used: the index of the tensor among the call's
+    weights ``ws`` that ``w`` is (or, a ``SlotWeights``, whose address it starts at: its pointer tensor), else
+    ``derive(ws)``, the concatenation the recording call built."""
+    if isinstance(w, SlotWeights):
+        w = w.base
+    for i, t in enumerate(ws):
+        if t is w:
+            return i
+    return derive
+
+
+def _pick(pick, ws):
+    return ws[pick] if type(pick) is int else pick(ws)
 
 
 def _a_weight(call: LayerCall, ws):

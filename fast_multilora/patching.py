@@ -43,7 +43,7 @@ from torch.nn.modules import module as _nn_module  # its global forward hooks ar
 
 from . import moe, stacked
 from .config import PatchConfig
-from .function import LayerCall, LoraLinear, get_backend, lora_dropout_rate, run
+from .function import LayerCall, get_backend, lora_dropout_rate, run_layer
 from .kernels.segments import AdapterTable
 from .plan import BASE, CHANGES, Router
 
@@ -105,6 +105,7 @@ class LayerState:
     variants: tuple  # adapters of the layer with a LoRA variant (not in the table)
     bias_map: Optional[torch.Tensor]  # lora_bias: int64 [n_slots + 1], slot -> row among present (n = none)
     clone_base_output: bool = False  # a bitsandbytes 4-bit base: the delta goes into a copy of its output, as PEFT's
+    plans: dict = field(default_factory=dict)  # function.LaunchPlan s of eager no-grad calls, by run_layer's key
 
     @property
     def lora_dtype(self):
@@ -325,24 +326,33 @@ class _FastLinearMixin(_TrackedMixin):
                 y = y.clone()
             cast = state.lora_dtype
             x_d = x.to(cast) if x.dtype == torch.float32 and cast in (torch.float16, torch.bfloat16) else x
-        common = dict(
-            backend=backend, segs=segs, table=state.table, ranks=state.ranks, fused=base is not None,
-            in_place=config.weights_in_place and backend.name == "triton", has_bias=state.has_bias,
-            bias_rows=state.bias_map[segs.token_slots.long()] if state.has_bias else None,
-        )
+        has_bias = state.has_bias
+
+        def call(**kw):  # the LayerCall of this call (built only when no launch plan replays it)
+            return LayerCall(
+                backend=backend, segs=segs, table=state.table, ranks=state.ranks, fused=base is not None,
+                in_place=config.weights_in_place and backend.name == "triton", has_bias=has_bias,
+                bias_rows=state.bias_map[segs.token_slots.long()] if has_bias else None, **kw,
+            )
+
+        # eager Triton calls with autograd off, no dropout, no lora_bias replay a launch plan (function.LaunchPlan)
+        plans = state.plans if (backend.name == "triton" and not torch.is_grad_enabled() and not has_bias
+                                and not state.table.has_dropout and not torch.compiler.is_compiling()) else None
+        key = (id(segs), x_d.shape, x_d.stride(), x_d.dtype, base is not None)
         store = router.store
         slots = store.layer_slots(self) if store is not None else None
         if slots is not None and _in_ddp_forward():  # DDP's hooks sit on the parameters: their path, into the arena
             store.param_path, slots = True, None
         if slots is not None:  # the adapter store (fast_multilora.store): the layer's two leaves, no stack
-            call = LayerCall(
-                **common, seed=backend.draw_seed(x) if state.table.has_dropout else None,
-                store_mask=config.store_dropout_mask and torch.is_grad_enabled(), stored=slots,
-            )
-            return run(LoraLinear, x_d, y, W, b, None, call, slots.a_leaf, slots.b_leaf)[0]
+            return run_layer(
+                plans, (*key, "stored"), segs, slots,
+                lambda record: call(seed=backend.draw_seed(x) if state.table.has_dropout else None,
+                                    store_mask=config.store_dropout_mask and torch.is_grad_enabled(), stored=slots,
+                                    record=record),
+                x_d, y, W, b, None, (slots.a_leaf,), (slots.b_leaf,))[0]
         b_mods = self._modules["lora_B"]._modules
         b_weights = [b_mods[n]._parameters["weight"] for n in state.present]
-        biases = [b_mods[n]._parameters["bias"] for n in state.present] if state.has_bias else []
+        biases = [b_mods[n]._parameters["bias"] for n in state.present] if has_bias else []
         entry = self.__dict__.get(_STACK_ATTR) if config.share_shrink else None
         stack, index = entry if entry is not None else (None, 0)
         if stack is not None:  # a stack member called on the input its lead shrank: take the slice
@@ -352,17 +362,21 @@ class _FastLinearMixin(_TrackedMixin):
                 pending.taken.add(index)
                 if len(pending.taken) == stack.size:
                     stack.group.pending = None
-                call = LayerCall(**common, stack_num=stack.size, slice_idx=index, lead=False, stack=pending)
-                return run(LoraLinear, x_d, y, W, b, pending.h, call, *b_weights, *biases)
+                return run_layer(
+                    plans, (*key, "member", index), segs, None,
+                    lambda record: call(stack_num=stack.size, slice_idx=index, lead=False, stack=pending,
+                                        record=record),
+                    x_d, y, W, b, pending.h, (), b_weights, biases)
         members = stack.members if stack is not None else (self,)
         a_weights = [m._modules["lora_A"]._modules[n]._parameters["weight"] for n in state.present for m in members]
         pending = stacked.Pending(x, routing, {index}, stack=stack) if stack is not None else None
-        call = LayerCall(
-            **common, stack_num=len(members), slice_idx=index, lead=True,
-            seed=backend.draw_seed(x) if state.table.has_dropout else None,
-            store_mask=config.store_dropout_mask and torch.is_grad_enabled(), stack=pending,
-        )
-        out, h = run(LoraLinear, x_d, y, W, b, None, call, *a_weights, *b_weights, *biases)
+        out, h = run_layer(
+            plans, (*key, "lead", index), segs, None,
+            lambda record: call(stack_num=len(members), slice_idx=index, lead=True,
+                                seed=backend.draw_seed(x) if state.table.has_dropout else None,
+                                store_mask=config.store_dropout_mask and torch.is_grad_enabled(), stack=pending,
+                                record=record),
+            x_d, y, W, b, None, a_weights, b_weights, biases)
         if pending is not None:
             pending.h = h
             stack.group.pending = pending

@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from .dropout import check_keep_bits, check_seed
-from .launch import CHECK_KEYS, cdiv, checked, launch, mark_checked, next_power_of_2
+from .launch import CHECK_KEYS, Bound, cdiv, checked, launch, mark_checked, next_power_of_2
 from .segments import AdapterTable, Segments, weight_args
 from .sgemm import sgemm_expand_kernel, sgemm_shrink_kernel
 from .sgmv import chunk_table, sgmv_expand_kernel, sgmv_shrink_kernel
@@ -197,8 +197,41 @@ def _check_layout(segs: Segments, table: AdapterTable, S: int, device, stack_num
     mark_checked(segs, table, (CHECK_KEYS[0], device))
 
 
+class Replay:
+    """A launcher call recorded for replay (``record=`` of :func:`lora_shrink` / :func:`lora_expand`): the rows it
+    filled and its launch (``launch.Bound``), every argument fixed but the call's tensors. ``replay(a, w, out,
+    bias)``: ``a`` is ``x`` (shrink) or ``h`` (expand), ``w`` the weight's pointer tensor (what ``weight_args``
+    gave: the ``A_cat`` / ``B_cat`` itself, or a ``SlotWeights``' base, whose offsets the record holds), ``out``
+    the output, ``bias`` the expand's. Valid for tensors of the recorded shapes, strides, dtypes and device, the
+    same layout and table (held), and weights at the recorded addresses: the caller's plan key checks that."""
+
+    __slots__ = ("bound", "fill", "bias_arg")
+
+    def __init__(self, bound: Optional[Bound], fill: bool = False, bias_arg: bool = False):
+        self.bound, self.fill, self.bias_arg = bound, fill, bias_arg
+
+    def __call__(self, a, w, out, bias=None):
+        if self.fill:
+            _fill_rows(out, bias)
+        if self.bound is not None:
+            self.bound(a, w, out, bias if self.bias_arg else out)
+        return out
+
+
+def _run(kernel, grid, args, meta, record: Optional[list], **replay) -> None:
+    """Launch; with ``record``, through a ``Bound`` whose holes are the leading four arguments (activations,
+    weight, output, mask or bias), appended as a :class:`Replay`."""
+    if record is None:
+        launch(kernel, grid, args, meta)
+        return
+    bound = Bound(kernel, grid, args, meta, (0, 1, 2, 3))
+    bound(*args[:4])
+    record.append(Replay(bound, **replay))
+
+
 def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1, seed=None,
-                out: Optional[torch.Tensor] = None, keep_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                out: Optional[torch.Tensor] = None, keep_out: Optional[torch.Tensor] = None,
+                record: Optional[list] = None) -> torch.Tensor:
     """``h[S, stack_num*max_rank]`` (float32; float64 for float64 ``x``): ``h[t] = dropout(x[t]) @ A_a^T``.
 
     Dropout runs when ``seed`` is given (a host int, or a one-element int32 tensor on x's device that the kernels
@@ -206,6 +239,7 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
     Only rows of adapter tokens and their columns ``< stack_num*rank`` are written.
     ``keep_out`` (``dropout.keep_bits_buffer(x)``, ``stack_num == 1``): under dropout, the drawn mask is stored
     there packed, for ``lora_shrink_bwd(..., keep=keep_out)``; rows of adapter tokens only.
+    ``record`` (a list; calls without dropout): the call is appended as a :class:`Replay`.
     """
     _check_2d("x", x, getattr(x, "device", None))
     device = x.device
@@ -234,10 +268,14 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
         _check_2d("out", out, device)
         if out.shape != (S, width) or out.dtype != h_dtype:
             raise ValueError(f"out must be {h_dtype} [{S}, {width}], got {out.dtype} {list(out.shape)}")
+    has_dropout = seed is not None and table.has_dropout
+    if record is not None and (has_dropout or keep_out is not None):
+        raise ValueError("lora_shrink: a call under dropout cannot be recorded (a replay would redraw its mask)")
     if S == 0 or width == 0 or segs.num_segments == 0 or segs.max_len == 0:
+        if record is not None:
+            record.append(Replay(None))
         return out
 
-    has_dropout = seed is not None and table.has_dropout
     store_mask = has_dropout and keep_out is not None
     BLOCK_S, BLOCK_N, BLOCK_K, num_warps, num_stages = _shrink_blocks(segs, width, x, A, has_dropout, stack_num,
                                                                       store_mask)
@@ -250,27 +288,28 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
     w_offs = w_offs if slotted else table.offsets  # unread without W_OFFS
     if segs.perm is None:
         grid = (segs.num_segments, cdiv(segs.max_len, BLOCK_S), cdiv(width, BLOCK_N))
-        launch(sgemm_shrink_kernel, grid, (
+        _run(sgemm_shrink_kernel, grid, (
             x, A, out, keep_arg, segs.indptr, segs.slot, table.ranks, table.offsets, w_offs, table.dropout, seed,
-            K, *x.stride(), *common), dict(meta, BLOCK_S=BLOCK_S))
+            K, *x.stride(), *common), dict(meta, BLOCK_S=BLOCK_S), record)
     else:
         chunks = chunk_table(segs, BLOCK_S)
         grid = (chunks.shape[0], cdiv(width, BLOCK_N))
-        launch(sgmv_shrink_kernel, grid, (
+        _run(sgmv_shrink_kernel, grid, (
             x, A, out, keep_arg, chunks, segs.slot, segs.perm, table.ranks, table.offsets, w_offs,
             table.dropout,
-            seed, *x.stride(), *common), dict(K=K, N=width, BLOCK_M=BLOCK_S, **meta))
+            seed, *x.stride(), *common), dict(K=K, N=width, BLOCK_M=BLOCK_S, **meta), record)
     return out
 
 
 def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: int = 1, slice_idx: int = 0,
-                accumulate: bool = True, bias: Optional[torch.Tensor] = None):
+                accumulate: bool = True, bias: Optional[torch.Tensor] = None, record: Optional[list] = None):
     """In place ``y[t] += scale_a * h[t, slice] @ B_a^T``; returns ``y``. Rows of base tokens are untouched.
 
     ``accumulate=False`` writes instead of adding: ``y[t] = scale_a * h[t, slice] @ B_a^T + bias`` for adapter
     tokens and ``y[t] = bias`` (zero without ``bias``, a ``[N]`` vector) for the others, so ``y``'s prior content is
     never read -- the buffer a base GEMM then accumulates into (``y.addmm_(x, W.t())``).
     The scale is applied and the sum taken in fp32 (fp64 when ``y`` or ``h`` is float64); y keeps its dtype.
+    ``record`` (a list): the call is appended as a :class:`Replay`.
     """
     _check_2d("y", y, getattr(y, "device", None))
     device = y.device
@@ -292,7 +331,8 @@ def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: 
             raise ValueError("bias is only taken with accumulate=False")
         if not isinstance(bias, torch.Tensor) or bias.shape != (N,) or bias.device != device:
             raise ValueError(f"bias must be a [{N}] tensor on {device}, got {getattr(bias, 'shape', type(bias))}")
-    _expand_launch(h, B_cat, B, w_offs, segs, table, y, slice_idx=slice_idx, accumulate=accumulate, bias=bias)
+    _expand_launch(h, B_cat, B, w_offs, segs, table, y, slice_idx=slice_idx, accumulate=accumulate, bias=bias,
+                   record=record)
     return y
 
 
@@ -304,7 +344,7 @@ def _fill_rows(y: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
 
 
 def _expand_launch(h, B_cat, B, w_offs, segs: Segments, table: AdapterTable, y, *, slice_idx: int, accumulate: bool,
-                   bias) -> None:
+                   bias, record: Optional[list] = None) -> None:
     """The expand's launch; ``B``, ``w_offs``: ``B_cat``'s pointer tensor and per-slot offsets (``_weights``)."""
     S, N = y.shape
     live = not (S == 0 or N == 0 or table.max_rank == 0 or segs.num_segments == 0 or segs.max_len == 0)
@@ -314,7 +354,10 @@ def _expand_launch(h, B_cat, B, w_offs, segs: Segments, table: AdapterTable, y, 
     if not live:
         if write_all:
             _fill_rows(y, bias)
+        if record is not None:
+            record.append(Replay(None, fill=not accumulate))
         return
+    fill = not accumulate and not write_all
     fp64 = torch.float64 in (y.dtype, h.dtype)
     blocks = EXPAND_BLOCKS if accumulate else EXPAND_WRITE_BLOCKS
     S_BLK, N_CAP, R_CAP, num_warps, num_stages, n_tiles = _pick(blocks[_target()], N)
@@ -336,13 +379,13 @@ def _expand_launch(h, B_cat, B, w_offs, segs: Segments, table: AdapterTable, y, 
         tiles = segs.num_segments * cdiv(rows, BLOCK_S) * tiles_n
         n_tiles = min(n_tiles, tiles_n) if tiles >= _LOOP_MIN_TILES[_target()] else 1
         grid = (segs.num_segments, cdiv(rows, BLOCK_S), cdiv(N, BLOCK_N * n_tiles))
-        launch(sgemm_expand_kernel, grid, (
+        _run(sgemm_expand_kernel, grid, (
             h, B, y, bias_arg, segs.indptr, segs.slot, table.ranks, table.offsets, w_offs, table.scales, slice_idx,
-            N, *common), dict(meta, BLOCK_S=BLOCK_S, N_TILES=n_tiles))
+            N, *common), dict(meta, BLOCK_S=BLOCK_S, N_TILES=n_tiles), record, fill=fill, bias_arg=meta["HAS_BIAS"])
     else:
         chunks = chunk_table(segs, BLOCK_S)
         grid = (chunks.shape[0], cdiv(N, BLOCK_N))
-        launch(sgmv_expand_kernel, grid, (
+        _run(sgmv_expand_kernel, grid, (
             h, B, y, bias_arg, chunks, segs.slot, segs.perm, table.ranks, table.offsets, w_offs,
             table.scales, slice_idx, *common),
-            dict(N=N, MAX_RANK=table.max_rank, BLOCK_M=BLOCK_S, **meta))
+            dict(N=N, MAX_RANK=table.max_rank, BLOCK_M=BLOCK_S, **meta), record, fill=fill, bias_arg=meta["HAS_BIAS"])

@@ -83,7 +83,7 @@ def launch(fn, grid, args, meta) -> None:
     if k is None:
         k = _KERNELS[fn] = _Kernel(fn)
     dev = args[0].device.index
-    key = (dev, tuple(meta.items()), _arg_key(args, k.nospec))
+    key = _key(k, dev, args, meta)
     hit = k.compiled.get(key)
     if hit is None:
         if len(args) != k.n_args:
@@ -106,6 +106,53 @@ def launch(fn, grid, args, meta) -> None:
         fn[grid](*args, **meta)
         return
     _stats["fast"] += 1
+
+
+class Bound:
+    """One launch recorded for replay: ``fn[grid](*args, **meta)`` with the tensors at positions ``holes`` given per
+    call (``bound(*tensors)``, in the order of ``holes``), everything else fixed -- for a caller that checked once
+    that a later call would pass the same grid, constexprs and other arguments (a launch plan, keyed by what those
+    depend on). A replay compares only the given tensors' part of the specialisation key (dtype, 16-byte alignment)
+    with the recorded call's and runs the compiled kernel it found; a differing part, the interpreter, launch hooks
+    or a disabled fast path take :func:`launch` (so the replay launches what a fresh call would)."""
+
+    __slots__ = ("fn", "grid", "args", "meta", "holes", "hole_key", "hit", "dev")
+
+    def __init__(self, fn, grid, args, meta, holes: tuple):
+        self.fn, self.grid, self.args, self.meta, self.holes = fn, (*grid, 1, 1)[:3], list(args), meta, holes
+        self.hole_key = _tensor_key([args[i] for i in holes])
+        self.hit = None
+        self.dev = args[0].device.index
+
+    def __call__(self, *tensors) -> None:
+        args = self.args.copy()
+        for i, t in zip(self.holes, tensors, strict=True):
+            args[i] = t
+        hit = self.hit
+        if hit is None or _tensor_key(tensors) != self.hole_key or not _ENABLED or _hooks_set():
+            launch(self.fn, self.grid, args, self.meta)
+            if hit is None and _ENABLED and _tensor_key(tensors) == self.hole_key:
+                k = _KERNELS.get(self.fn)
+                self.hit = None if k is None else k.compiled.get(_key(k, self.dev, args, self.meta))
+            return
+        compiled, const_vals = hit
+        g = self.grid
+        try:
+            compiled.run(g[0], g[1], g[2], _stream(self.dev), compiled.function, compiled.packed_metadata, None, None,
+                         None, *args, *const_vals)
+        except TypeError as e:  # as in launch(): a launcher taking other arguments fails before launching
+            _disable(f"{type(e).__name__}: {e}")
+            self.fn[g](*args, **self.meta)
+            return
+        _stats["fast"] += 1
+
+
+def _tensor_key(tensors) -> tuple:
+    return tuple((t.dtype, t.data_ptr() & 15 == 0) for t in tensors)
+
+
+def _key(k: _Kernel, dev, args, meta) -> tuple:
+    return (dev, tuple(meta.items()), _arg_key(args, k.nospec))
 
 
 def _disable(why: str) -> None:
@@ -188,4 +235,4 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-__all__ = ["CHECK_KEYS", "cdiv", "checked", "launch", "mark_checked", "memo_keys", "next_power_of_2", "stats"]
+__all__ = ["CHECK_KEYS", "Bound", "cdiv", "checked", "launch", "mark_checked", "memo_keys", "next_power_of_2", "stats"]

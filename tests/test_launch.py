@@ -88,6 +88,28 @@ def test_cached_launch_passes_all_parameters_in_order(fast):
     assert len(fn.triton_calls) == n + 1
 
 
+def test_bound_replays_with_new_tensors_in_its_holes(fast):
+    """``launch.Bound``: the recorded launch's compiled kernel with the given tensors at the hole positions and
+    every other argument as recorded; a tensor of another specialisation (alignment, dtype) goes through Triton."""
+    fn = _FakeJit()
+    x, x2 = (torch.zeros(64).as_subclass(_T) for _ in range(2))
+    meta = dict(BLOCK=16, FLAG=True, num_warps=4)
+    b = L.Bound(fn, (3, 2), (x, 48, 7), meta, (0,))
+    b(x)
+    assert len(fn.triton_calls) == 1  # first: Triton compiles (and launches) it
+    compiled = fn.last
+    b(x2)
+    assert len(fn.triton_calls) == 1 and compiled.calls == [
+        (3, 2, 1, 1234, "fn-handle", "packed", None, None, None, x2, 48, 7, 16, True)]
+    assert b.args[0] is x  # the record itself is not changed by a replay
+    for other in (x[1:].as_subclass(_T), x.double().as_subclass(_T)):
+        n = len(fn.triton_calls)
+        b(other)
+        assert len(fn.triton_calls) == n + 1 and fn.triton_calls[-1][1] == (other, 48, 7)
+    with pytest.raises(ValueError):  # one tensor per hole
+        b(x, x2)
+
+
 def test_launcher_type_error_falls_back_to_triton(fast, monkeypatch):
     fn = _FakeJit()
     x = torch.zeros(16).as_subclass(_T)
@@ -166,3 +188,34 @@ def test_arg_key_separates_what_triton_specialises():
     assert k((x, 7), {1}) == k((x, 16), {1}) == k((x, 1), {1}) != k((x, 2**40), {1})
     assert k((x,), set()) != k((x.double(),), set()) and k((x,), set()) != k((x[1:],), set())
     assert k((None, True), set()) != k((None, False), set()) and k((0.5,), set()) == k((0.25,), set())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["sgemm", "chunked"])
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "added"])
+def test_eval_replays_take_the_compiled_kernels(device, family, fuse):
+    """A replayed eval call (``function.LaunchPlan``) launches the recorded kernels through the cached path, fresh
+    inputs each call: logits equal the general path's (plans forgotten) bit for bit."""
+    if not L._ENABLED:
+        pytest.skip("cached launches are off (FML_FAST_LAUNCH=0 or interpreter)")
+    from models import peft_model
+
+    import fast_multilora
+    from fast_multilora.patching import _STATE_ATTR
+
+    model = peft_model("llama").to(device).eval()
+    fast_multilora.patch(model, family=family, fuse_base=fuse)
+    names = ["a1", "__base__", "a0", "a2", "a0"]
+    g = torch.Generator().manual_seed(0)
+    states = [m.__dict__[_STATE_ATTR] for m in model.modules() if m.__dict__.get(_STATE_ATTR) is not None]
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 97, (5, 3), generator=g).to(device), adapter_names=names)  # records
+        for _ in range(3):
+            ids = torch.randint(0, 97, (5, 3), generator=g).to(device)
+            before = L.stats()
+            got = model(input_ids=ids, adapter_names=names).logits
+            after = L.stats()
+            assert after["fast"] > before["fast"] and after["slow"] == before["slow"], (before, after)
+            for s in states:
+                s.plans.clear()
+            assert torch.equal(got, model(input_ids=ids, adapter_names=names).logits)

@@ -128,3 +128,82 @@ def test_dropout_mask_stored_equals_redrawn(family, fuse, share):
     assert set(g1) == set(g2)
     for n in g1:
         assert torch.equal(g1[n], g2[n]), n
+
+
+def _eval(model, ids, **route):
+    with torch.no_grad():
+        return model(input_ids=ids, **route).logits
+
+
+def _fast_states(model):
+    from fast_multilora.patching import _STATE_ATTR
+
+    return [m.__dict__[_STATE_ATTR] for m in model.modules() if m.__dict__.get(_STATE_ATTR) is not None]
+
+
+def _forget_plans(model):
+    for state in _fast_states(model):
+        state.plans.clear()
+
+
+@pytest.mark.parametrize("family, fuse, in_place, share", [  # every pair of two axes' values in some case
+    ("sgemm", False, False, False), ("sgemm", True, True, True), ("chunked", False, True, True),
+    ("chunked", True, False, True), ("chunked", True, True, False),
+], ids=["sgemm-added-concatenated-alone", "sgemm-fused-in_place-stacked", "chunked-added-in_place-stacked",
+        "chunked-fused-concatenated-stacked", "chunked-fused-in_place-alone"])
+def test_eval_replays_launch_plans(family, fuse, in_place, share, monkeypatch):
+    """With autograd off, a layer call records its launch plan and the next call with that layout replays it
+    (``function.LaunchPlan``: no launcher runs its general path): logits equal the recording call's bit for bit and
+    stock PEFT's per sample; an in-place weight update is read by the replay, a moved weight makes a new plan."""
+    import fast_multilora.kernels as K
+
+    model = peft_model(configs=configs())
+    ref = twin(model)
+    fast_multilora.patch(model, backend="triton", family=family, fuse_base=fuse, weights_in_place=in_place,
+                         share_shrink=share)
+    model.eval()
+    ref.eval()
+    ids, _ = _inputs(5)
+    first = _eval(model, ids, adapter_names=NAMES)
+    states = _fast_states(model)
+    assert states and all(s.plans for s in states)
+    general = {"shrink": K.lora_shrink, "expand": K.lora_expand}
+
+    def refuse(*a, **k):
+        raise AssertionError("a replayed call ran a launcher's general path")
+
+    monkeypatch.setattr(K, "lora_shrink", refuse)
+    monkeypatch.setattr(K, "lora_expand", refuse)
+    second = _eval(model, ids, adapter_names=NAMES)
+    assert torch.equal(first, second)
+    want = torch.cat([_eval_peft(ref, ids[i : i + 1], n) for i, n in enumerate(NAMES)])
+    _close(second, want, "replayed logits")
+
+    # an in-place update (an optimizer step): the replay reads the new values, as the general path does
+    layer = model.base_model.model.model.layers[1].mlp.up_proj
+    with torch.no_grad():
+        layer.lora_B["a2"].weight.mul_(3.0)
+        layer.lora_A["a1"].weight.add_(0.5)
+    replayed = _eval(model, ids, adapter_names=NAMES)
+    monkeypatch.setattr(K, "lora_shrink", general["shrink"])
+    monkeypatch.setattr(K, "lora_expand", general["expand"])
+    _forget_plans(model)
+    assert torch.equal(replayed, _eval(model, ids, adapter_names=NAMES))
+    assert not torch.equal(replayed, second)
+
+    # a weight moved to new memory (a replaced ``.data``): the plan no longer applies and a new one is recorded
+    w = layer.lora_B["a0"].weight
+    w.data = w.data * -1.0
+    moved = _eval(model, ids, adapter_names=NAMES)
+    _forget_plans(model)
+    assert torch.equal(moved, _eval(model, ids, adapter_names=NAMES))
+    assert not torch.equal(moved, replayed)
+
+
+def _eval_peft(ref, ids, name):
+    with torch.no_grad():
+        if name == "__base__":
+            with ref.disable_adapter():
+                return ref(input_ids=ids).logits
+        ref.set_adapter(name)
+        return ref(input_ids=ids).logits

@@ -45,9 +45,9 @@ def shrinks(monkeypatch):
     """The ``stack_num`` of every shrink the backends run, in call order."""
     calls = []
     for cls in (TorchBackend, TritonBackend):
-        def spy(self, x, A_cat, segs, table, stack_num, seed, *rest, _orig=cls.shrink):
+        def spy(self, x, A_cat, segs, table, stack_num, seed, *rest, _orig=cls.shrink, **kw):
             calls.append(stack_num)
-            return _orig(self, x, A_cat, segs, table, stack_num, seed, *rest)
+            return _orig(self, x, A_cat, segs, table, stack_num, seed, *rest, **kw)
 
         monkeypatch.setattr(cls, "shrink", spy)
     return calls

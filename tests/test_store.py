@@ -579,11 +579,10 @@ def test_a_layer_call_does_the_same_work_at_any_adapter_count(monkeypatch):
     8 and 64 adapters -- only tensor sizes grow. Launches are counted, not run (the interpreter would take minutes)."""
     from collections import Counter
 
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     import fast_multilora.kernels.backward as KB
     import fast_multilora.kernels.chunks as KC
     import fast_multilora.kernels.forward as KF
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     launches = Counter()
     for m in (KF, KB, KC):
