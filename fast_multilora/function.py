@@ -425,14 +425,16 @@ def run(fn_cls, *args):
 _NO_GRAD_CTX = _NoGradCtx()
 
 
-def run_layer(plans: Optional[dict], key, segs, stored, make_call, x, y, W, b, h_in, a_ws, b_ws, extra=()):
+def run_layer(plans: Optional[dict], kind: tuple, segs, stored, make_call, x, y, W, b, h_in, a_ws, b_ws, extra=()):
     """``run(LoraLinear, x, y, W, b, h_in, make_call(record), *a_ws, *b_ws, *extra)`` for one patched layer call,
     through its :class:`LaunchPlan` when it has one: ``plans`` is the layer state's dict of them when this call may
-    replay one (an eager Triton call with autograd off, no dropout, no ``lora_bias``; else ``None``), ``key`` what
-    the plan depends on besides the layout, the store's slots and the weights' addresses (checked here). A call
-    without a plan records one."""
+    replay one (an eager Triton call with autograd off, no dropout, no ``lora_bias``; else ``None``), ``kind`` the
+    call's role (``("lead", slice)``, ``("member", slice)``, ``("stored",)``). A plan is found by the layout, the
+    input's shape, strides and dtype, fused or not and the role, and holds for the same layout and store slots and
+    weights at the same addresses (checked here). A call without a plan records one."""
     record = None
-    if plans is not None:
+    if plans is not None:  # (no key while tracing: a graph would guard on the layout's identity)
+        key = (id(segs), x.shape, x.stride(), x.dtype, W is not None, *kind)
         plan = plans.get(key)
         if plan is not None and plan.segs is segs and plan.stored is stored and plan.ptrs == _ptrs(a_ws, b_ws):
             return plan.replay(x, y, W, b, h_in, a_ws, b_ws)

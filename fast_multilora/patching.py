@@ -338,14 +338,13 @@ class _FastLinearMixin(_TrackedMixin):
         # eager Triton calls with autograd off, no dropout, no lora_bias replay a launch plan (function.LaunchPlan)
         plans = state.plans if (backend.name == "triton" and not torch.is_grad_enabled() and not has_bias
                                 and not state.table.has_dropout and not torch.compiler.is_compiling()) else None
-        key = (id(segs), x_d.shape, x_d.stride(), x_d.dtype, base is not None)
         store = router.store
         slots = store.layer_slots(self) if store is not None else None
         if slots is not None and _in_ddp_forward():  # DDP's hooks sit on the parameters: their path, into the arena
             store.param_path, slots = True, None
         if slots is not None:  # the adapter store (fast_multilora.store): the layer's two leaves, no stack
             return run_layer(
-                plans, (*key, "stored"), segs, slots,
+                plans, ("stored",), segs, slots,
                 lambda record: call(seed=backend.draw_seed(x) if state.table.has_dropout else None,
                                     store_mask=config.store_dropout_mask and torch.is_grad_enabled(), stored=slots,
                                     record=record),
@@ -363,7 +362,7 @@ class _FastLinearMixin(_TrackedMixin):
                 if len(pending.taken) == stack.size:
                     stack.group.pending = None
                 return run_layer(
-                    plans, (*key, "member", index), segs, None,
+                    plans, ("member", index), segs, None,
                     lambda record: call(stack_num=stack.size, slice_idx=index, lead=False, stack=pending,
                                         record=record),
                     x_d, y, W, b, pending.h, (), b_weights, biases)
@@ -371,7 +370,7 @@ class _FastLinearMixin(_TrackedMixin):
         a_weights = [m._modules["lora_A"]._modules[n]._parameters["weight"] for n in state.present for m in members]
         pending = stacked.Pending(x, routing, {index}, stack=stack) if stack is not None else None
         out, h = run_layer(
-            plans, (*key, "lead", index), segs, None,
+            plans, ("lead", index), segs, None,
             lambda record: call(stack_num=len(members), slice_idx=index, lead=True,
                                 seed=backend.draw_seed(x) if state.table.has_dropout else None,
                                 store_mask=config.store_dropout_mask and torch.is_grad_enabled(), stack=pending,

@@ -119,7 +119,9 @@ class Bound:
     __slots__ = ("fn", "grid", "args", "meta", "holes", "hole_key", "hit", "dev")
 
     def __init__(self, fn, grid, args, meta, holes: tuple):
-        self.fn, self.grid, self.args, self.meta, self.holes = fn, (*grid, 1, 1)[:3], list(args), meta, holes
+        # the holes' tensors are not kept: a plan must not hold a call's activations (nor weights) alive
+        self.fn, self.grid, self.meta, self.holes = fn, (*grid, 1, 1)[:3], meta, holes
+        self.args = [None if i in holes else a for i, a in enumerate(args)]
         self.hole_key = _tensor_key([args[i] for i in holes])
         self.hit = None
         self.dev = args[0].device.index

@@ -167,6 +167,13 @@ def test_eval_replays_launch_plans(family, fuse, in_place, share, monkeypatch):
     first = _eval(model, ids, adapter_names=NAMES)
     states = _fast_states(model)
     assert states and all(s.plans for s in states)
+    for s in states:  # a plan holds no activation or weight: only the layout's and the table's small tensors
+        for plan in s.plans.values():
+            small = (s.table.scales, s.table.dropout)
+            for rep in (plan.shrink, plan.expand):
+                held = [a for a in (rep.bound.args if rep is not None and rep.bound is not None else ())
+                        if isinstance(a, torch.Tensor)]
+                assert all(t.dtype in (torch.int32, torch.int64) or any(t is u for u in small) for t in held)
     general = {"shrink": K.lora_shrink, "expand": K.lora_expand}
 
     def refuse(*a, **k):
