@@ -3,8 +3,10 @@
 ``out = base(x) + sum over segments of scale_a * dropout_a(x_seg) @ A_a^T @ B_a^T`` -- one Function,
 :class:`LoraLinear`, for every patched layer call, parameterised by its :class:`LayerCall`:
 
-* ``fused``: the base is a frozen ``nn.Linear`` whose GEMM runs inside the Function (the expand writes the delta, the
-  bias folded in, and cuBLAS accumulates ``x Wᵀ`` into it; backward likewise for ``dx``); otherwise the base layer
+* ``fused``: the base is a frozen ``nn.Linear`` whose GEMM runs inside the Function (SGEMM family, eager: the expand
+  writes the delta, the bias folded in, and cuBLAS accumulates ``x Wᵀ`` into it; chunked family and compiled: the
+  GEMM first, the delta added into it -- :func:`base_first`; backward: eager, the shrink backward's ``dx`` and cuBLAS
+  accumulating ``dy W`` into it, compiled the reverse); otherwise the base layer
   ran outside (it may be quantized or hooked) and the delta is added to its output.
 * ``stack_num`` / ``slice_idx`` / ``lead``: sibling layers called on one input (``fast_multilora.stacked``) share one
   shrink. The stack's lead runs it over every member's A weights and returns ``h`` as a second output; each other
@@ -268,18 +270,25 @@ def lora_dropout_rate(drop: torch.nn.Module) -> float:
     return quantize_p(float(drop.p)) if isinstance(drop, torch.nn.Dropout) and drop.training else 0.0
 
 
-def linear_with_delta(backend, x, W, bias, h, B_cat, segs, table, stack_num, slice_idx, record=None) -> torch.Tensor:
-    """``x Wᵀ (+ bias) + delta``. Eager: the expand writes the delta into a fresh ``y`` (write mode, bias folded in,
-    every row defined) and cuBLAS accumulates the base GEMM into it (``addmm_``, beta 1). While ``torch.compile``
-    traces, the base GEMM comes first and the expand accumulates into its output: a traced ``addmm_`` becomes an
-    out-of-place ``addmm``, which copies its input first, where the expand's in-place update of a fresh
-    intermediate is re-inplaced by Inductor (no copy)."""
-    if _compiling():
+def base_first(segs: Segments) -> bool:
+    """Whether a fused call runs the base GEMM first and the expand adds the delta into its output, rather than the
+    expand writing the delta (every row) and cuBLAS accumulating the GEMM into it (``addmm_``, beta 1): while
+    ``torch.compile`` traces (a traced ``addmm_`` becomes an out-of-place ``addmm``, which copies its input first,
+    where the expand's in-place update of a fresh intermediate is re-inplaced by Inductor), and for the chunked
+    family, whose write mode would zero-fill ``y`` first (one launch and one pass over ``y`` more than the GEMM's
+    own write). The SGEMM family's write mode defines every row itself."""
+    return _compiling() or segs.perm is not None
+
+
+def linear_with_delta(x, W, bias, expand, first: bool) -> torch.Tensor:
+    """``x Wᵀ (+ bias) + delta``, ``expand(y, accumulate, bias)`` putting the delta into ``y``: the base GEMM
+    ``first`` (:func:`base_first`) and the delta added, or the delta written (bias folded in) and the GEMM added."""
+    if first:
         y = x @ W.t() if bias is None else torch.addmm(bias, x, W.t())
-        backend.expand(h, B_cat, segs, table, y, stack_num, slice_idx)
+        expand(y, True, None)
         return y
     y = torch.empty(x.shape[0], W.shape[0], dtype=x.dtype, device=x.device)
-    backend.expand(h, B_cat, segs, table, y, stack_num, slice_idx, accumulate=False, bias=bias, record=record)
+    expand(y, False, bias)
     return y.addmm_(x, W.t())
 
 
@@ -317,7 +326,9 @@ class LoraLinear(torch.autograd.Function):
             h = h_in
         B = _b_weight(call, weights[n_a : n_a + n])
         if call.fused:
-            rows = linear_with_delta(be, x, W, b, h, B, segs, table, call.stack_num, call.slice_idx, record=rec)
+            rows = linear_with_delta(
+                x, W, b, lambda y, acc, bias: be.expand(h, B, segs, table, y, call.stack_num, call.slice_idx,
+                                                        accumulate=acc, bias=bias, record=rec), base_first(segs))
             out = rows.view(*x_in.shape[:-1], W.shape[0])
         else:
             out, rows = _delta_target(ctx, y_in)
@@ -488,9 +499,9 @@ class LaunchPlan:
             h = h_in
         B = _pick(self.b_pick, b_ws)
         if self.fused:
-            y = torch.empty(x.shape[0], self.N, dtype=x.dtype, device=x.device)
-            self.expand(h, B, y, b)
-            out = y.addmm_(x, W.t()).view(*x_in.shape[:-1], self.N)
+            expand = self.expand
+            rows = linear_with_delta(x, W, b, lambda y, acc, bias: expand(h, B, y, bias), base_first(self.segs))
+            out = rows.view(*x_in.shape[:-1], self.N)
         else:
             out, rows = _delta_target(_NO_GRAD_CTX, y_in)
             self.expand(h, B, rows)

@@ -318,7 +318,7 @@ class _FastLinearMixin(_TrackedMixin):
         backend = get_backend(config.backend, x.device)
         segs = router.segments(routing, x)
         base = _fused_base(self, x, args, kwargs, state, config)
-        if base is not None:  # the base GEMM runs inside the Function, after the expand wrote the delta
+        if base is not None:  # the base GEMM runs inside the Function (function.linear_with_delta)
             y, W, b, x_d = None, base._parameters["weight"], base._parameters.get("bias"), x
         else:
             y, W, b = self.base_layer(x, *args, **kwargs), None, None

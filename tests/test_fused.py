@@ -1,5 +1,6 @@
-"""The fused base: a frozen ``nn.Linear`` base run inside ``LoraLinear`` (delta written first, the base GEMM
-accumulated into it by ``addmm_``; the same for ``dx``). Compared with the unfused path (``patch(...,
+"""The fused base: a frozen ``nn.Linear`` base run inside ``LoraLinear`` (SGEMM family: delta written first, the base
+GEMM accumulated into it by ``addmm_``; chunked family: the GEMM first, the delta added; ``dx``: the shrink
+backward's, ``dy W`` accumulated into it). Compared with the unfused path (``patch(...,
 fuse_base=False)``: base layer, then the delta added in place) on outputs, input gradients and
 every LoRA gradient, with and without dropout, on both backends; and the cases that must not take it.
 
