@@ -78,6 +78,15 @@ def assert_matches_peft(model, ref, what="", **route):
         _close(got[2][n], g, n)
 
 
+def _patched(family, fuse, in_place, share):
+    """The three-adapter model patched with these settings, and its unpatched twin (stock PEFT)."""
+    model = peft_model(configs=configs())
+    ref = twin(model)
+    fast_multilora.patch(model, backend="triton", family=family, fuse_base=fuse, weights_in_place=in_place,
+                         share_shrink=share)
+    return model, ref
+
+
 def _inputs(T):
     g = torch.Generator().manual_seed(3)
     return torch.randint(0, 97, (len(NAMES), T), generator=g), torch.randn(len(NAMES), T, 97, generator=g)
@@ -88,10 +97,7 @@ def _inputs(T):
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "added"])
 @pytest.mark.parametrize("family", ["sgemm", "chunked"])
 def test_path_matrix_matches_peft(family, fuse, in_place, share):
-    model = peft_model(configs=configs())
-    ref = twin(model)
-    fast_multilora.patch(model, backend="triton", family=family, fuse_base=fuse, weights_in_place=in_place,
-                         share_shrink=share)
+    model, ref = _patched(family, fuse, in_place, share)
     model.train()
     ref.train()
     assert_matches_peft(model, ref, adapter_names=NAMES)
@@ -157,10 +163,7 @@ def test_eval_replays_launch_plans(family, fuse, in_place, share, monkeypatch):
     stock PEFT's per sample; an in-place weight update is read by the replay, a moved weight makes a new plan."""
     import fast_multilora.kernels as K
 
-    model = peft_model(configs=configs())
-    ref = twin(model)
-    fast_multilora.patch(model, backend="triton", family=family, fuse_base=fuse, weights_in_place=in_place,
-                         share_shrink=share)
+    model, ref = _patched(family, fuse, in_place, share)
     model.eval()
     ref.eval()
     ids, _ = _inputs(5)
