@@ -9,8 +9,8 @@
 # -- in FUZZ_PROCS processes of different seeds, FML_FUZZ_EXAMPLES examples per test in all), kernels, model,
 # profile (benchmarks/profile_step.py, per PROFILE_MODES entry: eager, a compile mode, decode, scale, eval,
 # eval-<compile mode>, store, store-<compile mode> or train32), multi
-# (benchmarks/multi_gpu.sh, needs 2 GPUs), ktests (the kernel and fused-path test files whole, every dtype, on the
-# GPU, in parallel processes), tune (benchmarks/tune_kernels.py --parts $TUNE_PARTS, default model: block sweep at
+# (benchmarks/multi_gpu.sh, needs 2 GPUs), ktests (the kernel and fused-path test files whole -- KTEST_FILES --,
+# every dtype, on the GPU, in parallel processes), tune (benchmarks/tune_kernels.py --parts $TUNE_PARTS, default model: block sweep at
 # the training step's shapes), ab (benchmarks/ab_step.py: patch settings A/B on the train step), gaps
 # (benchmarks/kernel_gaps.py: an eval forward's kernel gaps, and its wall-time A/B), compiled (bench_model.py's
 # opt-in scenarios: train step and eval under torch.compile, static- and dynamic-cache generate, merged into the
@@ -48,6 +48,7 @@ T_GAPS=${T_GAPS:-150}
 MODEL_SCENARIOS=${MODEL_SCENARIOS:-}  # the model stage's scenarios (default: bench_model.py's own list)
 MODEL_ARGS=${MODEL_ARGS:-}  # more bench_model.py flags for the model and compiled stages (e.g. --scale-counts 8,64,256)
 GPU_TESTS=${GPU_TESTS:-tests/}  # the tests stage's paths (e.g. GPU_TESTS=tests/test_compile_gpu.py)
+KTEST_FILES=${KTEST_FILES:-"tests/test_kernels_forward.py tests/test_kernels_backward.py tests/test_kernels_decode.py tests/test_fused.py tests/test_slot_weights.py"}  # the ktests stage's files
 COMPILED_SCENARIOS=${COMPILED_SCENARIOS:-train_step_8_compiled,eval_8_compiled,generate_static,generate_dynamic}
 T_COMPILED=${T_COMPILED:-540}  # 12 providers, 9 of them compiled (40-90 s each on an H200)
 COMPILE_MODE=${COMPILE_MODE:-default}
@@ -144,7 +145,7 @@ main() {
         grep -E "passed|failed|rc=" "$OUT/fuzz_gpu.log"
     fi
     if want ktests; then
-        stage ktests "$T_KTESTS" bash -c 'set -o pipefail; FML_TEST_DEVICE=cuda "$0" benchmarks/run_tests_parallel.py --procs 12 --timeout $(($2 - 15)) --log-dir "$1.d" tests/test_kernels_forward.py tests/test_kernels_backward.py tests/test_fused.py tests/test_slot_weights.py 2>&1 | tee "$1"; rc=$?; cat "$1".d/*.log > "$1.all"; rm -rf "$1.d"; exit $rc' "$PY" "$OUT/pytest_kernels_gpu.log" "$T_KTESTS"
+        stage ktests "$T_KTESTS" bash -c 'set -o pipefail; FML_TEST_DEVICE=cuda "$0" benchmarks/run_tests_parallel.py --procs 12 --timeout $(($2 - 15)) --log-dir "$1.d" $3 2>&1 | tee "$1"; rc=$?; cat "$1".d/*.log > "$1.all"; rm -rf "$1.d"; exit $rc' "$PY" "$OUT/pytest_kernels_gpu.log" "$T_KTESTS" "$KTEST_FILES"
     fi
     if want tune; then
         stage tune "$T_TUNE" "$PY" benchmarks/tune_kernels.py --parts "${TUNE_PARTS:-model}" --out "$OUT/tune_model.json"

@@ -81,6 +81,10 @@ class TorchBackend:
                                      accumulate=accumulate, bias=bias)
 
     @_no_autocast
+    def shrink_expand(self, x, A_cat, B_cat, segs, table, y, record=None):
+        return reference.lora_shrink_expand(x, A_cat, B_cat, segs, table, y)
+
+    @_no_autocast
     def expand_bwd(self, dy, h, B_cat, segs, table, stack_num, slice_idx, dh=None, grad_dtype=None):
         # grad_dtype: a hint the reference does not take (its weight gradients stay float32 [N, total_rank])
         return reference.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx, dh=dh)
@@ -159,6 +163,15 @@ class TritonBackend:
             record["expand"] = launches[0]
         return out
 
+    def shrink_expand(self, x, A_cat, B_cat, segs, table, y, record=None):
+        """``y += delta`` in one launch (``kernels.lora_shrink_expand``: few rows, eager only); ``record`` (a dict):
+        the launch is kept under ``"decode"``."""
+        launches = None if record is None else []
+        self.k.lora_shrink_expand(x, A_cat, B_cat, segs, table, y, record=launches)
+        if record is not None:
+            record["decode"] = launches[0]
+        return y
+
     def expand_bwd(self, dy, h, B_cat, segs, table, stack_num, slice_idx, dh=None, grad_dtype=None):
         """``(dh, dB)``; a given ``dh`` is the starting content (written in place in eager mode). With
         ``grad_dtype`` (eager only), ``dB`` comes in that dtype as one contiguous ``[N, r_a]`` block per adapter,
@@ -193,8 +206,20 @@ class TritonBackend:
 _BACKENDS: dict = {}
 
 
+_RESOLVED: dict = {}  # (name, device type) -> backend, once resolved (every patched layer call asks)
+
+
 def get_backend(name: str, device: torch.device):
     """Resolve ``"auto" | "torch" | "triton"`` for tensors on ``device``."""
+    hit = _RESOLVED.get((name, device.type))
+    if hit is not None:
+        return hit
+    backend = _resolve(name, device)
+    _RESOLVED[(name, device.type)] = backend
+    return backend
+
+
+def _resolve(name: str, device: torch.device):
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -240,6 +265,9 @@ class LayerCall:
     stored: object = None
     # a dict the forward fills with what a :class:`LaunchPlan` replays (eager no-grad Triton calls, ``plan_key``)
     record: Optional[dict] = None
+    # few rows with autograd off (decode steps): shrink and expand in one launch, no ``h`` (``kernels.decode``); a
+    # lead of one slice, no dropout, no ``lora_bias``
+    decode: bool = False
 
     @property
     def n_adapters(self) -> int:
@@ -319,6 +347,17 @@ class LoraLinear(torch.autograd.Function):
         x = as_rows(x_in)
         keep = None
         rec = call.record
+        if call.decode:  # few rows, autograd off: one launch, no h
+            A, B = _a_weight(call, weights[:n_a]), _b_weight(call, weights[n_a : n_a + n])
+            if call.fused:  # the base GEMM first (one op: its replay's too), the delta added into it
+                rows = torch.nn.functional.linear(x, W, b)
+                out = rows.view(*x_in.shape[:-1], W.shape[0])
+            else:
+                out, rows = _delta_target(ctx, y_in)
+            be.shrink_expand(x, A, B, segs, table, rows, record=rec)
+            if rec is not None:
+                rec.update(A=A, B=B, h=None, N=rows.shape[1], x_shape=x_in.shape)
+            return out, None
         if call.lead:
             A = _a_weight(call, weights[:n_a])
             h, keep = be.shrink(x, A, segs, table, call.stack_num, call.seed, call.store_mask, record=rec)
@@ -334,7 +373,7 @@ class LoraLinear(torch.autograd.Function):
             out, rows = _delta_target(ctx, y_in)
             be.expand(h, B, segs, table, rows, call.stack_num, call.slice_idx, record=rec)
         if rec is not None:
-            rec.update(A=A if call.lead else None, B=B, h=h, N=rows.shape[1])
+            rec.update(A=A if call.lead else None, B=B, h=h, N=rows.shape[1], x_shape=x_in.shape)
         if call.has_bias:
             _add_bias(rows, weights[n_a + n :], call)
         # the backward reads the weights as the forward did
@@ -476,8 +515,8 @@ class LaunchPlan:
     plans and is rebuilt on every change ``plan.CHANGES`` reports) stay, and every weight is at the address it had
     (an optimizer steps weights in place; a replaced ``.data`` moves them): :func:`run_layer` checks these."""
 
-    __slots__ = ("segs", "stored", "ptrs", "lead", "fused", "a_pick", "b_pick", "shrink", "expand", "h_shape",
-                 "h_dtype", "N")
+    __slots__ = ("segs", "stored", "ptrs", "lead", "fused", "a_pick", "b_pick", "shrink", "expand", "decode",
+                 "h_shape", "h_dtype", "N", "out_shape")
 
     def __init__(self, rec: dict, call: LayerCall, a_ws, b_ws):
         self.segs, self.stored, self.ptrs = call.segs, call.stored, _ptrs(a_ws, b_ws)
@@ -486,12 +525,24 @@ class LaunchPlan:
         self.a_pick = _picker(rec["A"], a_ws, lambda ws: torch.cat(ws, 0)) if call.lead else None
         self.b_pick = _picker(rec["B"], b_ws, (lambda ws: stored.b_cat(ws[0])) if stored is not None
                               else (lambda ws: torch.cat(ws, 1)))
-        self.shrink, self.expand = rec.get("shrink"), rec["expand"]
-        self.h_shape, self.h_dtype, self.N = rec["h"].shape, rec["h"].dtype, rec["N"]
+        self.shrink, self.expand, self.decode = rec.get("shrink"), rec.get("expand"), rec.get("decode")
+        h = rec["h"]
+        self.h_shape, self.h_dtype = (None, None) if h is None else (h.shape, h.dtype)
+        self.N = rec["N"]
+        self.out_shape = (*rec["x_shape"][:-1], self.N)
 
     def replay(self, x_in, y_in, W, b, h_in, a_ws, b_ws):
         """What ``LoraLinear.forward`` returns for this call (see :class:`LaunchPlan`)."""
         x = as_rows(x_in)
+        if self.decode is not None:  # one launch (kernels.decode): x, the weights' pointer tensors, the output
+            A, B = _pick(self.a_pick, a_ws), _pick(self.b_pick, b_ws)
+            if self.fused:
+                rows = torch.nn.functional.linear(x, W, b)
+                out = rows.view(self.out_shape)
+            else:
+                out, rows = _delta_target(_NO_GRAD_CTX, y_in)
+            self.decode(x, A, B, rows)
+            return out, None
         if self.lead:
             h = torch.empty(self.h_shape, dtype=self.h_dtype, device=x.device)
             self.shrink(x, _pick(self.a_pick, a_ws), h)

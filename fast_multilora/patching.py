@@ -44,6 +44,7 @@ from torch.nn.modules import module as _nn_module  # its global forward hooks ar
 from . import moe, stacked
 from .config import PatchConfig
 from .function import LayerCall, get_backend, lora_dropout_rate, run_layer
+from .kernels.decode import DECODE_MAX_ROWS
 from .kernels.segments import AdapterTable
 from .plan import BASE, CHANGES, Router
 
@@ -106,11 +107,13 @@ class LayerState:
     bias_map: Optional[torch.Tensor]  # lora_bias: int64 [n_slots + 1], slot -> row among present (n = none)
     clone_base_output: bool = False  # a bitsandbytes 4-bit base: the delta goes into a copy of its output, as PEFT's
     plans: dict = field(default_factory=dict)  # function.LaunchPlan s of eager no-grad calls, by run_layer's key
+    a_modules: tuple = ()  # the present adapters' lora_A / lora_B modules (part of the state's signature)
+    b_modules: tuple = ()
+    lora_dtype: Optional[torch.dtype] = field(init=False)  # the adapters' one A dtype, else None
 
-    @property
-    def lora_dtype(self):
-        """The adapters' one A dtype (PEFT casts an fp32 input to a 16-bit one), else ``None``."""
-        return self.a_dtypes[0] if len(set(self.a_dtypes)) == 1 else None
+    def __post_init__(self):
+        # PEFT casts an fp32 input to the adapters' 16-bit dtype: the layer path does the same
+        self.lora_dtype = self.a_dtypes[0] if len(set(self.a_dtypes)) == 1 else None
 
 
 # Changes to what the layers' states depend on. Reading every adapter's modules and weights at each forward call costs
@@ -238,6 +241,7 @@ def _build_state(layer, slot_names) -> Optional[LayerState]:
         rates=tuple(ps[s] for s in slots), a_dtypes=tuple(w.dtype for w in a_weights), device=device,
         has_bias=has_bias, variants=variants, bias_map=bias_map,
         clone_base_output=type(layer.get_base_layer()).__name__ == "Linear4bit",
+        a_modules=tuple(layer.lora_A[n] for n in present), b_modules=tuple(layer.lora_B[n] for n in present),
     )
 
 
@@ -338,20 +342,24 @@ class _FastLinearMixin(_TrackedMixin):
         # eager Triton calls with autograd off, no dropout, no lora_bias replay a launch plan (function.LaunchPlan)
         plans = state.plans if (backend.name == "triton" and not torch.is_grad_enabled() and not has_bias
                                 and not state.table.has_dropout and not torch.compiler.is_compiling()) else None
+        # few rows (decode steps) of such calls: shrink and expand in one launch, each layer its own (no stack)
+        decode = plans is not None and segs.num_tokens <= DECODE_MAX_ROWS and segs.token_slots is not None
         store = router.store
         slots = store.layer_slots(self) if store is not None else None
         if slots is not None and _in_ddp_forward():  # DDP's hooks sit on the parameters: their path, into the arena
             store.param_path, slots = True, None
         if slots is not None:  # the adapter store (fast_multilora.store): the layer's two leaves, no stack
             return run_layer(
-                plans, ("stored",), segs, slots,
+                plans, ("stored", decode), segs, slots,
                 lambda record: call(seed=backend.draw_seed(x) if state.table.has_dropout else None,
                                     store_mask=config.store_dropout_mask and torch.is_grad_enabled(), stored=slots,
-                                    record=record),
+                                    record=record, decode=decode),
                 x_d, y, W, b, None, (slots.a_leaf,), (slots.b_leaf,))[0]
-        b_mods = self._modules["lora_B"]._modules
-        b_weights = [b_mods[n]._parameters["weight"] for n in state.present]
-        biases = [b_mods[n]._parameters["bias"] for n in state.present] if has_bias else []
+        b_weights = [m._parameters["weight"] for m in state.b_modules]
+        if decode:
+            return run_layer(plans, ("decode",), segs, None, lambda record: call(record=record, decode=True),
+                             x_d, y, W, b, None, [m._parameters["weight"] for m in state.a_modules], b_weights)[0]
+        biases = [m._parameters["bias"] for m in state.b_modules] if has_bias else []
         entry = self.__dict__.get(_STACK_ATTR) if config.share_shrink else None
         stack, index = entry if entry is not None else (None, 0)
         if stack is not None:  # a stack member called on the input its lead shrank: take the slice
@@ -405,7 +413,7 @@ def _fused_base(layer, x, args, kwargs, state: LayerState, config: PatchConfig):
         return None
     if x.dtype != W.dtype or x.device != W.device or (b is not None and b.dtype != W.dtype):
         return None
-    if torch.is_autocast_enabled(x.device.type):
+    if torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(x.device.type):
         return None
     if x.dtype == torch.float32 and state.lora_dtype in (torch.float16, torch.bfloat16):
         return None  # PEFT feeds the adapters a cast input: the unfused path does the same

@@ -116,6 +116,12 @@ def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: 
     return y
 
 
+def lora_shrink_expand(x, A_cat, B_cat, segs: Segments, table: AdapterTable, y):
+    """In place ``y[t] += scale_a * (x[t] @ A_a^T) @ B_a^T`` (no dropout, one slice): ``lora_expand`` of
+    ``lora_shrink``, the one-launch op of few-row calls (``kernels.decode``); returns ``y``."""
+    return lora_expand(lora_shrink(x, A_cat, segs, table), B_cat, segs, table, y)
+
+
 def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1, slice_idx: int = 0,
                     dh: Optional[torch.Tensor] = None):
     """Returns ``(dh, dB_cat)``: ``dh`` (float32 ``[S, stack_num*max_rank]``, this slice's columns written; a

@@ -224,7 +224,7 @@ def _run(kernel, grid, args, meta, record: Optional[list], **replay) -> None:
     if record is None:
         launch(kernel, grid, args, meta)
         return
-    bound = Bound(kernel, grid, args, meta, (0, 1, 2, 3))
+    bound = Bound(kernel, grid, args, meta, 4)
     bound(*args[:4])
     record.append(Replay(bound, **replay))
 

@@ -109,42 +109,44 @@ def launch(fn, grid, args, meta) -> None:
 
 
 class Bound:
-    """One launch recorded for replay: ``fn[grid](*args, **meta)`` with the tensors at positions ``holes`` given per
-    call (``bound(*tensors)``, in the order of ``holes``), everything else fixed -- for a caller that checked once
-    that a later call would pass the same grid, constexprs and other arguments (a launch plan, keyed by what those
-    depend on). A replay compares only the given tensors' part of the specialisation key (dtype, 16-byte alignment)
-    with the recorded call's and runs the compiled kernel it found; a differing part, the interpreter, launch hooks
-    or a disabled fast path take :func:`launch` (so the replay launches what a fresh call would)."""
+    """One launch recorded for replay: ``fn[grid](*args, **meta)`` with its leading ``n_holes`` arguments, tensors,
+    given per call (``bound(*tensors)``), everything else fixed -- for a caller that checked once that a later call
+    would pass the same grid, constexprs and other arguments (a launch plan, keyed by what those depend on). A replay
+    compares only the given tensors' part of the specialisation key (dtype, 16-byte alignment) with the recorded
+    call's and runs the compiled kernel it found; a differing part, the interpreter, launch hooks or a disabled fast
+    path take :func:`launch` (so the replay launches what a fresh call would)."""
 
-    __slots__ = ("fn", "grid", "args", "meta", "holes", "hole_key", "hit", "dev")
+    __slots__ = ("fn", "grid", "args", "meta", "n_holes", "hole_key", "hit", "dev")
 
-    def __init__(self, fn, grid, args, meta, holes: tuple):
+    def __init__(self, fn, grid, args, meta, n_holes: int):
         # the holes' tensors are not kept: a plan must not hold a call's activations (nor weights) alive
-        self.fn, self.grid, self.meta, self.holes = fn, (*grid, 1, 1)[:3], meta, holes
-        self.args = [None if i in holes else a for i, a in enumerate(args)]
-        self.hole_key = _tensor_key([args[i] for i in holes])
-        self.hit = None
+        self.fn, self.grid, self.meta, self.n_holes = fn, (*grid, 1, 1)[:3], meta, n_holes
+        self.args = [None] * n_holes + list(args[n_holes:])
+        self.hole_key = _tensor_key(args[:n_holes])
+        self.hit = None  # (compiled kernel, the launcher's arguments after the holes: the rest, then constexprs)
         self.dev = args[0].device.index
 
     def __call__(self, *tensors) -> None:
-        args = self.args.copy()
-        for i, t in zip(self.holes, tensors, strict=True):
-            args[i] = t
+        if len(tensors) != self.n_holes:
+            raise ValueError(f"{self.fn.__name__}: {len(tensors)} tensors for {self.n_holes} holes")
         hit = self.hit
         if hit is None or _tensor_key(tensors) != self.hole_key or not _ENABLED or _hooks_set():
+            args = [*tensors, *self.args[self.n_holes:]]
             launch(self.fn, self.grid, args, self.meta)
             if hit is None and _ENABLED and _tensor_key(tensors) == self.hole_key:
                 k = _KERNELS.get(self.fn)
-                self.hit = None if k is None else k.compiled.get(_key(k, self.dev, args, self.meta))
+                found = None if k is None else k.compiled.get(_key(k, self.dev, args, self.meta))
+                if found is not None:
+                    self.hit = (found[0], (*args[self.n_holes:], *found[1]))
             return
-        compiled, const_vals = hit
+        compiled, tail = hit
         g = self.grid
         try:
             compiled.run(g[0], g[1], g[2], _stream(self.dev), compiled.function, compiled.packed_metadata, None, None,
-                         None, *args, *const_vals)
+                         None, *tensors, *tail)
         except TypeError as e:  # as in launch(): a launcher taking other arguments fails before launching
             _disable(f"{type(e).__name__}: {e}")
-            self.fn[g](*args, **self.meta)
+            self.fn[g](*tensors, *self.args[self.n_holes:], **self.meta)
             return
         _stats["fast"] += 1
 

@@ -94,7 +94,7 @@ def test_bound_replays_with_new_tensors_in_its_holes(fast):
     fn = _FakeJit()
     x, x2 = (torch.zeros(64).as_subclass(_T) for _ in range(2))
     meta = dict(BLOCK=16, FLAG=True, num_warps=4)
-    b = L.Bound(fn, (3, 2), (x, 48, 7), meta, (0,))
+    b = L.Bound(fn, (3, 2), (x, 48, 7), meta, 1)
     b(x)
     assert len(fn.triton_calls) == 1  # first: Triton compiles (and launches) it
     compiled = fn.last
@@ -193,7 +193,8 @@ def test_arg_key_separates_what_triton_specialises():
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["sgemm", "chunked"])
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "added"])
-def test_eval_replays_take_the_compiled_kernels(device, family, fuse):
+@pytest.mark.parametrize("T", [3, 16], ids=["decode", "segmented"])  # 15 rows: kernels.decode; 80: shrink + expand
+def test_eval_replays_take_the_compiled_kernels(device, family, fuse, T):
     """A replayed eval call (``function.LaunchPlan``) launches the recorded kernels through the cached path, fresh
     inputs each call: logits equal the general path's (plans forgotten) bit for bit."""
     if not L._ENABLED:
@@ -209,9 +210,9 @@ def test_eval_replays_take_the_compiled_kernels(device, family, fuse):
     g = torch.Generator().manual_seed(0)
     states = [m.__dict__[_STATE_ATTR] for m in model.modules() if m.__dict__.get(_STATE_ATTR) is not None]
     with torch.no_grad():
-        model(input_ids=torch.randint(0, 97, (5, 3), generator=g).to(device), adapter_names=names)  # records
+        model(input_ids=torch.randint(0, 97, (5, T), generator=g).to(device), adapter_names=names)  # records
         for _ in range(3):
-            ids = torch.randint(0, 97, (5, 3), generator=g).to(device)
+            ids = torch.randint(0, 97, (5, T), generator=g).to(device)
             before = L.stats()
             got = model(input_ids=ids, adapter_names=names).logits
             after = L.stats()

@@ -152,38 +152,51 @@ def _forget_plans(model):
         state.plans.clear()
 
 
-@pytest.mark.parametrize("family, fuse, in_place, share", [  # every pair of two axes' values in some case
-    ("sgemm", False, False, False), ("sgemm", True, True, True), ("chunked", False, True, True),
-    ("chunked", True, False, True), ("chunked", True, True, False),
-], ids=["sgemm-added-concatenated-alone", "sgemm-fused-in_place-stacked", "chunked-added-in_place-stacked",
-        "chunked-fused-concatenated-stacked", "chunked-fused-in_place-alone"])
-def test_eval_replays_launch_plans(family, fuse, in_place, share, monkeypatch):
+# (family, fuse, in_place, share, tokens per row): every pair of two axes' values in some case; 5 tokens per row
+# (35 rows) take the one-launch decode kernel, 10 (70 rows, above kernels.DECODE_MAX_ROWS) the segmented kernels
+EVAL_CASES = [("sgemm", False, False, False, 5), ("sgemm", True, True, True, 10), ("chunked", False, True, True, 5),
+              ("chunked", True, False, True, 10), ("chunked", True, True, False, 5), ("sgemm", True, True, True, 5),
+              ("chunked", False, False, False, 10), ("sgemm", False, True, False, 10)]
+
+
+@pytest.mark.parametrize("family, fuse, in_place, share, T", EVAL_CASES,
+                         ids=["-".join([f, "fused" if u else "added", "in_place" if i else "concatenated",
+                                        "stacked" if s else "alone", "decode" if t == 5 else "segmented"])
+                              for f, u, i, s, t in EVAL_CASES])
+def test_eval_replays_launch_plans(family, fuse, in_place, share, T, monkeypatch):
     """With autograd off, a layer call records its launch plan and the next call with that layout replays it
     (``function.LaunchPlan``: no launcher runs its general path): logits equal the recording call's bit for bit and
-    stock PEFT's per sample; an in-place weight update is read by the replay, a moved weight makes a new plan."""
+    stock PEFT's per sample; an in-place weight update is read by the replay, a moved weight makes a new plan.
+    Calls of few rows take one launch (``kernels.decode``), the others the shrink and the expand."""
     import fast_multilora.kernels as K
+    from fast_multilora.kernels.decode import DECODE_MAX_ROWS
 
     model, ref = _patched(family, fuse, in_place, share)
     model.eval()
     ref.eval()
-    ids, _ = _inputs(5)
+    ids, _ = _inputs(T)
+    decode = ids.numel() <= DECODE_MAX_ROWS
+    general = {n: getattr(K, n) for n in ("lora_shrink", "lora_expand", "lora_shrink_expand")}
+    ran = []
+    for n, fn in general.items():
+        monkeypatch.setattr(K, n, lambda *a, _n=n, _fn=fn, **k: (ran.append(_n), _fn(*a, **k))[1])
     first = _eval(model, ids, adapter_names=NAMES)
+    assert set(ran) == ({"lora_shrink_expand"} if decode else {"lora_shrink", "lora_expand"}), set(ran)
     states = _fast_states(model)
     assert states and all(s.plans for s in states)
     for s in states:  # a plan holds no activation or weight: only the layout's and the table's small tensors
         for plan in s.plans.values():
             small = (s.table.scales, s.table.dropout)
-            for rep in (plan.shrink, plan.expand):
-                held = [a for a in (rep.bound.args if rep is not None and rep.bound is not None else ())
-                        if isinstance(a, torch.Tensor)]
+            bounds = [plan.decode] if decode else [r.bound for r in (plan.shrink, plan.expand) if r is not None]
+            for bound in bounds:
+                held = [a for a in (bound.args if bound is not None else ()) if isinstance(a, torch.Tensor)]
                 assert all(t.dtype in (torch.int32, torch.int64) or any(t is u for u in small) for t in held)
-    general = {"shrink": K.lora_shrink, "expand": K.lora_expand}
 
     def refuse(*a, **k):
         raise AssertionError("a replayed call ran a launcher's general path")
 
-    monkeypatch.setattr(K, "lora_shrink", refuse)
-    monkeypatch.setattr(K, "lora_expand", refuse)
+    for n in general:
+        monkeypatch.setattr(K, n, refuse)
     second = _eval(model, ids, adapter_names=NAMES)
     assert torch.equal(first, second)
     want = torch.cat([_eval_peft(ref, ids[i : i + 1], n) for i, n in enumerate(NAMES)])
@@ -195,8 +208,8 @@ def test_eval_replays_launch_plans(family, fuse, in_place, share, monkeypatch):
         layer.lora_B["a2"].weight.mul_(3.0)
         layer.lora_A["a1"].weight.add_(0.5)
     replayed = _eval(model, ids, adapter_names=NAMES)
-    monkeypatch.setattr(K, "lora_shrink", general["shrink"])
-    monkeypatch.setattr(K, "lora_expand", general["expand"])
+    for n, fn in general.items():
+        monkeypatch.setattr(K, n, fn)
     _forget_plans(model)
     assert torch.equal(replayed, _eval(model, ids, adapter_names=NAMES))
     assert not torch.equal(replayed, second)

@@ -627,3 +627,28 @@ def test_a_layer_call_does_the_same_work_at_any_adapter_count(monkeypatch):
     few, many = work(8), work(64)
     assert few[0] and few[1], "nothing counted"
     assert few == many
+
+
+@pytest.mark.parametrize("T", [5, 10], ids=["decode", "segmented"])
+def test_eval_on_the_store_replays_and_matches_peft(T):
+    """Eval (autograd off, Triton) on the store's leaves: calls of few rows (7 x 5 tokens) take the one-launch
+    kernel (``kernels.decode``), larger ones (7 x 10) the segmented kernels; both record a launch plan and replay
+    it bit for bit, and give stock PEFT's logits per sample."""
+    from fast_multilora.kernels.decode import DECODE_MAX_ROWS
+    from test_paths import _eval, _eval_peft, _fast_states
+
+    model = many_model(12)
+    ref = copy.deepcopy(model)
+    fast_multilora.patch(model, backend="triton")
+    fast_multilora.AdamW(model, lr=1e-3)  # the store: the layers take its two leaves per call
+    model.eval()
+    ref.eval()
+    names = sorted(model.peft_config)
+    rows = names[:5] + ["__base__", names[9]]
+    ids = torch.randint(0, 97, (len(rows), T), generator=torch.Generator().manual_seed(T))
+    first = _eval(model, ids, adapter_names=rows)
+    kinds = {k[-2:] for s in _fast_states(model) for k in s.plans}
+    assert kinds == {("stored", ids.numel() <= DECODE_MAX_ROWS)}, kinds
+    assert torch.equal(first, _eval(model, ids, adapter_names=rows))
+    want = torch.cat([_eval_peft(ref, ids[i : i + 1], n) for i, n in enumerate(rows)])
+    _close(first, want, "logits")
