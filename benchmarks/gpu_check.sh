@@ -7,8 +7,8 @@
 #
 # Stages: tests (tests marked gpu; the hypothesis fuzz sweep runs meanwhile -- on the second GPU where there is one
 # -- in FUZZ_PROCS processes of different seeds, FML_FUZZ_EXAMPLES examples per test in all), kernels, model,
-# profile (benchmarks/profile_step.py, per PROFILE_MODES entry: eager, a compile mode, decode, scale, eval,
-# eval-<compile mode>, store, store-<compile mode> or train32), multi
+# profile (benchmarks/profile_step.py, per PROFILE_MODES entry: eager, a compile mode, decode,
+# decode-<compile mode>, scale, eval, eval-<compile mode>, store, store-<compile mode> or train32), multi
 # (benchmarks/multi_gpu.sh, needs 2 GPUs), ktests (the kernel and fused-path test files whole -- KTEST_FILES --,
 # every dtype, on the GPU, in parallel processes), tune (benchmarks/tune_kernels.py --parts $TUNE_PARTS, default model: block sweep at
 # the training step's shapes), ab (benchmarks/ab_step.py: patch settings A/B on the train step), gaps
@@ -54,6 +54,7 @@ T_COMPILED=${T_COMPILED:-540}  # 12 providers, 9 of them compiled (40-90 s each 
 COMPILE_MODE=${COMPILE_MODE:-default}
 T_QLORA=${T_QLORA:-300}  # qlora_step_8 + qlora_eval_8: model save + 4-bit load, 4 + 4 providers
 PROFILE_MODES=${PROFILE_MODES:-eager}  # the profile stage: train steps eager and/or per torch.compile mode; decode;
+# decode-<compile mode> (generate_static's call, its decode step compiled in that mode);
 # scale (the issue-18 step at each of SCALE_COUNTS adapters); eval (eval_8's forward, eager) or eval-<compile mode>;
 # store or store-<compile mode> (the train step with fast_multilora.AdamW); train32 (train_step_32's shape, eager)
 SCALE_COUNTS=${SCALE_COUNTS:-8,64,256}
@@ -183,7 +184,7 @@ main() {
         local m
         for m in $PROFILE_MODES; do
             stage "profile_$m" "$T_PROFILE" env CUDA_VISIBLE_DEVICES=0 "$PY" benchmarks/profile_step.py \
-                $(case "$m" in eager) ;; decode) echo --decode ;; scale) echo --scale "$SCALE_COUNTS" ;;
+                $(case "$m" in eager) ;; decode) echo --decode ;; decode-*) echo --decode --compile "${m#decode-}" ;; scale) echo --scale "$SCALE_COUNTS" ;;
                   eval) echo --eval ;; eval-*) echo --eval --compile "${m#eval-}" ;; store) echo --store ;;
                   store-*) echo --store --compile "${m#store-}" ;; train32) echo --shape 32,32,512 ;;
                   *) echo --compile "$m" ;; esac) \

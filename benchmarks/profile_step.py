@@ -5,7 +5,9 @@ Python functions by own time (cProfile) and the top torch ops by self CPU time. 
 
 ``--decode``: one dynamic-cache decode step of ``generate_dynamic``'s batch (16 rows of 128 prompt tokens, 8 adapters
 mixed with ``__base__`` rows, eval, bf16) for ours and for the plain base model: host time per step, launches by
-kernel, torch ops and cProfile -- where a mixed decode step's per-layer host time goes.
+kernel, torch ops and cProfile -- where a mixed decode step's per-layer host time goes. With ``--compile MODE``:
+``generate_static``'s call (16 new tokens, the decode step compiled by transformers in that mode), CUDA kernels by
+name -- where a static-cache generate's device time goes.
 
 ``--scale 8,64``: the issue-18 step (``train_step_scale``: packed rows, every resident adapter trained, the adapter
 store with ``fast_multilora.AdamW``) at each adapter count on one model grown by ``add_adapter``: per phase (forward,
@@ -430,6 +432,35 @@ def profile_scale(say, counts):
         say(out.getvalue())
 
 
+def build_generate_static(ours: bool, compile_mode: str, new=16, rows=16, prompt=128):
+    """``generate_static``'s call (16 prompts x 128, 8 adapters + ``__base__`` rows, greedy, static cache, the decode
+    step compiled by transformers' ``CompileConfig`` in ``compile_mode``) with ``new`` new tokens."""
+    from transformers import CompileConfig
+
+    model = eval_model(ours, 8)
+    prompts = torch.randint(0, model.config.vocab_size, (rows, prompt), device="cuda")
+    kw = dict(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new, min_new_tokens=new,
+              do_sample=False, pad_token_id=0, cache_implementation="static",
+              compile_config=CompileConfig(mode=compile_mode))
+    if ours:
+        kw["adapter_names"] = [f"a{i % 8}" for i in range(rows - rows // 4)] + ["__base__"] * (rows // 4)
+
+    def generate():
+        with torch.no_grad():
+            return model.generate(**kw)
+
+    return generate
+
+
+def profile_generate_static(say, compile_mode):
+    """Where a static-cache generate's device time goes, ours against the base model: CUDA kernels by name over one
+    call of 16 new tokens (the prefill runs eagerly in both)."""
+    profile_both(say, f"static-cache generate, 16 new tokens, decode step compiled ({compile_mode})",
+                 lambda ours: build_generate_static(ours, compile_mode),
+                 ("base model", "fast_multilora, 8 adapters + __base__ rows"), "generate", n_prof=2, n_cprof=1,
+                 top_kernels=30, op_rows=15, cprof_rows=10)
+
+
 def profile_decode(say):
     # SDPA's cuDNN backend builds an execution plan per new key length (~4.7 ms of host time per call on an H200) and
     # keeps it for the process: whichever provider ran first paid for both. Each provider's cache therefore first
@@ -481,6 +512,8 @@ def main(argv=None):
         profile_eval(say, a.compile)
     elif a.scale:
         profile_scale(say, [int(c) for c in a.scale.split(",")])
+    elif a.decode and a.compile:
+        profile_generate_static(say, a.compile)
     elif a.decode or a.layer:
         (profile_decode if a.decode else profile_layer)(say)
     else:

@@ -215,7 +215,8 @@ def get_backend(name: str, device: torch.device):
     if hit is not None:
         return hit
     backend = _resolve(name, device)
-    _RESOLVED[(name, device.type)] = backend
+    if not (backend.name == "triton" and device.type == "cpu"):  # that one depends on TRITON_INTERPRET: asked each time
+        _RESOLVED[(name, device.type)] = backend
     return backend
 
 

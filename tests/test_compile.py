@@ -132,9 +132,11 @@ def test_compiled_model_one_graph_for_every_mix(backend, train, packed, store, d
 
 def _same(got, want, backend, what=""):
     """fp32-tight: the compiled graph sums the members' input gradients in its own order, and reads concatenated
-    weights where eager Triton reads them in place (the torch backend: AOTAutograd's decompositions of its ops)."""
-    # absolute floor 1e-6: the logits and most grads here are O(1); a grad that cancels to ~1e-8 is noise
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * max(1.0, want.abs().max().item()),
+    weights where eager Triton reads them in place (the torch backend: AOTAutograd's decompositions of its ops); eager
+    Triton eval calls of few rows take the one-launch decode kernel (``kernels.decode``: products summed over K in
+    its own order), the compiled graph the shrink and the expand -- up to 1.1e-6 apart at these logits (measured)."""
+    # absolute floor 4e-6: the logits and most grads here are O(1); a grad that cancels to ~1e-8 is noise
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=4e-6 * max(1.0, want.abs().max().item()),
                                msg=lambda m: f"{backend} {what}: {m}")
 
 
