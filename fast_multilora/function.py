@@ -164,8 +164,10 @@ class TritonBackend:
         return out
 
     def shrink_expand(self, x, A_cat, B_cat, segs, table, y, record=None):
-        """``y += delta`` in one launch (``kernels.lora_shrink_expand``: few rows, eager only); ``record`` (a dict):
-        the launch is kept under ``"decode"``."""
+        """``y += delta`` in one launch (``kernels.lora_shrink_expand``: few rows, no grad); ``record`` (a dict):
+        the launch is kept under ``"decode"``. While ``torch.compile`` traces: the custom op."""
+        if _compiling():
+            return self.ops.lora_shrink_expand(x, A_cat, B_cat, segs, table, y)
         launches = None if record is None else []
         self.k.lora_shrink_expand(x, A_cat, B_cat, segs, table, y, record=launches)
         if record is not None:

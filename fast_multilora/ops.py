@@ -7,6 +7,8 @@ Ops, namespace ``fast_multilora`` (``torch.ops.fast_multilora.<name>``):
   packed keep-mask the backward reads, else an empty ``[0, 0]`` uint8 tensor (an op cannot return ``None``).
 * ``lora_expand``      ``y (+)= expand(h, B_cat)`` in place (``accumulate=False``: written, base rows the bias or
   zero): mutates ``y``, returns nothing; ``torch.compile`` functionalises it.
+* ``lora_shrink_expand``  ``y += expand(shrink(x, A_cat), B_cat)`` in place, one launch (few rows, no dropout: the
+  decode calls of ``kernels.decode``); mutates ``y``, returns nothing.
 * ``lora_expand_bwd``  ``(dh, dB_cat)``; an optional ``dh`` input is the starting content of the returned ``dh``
   (the launcher's fill-in-place ``dh``, made functional).
 * ``lora_shrink_bwd``  ``(dx, dA_cat)``; without ``need_dx``, ``dx`` is an empty ``[0, K]`` tensor. With ``dx_acc``
@@ -58,7 +60,7 @@ def _layout(segs: Segments, table: AdapterTable, *extra: int) -> tuple[list, lis
     take concatenated weights), then its host ints followed by the op's own ``extra`` ints."""
     order, bounds = segs.grouping if segs.grouping is not None else (None, None)
     tensors = [segs.indptr, segs.slot, segs.perm, order, bounds, table.ranks, table.offsets, table.scales,
-               table.dropout]
+               table.dropout, segs.token_slots]
     ints = [segs.max_len, segs.num_tokens, segs.base_max_len, table.max_rank, table.total_rank,
             int(table.has_dropout), *(int(e) for e in extra)]
     return tensors, ints
@@ -71,11 +73,12 @@ _MAX_RANK, _TOTAL_RANK, _HAS_DROPOUT = 3, 4, 5  # positions in ``ints`` (the fak
 def _unpack(tensors: list, ints: list) -> tuple[Segments, AdapterTable, list]:
     """Inverse of ``_layout`` inside an op: a ``Segments`` with a per-call cache holding the layout's shared
     validation memos (:func:`_shared_memos`), the ``AdapterTable`` and the op's own ints."""
-    indptr, slot, perm, order, bounds, ranks, offsets, scales, dropout = tensors
+    indptr, slot, perm, order, bounds, ranks, offsets, scales, dropout, token_slots = tensors
     max_len, num_tokens, base_max_len, max_rank, total_rank, has_dropout = ints[:_N_LAYOUT_INTS]
     grouping = (order, bounds) if order is not None else None
     cache = dict(_shared_memos(tensors[:5], (max_len, num_tokens, base_max_len)))
-    segs = Segments(indptr, slot, perm, max_len, num_tokens, cache, base_max_len, grouping=grouping)
+    segs = Segments(indptr, slot, perm, max_len, num_tokens, cache, base_max_len, token_slots=token_slots,
+                    grouping=grouping)
     table = AdapterTable(ranks, offsets, scales, dropout, max_rank, total_rank, bool(has_dropout))
     return segs, table, ints[_N_LAYOUT_INTS:]
 
@@ -168,6 +171,19 @@ def _(h, B_cat, y, layout, ints, bias):
     return None
 
 
+@_op("lora_shrink_expand(Tensor x, Tensor A_cat, Tensor B_cat, Tensor(a!) y, Tensor?[] layout, SymInt[] ints) -> ()")
+def _shrink_expand_op(x: Tensor, A_cat: Tensor, B_cat: Tensor, y: Tensor, layout: list[Optional[Tensor]],
+                      ints: list[int]) -> None:
+    """ints: layout."""
+    segs, table, _ = _unpack(layout, ints)
+    K.lora_shrink_expand(x, A_cat, B_cat, segs, table, y)
+
+
+@_fake("lora_shrink_expand")
+def _(x, A_cat, B_cat, y, layout, ints):
+    return None
+
+
 @_op("lora_expand_bwd(Tensor dy, Tensor h, Tensor B_cat, Tensor?[] layout, SymInt[] ints, Tensor? dh) "
      "-> (Tensor, Tensor)")
 def _expand_bwd_op(dy: Tensor, h: Tensor, B_cat: Tensor, layout: list[Optional[Tensor]], ints: list[int],
@@ -222,6 +238,13 @@ def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: 
                 accumulate: bool = True, bias: Optional[Tensor] = None):
     """``kernels.lora_expand`` through ``fast_multilora::lora_expand``: ``y`` updated in place and returned."""
     torch.ops.fast_multilora.lora_expand(h, B_cat, y, *_layout(segs, table, stack_num, slice_idx, accumulate), bias)
+    return y
+
+
+def lora_shrink_expand(x, A_cat, B_cat, segs: Segments, table: AdapterTable, y):
+    """``kernels.lora_shrink_expand`` through ``fast_multilora::lora_shrink_expand``: ``y`` updated in place and
+    returned (few rows, no dropout: decode steps)."""
+    torch.ops.fast_multilora.lora_shrink_expand(x, A_cat, B_cat, y, *_layout(segs, table))
     return y
 
 

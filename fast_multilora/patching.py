@@ -339,11 +339,13 @@ class _FastLinearMixin(_TrackedMixin):
                 bias_rows=state.bias_map[segs.token_slots.long()] if has_bias else None, **kw,
             )
 
-        # eager Triton calls with autograd off, no dropout, no lora_bias replay a launch plan (function.LaunchPlan)
-        plans = state.plans if (backend.name == "triton" and not torch.is_grad_enabled() and not has_bias
-                                and not state.table.has_dropout and not torch.compiler.is_compiling()) else None
-        # few rows (decode steps) of such calls: shrink and expand in one launch, each layer its own (no stack)
-        decode = plans is not None and segs.num_tokens <= DECODE_MAX_ROWS and segs.token_slots is not None
+        # Triton calls with autograd off, no dropout, no lora_bias: eager ones replay a launch plan
+        # (function.LaunchPlan); of few rows (decode steps), eager or compiled, shrink and expand in one launch, each
+        # layer its own (no stack)
+        plain = (backend.name == "triton" and not torch.is_grad_enabled() and not has_bias
+                 and not state.table.has_dropout)
+        plans = state.plans if plain and not torch.compiler.is_compiling() else None
+        decode = plain and segs.num_tokens <= DECODE_MAX_ROWS and segs.token_slots is not None
         store = router.store
         slots = store.layer_slots(self) if store is not None else None
         if slots is not None and _in_ddp_forward():  # DDP's hooks sit on the parameters: their path, into the arena

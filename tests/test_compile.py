@@ -28,9 +28,12 @@ MIXES = [  # per-row names for 4 rows: different sets, counts, orders, all-base,
 ]
 
 
+_TOKEN_SLOTS = torch.randint(-1, len(RANKS), (S,), generator=torch.Generator().manual_seed(5))
+
+
 def _problem(grouped, device, dropout=False):
     g = torch.Generator().manual_seed(7)
-    ts = torch.randint(-1, len(RANKS), (S,), generator=torch.Generator().manual_seed(5))
+    ts = _TOKEN_SLOTS
     R = sum(RANKS)
     t = {
         "x": torch.randn(S, K, generator=g), "y": torch.randn(S, N, generator=g),
@@ -46,11 +49,11 @@ def _problem(grouped, device, dropout=False):
 @pytest.mark.parametrize("grouped", FAMILIES)
 @pytest.mark.parametrize("op", ["lora_shrink", "lora_shrink_store", "lora_expand", "lora_expand_write",
                                 "lora_expand_bwd", "lora_expand_bwd_dh", "lora_shrink_bwd", "lora_shrink_bwd_keep",
-                                "lora_shrink_bwd_no_dx", "lora_shrink_bwd_acc"])
+                                "lora_shrink_bwd_no_dx", "lora_shrink_bwd_acc", "lora_shrink_expand"])
 def test_opcheck(op, grouped, device):
-    """The four ops' schema, fake tensors and AOT dispatch (dynamic shapes), with a device seed; the expand in
-    add and write mode (with a bias), the backward ops with their optional inputs (the shrink backward's mutated
-    ``dx_acc`` too)."""
+    """The ops' schema, fake tensors and AOT dispatch (dynamic shapes), with a device seed; the expand in add and
+    write mode (with a bias), the backward ops with their optional inputs (the shrink backward's mutated ``dx_acc``
+    too), the one-launch decode op (its layout with the rows' slots)."""
     t, segs, table = _problem(grouped, device, dropout=True)
     seed = torch.tensor([1234], dtype=torch.int32, device=device)
 
@@ -71,6 +74,8 @@ def test_opcheck(op, grouped, device):
         "lora_shrink_bwd_no_dx": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L(1, False), None, None, None)),
         "lora_shrink_bwd_acc": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L(1, True), seed, keep,
                                                     t["x"].clone())),
+        "lora_shrink_expand": (f.lora_shrink_expand, (t["x"], t["A"], t["B"], t["y"], *ops._layout(
+            segs._replace(token_slots=_TOKEN_SLOTS.to(device, torch.int32)), table))),
     }
     fn, args = cases[op]
     result = torch.library.opcheck(fn, args)
@@ -130,13 +135,34 @@ def test_compiled_model_one_graph_for_every_mix(backend, train, packed, store, d
             _same(grads[n], gw, backend, n)
 
 
+@pytest.mark.parametrize("T", [9, 20], ids=["decode", "segmented"])
+def test_compiled_eval_of_few_rows_takes_the_decode_op(T, device, monkeypatch):
+    """Compiled eval of at most ``kernels.DECODE_MAX_ROWS`` rows (4 x 9) runs the one-launch decode op in the graph
+    (``fast_multilora::lora_shrink_expand``: no shrink, no expand, no chunk table), more rows (4 x 20) the shrink and
+    the expand; one graph over the mixes, logits equal eager's (which takes the same kernels)."""
+    import fast_multilora.kernels as K
+
+    model = peft_model("llama").to(device)
+    eager = twin(model)
+    for m in (model, eager):
+        fast_multilora.patch(m, backend="triton")
+        m.eval()
+    ran = []
+    for n in ("lora_shrink", "lora_expand", "lora_shrink_expand"):
+        fn = getattr(K, n)
+        monkeypatch.setattr(K, n, lambda *a, _n=n, _fn=fn, **k: (ran.append(_n), _fn(*a, **k))[1])
+    got = _run_mixes(model, torch.compile(model, backend="aot_eager"), False, T=T)
+    assert _breaks_and_graphs() == (0, 1), (dict(counters["graph_break"]), dict(counters["stats"]))
+    assert set(ran) == ({"lora_shrink_expand"} if T == 9 else {"lora_shrink", "lora_expand"}), set(ran)
+    for (out, _), (w_out, _) in zip(got, _run_mixes(eager, eager, False, T=T), strict=True):
+        _same(out, w_out, "triton")
+
+
 def _same(got, want, backend, what=""):
     """fp32-tight: the compiled graph sums the members' input gradients in its own order, and reads concatenated
-    weights where eager Triton reads them in place (the torch backend: AOTAutograd's decompositions of its ops); eager
-    Triton eval calls of few rows take the one-launch decode kernel (``kernels.decode``: products summed over K in
-    its own order), the compiled graph the shrink and the expand -- up to 1.1e-6 apart at these logits (measured)."""
-    # absolute floor 4e-6: the logits and most grads here are O(1); a grad that cancels to ~1e-8 is noise
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=4e-6 * max(1.0, want.abs().max().item()),
+    weights where eager Triton reads them in place (the torch backend: AOTAutograd's decompositions of its ops)."""
+    # absolute floor 1e-6: the logits and most grads here are O(1); a grad that cancels to ~1e-8 is noise
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * max(1.0, want.abs().max().item()),
                                msg=lambda m: f"{backend} {what}: {m}")
 
 
