@@ -14,6 +14,10 @@ fp32, stack_num 1..3 with a slice -- and checks:
 
 Input rows of tokens without a live adapter are NaN everywhere, so a kernel that reads another segment's rows fails.
 
+``test_fuzz_shrink_expand`` (and its ``_gpu`` sweep) draws the same problems at most ``DECODE_MAX_ROWS`` tokens long,
+one slice, no dropout, weights in place or concatenated, for the one-launch decode kernel (``lora_shrink_expand``):
+rows without a live adapter stay NaN, live rows against the fp64 reference.
+
 The ``*_paths`` tests draw the same problems (mostly one slice and with dropout) plus the launchers' other call forms:
 
 * forward: weights read in place (``slot_weights`` -> ``SlotWeights`` for A and B, each weight a view of one
@@ -49,6 +53,7 @@ import os
 import pytest
 import torch
 from fast_multilora.kernels import lora_expand, lora_shrink
+from fast_multilora.kernels.decode import DECODE_MAX_ROWS
 from fast_multilora.kernels.dropout import dropout_keep_mask, keep_bits_buffer, unpack_keep_bits
 from fast_multilora.kernels.segments import AdapterTable, Segments, segments_from_token_slots, slot_weights
 from helpers import DEVICE, KERNEL_DTYPES, poisoned
@@ -580,6 +585,42 @@ def check_backward_paths(p, device):
                 assert torch.equal(got["stored"][i], got["redrawn"][i]), f"{what}: stored mask != redrawn; {_desc(p)}"
 
 
+# --- the one-launch decode kernel (kernels.decode: few rows, no dropout, one slice) ---------------------------------
+
+
+@st.composite
+def decode_problems(draw, **kw):
+    """A problem of :func:`path_problems` of at most ``DECODE_MAX_ROWS`` tokens, one slice, no dropout (what the
+    layer path sends to ``lora_shrink_expand``), weights in place or concatenated."""
+    p = draw(path_problems(backward=False, **{"max_S": DECODE_MAX_ROWS, **kw}))
+    p.update(stack=1, slice_idx=0, dropout=False, ps=[0.0] * len(p["ranks"]))
+    return p
+
+
+def check_decode(p, device):
+    """``lora_shrink_expand`` into a ``y`` whose rows without a live adapter are NaN (they must stay NaN) against the
+    fp64 reference on its live rows, within :func:`_close`'s bound (the same op on absolute values)."""
+    _events(p)
+    d = _build(p, device)
+    A, B, a_slot, b_slot = _weight_args(p, d, torch.Generator().manual_seed(p["seed"] + 5))
+    event(f"decode weights A={'in place' if a_slot else 'cat'} B={'in place' if b_slot else 'cat'}")
+    segs = d["segs"]._replace(token_slots=p["ts"].to(device, torch.int32))
+    table, live = d["table"], d["live"]
+    y = kernels.lora_shrink_expand(d["x"], A, B, segs, table, d["y0"].clone())
+    assert torch.isnan(y[~live]).all(), f"decode wrote rows without a live adapter; {_desc(p)}"
+    hi = torch.float64
+    want = ref.lora_shrink_expand(d["x"].to(hi), d["A"].to(hi), d["B"].to(hi), segs, table, d["y0"].to(hi))
+    bound = ref.lora_shrink_expand(d["x"].to(hi).abs(), d["A"].to(hi).abs(), d["B"].to(hi).abs(), segs, table,
+                                   d["y0"].to(hi).abs())
+    _close(y[live], want[live], bound[live], p["dtype"], "shrink_expand", p)
+
+
+@CPU_PATHS
+@given(p=decode_problems())
+def test_fuzz_shrink_expand(p):
+    check_decode(p, DEVICE)
+
+
 @CPU_FWD
 @given(p=problems(backward=False))
 def test_fuzz_forward(p):
@@ -632,6 +673,13 @@ def test_fuzz_backward_gpu(p):
 @given(p=path_problems(**_GPU_SHAPES))
 def test_fuzz_forward_paths_gpu(p):
     check_forward_paths(p, "cuda")
+
+
+@pytest.mark.gpu
+@GPU
+@given(p=decode_problems(**_GPU_SHAPES))
+def test_fuzz_shrink_expand_gpu(p):
+    check_decode(p, DEVICE)
 
 
 @pytest.mark.gpu
