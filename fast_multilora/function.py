@@ -334,6 +334,15 @@ def _delta_target(ctx, y_in: torch.Tensor) -> tuple:
     return out, out.view(-1, out.shape[-1])
 
 
+def _decode_target(ctx, fused: bool, x, y_in, W, b, out_shape) -> tuple:
+    """``(returned tensor, its [S, N] rows)`` a decode call adds its delta into: fused, the base GEMM's output (one
+    ``F.linear``), else :func:`_delta_target` of the base output -- the general path and its replay share it."""
+    if fused:
+        rows = torch.nn.functional.linear(x, W, b)
+        return rows.view(out_shape), rows
+    return _delta_target(ctx, y_in)
+
+
 class LoraLinear(torch.autograd.Function):
     """``out = base + delta`` for one patched layer call (see the module docstring and :class:`LayerCall`).
 
@@ -352,11 +361,8 @@ class LoraLinear(torch.autograd.Function):
         rec = call.record
         if call.decode:  # few rows, autograd off: one launch, no h
             A, B = _a_weight(call, weights[:n_a]), _b_weight(call, weights[n_a : n_a + n])
-            if call.fused:  # the base GEMM first (one op: its replay's too), the delta added into it
-                rows = torch.nn.functional.linear(x, W, b)
-                out = rows.view(*x_in.shape[:-1], W.shape[0])
-            else:
-                out, rows = _delta_target(ctx, y_in)
+            out_shape = (*x_in.shape[:-1], W.shape[0]) if call.fused else None
+            out, rows = _decode_target(ctx, call.fused, x, y_in, W, b, out_shape)  # the base GEMM first
             be.shrink_expand(x, A, B, segs, table, rows, record=rec)
             if rec is not None:
                 rec.update(A=A, B=B, h=None, N=rows.shape[1], x_shape=x_in.shape)
@@ -539,11 +545,7 @@ class LaunchPlan:
         x = as_rows(x_in)
         if self.decode is not None:  # one launch (kernels.decode): x, the weights' pointer tensors, the output
             A, B = _pick(self.a_pick, a_ws), _pick(self.b_pick, b_ws)
-            if self.fused:
-                rows = torch.nn.functional.linear(x, W, b)
-                out = rows.view(self.out_shape)
-            else:
-                out, rows = _delta_target(_NO_GRAD_CTX, y_in)
+            out, rows = _decode_target(_NO_GRAD_CTX, self.fused, x, y_in, W, b, self.out_shape)
             self.decode(x, A, B, rows)
             return out, None
         if self.lead:
@@ -555,7 +557,7 @@ class LaunchPlan:
         if self.fused:
             expand = self.expand
             rows = linear_with_delta(x, W, b, lambda y, acc, bias: expand(h, B, y, bias), base_first(self.segs))
-            out = rows.view(*x_in.shape[:-1], self.N)
+            out = rows.view(self.out_shape)
         else:
             out, rows = _delta_target(_NO_GRAD_CTX, y_in)
             self.expand(h, B, rows)

@@ -157,8 +157,7 @@ def lora_shrink_expand(x, A_cat, B_cat, segs: Segments, table: AdapterTable, y, 
             *x.stride(), *A_cat.stride(), *B_cat.stride(), *y.stride())
     meta = dict(A_OFFS=a_offs is not None, B_OFFS=b_offs is not None, FP64=fp64,
                 ROUND=y.dtype in (torch.float16, torch.bfloat16), BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                BLOCK_R=BLOCK_R,
-                num_warps=num_warps, num_stages=1)
+                BLOCK_R=BLOCK_R, num_warps=num_warps, num_stages=1)
     grid = (cdiv(S, BLOCK_S), cdiv(N, BLOCK_N))
     if record is None:
         launch(shrink_expand_kernel, grid, args, meta)
