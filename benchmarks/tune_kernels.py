@@ -15,7 +15,7 @@ import time
 import torch
 from fast_multilora.kernels import backward as kb
 from fast_multilora.kernels import forward as kf
-from fast_multilora.kernels.segments import AdapterTable, segments_from_token_slots
+from fast_multilora.kernels.segments import AdapterTable, grouped_segments, segments_from_token_slots
 from harness import kernel_ms  # benchmarks/ is on sys.path when this runs as a script
 
 from fast_multilora import kernels as K
@@ -350,13 +350,47 @@ def profile_layer():
     return wall
 
 
+# the issue-4 model's seven projections (K, N): q and o, k and v (4 of 32 heads), gate and up, down
+DECODE_SHAPES = ((2048, 2048), (2048, 256), (2048, 5632), (5632, 2048))
+
+
+def sweep_decode(rows, S_values=(16, 64), dev="cuda"):
+    """The decode kernel's rows (``kernels.decode.DECODE_BLOCKS``) at the model's projections: ``S`` rows, a quarter
+    of them base rows, the rest spread over 8 adapters of rank 16 in arrival order (unsorted), bf16; in place
+    concatenated weights (in place, ``SlotWeights``, differs only in the per-row weight offsets)."""
+    from fast_multilora.kernels import decode as kd
+
+    saved = kd.DECODE_BLOCKS["gpu"]
+    g = torch.Generator().manual_seed(0)
+    for S, (Kd, N) in itertools.product(S_values, DECODE_SHAPES):
+        ts = torch.randint(0, 8, (S,), generator=g)
+        ts[torch.randperm(S, generator=g)[: S // 4]] = -1
+        segs = grouped_segments(ts.to(dev, torch.int32), 8)  # the layout decode calls get (with token_slots)
+        table = AdapterTable(torch.full((8,), 16, dtype=torch.int32, device=dev),
+                             (torch.arange(8, dtype=torch.int32) * 16).to(dev), torch.full((8,), 2.0, device=dev),
+                             torch.zeros(8, device=dev), 16, 128, False)
+        x = torch.randn(S, Kd, device=dev, dtype=torch.bfloat16)
+        y = torch.randn(S, N, device=dev, dtype=torch.bfloat16)
+        A_cat = torch.randn(128, Kd, device=dev, dtype=torch.bfloat16) * 0.02
+        B_cat = torch.randn(N, 128, device=dev, dtype=torch.bfloat16) * 0.02
+        name = f"S{S}-K{Kd}-N{N}"
+        for bn, bk, w, st in itertools.product((32, 64, 128, 256), (128, 256, 512), (2, 4, 8), (1, 3)):
+            if 16 * bk > 128 * 32 * w or bn * 16 > 64 * 32 * w:  # > 128 fp32 shrink / 64 expand values per thread
+                continue
+            kd.DECODE_BLOCKS["gpu"] = [(math.inf, 1, bn, bk, w, st)]
+            record(rows, "decode", name, (bn, bk, w, st), lambda: K.lora_shrink_expand(x, A_cat, B_cat, segs, table, y))
+        kd.DECODE_BLOCKS["gpu"] = saved
+        record(rows, "decode", name, ("shipped",), lambda: K.lora_shrink_expand(x, A_cat, B_cat, segs, table, y))
+        print(name, "done", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune.json")
     ap.add_argument("--parts", default="profile,layer,shrink,expand,bwd", help="any of profile, layer, shrink, "
                     "expand, bwd (headline shape), skewed (the shrink at 32 adapters, 90 % on one), "
                     "model, model_expand, model_shrink and model_expand_bwd (the "
-                    "training step's shapes)")
+                    "training step's shapes), decode (the one-launch decode kernel at the model's projections)")
     args = ap.parse_args()
     parts = args.parts.split(",")
     rows = []
@@ -372,6 +406,10 @@ def main():
             sweep(rows)
             with open(args.out, "w") as f:
                 json.dump(out, f)
+    if "decode" in parts:
+        sweep_decode(rows)
+        with open(args.out, "w") as f:
+            json.dump(out, f)
     if "skewed" in parts:  # the many-adapter shrink: 32 adapters, 90 % of the tokens on one
         for family, grouped in (("chunked", True), ("sgemm", False)):
             case = make_case(A=32, grouped=grouped, skewed=True)

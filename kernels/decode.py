@@ -33,13 +33,13 @@ _INF = math.inf
 # rows of x above which the layer path takes the segmented kernels: each N-tile of a row re-reads the slot's A (a
 # 2048 x 16 bf16 A is 64 KB), so the redundant work grows with rows x N-tiles
 DECODE_MAX_ROWS = 64
-# (bound on BLOCK_R = next_power_of_2(max_rank), BLOCK_S, BLOCK_N, BLOCK_K, num_warps). GPU: one row per program
+# (bound on BLOCK_R = next_power_of_2(max_rank), BLOCK_S, BLOCK_N, BLOCK_K, num_warps, num_stages). GPU: one row per program
 # (rows of different slots share no weight), [BLOCK_R, BLOCK_K] shrink and [BLOCK_N, BLOCK_R] expand tiles in fp32 at
 # <= 32 values per thread (not tuned yet). Interpreter: 16 rows per program (its cost is per program and op), with
 # several N-tiles and K steps at test sizes
 DECODE_BLOCKS = {
-    "gpu": [(16, 1, 256, 256, 4), (32, 1, 128, 128, 4), (64, 1, 64, 64, 4), (_INF, 1, 64, 32, 8)],
-    "interpreter": [(_INF, 16, 32, 32, 1)],
+    "gpu": [(16, 1, 256, 256, 4, 1), (32, 1, 128, 128, 4, 1), (64, 1, 64, 64, 4, 1), (_INF, 1, 64, 32, 8, 1)],
+    "interpreter": [(_INF, 16, 32, 32, 1, 1)],
 }
 
 
@@ -148,7 +148,8 @@ def lora_shrink_expand(x, A_cat, B_cat, segs: Segments, table: AdapterTable, y, 
             record.append(_noop)
         return y
     BLOCK_R = max(16, next_power_of_2(table.max_rank))
-    BLOCK_S, BLOCK_N, BLOCK_K, num_warps = next(row[1:] for row in DECODE_BLOCKS[_target()] if BLOCK_R <= row[0])
+    BLOCK_S, BLOCK_N, BLOCK_K, num_warps, num_stages = next(row[1:] for row in DECODE_BLOCKS[_target()]
+                                                            if BLOCK_R <= row[0])
     BLOCK_N = min(BLOCK_N, max(16, next_power_of_2(N)))
     BLOCK_K = min(BLOCK_K, max(16, next_power_of_2(K)))
     fp64 = torch.float64 in (x.dtype, y.dtype)
@@ -157,7 +158,7 @@ def lora_shrink_expand(x, A_cat, B_cat, segs: Segments, table: AdapterTable, y, 
             *x.stride(), *A_cat.stride(), *B_cat.stride(), *y.stride())
     meta = dict(A_OFFS=a_offs is not None, B_OFFS=b_offs is not None, FP64=fp64,
                 ROUND=y.dtype in (torch.float16, torch.bfloat16), BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                BLOCK_R=BLOCK_R, num_warps=num_warps, num_stages=1)
+                BLOCK_R=BLOCK_R, num_warps=num_warps, num_stages=num_stages)
     grid = (cdiv(S, BLOCK_S), cdiv(N, BLOCK_N))
     if record is None:
         launch(shrink_expand_kernel, grid, args, meta)
