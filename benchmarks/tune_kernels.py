@@ -21,6 +21,13 @@ from harness import kernel_ms  # benchmarks/ is on sys.path when this runs as a 
 from fast_multilora import kernels as K
 
 
+def uniform_table(A, r, dropout, dev):
+    """``A`` adapters of rank ``r``, scale 2, concatenated in slot order."""
+    return AdapterTable(torch.full((A,), r, dtype=torch.int32, device=dev),
+                        (torch.arange(A, dtype=torch.int32) * r).to(dev), torch.full((A,), 2.0, device=dev),
+                        torch.full((A,), dropout, device=dev), r, r * A, dropout > 0)
+
+
 def make_case(S=8192, Kd=4096, N=4096, r=16, A=8, dtype=torch.bfloat16, grouped=False, dropout=0.0, dev="cuda",
               skewed=False):
     """Tokens of ``A`` adapters: equal shares, or (``skewed``) 90 % on adapter 0 and the rest evenly spread; sorted by
@@ -35,10 +42,7 @@ def make_case(S=8192, Kd=4096, N=4096, r=16, A=8, dtype=torch.bfloat16, grouped=
     if grouped:
         ts = ts[torch.randperm(S, generator=g)]
     segs = segments_from_token_slots(ts, grouped=grouped, device=dev)
-    ranks = torch.full((A,), r, dtype=torch.int32)
-    table = AdapterTable(ranks.to(dev), (torch.arange(A, dtype=torch.int32) * r).to(dev),
-                         torch.full((A,), 2.0, device=dev), torch.full((A,), dropout, device=dev), r, r * A,
-                         dropout > 0)
+    table = uniform_table(A, r, dropout, dev)
     x = torch.randn(S, Kd, device=dev, dtype=dtype)
     y = torch.randn(S, N, device=dev, dtype=dtype)
     dy = torch.randn(S, N, device=dev, dtype=dtype)
@@ -356,8 +360,8 @@ DECODE_SHAPES = ((2048, 2048), (2048, 256), (2048, 5632), (5632, 2048))
 
 def sweep_decode(rows, S_values=(16, 64), dev="cuda"):
     """The decode kernel's rows (``kernels.decode.DECODE_BLOCKS``) at the model's projections: ``S`` rows, a quarter
-    of them base rows, the rest spread over 8 adapters of rank 16 in arrival order (unsorted), bf16; in place
-    concatenated weights (in place, ``SlotWeights``, differs only in the per-row weight offsets)."""
+    of them base rows, the rest spread over 8 adapters of rank 16 in arrival order (unsorted), bf16; concatenated
+    weights (``SlotWeights`` read in place differ only in the per-row weight offsets)."""
     from fast_multilora.kernels import decode as kd
 
     saved = kd.DECODE_BLOCKS["gpu"]
@@ -366,9 +370,7 @@ def sweep_decode(rows, S_values=(16, 64), dev="cuda"):
         ts = torch.randint(0, 8, (S,), generator=g)
         ts[torch.randperm(S, generator=g)[: S // 4]] = -1
         segs = grouped_segments(ts.to(dev, torch.int32), 8)  # the layout decode calls get (with token_slots)
-        table = AdapterTable(torch.full((8,), 16, dtype=torch.int32, device=dev),
-                             (torch.arange(8, dtype=torch.int32) * 16).to(dev), torch.full((8,), 2.0, device=dev),
-                             torch.zeros(8, device=dev), 16, 128, False)
+        table = uniform_table(8, 16, 0.0, dev)
         x = torch.randn(S, Kd, device=dev, dtype=torch.bfloat16)
         y = torch.randn(S, N, device=dev, dtype=torch.bfloat16)
         A_cat = torch.randn(128, Kd, device=dev, dtype=torch.bfloat16) * 0.02

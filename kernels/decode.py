@@ -33,10 +33,11 @@ _INF = math.inf
 # rows of x above which the layer path takes the segmented kernels: each N-tile of a row re-reads the slot's A (a
 # 2048 x 16 bf16 A is 64 KB), so the redundant work grows with rows x N-tiles
 DECODE_MAX_ROWS = 64
-# (bound on BLOCK_R = next_power_of_2(max_rank), BLOCK_S, BLOCK_N, BLOCK_K, num_warps, num_stages). GPU: one row per program
-# (rows of different slots share no weight), [BLOCK_R, BLOCK_K] shrink and [BLOCK_N, BLOCK_R] expand tiles in fp32 at
-# <= 64 values per thread; the rank-16 row from `tune_kernels.py --parts decode` (docs/benchmarks.md), the others untuned. Interpreter: 16 rows per program (its cost is per program and op), with
-# several N-tiles and K steps at test sizes
+# (bound on BLOCK_R = next_power_of_2(max_rank), BLOCK_S, BLOCK_N, BLOCK_K, num_warps, num_stages). GPU: one row per
+# program (rows of different slots share no weight), [BLOCK_R, BLOCK_K] shrink and [BLOCK_N, BLOCK_R] expand tiles in
+# fp32 at <= 64 values per thread; the rank-16 row from `tune_kernels.py --parts decode` (docs/benchmarks.md), the
+# others untuned. Interpreter: 16 rows per program (its cost is per program and op), with several N-tiles and K steps
+# at test sizes
 DECODE_BLOCKS = {
     "gpu": [(16, 1, 256, 512, 4, 1), (32, 1, 128, 128, 4, 1), (64, 1, 64, 64, 4, 1), (_INF, 1, 64, 32, 8, 1)],
     "interpreter": [(_INF, 16, 32, 32, 1, 1)],
