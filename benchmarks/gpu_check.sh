@@ -47,6 +47,7 @@ T_AB=${T_AB:-150}
 T_GAPS=${T_GAPS:-150}
 MODEL_SCENARIOS=${MODEL_SCENARIOS:-}  # the model stage's scenarios (default: bench_model.py's own list)
 MODEL_ARGS=${MODEL_ARGS:-}  # more bench_model.py flags for the model and compiled stages (e.g. --scale-counts 8,64,256)
+COMPILED_ARGS=${COMPILED_ARGS:-$MODEL_ARGS}  # the compiled stage's own flags where they differ from the model stage's
 GPU_TESTS=${GPU_TESTS:-tests/}  # the tests stage's paths (e.g. GPU_TESTS=tests/test_compile_gpu.py)
 KTEST_FILES=${KTEST_FILES:-"tests/test_kernels_forward.py tests/test_kernels_backward.py tests/test_kernels_decode.py tests/test_fused.py tests/test_slot_weights.py"}  # the ktests stage's files
 COMPILED_SCENARIOS=${COMPILED_SCENARIOS:-train_step_8_compiled,eval_8_compiled,generate_static,generate_dynamic}
@@ -173,7 +174,7 @@ main() {
             [ "$cm" = default ] || cj="$OUT/h200_$cm.json"
             stage "compiled_$cm" "$T_COMPILED" "$PY" benchmarks/bench_model.py --out "$cj" --merge \
                 --scenarios "$COMPILED_SCENARIOS" \
-                --compile-mode "$cm" --budget-s $((T_COMPILED - 35)) ${COMMIT:+--commit "$COMMIT"} $MODEL_ARGS
+                --compile-mode "$cm" --budget-s $((T_COMPILED - 35)) ${COMMIT:+--commit "$COMMIT"} $COMPILED_ARGS
         done
     fi
     if want qlora; then  # --merge: adds its scenarios to the model stage's h200.json (or starts one)

@@ -7,6 +7,7 @@ from measurements. Usage (GPU): ``python benchmarks/tune_kernels.py --out tune.j
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -376,13 +377,14 @@ def sweep_decode(rows, S_values=(16, 64), dev="cuda"):
         A_cat = torch.randn(128, Kd, device=dev, dtype=torch.bfloat16) * 0.02
         B_cat = torch.randn(N, 128, device=dev, dtype=torch.bfloat16) * 0.02
         name = f"S{S}-K{Kd}-N{N}"
+        call = functools.partial(K.lora_shrink_expand, x, A_cat, B_cat, segs, table, y)
         for bn, bk, w, st in itertools.product((32, 64, 128, 256), (128, 256, 512), (2, 4, 8), (1, 3)):
             if 16 * bk > 128 * 32 * w or bn * 16 > 64 * 32 * w:  # > 128 fp32 shrink / 64 expand values per thread
                 continue
             kd.DECODE_BLOCKS["gpu"] = [(math.inf, 1, bn, bk, w, st)]
-            record(rows, "decode", name, (bn, bk, w, st), lambda: K.lora_shrink_expand(x, A_cat, B_cat, segs, table, y))
+            record(rows, "decode", name, (bn, bk, w, st), call)
         kd.DECODE_BLOCKS["gpu"] = saved
-        record(rows, "decode", name, ("shipped",), lambda: K.lora_shrink_expand(x, A_cat, B_cat, segs, table, y))
+        record(rows, "decode", name, ("shipped",), call)
         print(name, "done", flush=True)
 
 

@@ -40,6 +40,12 @@ class PatchConfig:
 
     ``store_dropout_mask``: a training forward under dropout stores its keep-mask (one bit per element of x) for the
     backward, which then reads it instead of drawing it again; ``False`` redraws it (saves that memory).
+
+    ``adapter_store``: ``patch`` lays the adapters' weights out in slot-stacked storage (``fast_multilora.store``,
+    which :class:`fast_multilora.AdamW` builds too; PEFT's parameters become views of it): each layer call then
+    takes two weight tensors whatever the adapter count, so a compiled graph has two inputs per layer instead of two
+    per adapter (fewer guards, a shorter compile) and concatenates no weights per call -- the setting for compiled
+    evaluation and static-cache generation.
     """
 
     backend: str = "auto"
@@ -49,6 +55,7 @@ class PatchConfig:
     share_dropout: bool = False
     weights_in_place: bool = True
     store_dropout_mask: bool = True
+    adapter_store: bool = False
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

@@ -589,10 +589,13 @@ def _a_weight(call: LayerCall, ws):
 
 
 def _b_weight(call: LayerCall, ws):
-    """The expand weight: the store's packed block read in place (eager Triton, when aligned), else its
+    """The expand weight: the store's packed block as it is (Triton decode calls, eager or compiled: the decode
+    kernel reads it without a table or a copy), read in place (other eager Triton calls, when aligned), else its
     ``B_cat``; or the adapters' weights as the backend takes them."""
     if call.stored is None:
         return call.backend.weights(ws, call.table, 1, call.in_place)
+    if call.decode and call.backend.name == "triton":
+        return ws[0]
     if call.backend.name == "triton" and not _compiling():
         w = call.backend.packed_b_weights(ws[0], call.table, call.stored.N)
         if w is not None:

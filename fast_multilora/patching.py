@@ -198,7 +198,13 @@ def _state_signature(layer, slot_names) -> tuple:
     return (slot_names, tuple(sorted(layer.lora_variant)), tuple(items))
 
 
-def _build_state(layer, slot_names) -> Optional[LayerState]:
+def _table_key(table: AdapterTable) -> tuple:
+    return (table.host, table.slots, table.ranks.device)
+
+
+def _build_state(layer, slot_names, tables: dict) -> Optional[LayerState]:
+    """The layer's :class:`LayerState`; its adapter table is taken from ``tables`` where an equal one is there (and
+    entered there otherwise)."""
     variants = tuple(sorted(layer.lora_variant))
     ranks, offsets, scales, ps, present, slots = [], [], [], [], [], []
     acc = 0
@@ -220,13 +226,15 @@ def _build_state(layer, slot_names) -> Optional[LayerState]:
         return None
     a_weights = [layer.lora_A[n].weight for n in present]
     device = a_weights[0].device
-    host = torch.tensor([ranks, offsets], dtype=torch.int32)
-    fl = torch.tensor([scales, ps], dtype=torch.float32)
-    table = AdapterTable(
-        ranks=host[0].to(device), offsets=host[1].to(device), scales=fl[0].to(device), dropout=fl[1].to(device),
-        max_rank=max(ranks), total_rank=acc, has_dropout=any(p > 0 for p in ps), slots=tuple(slots),
-        host=(tuple(ranks), tuple(offsets), tuple(scales), tuple(ps)),
-    )
+    key = ((tuple(ranks), tuple(offsets), tuple(scales), tuple(ps)), tuple(slots), device)
+    table = tables.get(key)
+    if table is None:
+        host = torch.tensor([ranks, offsets], dtype=torch.int32)
+        fl = torch.tensor([scales, ps], dtype=torch.float32)
+        table = tables[key] = AdapterTable(
+            ranks=host[0].to(device), offsets=host[1].to(device), scales=fl[0].to(device), dropout=fl[1].to(device),
+            max_rank=max(ranks), total_rank=acc, has_dropout=any(p > 0 for p in ps), slots=key[1], host=key[0],
+        )
     has_bias = any(layer.lora_bias[n] for n in present)
     bias_map = None
     if has_bias:
@@ -255,13 +263,17 @@ def refresh_layers(router: Router, routing) -> None:
     get_backend(router.config.backend, router._weights_device())  # created outside any traced graph
     seen = (CHANGES[0], slot_names)
     if router.checked != seen:  # something changed since the last check (or the slot order): read every layer
+        tables = {}  # layers with equal adapter tables share one (under torch.compile: one graph input, not per layer)
         for layer in router.fast_layers:
             sig = _state_signature(layer, slot_names)
             d = layer.__dict__
             if d.get(_SIG_ATTR) != sig:
-                d[_STATE_ATTR] = _build_state(layer, slot_names)
+                d[_STATE_ATTR] = _build_state(layer, slot_names, tables)
                 d[_SIG_ATTR] = sig
                 changed = True
+            elif d.get(_STATE_ATTR) is not None:
+                table = d[_STATE_ATTR].table
+                tables.setdefault(_table_key(table), table)
         router.checked = seen
     if changed:
         router.variants = {}  # adapter name -> (variant kind, base layer type) of its first layer with a variant
@@ -650,6 +662,10 @@ def patch(model: torch.nn.Module, config: Optional[PatchConfig] = None, **settin
             f"in adapter_names raises: {variant_warned[:3]}",
             stacklevel=2,
         )
+    if config.adapter_store:
+        from .store import AdapterStore
+
+        AdapterStore.of(model)
     return report
 
 

@@ -48,13 +48,14 @@ DECODE_BLOCKS = {
 def shrink_expand_kernel(
     x, A, B, y, token_slots, ranks, offsets, a_offs, b_offs, scales, S, K, N,
     stride_xs, stride_xk, stride_an, stride_ak, stride_bn, stride_br, stride_ys, stride_yn,
-    A_OFFS: tl.constexpr, B_OFFS: tl.constexpr, FP64: tl.constexpr, ROUND: tl.constexpr,
+    A_OFFS: tl.constexpr, B_OFFS: tl.constexpr, B_PACKED: tl.constexpr, FP64: tl.constexpr, ROUND: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """Rows ``program_id(0)*BLOCK_S ...``, N-tile ``program_id(1)``: ``y[t, tile] += scale_a * (x[t] . A_a^T) .
     B_a[tile]^T``, each row with its own slot ``a`` (its weights gathered per row: ``[BLOCK_S, BLOCK_R, ...]``
     tiles). ``A_OFFS`` / ``B_OFFS``: the slot's own weights read in place (``SlotWeights``; B's row stride its
-    rank), else the concatenations at the table's offsets."""
+    rank), else the concatenations at the table's offsets; ``B_PACKED``: B is the adapter store's packed block (the
+    slot's ``[N, rank]`` weight contiguous at element ``N * offsets[slot]``)."""
     o_s = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
     i_n = tl.program_id(1)
     slot = tl.load(token_slots + o_s, mask=o_s < S, other=-1)
@@ -90,6 +91,10 @@ def shrink_expand_kernel(
         b_off = tl.load(b_offs + safe, mask=m_s, other=0)
         s_bn = rank.to(tl.int64)
         s_br = 1
+    elif B_PACKED:  # [N, rank] contiguous per slot, back to back in slot order
+        b_off = off * N
+        s_bn = rank.to(tl.int64)
+        s_br = 1
     else:
         b_off = off * stride_br
         s_bn = tl.zeros([BLOCK_S], dtype=tl.int64) + stride_bn
@@ -119,13 +124,23 @@ def lora_shrink_expand(x, A_cat, B_cat, segs: Segments, table: AdapterTable, y, 
     Rows of base tokens and rank-0 slots are untouched. One launch, no intermediate ``h``; for calls of few rows
     (``DECODE_MAX_ROWS``). ``segs.token_slots`` must be known (the layouts of ``row_segments`` /
     ``grouped_segments``); weights as ``lora_shrink`` / ``lora_expand`` take them, one slice (no stack, no dropout).
-    ``record`` (a list): the call's launch is appended, a callable taking ``(x, A, B, y)`` -- the pointer tensors
-    of the weights, as ``launch.Bound`` replays them (a no-op when the call launches nothing)."""
+    ``B_cat`` may also be the adapter store's packed block: 1-D ``[N * total_rank]``, slot ``a``'s ``[N, ranks[a]]``
+    weight contiguous at element ``N * offsets[a]`` (``store.LayerSlots.b_leaf``), read as it is -- no table, so a
+    compiled graph passes the block itself. ``record`` (a list): the call's launch is appended, a callable taking
+    ``(x, A, B, y)`` -- the pointer tensors of the weights, as ``launch.Bound`` replays them (a no-op when the call
+    launches nothing)."""
     _check_2d("x", x, getattr(x, "device", None))
     device = x.device
     _check_2d("y", y, device)
     A, a_offs = _weights("A_cat", A_cat, device, 1)
-    B, b_offs = _weights("B_cat", B_cat, device, 1)
+    packed = isinstance(B_cat, torch.Tensor) and B_cat.dim() == 1
+    if packed:
+        B, b_offs = B_cat, None
+        if not B.is_contiguous() or B.device != device or not B.dtype.is_floating_point:
+            raise ValueError(f"a packed B_cat must be a contiguous floating tensor on {device}, got {B.dtype} "
+                             f"{'contiguous' if B.is_contiguous() else 'strided'} on {B.device}")
+    else:
+        B, b_offs = _weights("B_cat", B_cat, device, 1)
     for name, t in (("x", x), ("y", y)):
         if t.dtype not in _ACTIVATION_DTYPES:
             raise ValueError(f"{name} must be one of {_ACTIVATION_DTYPES}, got {t.dtype}")
@@ -136,7 +151,10 @@ def lora_shrink_expand(x, A_cat, B_cat, segs: Segments, table: AdapterTable, y, 
         raise ValueError(f"y has {y.shape[0]} rows but x has {S}")
     if tuple(A_cat.shape) != (table.total_rank, K):
         raise ValueError(f"A_cat must be [total_rank, K] = [{table.total_rank}, {K}], got {list(A_cat.shape)}")
-    if tuple(B_cat.shape) != (N, table.total_rank):
+    if packed and B_cat.numel() != N * table.total_rank:
+        raise ValueError(f"a packed B_cat must have N*total_rank = {N}*{table.total_rank} elements, "
+                         f"got {B_cat.numel()}")
+    if not packed and tuple(B_cat.shape) != (N, table.total_rank):
         raise ValueError(f"B_cat must be [N, total_rank] = [{N}, {table.total_rank}], got {list(B_cat.shape)}")
     ts = segs.token_slots
     if ts is None:
@@ -156,8 +174,8 @@ def lora_shrink_expand(x, A_cat, B_cat, segs: Segments, table: AdapterTable, y, 
     fp64 = torch.float64 in (x.dtype, y.dtype)
     args = (x, A, B, y, ts, table.ranks, table.offsets, a_offs if a_offs is not None else table.offsets,
             b_offs if b_offs is not None else table.offsets, table.scales, S, K, N,
-            *x.stride(), *A_cat.stride(), *B_cat.stride(), *y.stride())
-    meta = dict(A_OFFS=a_offs is not None, B_OFFS=b_offs is not None, FP64=fp64,
+            *x.stride(), *A_cat.stride(), *(B_cat.stride() if not packed else (0, 1)), *y.stride())
+    meta = dict(A_OFFS=a_offs is not None, B_OFFS=b_offs is not None, B_PACKED=packed, FP64=fp64,
                 ROUND=y.dtype in (torch.float16, torch.bfloat16), BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                 BLOCK_R=BLOCK_R, num_warps=num_warps, num_stages=num_stages)
     grid = (cdiv(S, BLOCK_S), cdiv(N, BLOCK_N))

@@ -12,6 +12,7 @@ import torch
 from functorch.compile import make_boxed_func
 from helpers import make_segments, make_table
 from models import peft_model, twin
+from peft.tuners.lora import LoraLayer
 from torch._dynamo.utils import counters
 
 import fast_multilora
@@ -367,3 +368,41 @@ def test_static_cache_generation_compiles_once_for_every_mix(backend, device):
         graphs.append(counters["stats"]["unique_graphs"])
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert graphs[0] >= 1 and graphs[-1] == graphs[0], graphs
+
+
+def test_static_cache_generation_on_the_adapter_store_reads_the_leaves_as_they_are(device):
+    """``PatchConfig(adapter_store=True)``: the compiled decode step's graph takes each layer's two store leaves and
+    no adapter parameter, hands them to the decode op as they are (no concatenation, permutation or copy of a
+    weight) and one adapter table per distinct kind of layer (equal tables are shared); eager's tokens over three
+    mixes, no graph break, no graph after the first mix's."""
+    from transformers import CompileConfig
+
+    graphs = []
+
+    def record(gm, _example_inputs, **_kw):
+        graphs.append(gm)
+        return gm.forward
+
+    model = peft_model("llama").to(device).eval()
+    report = fast_multilora.patch(model, backend="triton", adapter_store=True)
+    assert report.config.adapter_store
+    ids = torch.randint(0, 97, (4, 6), generator=torch.Generator().manual_seed(4)).to(device)
+    cc = CompileConfig(backend=record, fullgraph=False)
+    cc._compile_all_devices = True
+    for names in (MIXES[0], MIXES[1], MIXES[4]):
+        kw = dict(input_ids=ids, adapter_names=names, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        want = model.generate(**kw)
+        assert torch.equal(model.generate(**kw, cache_implementation="static", compile_config=cc), want), names
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert len(graphs) == 1, len(graphs)  # the decode step (transformers runs the prefill eagerly)
+    inputs = [n for n in graphs[0].graph.nodes if n.op == "placeholder"]
+    assert not [n.name for n in inputs if "lora_A" in n.name or "lora_B" in n.name]
+    leaves = [n for n in inputs if n.name.endswith(("a_leaf", "b_leaf"))]
+    n_layers = sum(1 for m in model.modules() if isinstance(m, LoraLayer))
+    assert len(leaves) == 2 * n_layers, (len(leaves), n_layers)
+    for leaf in leaves:  # read by the decode op itself: no cat, permute, reshape or clone of a weight in between
+        assert [u.target for u in leaf.users] == [torch.ops.fast_multilora.lora_shrink_expand], leaf.users
+    tables = {id(m.__dict__["_fml_state"].table) for m in model.modules() if isinstance(m, LoraLayer)}
+    assert len([n for n in inputs if n.name.endswith("table_ranks")]) == len(tables)
+    # the three adapters target q/k/v/o/gate/up/down differently: 5 kinds of layer table, shared by the 14 layers
+    assert len(tables) < n_layers

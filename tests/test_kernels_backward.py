@@ -541,9 +541,11 @@ for accumulate, rows in ((True, F.EXPAND_BLOCKS["gpu"]), (False, F.EXPAND_WRITE_
 # the decode kernel's rows (few-row calls: shrink and expand in one launch), each rank bucket's BLOCK_R
 from fast_multilora.kernels.decode import DECODE_BLOCKS, shrink_expand_kernel
 ptr.update(token_slots="*i32", a_offs="*i64", b_offs="*i64")
-for (bound, BS, BN, BK, nw, _stages), offs in ((row, o) for row in DECODE_BLOCKS["gpu"] for o in (False, True)):
+# (weights concatenated, read in place, or the adapter store's A_cat and packed B block)
+for (bound, BS, BN, BK, nw, _stages), (offs, packed) in ((row, o) for row in DECODE_BLOCKS["gpu"]
+                                                         for o in ((False, False), (True, False), (False, True))):
     bad += spills(shrink_expand_kernel, dict(ptr, S="i32"), dict(
-        A_OFFS=offs, B_OFFS=offs, FP64=False, ROUND=True, BLOCK_S=BS, BLOCK_N=BN, BLOCK_K=BK,
+        A_OFFS=offs, B_OFFS=offs, B_PACKED=packed, FP64=False, ROUND=True, BLOCK_S=BS, BLOCK_N=BN, BLOCK_K=BK,
         BLOCK_R=int(min(bound, 128)), stride_xk=1, stride_ak=1, stride_yn=1), nw)
 sys.exit(1 if bad else 0)
 '''

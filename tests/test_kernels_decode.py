@@ -1,7 +1,8 @@
 """The one-launch shrink + expand of few-row calls (``kernels/decode.py``) against the pure-PyTorch reference.
 
 Both families' layouts (the kernel reads ``segs.token_slots``, which ``row_segments`` and ``grouped_segments``
-carry), weights concatenated and read in place (``SlotWeights``, laid out in reverse slot order with NaN gaps),
+carry), weights concatenated, read in place (``SlotWeights``, laid out in reverse slot order with NaN gaps) and
+the adapter store's form (``A_cat`` with B as one packed 1-D block, slot ``a``'s ``[N, r_a]`` at ``N * offsets[a]``),
 rank-0 slots, rank 1, K = 123, 1-token segments, 128 adapters, unsorted rows. ``y`` rows of base tokens and rank-0
 slots are NaN and must stay NaN. Tolerances as ``test_kernels_forward.py`` (fp32: 1e-5 of max|ref| against fp64;
 16-bit: at most twice torch's own 16-bit error plus 1e-6 of max|ref|); the 16-bit baseline rounds ``h`` to the
@@ -29,7 +30,19 @@ CASES = [
     pytest.param(9, 16, 16, [64, 0, 3], "skewed", id="S9-K16-N16-R64-A3-skewed"),
 ]
 LAYOUTS = [pytest.param(False, id="rows"), pytest.param(True, id="grouped")]
-WEIGHTS = [pytest.param(False, id="cat"), pytest.param(True, id="in-place")]
+WEIGHTS = [pytest.param("cat", id="cat"), pytest.param("in-place", id="in-place"), pytest.param("packed", id="packed")]
+
+
+def _weights(As, Bs, slots, n_slots, form):
+    """The weight operands of one of the three forms (see the module docstring), from the slots' ``As`` / ``Bs``."""
+    if form == "in-place":
+        A, B = slot_weights(As, slots, n_slots, 0), slot_weights(Bs, slots, n_slots, 1)
+        assert A is not None and B is not None
+        return A, B
+    A_cat = torch.cat(As)
+    if form == "packed":
+        return A_cat, torch.cat([b.reshape(-1) for b in Bs])
+    return A_cat, torch.cat(Bs, 1)
 
 
 def _segments(ts, grouped, n_slots):
@@ -41,11 +54,11 @@ def _live(ts, ranks):
     return torch.tensor([a >= 0 and ranks[a] > 0 for a in ts.tolist()], dtype=torch.bool, device=DEVICE)
 
 
-@pytest.mark.parametrize("in_place", WEIGHTS)
+@pytest.mark.parametrize("form", WEIGHTS)
 @pytest.mark.parametrize("grouped", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("S, K, N, ranks, layout", CASES)
-def test_shrink_expand_matches_reference(S, K, N, ranks, layout, dtype, grouped, in_place):
+def test_shrink_expand_matches_reference(S, K, N, ranks, layout, dtype, grouped, form):
     g = torch.Generator().manual_seed(S * 1000 + K + len(ranks))
     ts = random_token_slots(S, len(ranks), g, layout=layout)
     table = make_table(ranks, device=DEVICE)
@@ -54,11 +67,7 @@ def test_shrink_expand_matches_reference(S, K, N, ranks, layout, dtype, grouped,
     As = _scattered([(ranks[s], K) for s in slots], dtype, g, DEVICE)
     Bs = _scattered([(N, ranks[s]) for s in slots], dtype, g, DEVICE)
     A_cat, B_cat = torch.cat(As), torch.cat(Bs, 1)
-    if in_place:
-        A, B = slot_weights(As, slots, len(ranks), 0), slot_weights(Bs, slots, len(ranks), 1)
-        assert A is not None and B is not None
-    else:
-        A, B = A_cat, B_cat
+    A, B = _weights(As, Bs, slots, len(ranks), form)
     x = torch.randn(S, K, generator=g).to(DEVICE, dtype)
     live = _live(ts, ranks)
     y_in = torch.where(live[:, None], torch.randn(S, N, generator=g).to(DEVICE, dtype), torch.nan)
@@ -116,6 +125,7 @@ def test_validation_errors():
     for msg, kw in {
         "A_cat must be": dict(A=A[:4]),
         "B_cat must be": dict(B=B[:, :4]),
+        "packed B_cat must have": dict(B=B.reshape(-1)[:29]),
         "y has 3 rows": dict(y=y[:3]),
         "segs covers": dict(x=x[:3]),
         "needs segs.token_slots": dict(segs=segments_from_token_slots(ts, False, device=DEVICE)),
@@ -144,8 +154,8 @@ def test_replay_of_a_recorded_call_takes_new_tensors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("K, N", [(2048, 2048), (2048, 256), (2048, 5632), (5632, 2048)])
-@pytest.mark.parametrize("in_place", WEIGHTS)
-def test_gpu_decode_shapes(K, N, in_place, dtype):
+@pytest.mark.parametrize("form", WEIGHTS)
+def test_gpu_decode_shapes(K, N, form, dtype):
     """The benchmark model's decode step (``generate_dynamic``): 16 rows, 8 adapters of rank 16 and every fourth row
     ``__base__``, each projection's K x N; against the fp64 reference within the 16-bit rule."""
     g = torch.Generator().manual_seed(K + N)
@@ -156,7 +166,7 @@ def test_gpu_decode_shapes(K, N, in_place, dtype):
     As = _scattered([(16, K)] * 8, dtype, g, "cuda")
     Bs = _scattered([(N, 16)] * 8, dtype, g, "cuda")
     A_cat, B_cat = torch.cat(As), torch.cat(Bs, 1)
-    A, B = (slot_weights(As, slots, 8, 0), slot_weights(Bs, slots, 8, 1)) if in_place else (A_cat, B_cat)
+    A, B = _weights(As, Bs, slots, 8, form)
     x = torch.randn(S, K, generator=g).to("cuda", dtype)
     y0 = torch.randn(S, N, generator=g).to("cuda", dtype)
     live = (ts >= 0).cuda()
