@@ -665,6 +665,7 @@ class Run:
             self.measure(scenario, f"fast_{n}", self.opt_step(opt, loss), setup=setup, teardown=teardown,
                          verify=trained, split=True, compiled=compiled or None, adapters=n, samples_per_row=per_row,
                          optimizer="fast_multilora.AdamW", **(self.compile_info() if compiled else {}))
+            self.save()  # a minute or more per adapter count: keep what is measured should the stage's limit hit
             compare = n in (self.sz.scale_counts[0], 64) or (self.quick and n == self.sz.scale_counts[-1])
             if compare and not compiled and not self.args.no_scale_torch_adamw:
                 self.measure(scenario, f"fast_{n}_torch_adamw", self.opt_step(opt, loss),
