@@ -198,8 +198,9 @@ def _state_signature(layer, slot_names) -> tuple:
     return (slot_names, tuple(sorted(layer.lora_variant)), tuple(items))
 
 
-def _table_key(table: AdapterTable) -> tuple:
-    return (table.host, table.slots, table.ranks.device)
+def _table_key(host: tuple, slots: tuple, device) -> tuple:
+    """What makes two layers' adapter tables equal: the host copies, the slots of rank > 0, the device."""
+    return (host, slots, device)
 
 
 def _build_state(layer, slot_names, tables: dict) -> Optional[LayerState]:
@@ -226,14 +227,15 @@ def _build_state(layer, slot_names, tables: dict) -> Optional[LayerState]:
         return None
     a_weights = [layer.lora_A[n].weight for n in present]
     device = a_weights[0].device
-    key = ((tuple(ranks), tuple(offsets), tuple(scales), tuple(ps)), tuple(slots), device)
+    host = (tuple(ranks), tuple(offsets), tuple(scales), tuple(ps))
+    key = _table_key(host, tuple(slots), device)
     table = tables.get(key)
     if table is None:
-        host = torch.tensor([ranks, offsets], dtype=torch.int32)
+        ints = torch.tensor([ranks, offsets], dtype=torch.int32)
         fl = torch.tensor([scales, ps], dtype=torch.float32)
         table = tables[key] = AdapterTable(
-            ranks=host[0].to(device), offsets=host[1].to(device), scales=fl[0].to(device), dropout=fl[1].to(device),
-            max_rank=max(ranks), total_rank=acc, has_dropout=any(p > 0 for p in ps), slots=key[1], host=key[0],
+            ranks=ints[0].to(device), offsets=ints[1].to(device), scales=fl[0].to(device), dropout=fl[1].to(device),
+            max_rank=max(ranks), total_rank=acc, has_dropout=any(p > 0 for p in ps), slots=tuple(slots), host=host,
         )
     has_bias = any(layer.lora_bias[n] for n in present)
     bias_map = None
@@ -273,7 +275,7 @@ def refresh_layers(router: Router, routing) -> None:
                 changed = True
             elif d.get(_STATE_ATTR) is not None:
                 table = d[_STATE_ATTR].table
-                tables.setdefault(_table_key(table), table)
+                tables.setdefault(_table_key(table.host, table.slots, table.ranks.device), table)
         router.checked = seen
     if changed:
         router.variants = {}  # adapter name -> (variant kind, base layer type) of its first layer with a variant

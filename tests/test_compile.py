@@ -375,6 +375,7 @@ def test_static_cache_generation_on_the_adapter_store_reads_the_leaves_as_they_a
     no adapter parameter, hands them to the decode op as they are (no concatenation, permutation or copy of a
     weight) and one adapter table per distinct kind of layer (equal tables are shared); eager's tokens over three
     mixes, no graph break, no graph after the first mix's."""
+    from test_paths import _fast_states
     from transformers import CompileConfig
 
     graphs = []
@@ -402,7 +403,7 @@ def test_static_cache_generation_on_the_adapter_store_reads_the_leaves_as_they_a
     assert len(leaves) == 2 * n_layers, (len(leaves), n_layers)
     for leaf in leaves:  # read by the decode op itself: no cat, permute, reshape or clone of a weight in between
         assert [u.target for u in leaf.users] == [torch.ops.fast_multilora.lora_shrink_expand], leaf.users
-    tables = {id(m.__dict__["_fml_state"].table) for m in model.modules() if isinstance(m, LoraLayer)}
+    tables = {id(state.table) for state in _fast_states(model)}
     assert len([n for n in inputs if n.name.endswith("table_ranks")]) == len(tables)
     # a0 on q/v, a1 on all seven, a2 on q/gate/up/down: q, v, {k, o} and {gate, up, down} -- 4 tables for 14 layers
     assert len(tables) == 4, len(tables)
