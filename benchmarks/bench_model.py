@@ -618,6 +618,7 @@ class Run:
         torch = self.torch
         rows, T = self.sz.batch, self.sz.T
         ids = self.token_ids(rows, T)
+        layer_us = {} if compiled else self.layer_host_scale(rows, T)
         pm = self.peft_model(self.base_model(), self.sz.scale_counts[0], TARGET_MODULES)
         opt, cm = {}, {}  # the optimizer, the compiled model
         for n in self.sz.scale_counts:
@@ -654,7 +655,7 @@ class Run:
                 out["optimizer_idle_host_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
                 if not compiled:
                     with fast_multilora.route(pm, names, adapter_ids):
-                        out["layer_host_us"] = self.layer_host_us(pm, rows, T)
+                        out["layer_host_us_in_model"] = self.layer_host_us(pm, rows, T)
                 return out
 
             setup = self.fast_setup(pm, opt, store=True)
@@ -664,6 +665,7 @@ class Run:
                 teardown = (lambda t=teardown: (cm.clear(), t()))
             self.measure(scenario, f"fast_{n}", self.opt_step(opt, loss), setup=setup, teardown=teardown,
                          verify=trained, split=True, compiled=compiled or None, adapters=n, samples_per_row=per_row,
+                         **({"layer_host_us": layer_us[n]} if n in layer_us else {}),
                          optimizer="fast_multilora.AdamW", **(self.compile_info() if compiled else {}))
             self.save()  # a minute or more per adapter count: keep what is measured should the stage's limit hit
             compare = n in (self.sz.scale_counts[0], 64) or (self.quick and n == self.sz.scale_counts[-1])
@@ -673,6 +675,66 @@ class Run:
                              adapters=n, optimizer="torch.optim.AdamW (foreach), per-parameter layer path")
         pm = None  # the model's memory back before the next scenario
         self.free()
+
+    def layer_host_scale(self, rows, T, rounds=5, calls=30) -> dict:
+        """``{count: µs}``: the median host time of one patched layer call (``q_proj``'s shape, forward + backward
+        of a random input, packed rows as the scale step routes them) with each of ``Sizes.scale_counts`` adapters
+        resident -- one single-layer PEFT model per count, each on the adapter store with ``fast_multilora.AdamW``,
+        measured in ``rounds`` interleaved rounds (``harness.host_ms`` of ``calls`` calls per count and round), so
+        the counts share the machine's state instead of being minutes apart. The median over rounds."""
+        import statistics
+
+        from harness import host_ms
+        from peft import LoraConfig, get_peft_model
+
+        import fast_multilora
+
+        torch = self.torch
+        hid = self.sz.model["hidden_size"]
+
+        class One(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.q_proj = torch.nn.Linear(hid, hid, bias=False)
+
+            def forward(self, x):
+                return self.q_proj(x)
+
+        calls_by_n, keep = {}, []
+        for n in self.sz.scale_counts:
+            cfg = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=["q_proj"])
+            torch.manual_seed(0)
+            pm = get_peft_model(One(), cfg, adapter_name="a0")
+            for i in range(1, n):
+                pm.add_adapter(f"a{i}", cfg)
+            pm.to(self.device, self.dtype)
+            self.all_lora_trainable(pm)
+            self.patch(pm)
+            opt = fast_multilora.AdamW(pm, lr=1e-4)  # the store, as the scale step's
+            per_row = max(4, -(-n // rows))
+            j = (torch.arange(T, device=self.device) // (T // per_row)).clamp(max=per_row - 1)
+            adapter_ids = ((torch.arange(rows, device=self.device)[:, None] * per_row + j) % n).contiguous()
+            x = torch.randn(rows, T, hid, device=self.device, dtype=self.dtype, requires_grad=True)
+            gy = torch.randn(rows, T, hid, device=self.device, dtype=self.dtype)
+            route = (pm, [f"a{i}" for i in range(n)], adapter_ids)
+            layer = pm.base_model.model.q_proj
+            with fast_multilora.route(*route):
+                for _ in range(10):
+                    layer(x).backward(gy)
+            calls_by_n[n] = (route, lambda layer=layer, x=x, gy=gy: layer(x).backward(gy))
+            keep.append((pm, opt))
+        got = {n: [] for n in calls_by_n}
+        for _ in range(rounds):
+            for n, (route, call) in calls_by_n.items():
+                with fast_multilora.route(*route):
+                    got[n].append(host_ms(call, calls) * 1e3)
+        for pm, _ in keep:
+            self.unpatch(pm)
+        keep.clear()
+        self.free()
+        out = {n: round(statistics.median(v), 1) for n, v in got.items()}
+        print(f"  layer call host time by adapter count (interleaved, µs): {out}", flush=True)
+        return out
 
     def layer_host_us(self, pm, rows, T) -> float:
         """Median host microseconds of one patched ``q_proj`` call in layer 0 (forward + backward of a random

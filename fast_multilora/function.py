@@ -132,10 +132,6 @@ class TritonBackend:
                 return w
         return torch.cat(ws, dim)
 
-    def packed_b_weights(self, flat, table, N):
-        """The store's packed B block read in place (``kernels.packed_b_weights``), or ``None`` when misaligned."""
-        return self.k.packed_b_weights(flat, table, N)
-
     def shrink(self, x, A_cat, segs, table, stack_num, seed, store_mask=False, record=None):
         """``(h, keep_bits)``: with ``store_mask`` under dropout (one slice), the packed keep-mask the forward drew,
         for the backward to read; else ``None``. ``record`` (a dict, eager calls without dropout): the launch is kept
@@ -185,7 +181,7 @@ class TritonBackend:
                                             dh=dh)
         if grad_dtype is None:
             return self.k.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx, dh=dh)
-        dB = torch.empty(table.total_rank * B_cat.shape[0], dtype=grad_dtype, device=dy.device)
+        dB = torch.empty(table.total_rank * dy.shape[1], dtype=grad_dtype, device=dy.device)
         if dh is None:  # for this backend's shrink backward, which reads only the cells the expand writes
             dh = torch.empty(dy.shape[0], stack_num * table.max_rank, dtype=h.dtype, device=dy.device)
         return self.k.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx,
@@ -589,17 +585,13 @@ def _a_weight(call: LayerCall, ws):
 
 
 def _b_weight(call: LayerCall, ws):
-    """The expand weight: the store's packed block as it is (Triton decode calls, eager or compiled: the decode
-    kernel reads it without a table or a copy), read in place (other eager Triton calls, when aligned), else its
-    ``B_cat``; or the adapters' weights as the backend takes them."""
+    """The expand weight: the store's packed block as it is (Triton, eager or compiled: every expand kernel reads it
+    without a table or a copy, ``kernels.segments.packed_b``), its ``B_cat`` for the torch backend; or the adapters'
+    weights as the backend takes them."""
     if call.stored is None:
         return call.backend.weights(ws, call.table, 1, call.in_place)
-    if call.decode and call.backend.name == "triton":
+    if call.backend.name == "triton":
         return ws[0]
-    if call.backend.name == "triton" and not _compiling():
-        w = call.backend.packed_b_weights(ws[0], call.table, call.stored.N)
-        if w is not None:
-            return w
     return call.stored.b_cat(ws[0])
 
 

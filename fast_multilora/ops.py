@@ -9,7 +9,8 @@ Ops, namespace ``fast_multilora`` (``torch.ops.fast_multilora.<name>``):
   zero): mutates ``y``, returns nothing; ``torch.compile`` functionalises it.
 * ``lora_shrink_expand``  ``y += expand(shrink(x, A_cat), B_cat)`` in place, one launch (few rows, no dropout: the
   decode calls of ``kernels.decode``); mutates ``y``, returns nothing.
-* ``lora_expand_bwd``  ``(dh, dB_cat)``; an optional ``dh`` input is the starting content of the returned ``dh``
+* ``lora_expand_bwd``  ``(dh, dB_cat)``, ``dB_cat`` in ``B_cat``'s layout; an optional ``dh`` input is the starting
+  content of the returned ``dh``
   (the launcher's fill-in-place ``dh``, made functional).
 * ``lora_shrink_bwd``  ``(dx, dA_cat)``; without ``need_dx``, ``dx`` is an empty ``[0, K]`` tensor. With ``dx_acc``
   (mutated) the adapter rows' dx terms are added into it instead, and ``dx`` is empty: a fused layer's backward passes
@@ -198,8 +199,8 @@ def _expand_bwd_op(dy: Tensor, h: Tensor, B_cat: Tensor, layout: list[Optional[T
 def _(dy, h, B_cat, layout, ints, dh):
     acc = _acc(dy.dtype)
     stack_num = ints[_N_LAYOUT_INTS]
-    return (dy.new_empty(dy.shape[0], stack_num * ints[_MAX_RANK], dtype=acc),
-            dy.new_empty(dy.shape[1], ints[_TOTAL_RANK], dtype=acc))
+    db_shape = (ints[_TOTAL_RANK] * dy.shape[1],) if B_cat.dim() == 1 else (dy.shape[1], ints[_TOTAL_RANK])
+    return dy.new_empty(dy.shape[0], stack_num * ints[_MAX_RANK], dtype=acc), dy.new_empty(db_shape, dtype=acc)
 
 
 @_op("lora_shrink_bwd(Tensor dh, Tensor x, Tensor A_cat, Tensor?[] layout, SymInt[] ints, Tensor? seed, "
@@ -251,7 +252,8 @@ def lora_shrink_expand(x, A_cat, B_cat, segs: Segments, table: AdapterTable, y):
 def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1, slice_idx: int = 0,
                     dh: Optional[Tensor] = None):
     """``kernels.lora_expand_bwd`` through ``fast_multilora::lora_expand_bwd``: ``(dh, dB_cat)``; a given ``dh`` is
-    the starting content of the returned one (a new tensor: the op is functional)."""
+    the starting content of the returned one (a new tensor: the op is functional). ``dB_cat`` in ``B_cat``'s layout:
+    flat and blocked for the store's packed block."""
     return torch.ops.fast_multilora.lora_expand_bwd(dy, h, B_cat, *_layout(segs, table, stack_num, slice_idx), dh)
 
 

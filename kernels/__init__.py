@@ -13,14 +13,13 @@ from .segments import (
     Segments,
     SlotWeights,
     grouped_segments,
-    packed_b_weights,
     row_segments,
     segments_from_token_slots,
     slot_weights,
 )
 
 __all__ = ["AdapterTable", "Segments", "SlotWeights", "grouped_segments", "row_segments", "segments_from_token_slots",
-           "slot_weights", "packed_b_weights", "lora_expand", "lora_shrink", "lora_expand_bwd", "lora_shrink_bwd",
+           "slot_weights", "lora_expand", "lora_shrink", "lora_expand_bwd", "lora_shrink_bwd",
            "DECODE_MAX_ROWS", "lora_shrink_expand",
            "keep_bits_buffer",
            "CHUNK", "ChunkTable", "chunk_table", "adamw_step_", "grad_sq_norms", "scale_grads_"]

@@ -39,7 +39,7 @@ import triton.language as tl
 from .chunks import chunk_table
 from .dropout import check_keep_bits, check_seed, keep_block, unpack_keep
 from .launch import CHECK_KEYS, cdiv, checked, launch, mark_checked, next_power_of_2
-from .segments import AdapterTable, Segments, slot_grouping, weight_args
+from .segments import AdapterTable, Segments, packed_b, slot_grouping, weight_args
 from .sgemm import slot_b, slot_weight
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -194,11 +194,13 @@ def _expand_bwd_kernel(
     stride_dys, stride_dyn, stride_hs, stride_hr, stride_bn, stride_br, stride_dhs, stride_dhr,
     stride_pds, stride_pdt, stride_pdr, stride_pbc, stride_pbn, stride_pbr,
     DIRECT_DH: tl.constexpr, STORE_DB: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    W_OFFS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    W_OFFS: tl.constexpr, B_PACKED: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     """dh[t, s*r+i] (+)= c * dy[t, n-range] . B[n-range, off+i];  part_dB[chunk, n, i] = sum_t dy[t, n] h[t, s*r+i].
 
-    ``W_OFFS``: the slot's own ``[N, r_a]`` weight read in place, row stride its rank ``r_a`` (``sgemm.slot_b``)."""
+    ``W_OFFS`` / ``B_PACKED``: the slot's own ``[N, r_a]`` weight, in place or in the store's packed block, row stride
+    its rank ``r_a`` (``sgemm.slot_b``)."""
     i_c = tl.program_id(0).to(tl.int64)
     i_p = tl.program_id(1).to(tl.int64)
     slot = tl.load(info + i_c * 3)
@@ -209,7 +211,8 @@ def _expand_bwd_kernel(
         return
     start = tl.load(info + i_c * 3 + 1).to(tl.int64)
     end = tl.load(info + i_c * 3 + 2)
-    B_a, b_col0, stride_bn_a, stride_br_a = slot_b(B, offsets, w_offs, slot, rank, stride_bn, stride_br, W_OFFS)
+    B_a, b_col0, stride_bn_a, stride_br_a = slot_b(
+        B, offsets, w_offs, slot, rank, N, stride_bn, stride_br, W_OFFS, B_PACKED)
     col0 = slice_idx * rank  # this slice's first column of h / dh
 
     o_s = start + tl.arange(0, BLOCK_S)  # logical positions
@@ -598,14 +601,16 @@ def _weights(name: str, what: str, w, shape, dtypes, device, stack_num: int) -> 
 
 def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1, slice_idx: int = 0,
                     dh: Optional[torch.Tensor] = None, dB_out: Optional[torch.Tensor] = None,
-                    dB_blocked: bool = False):
+                    dB_blocked: Optional[bool] = None):
     """Returns ``(dh, dB_cat)``: ``dh`` float32 ``[S, stack_num*max_rank]`` (only this slice's columns of adapter
     tokens written; a given ``dh`` is filled in place) and ``dB_cat`` float32 ``[N, total_rank]`` (every column
-    written, zero for slots without tokens). float64 ``dy`` gives float64 outputs.
+    written, zero for slots without tokens). float64 ``dy`` gives float64 outputs. ``B_cat`` may be the store's
+    packed block (1-D, ``segments.packed_b``).
 
     ``dB_blocked``: ``dB_cat`` is flat ``[total_rank * N]`` instead, slot ``a``'s ``[N, r_a]`` gradient the contiguous
-    block at ``offsets[a] * N`` (each adapter's ``lora_B`` weight layout). A given ``dB_out`` may be bfloat16 or
-    float16 (for float32 accumulation): the sums are rounded once, as they are stored."""
+    block at ``offsets[a] * N`` (each adapter's ``lora_B`` weight layout, and the packed block's); ``None``: blocked
+    when ``B_cat`` is packed (the gradient in its weight's layout). A given ``dB_out`` may be bfloat16 or float16
+    (for float32 accumulation): the sums are rounded once, as they are stored."""
     name = "lora_expand_bwd"
     _check_common(name, dy, segs, table, stack_num)
     if not 0 <= slice_idx < stack_num:
@@ -616,7 +621,12 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
     _check_tensor(name, "h", h, (S, stack_num * R), (torch.float32, torch.float64), dev)
     # B in any float dtype: the kernel casts its tiles to dy's (fp32 activations with 16-bit adapters: PEFT casts the
     # input to the adapters' dtype and the delta back, so dy is fp32 while B is 16-bit)
-    B, w_offs = _weights(name, "B_cat", B_cat, (N, R_tot), _ACT_DTYPES, dev, 1)
+    packed = packed_b(f"{name}: B_cat", B_cat, N, R_tot, dev)
+    B, w_offs = (B_cat, None) if packed else _weights(name, "B_cat", B_cat, (N, R_tot), _ACT_DTYPES, dev, 1)
+    if packed:
+        _check_tensor(name, "B_cat", B, B.shape, _ACT_DTYPES, dev)
+    if dB_blocked is None:
+        dB_blocked = packed
     if dh is None:
         dh = torch.zeros(S, stack_num * R, dtype=acc, device=dev)
     _check_tensor(name, "dh", dh, (S, stack_num * R), (acc,), dev)
@@ -647,10 +657,11 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
         dy, h, B, dh, part_dh, part_dB, order, info, table.ranks, table.offsets,
         table.offsets if w_offs is None else w_offs, table.scales,
         N, slice_idx, tiles_per_split,
-        *dy.stride(), *h.stride(), *B_cat.stride(),
+        *dy.stride(), *h.stride(), *((0, 1) if packed else B_cat.stride()),
         *dh.stride(), *pd_strides, *pb_strides,
     ), dict(DIRECT_DH=direct_dh, STORE_DB=fused, EVEN_N=N % BLOCK_N == 0, DOT_PRECISION=prec,
-            W_OFFS=w_offs is not None, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, num_warps=num_warps))
+            W_OFFS=w_offs is not None, B_PACKED=packed, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R,
+            num_warps=num_warps))
     BLOCK_NF = min(128, max(16, _FINISH_TILE // BLOCK_R)) if fused else BLOCK_N
     tiles_nf = cdiv(N, BLOCK_NF)
     n_db = n_slots * tiles_nf

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from .forward import _ACTIVATION_DTYPES, _check_2d, _check_layout, _target, _weights
 from .launch import Bound, cdiv, launch, next_power_of_2
-from .segments import AdapterTable, Segments
+from .segments import AdapterTable, Segments, packed_b
 
 _INF = math.inf
 
@@ -133,27 +133,18 @@ def lora_shrink_expand(x, A_cat, B_cat, segs: Segments, table: AdapterTable, y, 
     device = x.device
     _check_2d("y", y, device)
     A, a_offs = _weights("A_cat", A_cat, device, 1)
-    packed = isinstance(B_cat, torch.Tensor) and B_cat.dim() == 1
-    if packed:
-        B, b_offs = B_cat, None
-        if not B.is_contiguous() or B.device != device or not B.dtype.is_floating_point:
-            raise ValueError(f"a packed B_cat must be a contiguous floating tensor on {device}, got {B.dtype} "
-                             f"{'contiguous' if B.is_contiguous() else 'strided'} on {B.device}")
-    else:
-        B, b_offs = _weights("B_cat", B_cat, device, 1)
     for name, t in (("x", x), ("y", y)):
         if t.dtype not in _ACTIVATION_DTYPES:
             raise ValueError(f"{name} must be one of {_ACTIVATION_DTYPES}, got {t.dtype}")
     S, K = x.shape
     N = y.shape[1]
+    packed = packed_b("B_cat", B_cat, N, table.total_rank, device)
+    B, b_offs = (B_cat, None) if packed else _weights("B_cat", B_cat, device, 1)
     _check_layout(segs, table, S, device, 1)
     if y.shape[0] != S:
         raise ValueError(f"y has {y.shape[0]} rows but x has {S}")
     if tuple(A_cat.shape) != (table.total_rank, K):
         raise ValueError(f"A_cat must be [total_rank, K] = [{table.total_rank}, {K}], got {list(A_cat.shape)}")
-    if packed and B_cat.numel() != N * table.total_rank:
-        raise ValueError(f"a packed B_cat must have N*total_rank = {N}*{table.total_rank} elements, "
-                         f"got {B_cat.numel()}")
     if not packed and tuple(B_cat.shape) != (N, table.total_rank):
         raise ValueError(f"B_cat must be [N, total_rank] = [{N}, {table.total_rank}], got {list(B_cat.shape)}")
     ts = segs.token_slots

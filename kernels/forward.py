@@ -33,7 +33,7 @@ import torch
 
 from .dropout import check_keep_bits, check_seed
 from .launch import CHECK_KEYS, Bound, cdiv, checked, launch, mark_checked, next_power_of_2
-from .segments import AdapterTable, Segments, weight_args
+from .segments import AdapterTable, Segments, packed_b, weight_args
 from .sgemm import sgemm_expand_kernel, sgemm_shrink_kernel
 from .sgmv import chunk_table, sgmv_expand_kernel, sgmv_shrink_kernel
 
@@ -166,12 +166,9 @@ def _check_2d(name: str, t, device) -> None:
 
 def _weights(name: str, w, device, stack_num: int) -> tuple:
     """``segments.weight_args`` of a launcher's weight, its pointer tensor checked as any 2-D operand (a
-    ``SlotWeights``' base: one weight, or the 1-D buffer of ``segments.packed_b_weights``)."""
+    ``SlotWeights``' base: one weight)."""
     t, w_offs = weight_args(name, w, device, stack_num)
-    if w_offs is None or not isinstance(t, torch.Tensor) or t.dim() != 1:
-        _check_2d(name if w_offs is None else f"{name}.base", t, device)
-    elif not t.is_contiguous() or t.device != device or not t.dtype.is_floating_point:
-        raise ValueError(f"{name}.base must be a contiguous floating tensor on {device}, got {t.dtype} on {t.device}")
+    _check_2d(name if w_offs is None else f"{name}.base", t, device)
     return t, w_offs
 
 
@@ -314,17 +311,18 @@ def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: 
     _check_2d("y", y, getattr(y, "device", None))
     device = y.device
     _check_2d("h", h, device)
-    B, w_offs = _weights("B_cat", B_cat, device, 1)
     if y.dtype not in _ACTIVATION_DTYPES:
         raise ValueError(f"y must be one of {_ACTIVATION_DTYPES}, got {y.dtype}")
     S, N = y.shape
+    packed = packed_b("B_cat", B_cat, N, table.total_rank, device)
+    B, w_offs = (B_cat, None) if packed else _weights("B_cat", B_cat, device, 1)
     _check_layout(segs, table, S, device, stack_num)
     if not isinstance(slice_idx, int) or not 0 <= slice_idx < stack_num:
         raise ValueError(f"slice_idx must be an int in [0, stack_num={stack_num}), got {slice_idx!r}")
     if h.shape != (S, stack_num * table.max_rank):
         raise ValueError(f"h must be [S, stack_num*max_rank] = [{S}, {stack_num * table.max_rank}], "
                          f"got {list(h.shape)}")
-    if tuple(B_cat.shape) != (N, table.total_rank):
+    if not packed and tuple(B_cat.shape) != (N, table.total_rank):
         raise ValueError(f"B_cat must be [N, total_rank] = [{N}, {table.total_rank}], got {list(B_cat.shape)}")
     if bias is not None:
         if accumulate:
@@ -345,7 +343,8 @@ def _fill_rows(y: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
 
 def _expand_launch(h, B_cat, B, w_offs, segs: Segments, table: AdapterTable, y, *, slice_idx: int, accumulate: bool,
                    bias, record: Optional[list] = None) -> None:
-    """The expand's launch; ``B``, ``w_offs``: ``B_cat``'s pointer tensor and per-slot offsets (``_weights``)."""
+    """The expand's launch; ``B``, ``w_offs``: ``B_cat``'s pointer tensor and per-slot offsets (``_weights``; a
+    1-D ``B_cat`` is the store's packed block, ``segments.packed_b``)."""
     S, N = y.shape
     live = not (S == 0 or N == 0 or table.max_rank == 0 or segs.num_segments == 0 or segs.max_len == 0)
     write_all = not accumulate and segs.covers_all_rows  # the SGEMM kernel defines base rows itself
@@ -364,10 +363,12 @@ def _expand_launch(h, B_cat, B, w_offs, segs: Segments, table: AdapterTable, y, 
     BLOCK_N = _pow2_clamp(N, 16, N_CAP)
     BLOCK_R = _pow2_clamp(table.max_rank, 16, R_CAP)
     BLOCK_S = _rows_block(segs, S_BLK)
-    common = (*h.stride(), *B_cat.stride(), *y.stride())
+    packed = isinstance(B_cat, torch.Tensor) and B_cat.dim() == 1
+    common = (*h.stride(), *((0, 1) if packed else B_cat.stride()), *y.stride())  # a packed B's: unread
     slotted = w_offs is not None
     w_offs = w_offs if slotted else table.offsets  # unread without W_OFFS
     meta = dict(FP64=fp64, DOT_PRECISION=_dot_precision(torch.float64 if fp64 else y.dtype), W_OFFS=slotted,
+                B_PACKED=packed,
                 # after a bias fill the kernel adds to it; after a zero fill (or defining every row) it writes
                 ACCUMULATE=accumulate or (not write_all and bias is not None), HAS_BIAS=write_all and bias is not None,
                 BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, num_warps=num_warps, num_stages=num_stages)

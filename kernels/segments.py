@@ -68,10 +68,9 @@ class SlotWeights(NamedTuple):
     """One layer's adapter weights read where they are, standing in for ``A_cat`` / ``B_cat`` (no concatenated copy).
 
     Slot ``a``'s weight starts ``offsets[a]`` elements after ``base``'s first element; ``base`` is the weight at the
-    lowest address (or the buffer holding them all, :func:`packed_b_weights`), the kernels' pointer argument. Build
-    it with :func:`slot_weights` or :func:`packed_b_weights`, which check what the kernels assume: every weight
-    contiguous, of one dtype and device, and at an offset that is a multiple of 16 elements (the alignment the
-    concatenation's rows have; the CUDA caching allocator hands out 512-byte aligned blocks).
+    lowest address, the kernels' pointer argument. Build it with :func:`slot_weights`, which checks what the kernels
+    assume: every weight contiguous, of one dtype and device, and at an offset that is a multiple of 16 elements (the
+    alignment the concatenation's rows have; the CUDA caching allocator hands out 512-byte aligned blocks).
     A weights ``[r_a, K]`` (``stack_num == 1``), row stride ``K``; B weights ``[N, r_a]``, row stride ``r_a``: the
     kernels take it from the table's ``ranks[a]``, so B ranks may differ per slot.
     """
@@ -102,8 +101,7 @@ def weight_args(name: str, w, device, stack_num: int) -> tuple:
 
 
 _ALIGN = 16  # elements
-_SLOT_WEIGHTS: dict = {}  # key of slot_weights -> (base index, device offsets, shape) or None; of packed_b_weights
-# -> device offsets or None
+_SLOT_WEIGHTS: dict = {}  # key of slot_weights -> (base index, device offsets, shape) or None
 _CAPTURED: dict = {}  # the entries a CUDA graph capture used: kept when _SLOT_WEIGHTS is cleared
 
 
@@ -173,38 +171,20 @@ def _device_offsets(host: list, device) -> torch.Tensor:
     return offsets.to(device, non_blocking=True) if device.type != "cpu" else offsets
 
 
-def packed_b_weights(flat: torch.Tensor, table: AdapterTable, N: int) -> Optional[SlotWeights]:
-    """B weights packed in one buffer as a :class:`SlotWeights`: slot ``a``'s ``[N, ranks[a]]`` weight is the
-    contiguous block at element ``N * offsets[a]`` of the 1-D contiguous ``flat`` (``[N * total_rank]``, the layout
-    ``lora_expand_bwd(..., dB_blocked=True)`` writes its ``dB`` in). ``None`` where the kernels cannot read it in
-    place: ``flat`` or some block of a slot of rank > 0 not at a multiple of 16 elements.
-
-    The device table of offsets depends on the table's offsets and ranks, ``N`` and the device only: cached by
-    those (``table.host``'s; a table without host copies is read from the device, a sync per call), so repeated
-    calls copy nothing to the device; ``flat``'s address is checked per call. Tables looked up while a CUDA graph is
-    being captured are kept for good, as :func:`slot_weights`' are.
-    """
-    if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or not flat.is_contiguous():
-        raise ValueError(f"flat must be a 1-D contiguous tensor, got {getattr(flat, 'shape', type(flat))}")
-    if flat.numel() != N * table.total_rank:
-        raise ValueError(f"flat must have N*total_rank = {N}*{table.total_rank} elements, got {flat.numel()}")
-    if flat.data_ptr() % (_ALIGN * flat.element_size()):
-        return None
-    if table.host is not None:
-        ranks, offsets = tuple(table.host[0]), tuple(table.host[1])
-    else:
-        ranks, offsets = tuple(table.ranks.tolist()), tuple(table.offsets.tolist())
-    key = ("packed_b", flat.device, N, ranks, offsets)
-    hit = _cached(key, lambda: _packed_offsets(ranks, offsets, N, flat.device), flat.is_cuda)
-    return None if hit is None else SlotWeights(flat, hit, (N, table.total_rank))
-
-
-def _packed_offsets(ranks, offsets, N, device) -> Optional[torch.Tensor]:
-    """int64 ``[n_slots]`` device offsets ``N * offsets[a]`` (0 for rank 0), or ``None`` where one is misaligned."""
-    host = [N * int(o) if r > 0 else 0 for r, o in zip(ranks, offsets, strict=True)]
-    if any(o % _ALIGN for o in host):
-        return None
-    return _device_offsets(host, device)
+def packed_b(name: str, w, N: int, total_rank: int, device) -> bool:
+    """Whether a launcher's ``B_cat`` argument is the adapter store's packed block (``store.LayerSlots.b_leaf``):
+    1-D ``[N * total_rank]``, slot ``a``'s ``[N, ranks[a]]`` weight contiguous at element ``N * offsets[a]`` -- the
+    layout ``lora_expand_bwd`` writes a packed ``B``'s gradient in. Every expand kernel reads it as it lies
+    (``sgemm.slot_b``'s ``B_PACKED``: no table, no copy), so a compiled graph passes the block itself. A 1-D
+    ``w`` that is not such a block raises ``ValueError``."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 1:
+        return False
+    if not w.is_contiguous() or w.device != device or not w.dtype.is_floating_point:
+        raise ValueError(f"{name}: a packed B must be a contiguous floating tensor on {device}, got {w.dtype} "
+                         f"{'contiguous' if w.is_contiguous() else 'strided'} on {w.device}")
+    if w.numel() != N * total_rank:
+        raise ValueError(f"{name}: a packed B must have N*total_rank = {N}*{total_rank} elements, got {w.numel()}")
+    return True
 
 
 def segments_from_token_slots(token_slots: torch.Tensor, grouped: bool, device=None) -> Segments:

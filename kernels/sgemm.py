@@ -143,19 +143,25 @@ def slot_weight(W, offsets, w_offs, slot, STACK: tl.constexpr, W_OFFS: tl.conste
 
 
 @triton.jit
-def slot_b(B, offsets, w_offs, slot, rank, stride_bn, stride_br, W_OFFS: tl.constexpr):
+def slot_b(B, offsets, w_offs, slot, rank, N, stride_bn, stride_br, W_OFFS: tl.constexpr, B_PACKED: tl.constexpr):
     """``(B_a, col0, stride_bn_a, stride_br_a)``: the slot's columns of an expand weight start at column ``col0`` of
     ``B_a``, whose row and column strides those are. In ``B_cat`` (``B_a = B``, ``col0 = offsets[slot]``, the
-    launcher's strides), or in place (``W_OFFS``: its own contiguous ``[N, rank]`` weight at ``B + w_offs[slot]``
-    elements, a multiple of 16: ``col0 = 0``, row stride ``rank``, the table's, so slots may differ in rank; column
-    stride 1). The 64-bit offset is added once to the pointer, so per-element offsets stay 32-bit."""
+    launcher's strides); in place (``W_OFFS``: its own contiguous ``[N, rank]`` weight at ``B + w_offs[slot]``
+    elements, a multiple of 16); or in the adapter store's packed block (``B_PACKED``: slot ``a``'s ``[N, rank]``
+    weight contiguous at element ``N * offsets[a]`` of a 1-D buffer, no table). Both of the latter: ``col0 = 0``,
+    row stride ``rank`` (the table's, so slots may differ in rank), column stride 1. The 64-bit offset is added once
+    to the pointer, so per-element offsets stay 32-bit."""
     if W_OFFS:
         B_a = B + tl.multiple_of(tl.load(w_offs + slot), 16)  # the offset is aligned; the row stride ``rank`` is not
+    elif B_PACKED:
+        B_a = B + tl.load(offsets + slot).to(tl.int64) * N  # N: an int or a constexpr
+    else:
+        B_a = B
+    if W_OFFS or B_PACKED:
         col0 = 0
         stride_bn_a = rank
         stride_br_a = 1
     else:
-        B_a = B
         col0 = tl.load(offsets + slot)
         stride_bn_a = stride_bn
         stride_br_a = stride_br
@@ -218,11 +224,12 @@ def sgemm_expand_kernel(
     h, B, y, bias, indptr, seg_slot, ranks, offsets, w_offs, scales, slice_idx, N,
     stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
     FP64: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    W_OFFS: tl.constexpr,
+    W_OFFS: tl.constexpr, B_PACKED: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_TILES: tl.constexpr,
 ):
     """y[t] += scale_a * h[t, slice*r : (slice+1)*r] @ B_cat[:, off : off+r]^T for the rows t of segment ``i_g``
-    (``W_OFFS``: the slot's own ``[N, r_a]`` weight read in place, row stride its rank ``r_a``: see :func:`slot_b`).
+    (``W_OFFS`` / ``B_PACKED``: the slot's own ``[N, r_a]`` weight, in place or in the store's packed block, row stride
+    its rank ``r_a``: see :func:`slot_b`).
 
     Write mode (``ACCUMULATE=False``): y[t] = that product (+ bias), and rows of base segments / rank-0 slots are
     written too (bias or zero), so every row of y is defined. A program covers ``N_TILES`` consecutive N-tiles: the
@@ -243,7 +250,8 @@ def sgemm_expand_kernel(
             for j in range(N_TILES):
                 fill_tile(y, bias, o_s, o_s < eos, i_n0 + j, N, stride_ys, stride_yn, HAS_BIAS, BLOCK_S, BLOCK_N)
         return
-    B_a, b_col0, stride_bn_a, stride_br_a = slot_b(B, offsets, w_offs, slot, rank, stride_bn, stride_br, W_OFFS)
+    B_a, b_col0, stride_bn_a, stride_br_a = slot_b(
+        B, offsets, w_offs, slot, rank, N, stride_bn, stride_br, W_OFFS, B_PACKED)
     scale = tl.load(scales + slot)
     for j in range(N_TILES):
         expand_tile(

@@ -79,11 +79,12 @@ def sgmv_expand_kernel(
     stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
     N: tl.constexpr, MAX_RANK: tl.constexpr,
     FP64: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    W_OFFS: tl.constexpr,
+    W_OFFS: tl.constexpr, B_PACKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """y[perm[j]] (+)= scale_a * h[perm[j], slice*r : (slice+1)*r] @ B_cat[:, off : off+r]^T for the chunk's j
-    (``W_OFFS``: the slot's own ``[N, r_a]`` weight read in place, see ``sgemm.slot_b``).
+    (``W_OFFS`` / ``B_PACKED``: the slot's own ``[N, r_a]`` weight, in place or in the store's packed block, see
+    ``sgemm.slot_b``).
 
     Rows outside every segment (base tokens) are not touched, in write mode too: the launcher fills them first.
     """
@@ -102,7 +103,8 @@ def sgmv_expand_kernel(
     o_m = tl.load(chunks + i_c * 3 + 1) + tl.arange(0, BLOCK_M)  # [BLOCK_M] logical positions
     m_s = o_m < tl.load(chunks + i_c * 3 + 2)
     o_s = tl.load(perm + o_m, mask=m_s, other=0).to(tl.int64)  # [BLOCK_M] physical rows
-    B_a, b_col0, stride_bn_a, stride_br_a = slot_b(B, offsets, w_offs, slot, r_a, stride_bn, stride_br, W_OFFS)
+    B_a, b_col0, stride_bn_a, stride_br_a = slot_b(
+        B, offsets, w_offs, slot, r_a, N, stride_bn, stride_br, W_OFFS, B_PACKED)
     expand_tile(
         h, B_a, y, bias, o_s, m_s, i_n, slice_idx * rank, b_col0, rank, tl.load(scales + slot), N,
         stride_hs, stride_hn, stride_bn_a, stride_br_a, stride_ys, stride_yn,

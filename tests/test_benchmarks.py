@@ -138,7 +138,8 @@ def test_bench_model_quick_moe_and_scale(tmp_path):
     assert fast["diff_rms_over_lora_effect_rms"] < 1e-3, fast
     for n in (2, 8, 32):
         r = d["train_step_scale"][f"fast_{n}"]
-        assert r["adapters_with_grads"] == r["adapters"] == n and r["layer_host_us"] > 0 and r["optimizer_ms"] > 0, r
+        assert r["adapters_with_grads"] == r["adapters"] == n and r["optimizer_ms"] > 0, r
+        assert r["layer_host_us"] > 0 and r["layer_host_us_in_model"] > 0, r  # interleaved; in the grown model
         assert r["optimizer"] == "fast_multilora.AdamW", r
     assert "## train_step_scale" in (tmp_path / "h200.md").read_text()
 

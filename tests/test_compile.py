@@ -228,6 +228,55 @@ def test_compiled_graphs_hold_the_ops(device):
     assert len(shrinks) == 2 * 6, len(shrinks)
 
 
+def test_compiled_training_on_the_adapter_store_reads_b_as_it_lies(device):
+    """On the adapter store, a compiled train step hands each layer's packed B block to the expand ops as it is and
+    gets its gradient back in that layout: in the forward graph every ``lora_expand`` takes a ``b_leaf`` input
+    itself, in the backward graph every ``lora_expand_bwd`` takes a graph input (the saved leaf) and its ``dB`` is
+    returned without a cat, permute or copy in between (the per-call ``B_cat`` rearrangement and ``packed_grad`` are
+    gone); the gradients equal eager's."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    model = peft_model("llama").to(device)
+    eager = twin(model)
+    for m in (model, eager):
+        fast_multilora.patch(m, backend="triton", adapter_store=True)
+        m.train()
+    fw, bw = [], []
+
+    def recorder(into):
+        def record(gm, _example_inputs):
+            into.append(gm)
+            return make_boxed_func(gm)
+        return record
+
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=recorder(fw), bw_compiler=recorder(bw)))
+    ids = torch.randint(0, 97, (4, 9), generator=torch.Generator().manual_seed(3)).to(device)
+    compiled(input_ids=ids, adapter_names=MIXES[0]).logits.sum().backward()
+    eager(input_ids=ids, adapter_names=MIXES[0]).logits.sum().backward()
+    assert _breaks_and_graphs() == (0, 1) and len(fw) == len(bw) == 1
+    expand = torch.ops.fast_multilora.lora_expand.default
+    expand_bwd = torch.ops.fast_multilora.lora_expand_bwd.default
+    n_layers = sum(1 for m in model.modules() if isinstance(m, LoraLayer))
+    f_calls = [n for n in fw[0].graph.nodes if expand in _called(n)]  # auto_functionalized: y is mutated
+    assert len(f_calls) == n_layers, (len(f_calls), n_layers)
+    for n in f_calls:
+        b = n.kwargs["B_cat"] if "B_cat" in n.kwargs else n.args[1]
+        assert b.op == "placeholder" and b.meta["val"].dim() == 1, (n, b)  # a graph input, the packed 1-D block
+    b_calls = [n for n in bw[0].graph.nodes if n.target is expand_bwd]
+    assert len(b_calls) == n_layers, (len(b_calls), n_layers)
+    out = next(n for n in bw[0].graph.nodes if n.op == "output")
+    for n in b_calls:
+        b = n.args[2]
+        assert b.op == "placeholder" and b.meta["val"].dim() == 1, (n, b)  # the saved leaf, as it is
+        (db,) = [u for u in n.users if u.args[1] == 1]  # getitem(call, 1): dB
+        assert list(db.users) == [out], (n, list(db.users))
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    want = {n: p.grad for n, p in eager.named_parameters() if p.grad is not None}
+    assert set(grads) == set(want) and any("lora_B" in n for n in grads)
+    for n, g in want.items():
+        _same(grads[n], g, "triton", n)
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["names", "adapter_ids"])
 def test_compiled_graphs_take_the_entry_layout_and_copy_no_base_output(packed, device, monkeypatch):
     """The layout is built once per call at the model's entry and enters the graph as inputs: no sort or

@@ -125,7 +125,7 @@ def test_validation_errors():
     for msg, kw in {
         "A_cat must be": dict(A=A[:4]),
         "B_cat must be": dict(B=B[:, :4]),
-        "packed B_cat must have": dict(B=B.reshape(-1)[:29]),
+        "packed B must have": dict(B=B.reshape(-1)[:29]),
         "y has 3 rows": dict(y=y[:3]),
         "segs covers": dict(x=x[:3]),
         "needs segs.token_slots": dict(segs=segments_from_token_slots(ts, False, device=DEVICE)),

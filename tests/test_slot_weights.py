@@ -6,9 +6,9 @@ reverse slot order with NaN-filled gaps between them, with absent slots (rank 0)
 results: bit for bit (the kernels do the same arithmetic on the same values; only the addresses differ), and within
 the kernels' stated tolerances of the float64 reference (``test_kernels_forward.py``: fp32 1e-5 of max|ref|).
 Outputs are NaN-poisoned where the contract leaves them unwritten. B weights may differ in rank per slot (each is
-read with its own rank as row stride), read from separate tensors (``slot_weights``) or from one packed buffer
-(``packed_b_weights``, the layout of a blocked ``dB``). Then the builders' rules: what they refuse (the caller
-concatenates instead) and their caches.
+read with its own rank as row stride), read from separate tensors (``slot_weights``) or from one packed buffer (the
+adapter store's block, a 1-D ``B_cat``: the layout of a blocked ``dB``, read without a table). Then the builders'
+rules: what they refuse (the caller concatenates instead) and their caches.
 """
 
 import math
@@ -17,7 +17,7 @@ import pytest
 import torch
 from fast_multilora.kernels.backward import lora_expand_bwd, lora_shrink_bwd
 from fast_multilora.kernels.forward import lora_expand, lora_shrink
-from fast_multilora.kernels.segments import SlotWeights, packed_b_weights, slot_weights
+from fast_multilora.kernels.segments import SlotWeights, slot_weights
 from helpers import DEVICE, make_segments, make_table, poisoned, random_token_slots
 
 from fast_multilora import reference as ref
@@ -178,13 +178,14 @@ def test_dropout_paths_in_place_equal_concatenated(grouped):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# B weights packed in one flat buffer (packed_b_weights): slot a's [N, r_a] block at element N * offsets[a]
+# B weights packed in one flat buffer (the adapter store's block, kernels.segments.packed_b): slot a's [N, r_a] block
+# at element N * offsets[a], read as it lies -- no table, no alignment asked of the blocks
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def _packed(B_cat, ranks):
-    """``B_cat``'s slots packed as ``packed_b_weights`` reads them: a 1-D view ``[N * total_rank]`` of a NaN-filled
-    buffer, NaN after its end (a read past a block's end reads a neighbour's values or NaN, never this slot's)."""
+    """``B_cat``'s slots packed as the store lays them out: a 1-D view ``[N * total_rank]`` of a NaN-filled buffer,
+    NaN after its end (a read past a block's end reads a neighbour's values or NaN, never this slot's)."""
     N, R = B_cat.shape
     buf = torch.full((N * R + 16,), float("nan"), dtype=B_cat.dtype, device=B_cat.device)
     flat, off = buf[: N * R], 0
@@ -194,20 +195,16 @@ def _packed(B_cat, ranks):
     return flat
 
 
-PACKED = [  # N * offsets[a] a multiple of 16 for every slot of rank > 0: N = 64, or 16-multiple ranks before it
+PACKED = [  # the second and third: blocks at offsets that are no multiple of 16 elements (N = 123, odd ranks)
     pytest.param(37, 64, [3, 16, 0, 1, 4], 8, id="S37-N64-R3.16.1.4-A5-absent"),
     pytest.param(29, 123, [16, 0, 16, 5], 9, id="S29-N123-R16.16.5-A4-absent"),
+    pytest.param(41, 123, [1, 3, 0, 7, 2], 10, id="S41-N123-R1.3.7.2-A5-absent"),
 ]
 
 
 def _packed_case(S, N, ranks, grouped, dtype, seed):
     table, segs, _, _, B_cat, _, _ = _case(S, 16, N, ranks, grouped, dtype, seed)
-    flat = _packed(B_cat, ranks)
-    B_packed = packed_b_weights(flat, table, N)
-    assert B_packed is not None and B_packed.base is flat and B_packed.shape == (N, sum(ranks))
-    offs = torch.tensor([0] + ranks[:-1]).cumsum(0).tolist()
-    assert B_packed.offsets.tolist() == [N * o if r else 0 for r, o in zip(ranks, offs, strict=True)]
-    return table, segs, B_cat, B_packed
+    return table, segs, B_cat, _packed(B_cat, ranks)
 
 
 @pytest.mark.parametrize("grouped", FAMILIES)
@@ -227,41 +224,34 @@ def test_forward_packed_b_equals_concatenated(S, N, ranks, seed, grouped, dtype)
 @pytest.mark.parametrize("grouped", FAMILIES)
 @pytest.mark.parametrize("S,N,ranks,seed", PACKED)
 def test_backward_packed_b_equals_concatenated(S, N, ranks, seed, grouped):
-    """dh and dB with B read from the packed buffer equal the concatenated path; and a blocked ``dB`` (the layout
-    ``packed_b_weights`` reads), used as the B weights, expands as its concatenated form does."""
+    """dh and dB with B read from the packed block equal the concatenated path, dB then in the packed layout (the
+    gradient of the block); and that gradient, used as the B weights, expands as its concatenated form does."""
     table, segs, B_cat, B_packed = _packed_case(S, N, ranks, grouped, torch.float32, seed)
     g = torch.Generator().manual_seed(seed + 3)
     h = torch.randn(S, max(ranks), generator=g).to(DEVICE)
     dy = torch.randn(S, N, generator=g).to(DEVICE)
-    outs = [lora_expand_bwd(dy, h, B, segs, table, dh=torch.zeros(S, max(ranks), device=DEVICE))
-            for B in (B_cat, B_packed)]
-    for got, want, what in zip(outs[1], outs[0], ("dh", "dB"), strict=True):
-        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m, w=what: f"{w}: {m}")
-    _, dB_flat = lora_expand_bwd(dy, h, B_packed, segs, table, dB_blocked=True)
-    assert torch.equal(dB_flat, _packed(outs[0][1], ranks))  # blocked dB: slot a's [N, r_a] at N * offsets[a]
-    dB_slot = packed_b_weights(dB_flat, table, N)
-    assert dB_slot is not None
-    y_cat = lora_expand(h, outs[0][1], segs, table, torch.zeros(S, N, device=DEVICE))
-    y_packed = lora_expand(h, dB_slot, segs, table, torch.zeros(S, N, device=DEVICE))
+    dh_cat, dB_cat = lora_expand_bwd(dy, h, B_cat, segs, table, dh=torch.zeros(S, max(ranks), device=DEVICE))
+    dh_packed, dB_flat = lora_expand_bwd(dy, h, B_packed, segs, table, dh=torch.zeros(S, max(ranks), device=DEVICE))
+    torch.testing.assert_close(dh_packed, dh_cat, rtol=0, atol=0)
+    assert dB_flat.shape == (N * sum(ranks),)
+    assert torch.equal(dB_flat, _packed(dB_cat, ranks))  # slot a's [N, r_a] at N * offsets[a]
+    _, dB_2d = lora_expand_bwd(dy, h, B_packed, segs, table, dB_blocked=False)
+    torch.testing.assert_close(dB_2d, dB_cat, rtol=0, atol=0)
+    y_cat = lora_expand(h, dB_cat, segs, table, torch.zeros(S, N, device=DEVICE))
+    y_packed = lora_expand(h, dB_flat, segs, table, torch.zeros(S, N, device=DEVICE))
     torch.testing.assert_close(y_packed, y_cat, rtol=0, atol=0)
 
 
-def test_packed_b_weights_refuses_misalignment_and_caches():
-    ranks = [1, 4, 0, 16, 3]  # offsets 0, 1, 5, 5, 21
+def test_packed_b_refuses_what_is_not_a_block():
+    ranks = [1, 4, 0, 16, 3]
     table = make_table(ranks, device=DEVICE)
-    R = sum(ranks)
-    assert packed_b_weights(torch.zeros(123 * R, device=DEVICE), table, 123) is None  # 123 * 1 elements: misaligned
-    buf = torch.zeros(64 * R + 16, device=DEVICE)
-    assert packed_b_weights(buf[1 : 1 + 64 * R], table, 64) is None  # the buffer itself 1 element past alignment
-    with pytest.raises(ValueError, match="N\\*total_rank"):
-        packed_b_weights(buf[: 64 * R - 1], table, 64)
-    with pytest.raises(ValueError, match="1-D contiguous"):
-        packed_b_weights(buf[: 64 * R].view(64, R), table, 64)
-    w1 = packed_b_weights(buf[: 64 * R], table, 64)
-    assert w1.offsets.tolist() == [0, 64, 0, 320, 1344] and w1.stride() == (R, 1) and w1.shape == (64, R)
-    host = table._replace(host=(tuple(ranks), (0, 1, 5, 5, 21), (1.0,) * 5, (0.0,) * 5))
-    other = torch.zeros(64 * R, device=DEVICE)  # another buffer: the same offsets, no new device table
-    assert packed_b_weights(other, host, 64).offsets is packed_b_weights(buf[: 64 * R], host, 64).offsets
-    assert packed_b_weights(other, table, 64).offsets is w1.offsets  # no host copies: read from the device, cached
-    assert packed_b_weights(other, host, 64).base is other
-    assert packed_b_weights(torch.zeros(80 * R, device=DEVICE), host, 80).offsets is not w1.offsets  # N is keyed
+    R, S, N = sum(ranks), 5, 64
+    segs = make_segments(torch.tensor([0, 1, 3, 4, 0]), False, device=DEVICE)
+    h = torch.zeros(S, max(ranks), device=DEVICE)
+    buf = torch.zeros(2 * N * R, device=DEVICE)
+    for bad, match in ((buf[: N * R - 1], "N\\*total_rank"), (buf[::2], "contiguous"),
+                       (buf[: N * R].to(torch.int32), "floating")):
+        with pytest.raises(ValueError, match=match):
+            lora_expand(h, bad, segs, table, torch.zeros(S, N, device=DEVICE))
+        with pytest.raises(ValueError, match=match):
+            lora_expand_bwd(torch.zeros(S, N, device=DEVICE), h, bad, segs, table)
