@@ -731,6 +731,7 @@ class Run:
         for pm, _ in keep:
             self.unpatch(pm)
         keep.clear()
+        calls_by_n.clear()  # their inputs and gradients too: the first count's peak memory must not include them
         self.free()
         out = {n: round(statistics.median(v), 1) for n, v in got.items()}
         print(f"  layer call host time by adapter count (interleaved, µs): {out}", flush=True)
