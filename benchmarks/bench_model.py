@@ -615,7 +615,6 @@ class Run:
         one count to the next and is re-patched; per provider ``ms``, ``peak_mib`` and the host / GPU split.
         ``compiled``: the model under ``torch.compile`` (``--compile-mode``; compiled afresh per count, loss and
         optimizer eager), without the eager-only rows (the layer call's host time, torch's AdamW)."""
-        torch = self.torch
         rows, T = self.sz.batch, self.sz.T
         ids = self.token_ids(rows, T)
         layer_us = {} if compiled else self.layer_host_scale(rows, T)
@@ -626,12 +625,7 @@ class Run:
                 if f"a{i}" not in pm.peft_config:
                     pm.add_adapter(f"a{i}", copy.deepcopy(pm.peft_config["a0"]))
             pm.to(self.device, self.dtype)
-            per_row = max(4, -(-n // rows))
-            seg = T // per_row
-            j = (torch.arange(T, device=self.device) // seg).clamp(max=per_row - 1)  # [T] sample of each position
-            sample = torch.arange(rows, device=self.device)[:, None] * per_row + j  # [rows, T]
-            adapter_ids = (sample % n).contiguous()
-            pos = (torch.arange(T, device=self.device) - j * seg).expand(rows, T)
+            per_row, adapter_ids, pos = self.packed_rows(n, rows, T)
             names = [f"a{i}" for i in range(n)]
 
             def loss(names=names, adapter_ids=adapter_ids, pos=pos):
@@ -676,6 +670,17 @@ class Run:
         pm = None  # the model's memory back before the next scenario
         self.free()
 
+    def packed_rows(self, n, rows, T) -> tuple:
+        """``(samples per row, adapter_ids [rows, T], position_ids [rows, T])`` of the scale step's packed rows:
+        ``max(4, n // rows)`` samples per row, each with its own positions, sample ``i`` on adapter ``i % n``."""
+        torch = self.torch
+        per_row = max(4, -(-n // rows))
+        seg = T // per_row
+        j = (torch.arange(T, device=self.device) // seg).clamp(max=per_row - 1)  # [T] sample of each position
+        sample = torch.arange(rows, device=self.device)[:, None] * per_row + j  # [rows, T]
+        pos = (torch.arange(T, device=self.device) - j * seg).expand(rows, T)
+        return per_row, (sample % n).contiguous(), pos
+
     def layer_host_scale(self, rows, T, rounds=5, calls=30) -> dict:
         """``{count: µs}``: the median host time of one patched layer call (``q_proj``'s shape, forward + backward
         of a random input, packed rows as the scale step routes them) with each of ``Sizes.scale_counts`` adapters
@@ -685,39 +690,22 @@ class Run:
         import statistics
 
         from harness import host_ms
-        from peft import LoraConfig, get_peft_model
 
         import fast_multilora
 
         torch = self.torch
         hid = self.sz.model["hidden_size"]
-
-        class One(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.q_proj = torch.nn.Linear(hid, hid, bias=False)
-
-            def forward(self, x):
-                return self.q_proj(x)
-
         calls_by_n, keep = {}, []
         for n in self.sz.scale_counts:
-            cfg = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=["q_proj"])
             torch.manual_seed(0)
-            pm = get_peft_model(One(), cfg, adapter_name="a0")
-            for i in range(1, n):
-                pm.add_adapter(f"a{i}", cfg)
-            pm.to(self.device, self.dtype)
-            self.all_lora_trainable(pm)
+            pm = self.peft_model(torch.nn.Sequential(torch.nn.Linear(hid, hid, bias=False)), n, ["0"])
             self.patch(pm)
             opt = fast_multilora.AdamW(pm, lr=1e-4)  # the store, as the scale step's
-            per_row = max(4, -(-n // rows))
-            j = (torch.arange(T, device=self.device) // (T // per_row)).clamp(max=per_row - 1)
-            adapter_ids = ((torch.arange(rows, device=self.device)[:, None] * per_row + j) % n).contiguous()
+            _, adapter_ids, _ = self.packed_rows(n, rows, T)
             x = torch.randn(rows, T, hid, device=self.device, dtype=self.dtype, requires_grad=True)
             gy = torch.randn(rows, T, hid, device=self.device, dtype=self.dtype)
             route = (pm, [f"a{i}" for i in range(n)], adapter_ids)
-            layer = pm.base_model.model.q_proj
+            layer = pm.base_model.model[0]
             with fast_multilora.route(*route):
                 for _ in range(10):
                     layer(x).backward(gy)

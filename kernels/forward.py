@@ -329,8 +329,8 @@ def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: 
             raise ValueError("bias is only taken with accumulate=False")
         if not isinstance(bias, torch.Tensor) or bias.shape != (N,) or bias.device != device:
             raise ValueError(f"bias must be a [{N}] tensor on {device}, got {getattr(bias, 'shape', type(bias))}")
-    _expand_launch(h, B_cat, B, w_offs, segs, table, y, slice_idx=slice_idx, accumulate=accumulate, bias=bias,
-                   record=record)
+    _expand_launch(h, B_cat, B, w_offs, packed, segs, table, y, slice_idx=slice_idx, accumulate=accumulate,
+                   bias=bias, record=record)
     return y
 
 
@@ -341,10 +341,10 @@ def _fill_rows(y: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
         y.copy_(bias.to(y.dtype).expand_as(y))
 
 
-def _expand_launch(h, B_cat, B, w_offs, segs: Segments, table: AdapterTable, y, *, slice_idx: int, accumulate: bool,
-                   bias, record: Optional[list] = None) -> None:
-    """The expand's launch; ``B``, ``w_offs``: ``B_cat``'s pointer tensor and per-slot offsets (``_weights``; a
-    1-D ``B_cat`` is the store's packed block, ``segments.packed_b``)."""
+def _expand_launch(h, B_cat, B, w_offs, packed: bool, segs: Segments, table: AdapterTable, y, *, slice_idx: int,
+                   accumulate: bool, bias, record: Optional[list] = None) -> None:
+    """The expand's launch; ``B``, ``w_offs``: ``B_cat``'s pointer tensor and per-slot offsets (``_weights``);
+    ``packed``: ``B_cat`` is the store's packed block (``segments.packed_b``)."""
     S, N = y.shape
     live = not (S == 0 or N == 0 or table.max_rank == 0 or segs.num_segments == 0 or segs.max_len == 0)
     write_all = not accumulate and segs.covers_all_rows  # the SGEMM kernel defines base rows itself
@@ -363,7 +363,6 @@ def _expand_launch(h, B_cat, B, w_offs, segs: Segments, table: AdapterTable, y, 
     BLOCK_N = _pow2_clamp(N, 16, N_CAP)
     BLOCK_R = _pow2_clamp(table.max_rank, 16, R_CAP)
     BLOCK_S = _rows_block(segs, S_BLK)
-    packed = isinstance(B_cat, torch.Tensor) and B_cat.dim() == 1
     common = (*h.stride(), *((0, 1) if packed else B_cat.stride()), *y.stride())  # a packed B's: unread
     slotted = w_offs is not None
     w_offs = w_offs if slotted else table.offsets  # unread without W_OFFS
