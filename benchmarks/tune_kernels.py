@@ -11,7 +11,9 @@ import functools
 import itertools
 import json
 import math
+import sys
 import time
+from pathlib import Path
 
 import torch
 from fast_multilora.kernels import backward as kb
@@ -359,6 +361,62 @@ def profile_layer():
 DECODE_SHAPES = ((2048, 2048), (2048, 256), (2048, 5632), (5632, 2048))
 
 
+def scale_arena_blocks(n_adapters: int, r: int = 16) -> list:
+    """``(start, numel, adapter)`` of ``n_adapters`` adapters laid out as the adapter store lays out the scale step's
+    (``BENCH_LLAMA``, rank ``r`` on all 7 projections of its 8 layers: A ``[r, in]`` and B ``[out, r]`` blocks)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from multi_adapter_tasks import BENCH_LLAMA
+
+    h, i = BENCH_LLAMA["hidden_size"], BENCH_LLAMA["intermediate_size"]
+    kv = h // BENCH_LLAMA["num_attention_heads"] * BENCH_LLAMA["num_key_value_heads"]
+    shapes = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)] * BENCH_LLAMA["num_hidden_layers"]
+    blocks, at = [], 0
+    for a in range(n_adapters):
+        for k_in, n_out in shapes:
+            for numel in (r * k_in, n_out * r):
+                blocks.append((at, numel, a))
+                at += numel
+    return blocks
+
+
+def sweep_adamw(rows, n_adapters: int = 64, dtype=torch.bfloat16):
+    """``kernels.adamw.adamw_step_`` over the scale step's arena at ``n_adapters`` adapters, every adapter active:
+    chunk x warps, with and without the alignment hint (``align``: 16 as the store lays the arena out, 1: every
+    access a scalar one); rows carry the achieved bandwidth (4 buffers read, 3 written). Plus the copy floor: one
+    ``copy_`` of the same bytes, and ``adamw_scalars_`` (the per-step scalars, once per optimizer step)."""
+    from fast_multilora.kernels import adamw as KA
+
+    blocks = scale_arena_blocks(n_adapters)
+    numel = blocks[-1][0] + blocks[-1][1]
+    bufs = [torch.randn(numel, device="cuda").to(dtype) for _ in range(4)]
+    bufs[3].abs_()  # exp_avg_sq
+    hyper = torch.tensor([[1e-4, 0.9, 0.999, 1e-8, 0.01]] * n_adapters, device="cuda")
+    step = torch.ones(n_adapters, device="cuda")
+    active = torch.ones(n_adapters, dtype=torch.bool, device="cuda")
+    scalars = KA.adamw_scalars_(hyper, step, active)
+    moved = numel * bufs[0].element_size() * 7
+    family = f"A{n_adapters}-{str(dtype)[6:]}"
+    saved = KA._meta
+    try:
+        for chunk, warps, align in itertools.product((1024, 2048), (4, 8), (16, 1)):
+            table = KA.chunk_table(blocks, n_adapters, numel, "cuda", chunk=chunk)._replace(align=align)
+            KA._meta = lambda t, w=warps: dict(saved(t), num_warps=w)
+            record(rows, "adamw", family, (chunk, warps, align),
+                   lambda t=table: KA.adamw_step_(*bufs, t, scalars, active))
+            if rows[-1]["us"]:
+                rows[-1]["tb_s"] = round(moved / rows[-1]["us"] / 1e6, 3)
+    finally:
+        KA._meta = saved
+    table = KA.chunk_table(blocks, n_adapters, numel, "cuda")
+    record(rows, "adamw", family, ("shipped", table.align), lambda: KA.adamw_step_(*bufs, table, scalars, active))
+    rows[-1]["tb_s"] = round(moved / rows[-1]["us"] / 1e6, 3)
+    record(rows, "adamw_scalars", family, (), lambda: KA.adamw_scalars_(hyper, step, active))
+    src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    record(rows, "copy_floor", f"{moved / 2**30:.2f} GiB moved", (), lambda: dst.copy_(src))
+    rows[-1]["tb_s"] = round(moved / rows[-1]["us"] / 1e6, 3)
+
+
 def sweep_decode(rows, S_values=(16, 64), dev="cuda"):
     """The decode kernel's rows (``kernels.decode.DECODE_BLOCKS``) at the model's projections: ``S`` rows, a quarter
     of them base rows, the rest spread over 8 adapters of rank 16 in arrival order (unsorted), bf16; concatenated
@@ -394,7 +452,8 @@ def main():
     ap.add_argument("--parts", default="profile,layer,shrink,expand,bwd", help="any of profile, layer, shrink, "
                     "expand, bwd (headline shape), skewed (the shrink at 32 adapters, 90 % on one), "
                     "model, model_expand, model_shrink and model_expand_bwd (the "
-                    "training step's shapes), decode (the one-launch decode kernel at the model's projections)")
+                    "training step's shapes), adamw (the optimizer kernel over the scale step's arena at 64 "
+                    "adapters), decode (the one-launch decode kernel at the model's projections)")
     args = ap.parse_args()
     parts = args.parts.split(",")
     rows = []
@@ -410,6 +469,10 @@ def main():
             sweep(rows)
             with open(args.out, "w") as f:
                 json.dump(out, f)
+    if "adamw" in parts:
+        sweep_adamw(rows)
+        with open(args.out, "w") as f:
+            json.dump(out, f)
     if "decode" in parts:
         sweep_decode(rows)
         with open(args.out, "w") as f:

@@ -58,7 +58,8 @@ class AdamW(torch.optim.Optimizer):
         self._tables: dict = {}  # (dtype, device) -> (ChunkTable, group index per chunk's block) for trained blocks
         self._pattern = None  # requires_grad of every store parameter when the tables were built
         self.steps: Optional[torch.Tensor] = None  # float32 [groups] on the store's device: each group's step count
-        self._group_slots = None  # (seen_names, int64 [groups] index into store.seen) or None
+        self._group_slots = None  # (seen_names, int64 [groups] index into store.seen, bool [groups] steppable)
+        self._hyper_cache = None  # (host rows, their device tensor) of the last step
         self._others = None  # _outside()'s cache
         # the arenas hold one optimizer's states: a new optimizer on the same model starts from zero moments and
         # takes them over (the previous one then refuses to step)
@@ -152,6 +153,7 @@ class AdamW(torch.optim.Optimizer):
         self._pattern = self.store.pattern
         device = self.steps.device
         self._trained = torch.tensor([i in trained for i in range(len(self.param_groups))], device=device)
+        self._group_slots = None  # its steppable flags follow _trained
 
     def _active(self) -> Optional[torch.Tensor]:
         """bool [groups]: the groups whose adapter had tokens in a gradient-recording call since ``zero_grad``."""
@@ -161,19 +163,22 @@ class AdamW(torch.optim.Optimizer):
         if self._group_slots is None or self._group_slots[0] != store.seen_names:
             index = {n: i + 1 for i, n in enumerate(store.seen_names)}
             slots = torch.tensor([index.get(g["adapter"], 0) for g in self.param_groups], dtype=torch.int64)
-            self._group_slots = (store.seen_names, slots.to(store.seen.device))
-        active = store.seen[self._group_slots[1]]
-        return active & (self._group_slots[1] > 0) & self._trained  # frozen groups keep their step count
+            # frozen groups and those without a slot (index 0 is the base tokens' flag) keep their step count
+            keep = (slots > 0).to(store.seen.device) & self._trained
+            self._group_slots = (store.seen_names, slots.to(store.seen.device), keep)
+        return store.seen[self._group_slots[1]] & self._group_slots[2]
 
     def _hyper(self, device) -> torch.Tensor:
         """float32 [groups, 5] on ``device``: each group's lr, betas, eps, weight decay (read every step: LR
-        schedulers change them). Staged through pinned memory (torch's caching host allocator): a copy from pageable
-        memory would wait for the device to drain its queue, a sync per step."""
-        rows = [(g["lr"], g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"]) for g in self.param_groups]
+        schedulers change them; copied only when they did). Staged through pinned memory (torch's caching host
+        allocator): a copy from pageable memory would wait for the device to drain its queue, a sync per step."""
+        rows = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in self.param_groups]
+        if self._hyper_cache is not None and self._hyper_cache[0] == rows and self._hyper_cache[1].device == device:
+            return self._hyper_cache[1]
         host = torch.tensor(rows, dtype=torch.float32)
-        if device.type != "cuda":
-            return host.to(device)
-        return host.pin_memory().to(device, non_blocking=True)
+        dev = host.to(device) if device.type != "cuda" else host.pin_memory().to(device, non_blocking=True)
+        self._hyper_cache = (rows, dev)
+        return dev
 
     def _ops(self, device):
         from .function import get_backend
@@ -181,8 +186,9 @@ class AdamW(torch.optim.Optimizer):
         if get_backend(self.store.router.config.backend, device).name == "triton":
             from .kernels import adamw as K
 
-            return K.adamw_step_, K.grad_sq_norms, K.scale_grads_
-        return reference.adamw_step_reference, reference.grad_sq_norms_reference, reference.scale_grads_reference
+            return K.adamw_scalars_, K.adamw_step_, K.grad_sq_norms, K.scale_grads_
+        return (reference.adamw_scalars_reference, reference.adamw_step_reference, reference.grad_sq_norms_reference,
+                reference.scale_grads_reference)
 
     def _check_owner(self, what: str) -> None:
         if self.store.owner is not self:
@@ -209,13 +215,11 @@ class AdamW(torch.optim.Optimizer):
         self._prepare()
         active = self._active()
         if active is not None and self._tables:
-            self.steps += active.to(self.steps.dtype)
-            hyper = self._hyper(self.steps.device)
+            scalars = self._ops(self.steps.device)[0](self._hyper(self.steps.device), self.steps, active)
             for (dtype, device), table in self._tables.items():
                 arena = self.store.arenas[(dtype, device)]
-                step_, _, _ = self._ops(device)
-                step_(arena.data, arena.grad, arena.states["exp_avg"], arena.states["exp_avg_sq"], table, hyper,
-                      self.steps, active)
+                self._ops(device)[1](arena.data, arena.grad, arena.states["exp_avg"], arena.states["exp_avg_sq"],
+                                     table, scalars, active)
         self._step_others()
         return loss
 
@@ -270,8 +274,7 @@ class AdamW(torch.optim.Optimizer):
         device = self.steps.device
         sq = torch.zeros(G, dtype=torch.float32, device=device)
         for (dtype, dev), table in self._tables.items():
-            _, norms_, _ = self._ops(dev)
-            sq = sq + norms_(self.store.arenas[(dtype, dev)].grad, table).to(device)
+            sq = sq + self._ops(dev)[2](self.store.arenas[(dtype, dev)].grad, table).to(device)
         trained_outside = self._outside_trained()
         for i, _, params in trained_outside:
             sq[i] += sum(p.grad.float().pow(2).sum().to(device) for p in params)
@@ -282,8 +285,7 @@ class AdamW(torch.optim.Optimizer):
         else:
             factors = (max_norm / (total + 1e-6)).clamp(max=1.0).expand(G).contiguous()
         for (dtype, dev), table in self._tables.items():
-            _, _, scale_ = self._ops(dev)
-            scale_(self.store.arenas[(dtype, dev)].grad, table, factors.to(dev))
+            self._ops(dev)[3](self.store.arenas[(dtype, dev)].grad, table, factors.to(dev))
         for i, _, params in trained_outside:
             for p in params:
                 p.grad.mul_(factors[i].to(p.grad.device, p.grad.dtype))

@@ -179,28 +179,34 @@ def _arena_elements(table: ChunkTable) -> tuple:
     return pos, table.adapter.long()[chunk_of]
 
 
-def adamw_step_reference(param, grad, exp_avg, exp_avg_sq, table: ChunkTable, hyper, step, active) -> None:
-    """``kernels.adamw.adamw_step_``: ``torch.optim.AdamW``'s step on the elements of active adapters, in place.
+def adamw_scalars_reference(hyper, step, active) -> torch.Tensor:
+    """``kernels.adamw.adamw_scalars_``: ``step`` incremented in place for active adapters, then float32
+    ``[n_adapters, 8]`` = (1 - lr*wd, 1 - beta1, 1 - beta2, beta2, -lr / (1 - beta1^t), sqrt(1 - beta2^t), eps, 0),
+    each computed in float64 (torch's Python floats) and rounded to float32."""
+    step += (active != 0).to(step.dtype)
+    lr, beta1, beta2, eps, wd = hyper.double().unbind(1)
+    t = step.double().clamp(min=1)
+    cols = (1 - lr * wd, 1 - beta1, 1 - beta2, beta2, -lr / (1 - beta1**t), (1 - beta2**t).sqrt(), eps,
+            torch.zeros_like(lr))
+    return torch.stack([c.float() for c in cols], 1)
 
-    The per-adapter scalars in float64 rounded to float32 (torch computes them in Python floats), the elementwise
-    math in float32 with torch's own ops in its order (``lerp``, ``mul`` + ``addcmul``, ``sqrt`` / + ``eps``, the
-    ``addcdiv`` quotient), every result rounded once to the buffers' dtype as it is stored."""
+
+def adamw_step_reference(param, grad, exp_avg, exp_avg_sq, table: ChunkTable, scalars, active) -> None:
+    """``kernels.adamw.adamw_step_``: ``torch.optim.AdamW``'s step on the elements of active adapters, in place, with
+    this step's per-adapter ``scalars`` (:func:`adamw_scalars_reference`): the elementwise math in float32 with
+    torch's own ops in its order (``lerp``, ``mul`` + ``addcmul``, ``sqrt`` / + ``eps``, the ``addcdiv`` quotient),
+    every result rounded once to the buffers' dtype as it is stored."""
     pos, ad = _arena_elements(table)
     keep = active[ad] != 0
     pos, ad = pos[keep], ad[keep]
-    lr, beta1, beta2, eps, wd = hyper.double().unbind(1)
-    t = step.double()
-    decay = (1 - lr * wd).float()[ad]
-    w1, w2, b2 = (1 - beta1).float()[ad], (1 - beta2).float()[ad], beta2.float()[ad]
-    neg_step = (-lr / (1 - beta1**t)).float()[ad]
-    bc2_sqrt = (1 - beta2**t).sqrt().float()[ad]
+    decay, w1, w2, b2, neg_step, bc2_sqrt, eps, _ = scalars[ad].unbind(1)
     p, g, m, v = (x[pos].float() for x in (param, grad, exp_avg, exp_avg_sq))
     p = p * decay
     m = torch.lerp(m, g, w1)
     v = torch.addcmul(v * b2, w2 * g, g)
     # a correctly rounded float32 sqrt (double rounding through float64 is exact for sqrt); torch's CPU float32
     # sqrt is not (1 ulp off on ~16% of inputs, torch 2.13 CPU build), CUDA's is
-    denom = v.double().sqrt().float() / bc2_sqrt + eps.float()[ad]
+    denom = v.double().sqrt().float() / bc2_sqrt + eps
     p = p + neg_step * m / denom
     for buf, x in ((param, p), (exp_avg, m), (exp_avg_sq, v)):
         buf[pos] = x.to(buf.dtype)

@@ -9,7 +9,8 @@ captured in a CUDA graph. Elements outside every block, and (AdamW) those of ina
 
 The AdamW update is ``torch.optim.AdamW``'s (``amsgrad=False, maximize=False``), in torch's operation order: the
 per-adapter scalars (``1 - lr*wd``, ``1 - beta``, ``lr / (1 - beta1^t)``, ``sqrt(1 - beta2^t)``) in float64 and
-rounded to float32, as torch computes them in Python floats; elementwise float32 math with FMAs exactly where torch's
+rounded to float32, as torch computes them in Python floats, once per step for all adapters (``adamw_scalars_``, which
+also counts the step); elementwise float32 math with FMAs exactly where torch's
 kernels have one (``lerp``, ``addcmul``) and none elsewhere (``enable_fp_fusion=False``), so a float32 arena gets
 torch's result to the last bit or so. 16-bit arenas keep every intermediate in float32 and round once as they store
 (as torch's ``fused=True`` does; the ``foreach`` and single-tensor paths round after each op).
@@ -31,6 +32,10 @@ from .launch import launch, next_power_of_2
 # programs resident to hide it. The table costs 16 bytes per chunk (0.4% of an fp32 arena); a block smaller than a
 # chunk wastes lanes of one program, not bandwidth.
 CHUNK = 1024
+# The widest alignment the kernels are told of (elements): every chunk's start and length a multiple of it lets Triton
+# issue 16-byte vector loads and stores (8 bfloat16 elements); without the hint, chunk starts and lengths read from
+# the table are of unknown alignment and every access is a 2- or 4-byte one.
+MAX_ALIGN = 16
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ACTIVE_DTYPES = (torch.bool, torch.int8, torch.uint8, torch.int32, torch.int64)
@@ -43,7 +48,8 @@ class ChunkTable(NamedTuple):
     ``adapter`` int32 ``[C]`` its owner; ``adapter_ptr`` int32 ``[n_adapters + 1]``: adapter ``a``'s chunks are
     ``adapter_ptr[a] .. adapter_ptr[a+1]``. Host ints: ``n_adapters``, ``numel`` (the arena's size), ``chunk`` (the
     longest chunk allowed; the kernels' tile), ``max_chunks`` (most chunks of one adapter), ``covered`` (elements in
-    all blocks)."""
+    all blocks), ``align`` (the largest power of two up to ``MAX_ALIGN`` dividing every chunk's start and length: the
+    kernels' alignment hint)."""
 
     start: torch.Tensor
     length: torch.Tensor
@@ -54,6 +60,7 @@ class ChunkTable(NamedTuple):
     chunk: int
     max_chunks: int
     covered: int
+    align: int
 
 
 def chunk_table(blocks, n_adapters: int, numel: int, device, chunk: int = CHUNK) -> ChunkTable:
@@ -89,13 +96,17 @@ def chunk_table(blocks, n_adapters: int, numel: int, device, chunk: int = CHUNK)
     ptr[1:] = torch.cumsum(per_adapter, 0)
     if C >= 2**31:
         raise ValueError(f"chunk_table: {C} chunks do not fit int32 indices; use a larger chunk")
+    c_start, c_length = start[blk] + offset, (size[blk] - offset).clamp(max=chunk)
+    align = MAX_ALIGN
+    while align > 1 and bool(((c_start % align != 0) | (c_length % align != 0)).any()):
+        align //= 2
     return ChunkTable(
-        start=(start[blk] + offset).to(device),
-        length=(size[blk] - offset).clamp(max=chunk).to(torch.int32).to(device),
+        start=c_start.to(device),
+        length=c_length.to(torch.int32).to(device),
         adapter=adapter[blk].to(torch.int32).to(device),
         adapter_ptr=ptr.to(torch.int32).to(device),
         n_adapters=n_adapters, numel=numel, chunk=chunk,
-        max_chunks=int(per_adapter.max()) if n_adapters else 0, covered=int(size.sum()))
+        max_chunks=int(per_adapter.max()) if n_adapters else 0, covered=int(size.sum()), align=align)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -129,41 +140,54 @@ def _pow(b, t):
 
 
 @triton.jit
+def _adamw_scalars_kernel(hyper, step, active, scalars, n_adapters, BLOCK_A: tl.constexpr):
+    """step[a] += 1 for each active adapter a (in place), then scalars[a] = its float32 scalars of this step
+    (:func:`adamw_scalars_`) from (lr, b1, b2, eps, wd) = hyper[a] and t = step[a]."""
+    o_a = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
+    m_a = o_a < n_adapters
+    on = tl.load(active + o_a, mask=m_a, other=0) != 0
+    t = tl.load(step + o_a, mask=m_a, other=0.0) + tl.where(on, 1.0, 0.0)
+    tl.store(step + o_a, t, mask=m_a & on)
+    t = tl.maximum(t.to(tl.float64), 1.0)  # (a never-active adapter's count is 0: its scalars are not read)
+    lr = tl.load(hyper + o_a * 5, mask=m_a, other=0.0).to(tl.float64)
+    beta1 = tl.load(hyper + o_a * 5 + 1, mask=m_a, other=0.0).to(tl.float64)
+    beta2 = tl.load(hyper + o_a * 5 + 2, mask=m_a, other=0.0).to(tl.float64)
+    wd = tl.load(hyper + o_a * 5 + 4, mask=m_a, other=0.0).to(tl.float64)
+    p_s = scalars + o_a * 8
+    tl.store(p_s, (1.0 - lr * wd).to(tl.float32), mask=m_a)
+    tl.store(p_s + 1, (1.0 - beta1).to(tl.float32), mask=m_a)
+    tl.store(p_s + 2, (1.0 - beta2).to(tl.float32), mask=m_a)
+    tl.store(p_s + 3, beta2.to(tl.float32), mask=m_a)
+    tl.store(p_s + 4, (-lr / (1.0 - _pow(beta1, t))).to(tl.float32), mask=m_a)
+    tl.store(p_s + 5, tl.sqrt(1.0 - _pow(beta2, t)).to(tl.float32), mask=m_a)
+    tl.store(p_s + 6, tl.load(hyper + o_a * 5 + 3, mask=m_a, other=0.0), mask=m_a)
+    tl.store(p_s + 7, 0.0, mask=m_a)
+
+
+@triton.jit
 def _adamw_kernel(
-    param, grad, exp_avg, exp_avg_sq, c_start, c_length, c_adapter, hyper, step, active,
-    BLOCK: tl.constexpr,
+    param, grad, exp_avg, exp_avg_sq, c_start, c_length, c_adapter, scalars, active,
+    BLOCK: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """p = p*(1 - lr*wd) - lr/(1 - b1^t) * m / (sqrt(v)/sqrt(1 - b2^t) + eps), m = lerp(m, g, 1 - b1),
-    v = b2*v + (1 - b2)*g*g on chunk c of adapter a = c_adapter[c] when active[a]; (lr, b1, b2, eps, wd) = hyper[a],
-    t = step[a]."""
+    v = b2*v + (1 - b2)*g*g on chunk c of adapter a = c_adapter[c] when active[a], with adapter a's scalars[a]."""
     i_c = tl.program_id(0).to(tl.int64)
     a = tl.load(c_adapter + i_c).to(tl.int64)
     o_e = tl.arange(0, BLOCK)
-    # an inactive adapter's chunk masks every access off (no branch: the data loads issue before the scalar math)
-    m_e = o_e < tl.where(tl.load(active + a) != 0, tl.load(c_length + i_c), 0)
-    o_x = tl.load(c_start + i_c) + o_e  # [BLOCK] int64 arena offsets
+    # an inactive adapter's chunk masks every access off (its elements are neither read nor written)
+    m_e = o_e < tl.where(tl.load(active + a) != 0, tl.multiple_of(tl.load(c_length + i_c), ALIGN), 0)
+    o_x = tl.multiple_of(tl.load(c_start + i_c), ALIGN) + o_e  # [BLOCK] int64 arena offsets
     b_p = _f32(tl.load(param + o_x, mask=m_e))
     b_g = _f32(tl.load(grad + o_x, mask=m_e))
     b_m = _f32(tl.load(exp_avg + o_x, mask=m_e))
     b_v = _f32(tl.load(exp_avg_sq + o_x, mask=m_e))
-    # the per-adapter scalars as torch computes them (Python floats), rounded to float32 where its kernels take them
-    lr = tl.load(hyper + a * 5).to(tl.float64)
-    beta1 = tl.load(hyper + a * 5 + 1).to(tl.float64)
-    beta2 = tl.load(hyper + a * 5 + 2).to(tl.float64)
-    eps = tl.load(hyper + a * 5 + 3)
-    wd = tl.load(hyper + a * 5 + 4).to(tl.float64)
-    t = tl.load(step + a).to(tl.float64)
-    decay = (1.0 - lr * wd).to(tl.float32)
-    w1 = (1.0 - beta1).to(tl.float32)
-    w2 = (1.0 - beta2).to(tl.float32)
-    b2 = beta2.to(tl.float32)
-    neg_step = (-lr / (1.0 - _pow(beta1, t))).to(tl.float32)
-    bc2_sqrt = tl.sqrt(1.0 - _pow(beta2, t)).to(tl.float32)
+    p_s = scalars + a * 8
+    decay, w1, w2, b2 = tl.load(p_s), tl.load(p_s + 1), tl.load(p_s + 2), tl.load(p_s + 3)
+    neg_step, bc2_sqrt, eps = tl.load(p_s + 4), tl.load(p_s + 5), tl.load(p_s + 6)
     # torch's lerp: fma(w, end - self, self) for |w| < 0.5, else fma(w - 1, end - self, end)
     small = w1 < 0.5
-    c1 = tl.where(small, w1, w1 - 1.0)
     b_p = b_p * decay
-    b_m = tl.fma(c1, b_g - b_m, tl.where(small, b_m, b_g))  # exp_avg.lerp_(grad, 1 - beta1)
+    b_m = tl.fma(tl.where(small, w1, w1 - 1.0), b_g - b_m, tl.where(small, b_m, b_g))  # exp_avg.lerp_(grad, w1)
     b_v = tl.fma(w2 * b_g, b_g, b_v * b2)  # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     denom = tl.div_rn(tl.sqrt_rn(b_v), bc2_sqrt) + eps
     b_p = b_p + tl.div_rn(neg_step * b_m, denom)  # param.addcdiv_(exp_avg, denom, value=-step_size)
@@ -173,12 +197,12 @@ def _adamw_kernel(
 
 
 @triton.jit
-def _sq_norm_partial_kernel(grad, c_start, c_length, partial, BLOCK: tl.constexpr):
+def _sq_norm_partial_kernel(grad, c_start, c_length, partial, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
     """partial[c] = sum of g^2 over chunk c (float32)."""
     i_c = tl.program_id(0).to(tl.int64)
     o_e = tl.arange(0, BLOCK)
-    m_e = o_e < tl.load(c_length + i_c)
-    b_g = _f32(tl.load(grad + tl.load(c_start + i_c) + o_e, mask=m_e, other=0.0))  # [BLOCK]
+    m_e = o_e < tl.multiple_of(tl.load(c_length + i_c), ALIGN)
+    b_g = _f32(tl.load(grad + tl.multiple_of(tl.load(c_start + i_c), ALIGN) + o_e, mask=m_e, other=0.0))
     tl.store(partial + i_c, tl.sum(b_g * b_g, 0))
 
 
@@ -196,15 +220,15 @@ def _sq_norm_finish_kernel(partial, adapter_ptr, out, BLOCK_P: tl.constexpr):
 
 
 @triton.jit
-def _scale_kernel(grad, c_start, c_length, c_adapter, factors, BLOCK: tl.constexpr):
+def _scale_kernel(grad, c_start, c_length, c_adapter, factors, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
     """g *= factors[a] on chunk c of adapter a = c_adapter[c] (float32 product, rounded once); a factor of 1 exits."""
     i_c = tl.program_id(0).to(tl.int64)
     f = tl.load(factors + tl.load(c_adapter + i_c))
     if f == 1.0:
         return
     o_e = tl.arange(0, BLOCK)
-    m_e = o_e < tl.load(c_length + i_c)
-    p_g = grad + tl.load(c_start + i_c) + o_e
+    m_e = o_e < tl.multiple_of(tl.load(c_length + i_c), ALIGN)
+    p_g = grad + tl.multiple_of(tl.load(c_start + i_c), ALIGN) + o_e
     b_g = _f32(tl.load(p_g, mask=m_e))
     tl.store(p_g, _rounded(b_g * f, grad.dtype.element_ty), mask=m_e)
 
@@ -217,7 +241,7 @@ def _scale_kernel(grad, c_start, c_length, c_adapter, factors, BLOCK: tl.constex
 def _meta(table: ChunkTable) -> dict:
     BLOCK = next_power_of_2(table.chunk)
     # no FP contraction: the explicit tl.fma calls are where torch's kernels fuse, every other op rounds on its own
-    return dict(BLOCK=BLOCK, num_warps=max(1, min(4, BLOCK // 256)), enable_fp_fusion=False)
+    return dict(BLOCK=BLOCK, ALIGN=table.align, num_warps=max(1, min(4, BLOCK // 256)), enable_fp_fusion=False)
 
 
 def _check_arena(name: str, table: ChunkTable, tensors: dict):
@@ -253,23 +277,45 @@ def _check_vec(name: str, what: str, t, shape: tuple, dtypes: tuple, dev) -> Non
                          f"{'' if t.is_contiguous() else ' (not contiguous)'}")
 
 
-def adamw_step_(param, grad, exp_avg, exp_avg_sq, table: ChunkTable, hyper, step, active) -> None:
+def adamw_scalars_(hyper, step, active) -> torch.Tensor:
+    """One optimizer step's per-adapter scalars, one launch: ``step[a] += 1`` in place for each adapter with
+    ``active[a] != 0`` (torch counts before it updates), then float32 ``[n_adapters, 8]`` = (1 - lr*wd, 1 - beta1,
+    1 - beta2, beta2, -lr / (1 - beta1^t), sqrt(1 - beta2^t), eps, 0) with t the new count, computed in float64 and
+    rounded to float32 (torch computes them in Python floats). ``hyper`` float32 ``[n_adapters, 5]`` = (lr, beta1,
+    beta2, eps, weight_decay), ``step`` float32 ``[n_adapters]``, ``active`` ``[n_adapters]`` bool or integer, on one
+    device. An inactive adapter's row is not meant to be read."""
+    name = "adamw_scalars_"
+    if not isinstance(step, torch.Tensor) or step.dim() != 1:
+        raise ValueError(f"{name}: step must be a 1-D float32 tensor (one count per adapter), got "
+                         f"{getattr(step, 'shape', type(step).__name__)}")
+    n, dev = step.shape[0], step.device
+    _check_vec(name, "hyper", hyper, (n, 5), (torch.float32,), dev)
+    _check_vec(name, "step", step, (n,), (torch.float32,), dev)
+    _check_vec(name, "active", active, (n,), _ACTIVE_DTYPES, dev)
+    scalars = torch.empty((n, 8), dtype=torch.float32, device=dev)
+    if n:
+        BLOCK_A = max(16, min(1024, next_power_of_2(n)))
+        launch(_adamw_scalars_kernel, (triton.cdiv(n, BLOCK_A),), (hyper, step, active, scalars, n),
+               dict(BLOCK_A=BLOCK_A, num_warps=4))
+    return scalars
+
+
+def adamw_step_(param, grad, exp_avg, exp_avg_sq, table: ChunkTable, scalars, active) -> None:
     """In place, ``torch.optim.AdamW``'s step (``amsgrad=False, maximize=False``) on every chunk of an adapter ``a``
-    with ``active[a] != 0``, one launch: ``hyper`` float32 ``[n_adapters, 5]`` = (lr, beta1, beta2, eps,
-    weight_decay), ``step`` float32 ``[n_adapters]`` (the step count after this step's increment, >= 1), ``active``
-    ``[n_adapters]`` bool or integer; all on the arena's device. The four arena buffers share one dtype (float32,
-    bfloat16 or float16). Elements of inactive adapters and outside every block are not accessed."""
+    with ``active[a] != 0``, one launch: ``scalars`` float32 ``[n_adapters, 8]`` this step's per-adapter scalars
+    (:func:`adamw_scalars_`, once per optimizer step for all arenas), ``active`` ``[n_adapters]`` bool or integer; both
+    on the arena's device. The four arena buffers share one dtype (float32, bfloat16 or float16). Elements of inactive
+    adapters and outside every block are not accessed."""
     name = "adamw_step_"
     dev = _check_arena(name, table, dict(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq))
     n = table.n_adapters
-    _check_vec(name, "hyper", hyper, (n, 5), (torch.float32,), dev)
-    _check_vec(name, "step", step, (n,), (torch.float32,), dev)
+    _check_vec(name, "scalars", scalars, (n, 8), (torch.float32,), dev)
     _check_vec(name, "active", active, (n,), _ACTIVE_DTYPES, dev)
     n_chunks = table.start.shape[0]
     if n_chunks == 0:
         return
     launch(_adamw_kernel, (n_chunks,), (param, grad, exp_avg, exp_avg_sq, table.start, table.length, table.adapter,
-                                        hyper, step, active), _meta(table))
+                                        scalars, active), _meta(table))
 
 
 def grad_sq_norms(grad, table: ChunkTable) -> torch.Tensor:
@@ -301,4 +347,5 @@ def scale_grads_(grad, table: ChunkTable, factors) -> None:
     launch(_scale_kernel, (n_chunks,), (grad, table.start, table.length, table.adapter, factors), _meta(table))
 
 
-__all__ = ["CHUNK", "ChunkTable", "adamw_step_", "chunk_table", "grad_sq_norms", "scale_grads_"]
+__all__ = ["CHUNK", "MAX_ALIGN", "ChunkTable", "adamw_scalars_", "adamw_step_", "chunk_table", "grad_sq_norms",
+           "scale_grads_"]
