@@ -17,7 +17,7 @@ gradient arena) but does per-tensor work.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Callable, Mapping, NamedTuple, Optional
 
 import torch
 from torch.optim.adamw import adamw as _adamw
@@ -26,6 +26,15 @@ from . import reference
 from .store import AdapterStore
 
 _STATES = ("exp_avg", "exp_avg_sq")
+
+
+class _Ops(NamedTuple):
+    """The arena operations of one backend (``kernels.adamw`` or its references)."""
+
+    scalars: Callable
+    step: Callable
+    norms: Callable
+    scale: Callable
 
 
 class AdamW(torch.optim.Optimizer):
@@ -173,11 +182,14 @@ class AdamW(torch.optim.Optimizer):
         schedulers change them; copied only when they did). Staged through pinned memory (torch's caching host
         allocator): a copy from pageable memory would wait for the device to drain its queue, a sync per step."""
         rows = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in self.param_groups]
-        if self._hyper_cache is not None and self._hyper_cache[0] == rows and self._hyper_cache[1].device == device:
-            return self._hyper_cache[1]
+        cached = self._hyper_cache
+        if cached is not None and cached[0] == rows and cached[1].device == device:
+            return cached[1]
         host = torch.tensor(rows, dtype=torch.float32)
         dev = host.to(device) if device.type != "cuda" else host.pin_memory().to(device, non_blocking=True)
-        self._hyper_cache = (rows, dev)
+        # (a tensor-valued setting can change in place: such rows are read afresh every step)
+        plain = all(type(x) in (float, int) for r in rows for x in r)
+        self._hyper_cache = (rows, dev) if plain else None
         return dev
 
     def _ops(self, device):
@@ -186,9 +198,9 @@ class AdamW(torch.optim.Optimizer):
         if get_backend(self.store.router.config.backend, device).name == "triton":
             from .kernels import adamw as K
 
-            return K.adamw_scalars_, K.adamw_step_, K.grad_sq_norms, K.scale_grads_
-        return (reference.adamw_scalars_reference, reference.adamw_step_reference, reference.grad_sq_norms_reference,
-                reference.scale_grads_reference)
+            return _Ops(K.adamw_scalars_, K.adamw_step_, K.grad_sq_norms, K.scale_grads_)
+        return _Ops(reference.adamw_scalars_reference, reference.adamw_step_reference,
+                    reference.grad_sq_norms_reference, reference.scale_grads_reference)
 
     def _check_owner(self, what: str) -> None:
         if self.store.owner is not self:
@@ -215,11 +227,12 @@ class AdamW(torch.optim.Optimizer):
         self._prepare()
         active = self._active()
         if active is not None and self._tables:
-            scalars = self._ops(self.steps.device)[0](self._hyper(self.steps.device), self.steps, active)
+            # once per step for every arena: each stepped group's count goes up by one, then its scalars
+            scalars = self._ops(self.steps.device).scalars(self._hyper(self.steps.device), self.steps, active)
             for (dtype, device), table in self._tables.items():
                 arena = self.store.arenas[(dtype, device)]
-                self._ops(device)[1](arena.data, arena.grad, arena.states["exp_avg"], arena.states["exp_avg_sq"],
-                                     table, scalars, active)
+                self._ops(device).step(arena.data, arena.grad, arena.states["exp_avg"], arena.states["exp_avg_sq"],
+                                       table, scalars, active)
         self._step_others()
         return loss
 
@@ -274,7 +287,7 @@ class AdamW(torch.optim.Optimizer):
         device = self.steps.device
         sq = torch.zeros(G, dtype=torch.float32, device=device)
         for (dtype, dev), table in self._tables.items():
-            sq = sq + self._ops(dev)[2](self.store.arenas[(dtype, dev)].grad, table).to(device)
+            sq = sq + self._ops(dev).norms(self.store.arenas[(dtype, dev)].grad, table).to(device)
         trained_outside = self._outside_trained()
         for i, _, params in trained_outside:
             sq[i] += sum(p.grad.float().pow(2).sum().to(device) for p in params)
@@ -285,7 +298,7 @@ class AdamW(torch.optim.Optimizer):
         else:
             factors = (max_norm / (total + 1e-6)).clamp(max=1.0).expand(G).contiguous()
         for (dtype, dev), table in self._tables.items():
-            self._ops(dev)[3](self.store.arenas[(dtype, dev)].grad, table, factors.to(dev))
+            self._ops(dev).scale(self.store.arenas[(dtype, dev)].grad, table, factors.to(dev))
         for i, _, params in trained_outside:
             for p in params:
                 p.grad.mul_(factors[i].to(p.grad.device, p.grad.dtype))

@@ -3,7 +3,7 @@
 Installed as ``fast_multilora.kernels``.
 """
 
-from .adamw import CHUNK, ChunkTable, adamw_step_, chunk_table, grad_sq_norms, scale_grads_
+from .adamw import CHUNK, ChunkTable, adamw_scalars_, adamw_step_, chunk_table, grad_sq_norms, scale_grads_
 from .backward import lora_expand_bwd, lora_shrink_bwd
 from .decode import DECODE_MAX_ROWS, lora_shrink_expand
 from .dropout import keep_bits_buffer
@@ -22,4 +22,4 @@ __all__ = ["AdapterTable", "Segments", "SlotWeights", "grouped_segments", "row_s
            "slot_weights", "lora_expand", "lora_shrink", "lora_expand_bwd", "lora_shrink_bwd",
            "DECODE_MAX_ROWS", "lora_shrink_expand",
            "keep_bits_buffer",
-           "CHUNK", "ChunkTable", "chunk_table", "adamw_step_", "grad_sq_norms", "scale_grads_"]
+           "CHUNK", "ChunkTable", "chunk_table", "adamw_scalars_", "adamw_step_", "grad_sq_norms", "scale_grads_"]

@@ -113,16 +113,19 @@ def _mirror_grads(model, twin, rows):
         q.grad = p.grad.clone() if trained and p.grad is not None else None
 
 
-def adamw_against_torch(model, hyper, batches, device="cpu", **tol):
+def adamw_against_torch(model, hyper, batches, device="cpu", schedule=None, **tol):
     """The optimizer alone: ``fast_multilora.AdamW`` on the patched ``model`` against ``torch.optim.AdamW`` (one group
     per adapter, ``hyper``) on a copy given the same gradients each step (``_mirror_grads``); weights compared after
-    every step within ``tol``."""
+    every step within ``tol``. ``schedule(optimizer)``: called on both before each step (an LR scheduler's work)."""
     twin = copy.deepcopy(model)
     ours = fast_multilora.AdamW(model, settings=hyper)
     groups = [{"params": [p for n, p in twin.named_parameters() if f".{a}." in n], **h} for a, h in hyper.items()]
     stock = torch.optim.AdamW(groups, foreach=False)
     model.train()
     for ids, rows in batches:
+        if schedule is not None:
+            schedule(ours)
+            schedule(stock)
         ours.zero_grad()
         ids = ids.to(device)
         out = model(input_ids=ids, adapter_names=rows).logits
@@ -219,6 +222,25 @@ def test_adamw_step_equals_torch_on_the_same_gradients(backend):
     names = sorted(model.peft_config)
     # fp32: the kernel's update rounds as torch's single-tensor AdamW up to the order of a few operations
     adamw_against_torch(model, _hyper(names), _batches(names[:6], steps=3, seed=5), rtol=1e-6, atol=1e-7)
+
+
+def test_adamw_follows_changed_hyperparameters():
+    """Group settings changed between steps (what an LR scheduler does; also betas, eps, weight decay of one group)
+    reach the next step: the device copy of the hyperparameters is not reused once they differ."""
+    model = many_model(4)
+    fast_multilora.patch(model, backend="triton")
+    names = sorted(model.peft_config)
+    calls = {}
+
+    def schedule(opt):
+        k = calls[id(opt)] = calls.get(id(opt), -1) + 1
+        for i, g in enumerate(opt.param_groups):
+            g["lr"] = 1e-2 * 0.5 ** k * (1 + i)
+        if k == 2:
+            opt.param_groups[1].update(betas=(0.5, 0.9), eps=1e-3, weight_decay=0.3)
+
+    adamw_against_torch(model, _hyper(names), _batches(names, steps=4, seed=3), schedule=schedule, rtol=1e-6,
+                        atol=1e-7)
 
 
 def test_resume_is_bit_identical(tmp_path):
