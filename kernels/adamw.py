@@ -26,11 +26,11 @@ import triton.language as tl
 
 from .launch import launch, next_power_of_2
 
-# One chunk is one program's tile. Measured on an H200 (AdamW over 33.5M elements in 512 blocks, fp32 / bf16): 1024
-# elements at 4 warps run at 90% / 60% of the copy bandwidth, 4096 at 8 warps ran at 52% / 26% (2048: 70-85% / 50%):
-# each program waits on a chain of dependent loads (table -> hyperparameters -> data), and small tiles keep enough
-# programs resident to hide it. The table costs 16 bytes per chunk (0.4% of an fp32 arena); a block smaller than a
-# chunk wastes lanes of one program, not bandwidth.
+# One chunk is one program's tile: 1024 elements at 4 warps, 8 per thread (one 16-byte vector of bfloat16). Measured
+# on an H200 (benchmarks/tune_kernels.py --parts adamw: the scale step's arena at 64 adapters, 294M bf16 elements,
+# aligned): 1024 / 4 warps at 94% of the copy bandwidth; 1024 / 8, 2048 / 4 and 2048 / 8 at 78-87%; without the
+# alignment hint 1024 / 4 ran at 72%. The table costs 16 bytes per chunk (0.4% of an fp32 arena); a block smaller
+# than a chunk wastes lanes of one program, not bandwidth.
 CHUNK = 1024
 # The widest alignment the kernels are told of (elements): every chunk's start and length a multiple of it lets Triton
 # issue 16-byte vector loads and stores (8 bfloat16 elements); without the hint, chunk starts and lengths read from

@@ -1,6 +1,7 @@
 """``kernels.adamw`` (chunk tables, the one-launch AdamW step, per-adapter squared gradient norms and gradient
 scaling) and their references in ``fast_multilora.reference``, against ``torch.optim.AdamW`` run per adapter and
-``torch.linalg.vector_norm``: odd block sizes (1, 7, 123, 4097, 2*CHUNK+3), shuffled blocks with gaps, an empty block,
+``torch.linalg.vector_norm``: odd block sizes (1, 7, 123, 4097, 2*CHUNK+3), a layout of multiples of 8 (the
+kernels' alignment hint: 16-byte vector accesses on the GPU), shuffled blocks with gaps, an empty block,
 an adapter without blocks, 1 / 4 / 130 adapters, per-adapter lr / betas / eps / weight decay / step counts, adapters
 switched off per step, several consecutive steps, float32 / bfloat16 / float16. Gaps and never-active adapters hold
 signalling NaNs: any arithmetic on them would quiet them, so bit-equality proves they were not touched."""
