@@ -460,6 +460,9 @@ INNER = {"stride_dyn", "stride_hr", "stride_br", "stride_dhr", "stride_xk", "str
 def spills(kernel, types, consts, num_warps):
     fn = kernel if isinstance(kernel, triton.runtime.jit.JITFunction) else kernel.fn
     consts, sig, attrs = dict(consts), {}, {}
+    # every constexpr given: one left out would compile as a runtime int, both of its branches, not the launch's code
+    missing = [fn.arg_names[i] for i in fn.constexprs if fn.arg_names[i] not in consts]
+    assert not missing, f"{fn.__name__}: constexprs {missing} not given"
     for i, name in enumerate(fn.arg_names):
         if name in INNER:
             consts[name] = 1
@@ -488,11 +491,13 @@ ptr.update({n: "*i32" for n in ("order", "info", "ranks", "offsets", "cptr")})
 ptr["keep_bits"] = "*u8"
 ptr["w_offs"] = "*i64"  # W_OFFS: each adapter's weight read in place (segments.SlotWeights), the layers' path
 bad = 0
+# B's three forms: concatenated, each adapter's weight read in place, the adapter store's packed block
+B_FORMS = ((False, False), (True, False), (False, True))
 for _bound, BS, BN, nw, fused in B._EXPAND_BLOCKS[16][0]:  # the 16-bit rows, by N
-    for w_offs in (False, True):
+    for w_offs, packed in B_FORMS:
         bad += spills(B._expand_bwd_kernel, ptr, dict(DIRECT_DH=False, STORE_DB=fused, EVEN_N=True,
-                                                      DOT_PRECISION="tf32", W_OFFS=w_offs, BLOCK_S=BS, BLOCK_N=BN,
-                                                      BLOCK_R=16), nw)
+                                                      DOT_PRECISION="tf32", W_OFFS=w_offs, B_PACKED=packed,
+                                                      BLOCK_S=BS, BLOCK_N=BN, BLOCK_R=16), nw)
 for blocked in (False, True):  # dB as [N, total_rank], or blocked in the weights' layout
     bad += spills(B._expand_bwd_finish, ptr, dict(FROM_PARTS=fused, DOT_PRECISION="tf32", BLOCK_S=BS,
                                                   BLOCK_N=B._FINISH_TILE // 16, BLOCK_R=16, DB_BLOCKED=blocked), 8)
@@ -534,10 +539,11 @@ for w_offs in (False, True):
 from fast_multilora.kernels.sgemm import sgemm_expand_kernel
 ptr.update(y="*" + act, bias="*" + act)
 for accumulate, rows in ((True, F.EXPAND_BLOCKS["gpu"]), (False, F.EXPAND_WRITE_BLOCKS["gpu"])):
-    for (_bound, BS, BN, _r_cap, nw, _stages, n_tiles), w_offs in ((row, w) for row in rows for w in (False, True)):
+    for (_bound, BS, BN, _r_cap, nw, _stages, n_tiles), (w_offs, packed) in ((row, f) for row in rows
+                                                                             for f in B_FORMS):
         bad += spills(sgemm_expand_kernel, dict(ptr, stride_hn=None), dict(
-            FP64=False, DOT_PRECISION="tf32", ACCUMULATE=accumulate, HAS_BIAS=False, W_OFFS=w_offs, BLOCK_S=BS,
-            BLOCK_N=BN, BLOCK_R=16, N_TILES=n_tiles, stride_hn=1, stride_yn=1), nw)
+            FP64=False, DOT_PRECISION="tf32", ACCUMULATE=accumulate, HAS_BIAS=False, W_OFFS=w_offs,
+            B_PACKED=packed, BLOCK_S=BS, BLOCK_N=BN, BLOCK_R=16, N_TILES=n_tiles, stride_hn=1, stride_yn=1), nw)
 # the decode kernel's rows (few-row calls: shrink and expand in one launch), each rank bucket's BLOCK_R
 from fast_multilora.kernels.decode import DECODE_BLOCKS, shrink_expand_kernel
 ptr.update(token_slots="*i32", a_offs="*i64", b_offs="*i64")
