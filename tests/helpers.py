@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 
+import pytest
 import torch
 from fast_multilora.kernels.segments import AdapterTable, segments_from_token_slots
+
+
+def compile_for_sm90(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``script`` (Python that compiles kernels for an sm_90 target: no GPU needed) in a subprocess without the
+    Triton interpreter; skips where the Triton wheel has no bundled ``ptxas``."""
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("triton wheel without the bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
 
 
 def sync_warnings(fn) -> list:

@@ -8,8 +8,6 @@ signalling NaNs: any arithmetic on them would quiet them, so bit-equality proves
 
 import functools
 import os
-import subprocess
-import sys
 import textwrap
 from dataclasses import dataclass
 
@@ -17,6 +15,7 @@ import pytest
 import torch
 from fast_multilora.kernels import adamw
 from fast_multilora.kernels.adamw import CHUNK, chunk_table
+from helpers import compile_for_sm90
 
 from fast_multilora import reference as ref
 
@@ -406,9 +405,7 @@ def test_alignment_hint_gives_vector_accesses(dtype):
     stores of bfloat16 per AdamW thread; twice that in float32); without it (align 1) none is: chunk starts and
     lengths read from the table would otherwise leave Triton 2- or 4-byte accesses (the step at 64 adapters then ran
     at ~60 % of the copy bandwidth)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _PTX_ACCESSES, dtype], env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = compile_for_sm90(_PTX_ACCESSES, dtype, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     got = {(k, int(a)): (int(ld), int(st)) for k, a, ld, st in (line.split() for line in out.stdout.split("\n")
                                                                    if line.strip())}

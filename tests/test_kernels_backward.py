@@ -13,7 +13,7 @@ import pytest
 import torch
 from fast_multilora.kernels.backward import lora_expand_bwd, lora_shrink_bwd
 from fast_multilora.kernels.dropout import dropout_keep_mask, pack_keep_bits
-from helpers import KERNEL_DTYPES, make_segments, make_table, poisoned, random_token_slots
+from helpers import KERNEL_DTYPES, compile_for_sm90, make_segments, make_table, poisoned, random_token_slots
 
 from fast_multilora import reference as ref
 
@@ -559,14 +559,5 @@ sys.exit(1 if bad else 0)
 
 @pytest.mark.slow
 def test_gpu_table_compiles_for_sm90_without_spills():
-    import os
-    import subprocess
-    import sys
-
-    import triton
-
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
-        pytest.skip("triton wheel without the bundled ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    run = compile_for_sm90(_COMPILE_SCRIPT)
     assert run.returncode == 0, f"compile check failed:\n{run.stdout}\n{run.stderr[-3000:]}"
