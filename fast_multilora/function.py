@@ -526,10 +526,9 @@ class LaunchPlan:
     def __init__(self, rec: dict, call: LayerCall, a_ws, b_ws):
         self.segs, self.stored, self.ptrs = call.segs, call.stored, _ptrs(a_ws, b_ws)
         self.lead, self.fused = call.lead, call.fused
-        stored = call.stored
+        # (on the adapter store both operands are its leaves as they lie, _a_weight / _b_weight: found among the ws)
         self.a_pick = _picker(rec["A"], a_ws, lambda ws: torch.cat(ws, 0)) if call.lead else None
-        self.b_pick = _picker(rec["B"], b_ws, (lambda ws: stored.b_cat(ws[0])) if stored is not None
-                              else (lambda ws: torch.cat(ws, 1)))
+        self.b_pick = _picker(rec["B"], b_ws, lambda ws: torch.cat(ws, 1))
         self.shrink, self.expand, self.decode = rec.get("shrink"), rec.get("expand"), rec.get("decode")
         h = rec["h"]
         self.h_shape, self.h_dtype = (None, None) if h is None else (h.shape, h.dtype)
