@@ -72,14 +72,17 @@ class shrink_bwd_rows:
         kb._SHRINK_R16.update(self.saved[1])
 
 
-def record(rows, op, family, config, fn):
-    """Time ``fn`` (us) and append a row; a configuration that fails (out of resources etc.) records ``None``."""
+def record(rows, op, family, config, fn, moved=None):
+    """Time ``fn`` (us) and append a row; a configuration that fails (out of resources etc.) records ``None``.
+    ``moved``: the bytes ``fn`` reads and writes; the row then carries the bandwidth (``tb_s``)."""
     try:
         us = kernel_ms(fn, 10) * 1e3
     except Exception as e:  # noqa: BLE001 - out of resources etc.
         us = None
         print(op, family, *config, "failed", type(e).__name__)
     rows.append({"op": op, "family": family, "config": list(config), "us": us})
+    if moved is not None and us:
+        rows[-1]["tb_s"] = round(moved / us / 1e6, 3)
 
 
 def sweep_shrink(rows, case, family, seed):
@@ -402,19 +405,16 @@ def sweep_adamw(rows, n_adapters: int = 64, dtype=torch.bfloat16):
             table = KA.chunk_table(blocks, n_adapters, numel, "cuda", chunk=chunk)._replace(align=align)
             KA._meta = lambda t, w=warps: dict(saved(t), num_warps=w)
             record(rows, "adamw", family, (chunk, warps, align),
-                   lambda t=table: KA.adamw_step_(*bufs, t, scalars, active))
-            if rows[-1]["us"]:
-                rows[-1]["tb_s"] = round(moved / rows[-1]["us"] / 1e6, 3)
+                   lambda t=table: KA.adamw_step_(*bufs, t, scalars, active), moved)
     finally:
         KA._meta = saved
     table = KA.chunk_table(blocks, n_adapters, numel, "cuda")
-    record(rows, "adamw", family, ("shipped", table.align), lambda: KA.adamw_step_(*bufs, table, scalars, active))
-    rows[-1]["tb_s"] = round(moved / rows[-1]["us"] / 1e6, 3)
+    record(rows, "adamw", family, ("shipped", table.align), lambda: KA.adamw_step_(*bufs, table, scalars, active),
+           moved)
     record(rows, "adamw_scalars", family, (), lambda: KA.adamw_scalars_(hyper, step, active))
     src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    record(rows, "copy_floor", f"{moved / 2**30:.2f} GiB moved", (), lambda: dst.copy_(src))
-    rows[-1]["tb_s"] = round(moved / rows[-1]["us"] / 1e6, 3)
+    record(rows, "copy_floor", f"{moved / 2**30:.2f} GiB moved", (), lambda: dst.copy_(src), moved)
 
 
 def sweep_decode(rows, S_values=(16, 64), dev="cuda"):
