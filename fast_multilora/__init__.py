@@ -12,11 +12,32 @@ import sys as _sys
 
 _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 _kdir = _os.path.join(_root, "kernels")
-if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isfile(_os.path.join(_kdir, "segments.py")):
+_checkout = _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isfile(_os.path.join(_kdir,
+                                                                                                   "segments.py"))
+if _checkout:
     _found = _ilu.find_spec(__name__ + ".kernels")
     _here = _found is not None and _os.path.dirname(_os.path.abspath(_found.origin or "")) == _kdir
 else:  # an installed package: fast_multilora/kernels/ is its own
     _here = True
+if _checkout:
+    import importlib.machinery as _ilm
+
+    class _PyPIKernels:
+        """The top-level name ``kernels`` is PyPI's package (transformers imports it for its hub kernels), never this
+        checkout's root folder kernels/ (``fast_multilora.kernels``), which Python would find first whenever the
+        checkout's root is on ``sys.path`` (``python -m`` or a REPL run from it, pytest-xdist's workers). Where PyPI's
+        is not installed, the import proceeds as without this finder."""
+
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name != "kernels":
+                return None
+            return _ilm.PathFinder.find_spec(name, [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _root])
+
+    if not any(isinstance(f, type) and f.__name__ == "_PyPIKernels" for f in _sys.meta_path):  # once per process
+        _sys.meta_path.insert(0, _PyPIKernels)
+    if _os.path.dirname(_os.path.abspath(getattr(_sys.modules.get("kernels"), "__file__", None) or _os.sep)) == _kdir:
+        del _sys.modules["kernels"]  # imported from this checkout before this guard: found afresh on the next import
 if not _here:
     # A source tree imported from sys.path (a plain checkout, a second worktree beside an editable install, an old
     # setuptools' legacy editable install): load this tree's root folder kernels/ as fast_multilora.kernels, as the

@@ -20,6 +20,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
 
+import fast_multilora  # noqa: E402, F401  (first: in a checkout, its guard keeps the top-level name ``kernels`` PyPI's)
+
 if DEVICE == "cpu":
     # the tests' tensors are tiny: intra-op threads only add synchronisation (ms per op on a loaded 2-core machine)
     torch.set_num_threads(1)

@@ -408,3 +408,38 @@ def test_an_edited_submodule_needs_mark_changed():
     fast_multilora.mark_changed()
     model(input_ids=ids, adapter_names=NAMES)
     assert layer.__dict__["_fml_state"] is not state and 0.29 < layer.__dict__["_fml_state"].rates[0] < 0.31
+
+
+_TOP_LEVEL_KERNELS = """
+import sys
+sys.path[:0] = [sys.argv[1]]  # the checkout's root first, as `python -m` run from it puts it
+sys.path.append(sys.argv[2])  # where another distribution's top-level `kernels` is installed
+import kernels as early  # imported before fast_multilora: this checkout's root folder
+import fast_multilora
+import kernels
+print(early.__file__)
+print(kernels.__file__)
+print(fast_multilora.kernels.__file__)
+"""
+
+
+def test_a_checkout_leaves_the_top_level_name_kernels_to_pypi(tmp_path):
+    """In a source checkout whose root is on ``sys.path`` (``python -m pytest``, its xdist workers, a REPL), the root
+    folder kernels/ would shadow PyPI's ``kernels`` (transformers imports it for its hub kernels, and then fails on
+    names it lacks). After ``import fast_multilora`` the top-level name resolves past the checkout -- also when it was
+    imported from the checkout before -- while ``fast_multilora.kernels`` stays this tree's."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    other = tmp_path / "site"
+    (other / "kernels").mkdir(parents=True)
+    (other / "kernels" / "__init__.py").write_text("")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", _TOP_LEVEL_KERNELS, root, str(other)], capture_output=True,
+                         text=True, env=env, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    early, late, ours = out.stdout.split()
+    assert early == os.path.join(root, "kernels", "__init__.py")
+    assert late == str(other / "kernels" / "__init__.py")
+    assert ours == os.path.join(root, "kernels", "__init__.py")
