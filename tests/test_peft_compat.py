@@ -411,15 +411,18 @@ def test_an_edited_submodule_needs_mark_changed():
 
 
 _TOP_LEVEL_KERNELS = """
-import sys
+import os, sys
 sys.path[:0] = [sys.argv[1]]  # the checkout's root first, as `python -m` run from it puts it
-sys.path.append(sys.argv[2])  # where another distribution's top-level `kernels` is installed
+sys.path.append(sys.argv[2])  # another distribution's top-level `kernels` (PyPI's, where installed, comes first)
 import kernels as early  # imported before fast_multilora: this checkout's root folder
 import fast_multilora
 import kernels
 print(early.__file__)
 print(kernels.__file__)
 print(fast_multilora.kernels.__file__)
+# the first top-level kernels package on the path past the checkout's root
+print(next(os.path.join(p, "kernels", "__init__.py") for p in sys.path if p and os.path.abspath(p) != sys.argv[1]
+           and os.path.isfile(os.path.join(p, "kernels", "__init__.py"))))
 """
 
 
@@ -439,7 +442,7 @@ def test_a_checkout_leaves_the_top_level_name_kernels_to_pypi(tmp_path):
     out = subprocess.run([sys.executable, "-c", _TOP_LEVEL_KERNELS, root, str(other)], capture_output=True,
                          text=True, env=env, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    early, late, ours = out.stdout.split()
-    assert early == os.path.join(root, "kernels", "__init__.py")
-    assert late == str(other / "kernels" / "__init__.py")
-    assert ours == os.path.join(root, "kernels", "__init__.py")
+    early, late, ours, first_past_root = out.stdout.split()
+    assert early == ours == os.path.join(root, "kernels", "__init__.py")
+    assert late == first_past_root != ours  # the stand-in here, or PyPI's where it is installed
+    assert late == str(other / "kernels" / "__init__.py") or "site-packages" in late
