@@ -133,7 +133,7 @@ def evaluate(model, tok, args, device, log, tag):
     for (a, t, x, y), got in zip(rows, answers, strict=True):
         examples.setdefault(f"{a}/{t}", (x, y, got))
     model.train()
-    return {"loss": losses, "accuracy": {f"{a}/{t}": v for (a, t), v in acc.items()}, "examples": examples}
+    return {"loss": dict(losses), "accuracy": {f"{a}/{t}": v for (a, t), v in acc.items()}, "examples": examples}
 
 
 def print_table(args, before, after, log):
@@ -282,7 +282,7 @@ def main(argv=None):
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        history.append({"step": step, "loss": per, "grad_norm": {str(k): v for k, v in norms.items()}})
+        history.append({"step": step, "loss": dict(per), "grad_norm": {str(k): v for k, v in norms.items()}})
         bar.set_postfix({a[:8]: f"{v:.3f}" for a, v in per.items()})
         bar.update()
         if main_proc and (step % 10 == 0 or step == args.max_steps):

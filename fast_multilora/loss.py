@@ -8,6 +8,7 @@ rows are left out (they train nothing).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Optional, Sequence
 
 import torch
@@ -95,6 +96,33 @@ def per_adapter_loss(logits: torch.Tensor, labels: torch.Tensor, adapter_names: 
                                         ignore_index=ignore_index, shift=shift)
     loss = means.sum()
     if return_dict:
-        values = means.detach().tolist()  # one host read, no autograd warning about a scalar of a graph tensor
-        return loss, {n: values[i] for i, n in enumerate(vocab) if counts[i] > 0}
+        return loss, AdapterLosses(vocab, means.detach(), counts)
     return loss
+
+
+class AdapterLosses(Mapping):
+    """``{adapter: mean token loss}`` (floats, adapters with tokens only) read from the device on first use: the
+    step that computed it does not wait for the GPU (a host read right after the forward would keep the host from
+    queuing the backward until the forward ran). ``dict(losses)`` for a plain dict."""
+
+    def __init__(self, vocab: Sequence[str], means: torch.Tensor, counts: torch.Tensor):
+        self._vocab, self._tensors, self._values = tuple(vocab), (means, counts), None
+
+    def _read(self) -> dict:
+        if self._values is None:
+            means, counts = torch.stack(self._tensors).tolist()  # one host read
+            self._values = {n: m for n, m, c in zip(self._vocab, means, counts, strict=True) if c > 0}
+            self._tensors = None
+        return self._values
+
+    def __getitem__(self, name):
+        return self._read()[name]
+
+    def __iter__(self):
+        return iter(self._read())
+
+    def __len__(self):
+        return len(self._read())
+
+    def __repr__(self):
+        return repr(self._read())

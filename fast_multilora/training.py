@@ -20,7 +20,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from transformers import TrainerCallback
 
-from .loss import adapter_log_prob_means, adapter_token_means
+from .loss import AdapterLosses, adapter_log_prob_means, adapter_token_means
 
 __all__ = ["PerAdapterLoss", "adapter_token_sums", "distributed_per_adapter_loss"]
 
@@ -70,8 +70,7 @@ def distributed_per_adapter_loss(logits: torch.Tensor, labels: torch.Tensor, ada
     s = sums.detach().clone()
     if world > 1:
         torch.distributed.all_reduce(s, group=group)
-    per = {n: float(s[i] / counts[i]) for i, n in enumerate(vocab) if counts[i] > 0}
-    return loss, per
+    return loss, AdapterLosses(vocab, s / counts.clamp(min=1), counts)
 
 
 class PerAdapterLoss(TrainerCallback):
