@@ -29,33 +29,24 @@ class PatchConfig:
     the expand writes the delta (base rows: the bias or zero) and cuBLAS accumulates ``x Wᵀ`` into it; backward
     likewise for ``dx``.
 
-    ``share_shrink``: sibling layers declared at patch time (``fast_multilora.stacked``: q/k/v, gate/up, ...)
-    called on the very same input tensor run one shrink over their stacked A weights.
-
-    ``share_dropout``: siblings under active LoRA dropout share their shrink too, each slice drawing its own mask
-    (as PEFT's separate dropout modules); off by default, as it measured slower on an H200 (``docs/benchmarks.md``).
-
     ``weights_in_place``: eager Triton calls read each adapter's weights where they are (``kernels.SlotWeights``)
     instead of concatenating them per call (``torch.compile`` always concatenates: the ops take tensors).
 
     ``store_dropout_mask``: a training forward under dropout stores its keep-mask (one bit per element of x) for the
     backward, which then reads it instead of drawing it again; ``False`` redraws it (saves that memory).
 
-    ``adapter_store``: ``patch`` lays the adapters' weights out in slot-stacked storage (``fast_multilora.store``,
-    which :class:`fast_multilora.AdamW` builds too; PEFT's parameters become views of it): each layer call then
-    takes two weight tensors whatever the adapter count, so a compiled graph has two inputs per layer instead of two
-    per adapter (fewer guards, a shorter compile) and concatenates no weights per call -- the setting for compiled
-    evaluation and static-cache generation.
+    ``adapter_store``: the adapters' weights live in slot-stacked storage (``fast_multilora.store``, built at
+    ``patch``; PEFT's parameters are views of it and their ``.grad`` views of its gradient, so any optimizer steps
+    them): each layer call takes two weight tensors whatever the adapter count. ``False`` keeps every parameter
+    where PEFT made it (each layer call then takes every adapter's weights).
     """
 
     backend: str = "auto"
     family: str = "auto"
     fuse_base: bool = True
-    share_shrink: bool = True
-    share_dropout: bool = False
     weights_in_place: bool = True
     store_dropout_mask: bool = True
-    adapter_store: bool = False
+    adapter_store: bool = True
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

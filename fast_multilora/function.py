@@ -8,10 +8,13 @@
   GEMM first, the delta added into it -- :func:`base_first`; backward: eager, the shrink backward's ``dx`` and cuBLAS
   accumulating ``dy W`` into it, compiled the reverse); otherwise the base layer
   ran outside (it may be quantized or hooked) and the delta is added to its output.
-* ``stack_num`` / ``slice_idx`` / ``lead``: sibling layers called on one input (``fast_multilora.stacked``) share one
-  shrink. The stack's lead runs it over every member's A weights and returns ``h`` as a second output; each other
-  member takes ``h`` as an input and expands its own slice. Autograd sums the members' ``dh`` into the lead's
-  backward, whose one shrink backward gives ``dx`` and every member's ``dA``.
+* ``stored``: the weights are the adapter store's two leaves of the layer (``fast_multilora.store``: every adapter's
+  ``A`` rows as ``A_cat``, its ``B`` blocks packed), else PEFT's per-adapter parameters (layers the store does not
+  hold, and calls under DDP, whose hooks sit on the parameters).
+* ``decode``: few rows with autograd off: shrink and expand in one launch.
+
+A call depends on its inputs and the model's batch context only (``plan.Routing``): no state passes from one layer
+call to the next.
 
 Eager calls run the Triton launchers directly (their host time matters at 56 layer calls per step); while
 ``torch.compile`` traces, the same calls go through the custom ops of ``fast_multilora.ops``, so the compiled forward
@@ -237,25 +240,20 @@ def _resolve(name: str, device: torch.device):
 class LayerCall:
     """Everything but the weights that one patched layer call needs (kept on ``ctx`` for backward).
 
-    Weights passed to :class:`LoraLinear`, in order: the A weights (lead only: adapter-major over the stack,
-    ``A[a0][m0], A[a0][m1], ..., A[a1][m0], ...``, ``stack_num * n_adapters`` of them), this layer's B weights (slot
-    order) and, with ``lora_bias``, its B biases.
+    Weights passed to :class:`LoraLinear`, in order: the A weights, the B weights (slot order; the store's two
+    leaves when ``stored``) and, with ``lora_bias``, the B biases.
     """
 
     backend: object
     segs: Segments
-    table: AdapterTable  # this layer's (its scales); the lead's also serves the stack's shrink (equal ranks, rates)
+    table: AdapterTable  # this layer's
     ranks: tuple  # host ranks of this layer's present adapters, slot order
-    stack_num: int = 1
-    slice_idx: int = 0
-    lead: bool = True  # runs the shrink; a stack's other members take its h
     fused: bool = False
     seed: object = None  # dropout this call: a host int or a device int32 tensor (TritonBackend.draw_seed)
     store_mask: bool = False
     in_place: bool = False  # eager Triton: weights read in place (kernels.SlotWeights)
     has_bias: bool = False  # lora_bias
     bias_rows: Optional[torch.Tensor] = None  # [S] row of each token's adapter among the present ones (n: none)
-    stack: object = None  # the stack's stacked.Pending: which members' outputs got a gradient (their A get dA)
     # an MoE experts call (``fast_multilora.moe``): each weight holds this many slots of the table (its experts), so
     # dB comes as one concatenation [N, total_rank] (the expand backward's per-slot blocks are not the weights')
     experts: int = 1
@@ -264,8 +262,8 @@ class LayerCall:
     stored: object = None
     # a dict the forward fills with what a :class:`LaunchPlan` replays (eager no-grad Triton calls, ``plan_key``)
     record: Optional[dict] = None
-    # few rows with autograd off (decode steps): shrink and expand in one launch, no ``h`` (``kernels.decode``); a
-    # lead of one slice, no dropout, no ``lora_bias``
+    # few rows with autograd off (decode steps): shrink and expand in one launch, no ``h`` (``kernels.decode``); no
+    # dropout, no ``lora_bias``
     decode: bool = False
 
     @property
@@ -275,9 +273,7 @@ class LayerCall:
     @property
     def n_a(self) -> int:
         """How many A weight tensors the call takes."""
-        if not self.lead:
-            return 0
-        return 1 if self.stored is not None else self.stack_num * len(self.ranks)
+        return 1 if self.stored is not None else len(self.ranks)
 
     @property
     def n_b(self) -> int:
@@ -343,12 +339,11 @@ class LoraLinear(torch.autograd.Function):
     """``out = base + delta`` for one patched layer call (see the module docstring and :class:`LayerCall`).
 
     Inputs: ``x[..., K]``; ``y``, the base layer's output (``None`` when ``call.fused``); ``W``, ``b``, the frozen
-    base weight and bias (``None`` unless fused); ``h``, the stack lead's shrink output (``None`` for a lead); the
-    call; then the weights. Outputs: ``out``, plus ``h`` for a lead.
+    base weight and bias (``None`` unless fused); the call; then the weights. Output: ``out``.
     """
 
     @staticmethod
-    def forward(ctx, x_in, y_in, W, b, h_in, call: LayerCall, *weights):
+    def forward(ctx, x_in, y_in, W, b, call: LayerCall, *weights):
         ctx.set_materialize_grads(False)
         be, segs, table = call.backend, call.segs, call.table
         n, n_a = call.n_b, call.n_a
@@ -362,56 +357,48 @@ class LoraLinear(torch.autograd.Function):
             be.shrink_expand(x, A, B, segs, table, rows, record=rec)
             if rec is not None:
                 rec.update(A=A, B=B, h=None, N=rows.shape[1], x_shape=x_in.shape)
-            return out, None
-        if call.lead:
-            A = _a_weight(call, weights[:n_a])
-            h, keep = be.shrink(x, A, segs, table, call.stack_num, call.seed, call.store_mask, record=rec)
-        else:
-            h = h_in
+            return out
+        A = _a_weight(call, weights[:n_a])
+        h, keep = be.shrink(x, A, segs, table, 1, call.seed, call.store_mask, record=rec)
         B = _b_weight(call, weights[n_a : n_a + n])
         if call.fused:
             rows = linear_with_delta(
-                x, W, b, lambda y, acc, bias: be.expand(h, B, segs, table, y, call.stack_num, call.slice_idx,
-                                                        accumulate=acc, bias=bias, record=rec), base_first(segs))
+                x, W, b, lambda y, acc, bias: be.expand(h, B, segs, table, y, 1, 0, accumulate=acc, bias=bias,
+                                                        record=rec), base_first(segs))
             out = rows.view(*x_in.shape[:-1], W.shape[0])
         else:
             out, rows = _delta_target(ctx, y_in)
-            be.expand(h, B, segs, table, rows, call.stack_num, call.slice_idx, record=rec)
+            be.expand(h, B, segs, table, rows, 1, 0, record=rec)
         if rec is not None:
-            rec.update(A=A if call.lead else None, B=B, h=h, N=rows.shape[1], x_shape=x_in.shape)
+            rec.update(A=A, B=B, h=h, N=rows.shape[1], x_shape=x_in.shape)
         if call.has_bias:
             _add_bias(rows, weights[n_a + n :], call)
         # the backward reads the weights as the forward did
-        ctx.save_for_backward(x if call.lead else None, h, W, keep, *weights[: n_a + n])
+        ctx.save_for_backward(x, h, W, keep, *weights[: n_a + n])
         ctx.call = call
         ctx.shapes = (x_in.shape, rows.shape[1])
         ctx.w_dtypes = tuple(w.dtype for w in weights)
-        return (out, h) if call.lead else out
+        return out
 
     @staticmethod
-    def backward(ctx, d_out, d_h=None):
+    def backward(ctx, d_out):
         call: LayerCall = ctx.call
         x, h, W, keep, *weights = ctx.saved_tensors
-        be, segs, table, st = call.backend, call.segs, call.table, call.stack_num
+        be, segs, table = call.backend, call.segs, call.table
         n, n_a = call.n_b, call.n_a
         x_shape, N = ctx.shapes
         w_dtypes = ctx.w_dtypes
-        needs = ctx.needs_input_grad  # x, y, W, b, h, call, *weights
-        need_dx, need_a = needs[0], any(needs[6 : 6 + n_a])
-        need_b, need_bias = any(needs[6 + n_a : 6 + n_a + n]), any(needs[6 + n_a + n :])
+        needs = ctx.needs_input_grad  # x, y, W, b, call, *weights
+        need_dx, need_a = needs[0], any(needs[5 : 5 + n_a])
+        need_b, need_bias = any(needs[5 + n_a : 5 + n_a + n]), any(needs[5 + n_a + n :])
         grads = [None] * len(w_dtypes)
-        dx = d_y = dy = None
-        dh = d_h  # a lead's: the other members' slices, summed by autograd (None when none was reached)
+        dx = d_y = dy = dh = None
         if d_out is not None:
             dy = d_out.reshape(-1, N).contiguous()
             d_y = None if call.fused else d_out  # out = y + delta: the identity for y
-            need_dh = (need_dx or need_a) if call.lead else needs[4]
-            if need_dh or need_b:
-                if dh is None and (st > 1 or not call.lead):
-                    # a stack's other slices stay zero: their members' backwards did not run (or add theirs later)
-                    dh = torch.zeros(dy.shape[0], st * table.max_rank, dtype=h.dtype, device=dy.device)
+            if need_dx or need_a or need_b:
                 B = _b_weight(call, weights[n_a : n_a + n])
-                dh, dB = be.expand_bwd(dy, h, B, segs, table, st, call.slice_idx, dh=dh,
+                dh, dB = be.expand_bwd(dy, h, B, segs, table, 1, 0,
                                        grad_dtype=_grad_dtype(w_dtypes[n_a : n_a + n]) if call.experts == 1 else None)
                 if need_b and call.stored is not None:  # the packed block's gradient, whole
                     grads[n_a] = (dB if dB.dim() == 1 else call.stored.packed_grad(dB)).to(w_dtypes[n_a])
@@ -420,37 +407,24 @@ class LoraLinear(torch.autograd.Function):
             if call.has_bias and need_bias:
                 for i, g in enumerate(_bias_grad(dy, call)):
                     grads[n_a + n + i] = g.to(w_dtypes[n_a + n + i])
-        d_hin = None if call.lead else dh
-        reached = None
-        # which members' outputs got a gradient in this backward pass (eager: a traced Function may not mutate outer
-        # Python state; a compiled backward gives an unreached member a zero dA instead of None)
-        if call.stack is not None and not _compiling():
-            if d_out is not None:
-                call.stack.reached.add(call.slice_idx)
-            if call.lead:
-                reached, call.stack.reached = call.stack.reached, set()
         base_dx = call.fused and need_dx and dy is not None
         if base_dx and _compiling():
             # the base part first, the shrink backward adds its terms into it: a traced ``addmm_`` onto the
             # kernel's dx (below, eager) would become an ``addmm`` that copies its input first
             dx = dy @ W
-        if call.lead and dh is not None and (need_dx or need_a):
+        if dh is not None and (need_dx or need_a):
             A = _a_weight(call, weights[:n_a])
-            dx, dA = be.shrink_bwd(dh, x, A, segs, table, st, call.seed, need_dx, keep,
+            dx, dA = be.shrink_bwd(dh, x, A, segs, table, 1, call.seed, need_dx, keep,
                                    grad_dtype=_grad_dtype(w_dtypes[:n_a]), dx_acc=dx)
             if need_a and call.stored is not None:
                 grads[0] = dA.to(w_dtypes[0])
             elif need_a:
-                a_ranks = tuple(r for r in call.ranks for _ in range(st))
-                a_grads = _split_grads(dA, a_ranks, w_dtypes[:n_a], dim=0)
-                if reached is not None:  # a member whose output got no gradient gets no dA, as unstacked
-                    a_grads = [g if i % st in reached else None for i, g in enumerate(a_grads)]
-                grads[:n_a] = a_grads
+                grads[:n_a] = _split_grads(dA, call.ranks, w_dtypes[:n_a], dim=0)
         if base_dx and not _compiling():
             dx = dy @ W if dx is None else dx.addmm_(dy, W)  # cuBLAS accumulates the base part (beta 1)
         if dx is not None:
             dx = dx.view(x_shape)
-        return (dx, d_y, None, None, d_hin, None, *grads)
+        return (dx, d_y, None, None, None, *grads)
 
 
 class _NoGradCtx:
@@ -480,22 +454,22 @@ def run(fn_cls, *args):
 _NO_GRAD_CTX = _NoGradCtx()
 
 
-def run_layer(plans: Optional[dict], kind: tuple, segs, stored, make_call, x, y, W, b, h_in, a_ws, b_ws, extra=()):
-    """``run(LoraLinear, x, y, W, b, h_in, make_call(record), *a_ws, *b_ws, *extra)`` for one patched layer call,
-    through its :class:`LaunchPlan` when it has one: ``plans`` is the layer state's dict of them when this call may
-    replay one (an eager Triton call with autograd off, no dropout, no ``lora_bias``; else ``None``), ``kind`` the
-    call's role (``("lead", slice)``, ``("member", slice)``, ``("stored",)``). A plan is found by the layout, the
-    input's shape, strides and dtype, fused or not and the role, and holds for the same layout and store slots and
-    weights at the same addresses (checked here). A call without a plan records one."""
+def run_layer(plans: Optional[dict], kind: tuple, segs, stored, make_call, x, y, W, b, a_ws, b_ws, extra=()):
+    """``run(LoraLinear, x, y, W, b, make_call(record), *a_ws, *b_ws, *extra)`` for one patched layer call, through
+    its :class:`LaunchPlan` when it has one: ``plans`` is the layer state's dict of them when this call may replay
+    one (an eager Triton call with autograd off, no dropout, no ``lora_bias``; else ``None``), ``kind`` what the
+    call runs on (``("stored", decode)``, ``("params", decode)``). A plan is found by the layout, the input's shape,
+    strides and dtype, fused or not and the kind, and holds for the same layout and store slots and weights at the
+    same addresses (checked here). A call without a plan records one."""
     record = None
     if plans is not None:  # (no key while tracing: a graph would guard on the layout's identity)
         key = (id(segs), x.shape, x.stride(), x.dtype, W is not None, *kind)
         plan = plans.get(key)
         if plan is not None and plan.segs is segs and plan.stored is stored and plan.ptrs == _ptrs(a_ws, b_ws):
-            return plan.replay(x, y, W, b, h_in, a_ws, b_ws)
+            return plan.replay(x, y, W, b, a_ws, b_ws)
         record = {}
     call = make_call(record)
-    out = run(LoraLinear, x, y, W, b, h_in, call, *a_ws, *b_ws, *extra)
+    out = run(LoraLinear, x, y, W, b, call, *a_ws, *b_ws, *extra)
     if record is not None:
         if len(plans) >= 8:
             plans.clear()
@@ -520,14 +494,14 @@ class LaunchPlan:
     plans and is rebuilt on every change ``plan.CHANGES`` reports) stay, and every weight is at the address it had
     (an optimizer steps weights in place; a replaced ``.data`` moves them): :func:`run_layer` checks these."""
 
-    __slots__ = ("segs", "stored", "ptrs", "lead", "fused", "a_pick", "b_pick", "shrink", "expand", "decode",
+    __slots__ = ("segs", "stored", "ptrs", "fused", "a_pick", "b_pick", "shrink", "expand", "decode",
                  "h_shape", "h_dtype", "N", "out_shape")
 
     def __init__(self, rec: dict, call: LayerCall, a_ws, b_ws):
         self.segs, self.stored, self.ptrs = call.segs, call.stored, _ptrs(a_ws, b_ws)
-        self.lead, self.fused = call.lead, call.fused
+        self.fused = call.fused
         # (on the adapter store both operands are its leaves as they lie, _a_weight / _b_weight: found among the ws)
-        self.a_pick = _picker(rec["A"], a_ws, lambda ws: torch.cat(ws, 0)) if call.lead else None
+        self.a_pick = _picker(rec["A"], a_ws, lambda ws: torch.cat(ws, 0))
         self.b_pick = _picker(rec["B"], b_ws, lambda ws: torch.cat(ws, 1))
         self.shrink, self.expand, self.decode = rec.get("shrink"), rec.get("expand"), rec.get("decode")
         h = rec["h"]
@@ -535,19 +509,16 @@ class LaunchPlan:
         self.N = rec["N"]
         self.out_shape = (*rec["x_shape"][:-1], self.N)
 
-    def replay(self, x_in, y_in, W, b, h_in, a_ws, b_ws):
+    def replay(self, x_in, y_in, W, b, a_ws, b_ws):
         """What ``LoraLinear.forward`` returns for this call (see :class:`LaunchPlan`)."""
         x = as_rows(x_in)
         if self.decode is not None:  # one launch (kernels.decode): x, the weights' pointer tensors, the output
             A, B = _pick(self.a_pick, a_ws), _pick(self.b_pick, b_ws)
             out, rows = _decode_target(_NO_GRAD_CTX, self.fused, x, y_in, W, b, self.out_shape)
             self.decode(x, A, B, rows)
-            return out, None
-        if self.lead:
-            h = torch.empty(self.h_shape, dtype=self.h_dtype, device=x.device)
-            self.shrink(x, _pick(self.a_pick, a_ws), h)
-        else:
-            h = h_in
+            return out
+        h = torch.empty(self.h_shape, dtype=self.h_dtype, device=x.device)
+        self.shrink(x, _pick(self.a_pick, a_ws), h)
         B = _pick(self.b_pick, b_ws)
         if self.fused:
             expand = self.expand
@@ -556,7 +527,7 @@ class LaunchPlan:
         else:
             out, rows = _delta_target(_NO_GRAD_CTX, y_in)
             self.expand(h, B, rows)
-        return (out, h) if self.lead else out
+        return out
 
 
 def _picker(w, ws, derive):
@@ -576,11 +547,11 @@ def _pick(pick, ws):
 
 
 def _a_weight(call: LayerCall, ws):
-    """The shrink weight of a lead: the store's leaf (already ``A_cat``) or the adapters' weights as the backend
+    """The shrink weight: the store's leaf (already ``A_cat``) or the adapters' weights as the backend
     takes them."""
     if call.stored is not None:
         return ws[0]
-    return call.backend.weights(ws, call.table, 0, call.in_place and call.stack_num == 1)
+    return call.backend.weights(ws, call.table, 0, call.in_place)
 
 
 def _b_weight(call: LayerCall, ws):

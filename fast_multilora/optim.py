@@ -212,8 +212,7 @@ class AdamW(torch.optim.Optimizer):
         self._check_owner("step")
         if store.stale():
             store.layout()
-        if store.param_path:
-            store.attach_grads()
+        store.prepare_grads()  # gradients a caller or DDP put in place of the views: into the arena
         if self._pattern is not store.pattern:
             self._build_tables()
 

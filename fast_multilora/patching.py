@@ -18,13 +18,11 @@ touched, so ``state_dict``, optimizers, ``save_pretrained`` and ``PeftModel.from
   Listed in the report's ``fallback``.
 * Adapters with a LoRA variant (DoRA, aLoRA, ...): a mixed batch that names them raises (PEFT does not mix DoRA
   adapters in a batch either); without ``adapter_names`` PEFT's forward runs as usual.
-* Sibling LoRA Linear layers declared from the module tree (q/k/v, gate/up, ...) share one shrink pass when called
-  on the same input (``fast_multilora.stacked``); ``PatchConfig(share_shrink=False)`` turns that off.
 
 A routed layer call, top-down (:meth:`_FastLinearMixin.forward`): the routing (set at the model's entry), the
 layer's adapter table (refreshed there too), the layout of ``x``'s tokens, the base (fused into the Function or run
-by the base layer), then one ``LoraLinear`` -- on the adapter store's two leaves (``fast_multilora.store``, once
-``fast_multilora.AdamW`` built it), as a stack's lead, a stack member taking its slice, or alone.
+by the base layer), then one ``LoraLinear`` -- on the adapter store's two leaves (``fast_multilora.store``, built at
+``patch``), or on PEFT's per-adapter parameters for a layer the store does not hold.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ from peft.tuners.lora import Linear as LoraLinearLayer
 from peft.tuners.lora import LoraLayer
 from torch.nn.modules import module as _nn_module  # its global forward hooks are read per call
 
-from . import moe, stacked
+from . import moe
 from .config import PatchConfig
 from .function import LayerCall, get_backend, lora_dropout_rate, run_layer
 from .kernels.decode import DECODE_MAX_ROWS
@@ -52,20 +50,17 @@ _ROUTER_ATTR = "_fml_router"
 _HOOKS_ATTR = "_fml_hooks"
 _STATE_ATTR = "_fml_state"  # on a patched layer: its LayerState (None: no adapter of the routing's slots)
 _SIG_ATTR = "_fml_sig"  # what the state was built from
-_STACK_ATTR = "_fml_stack"  # (stacked.Stack, slice index) or None
 _MOE_ATTR = "_fml_moe"  # on a patched ParamWrapper: {"name", "error", "state", "sig"} (fast_multilora.moe)
-_LAYER_ATTRS = (_ROUTER_ATTR, _STATE_ATTR, _SIG_ATTR, _STACK_ATTR, _MOE_ATTR)
+_LAYER_ATTRS = (_ROUTER_ATTR, _STATE_ATTR, _SIG_ATTR, _MOE_ATTR)
 
 
 @dataclass
 class PatchReport:
-    """What :func:`patch` did: modules on our kernels, modules left on PEFT's path and why, and the declared sibling
-    groups (``shared``, tuples of names) whose members share one shrink pass when called on the same input."""
+    """What :func:`patch` did: modules on our kernels, and modules left on PEFT's path and why."""
 
     backend: str
     patched: list = field(default_factory=list)
     fallback: dict = field(default_factory=dict)
-    shared: list = field(default_factory=list)
     config: Optional[PatchConfig] = None
     unsupported: dict = field(default_factory=dict)  # name -> why a mixed batch through it raises
     experts: list = field(default_factory=list)  # the patched MoE expert-weight wrappers (among ``patched``)
@@ -75,10 +70,6 @@ class PatchReport:
         if self.experts:
             lines[0] = (f"fast_multilora: {len(self.patched) - len(self.experts)} LoRA Linear module(s) and "
                         f"{len(self.experts)} MoE expert-weight wrapper(s) patched (backend={self.backend!r})")
-        if self.shared:
-            lines.append(f"{len(self.shared)} sibling group(s) share one shrink pass when their members are called "
-                         "on the same input and their adapters agree, e.g.:")
-            lines += [f"  {', '.join(group)}" for group in self.shared[:3]]
         if self.fallback:
             lines.append(f"{len(self.fallback)} module(s) run PEFT's own mixed-batch path:")
             lines += [f"  {name}: {why}" for name, why in self.fallback.items()]
@@ -256,7 +247,7 @@ def _build_state(layer, slot_names, tables: dict) -> Optional[LayerState]:
 
 
 def refresh_layers(router: Router, routing) -> None:
-    """Bring every patched layer's :class:`LayerState` (and the sibling stacks) up to date with the routing's slot
+    """Bring every patched layer's :class:`LayerState` up to date with the routing's slot
     order and the layers' adapters and modes; cheap when nothing changed (no layer is read unless a change was
     marked, see ``plan.CHANGES``; then one signature per layer). Raises when the
     routing names an adapter with a LoRA variant."""
@@ -280,15 +271,12 @@ def refresh_layers(router: Router, routing) -> None:
     if changed:
         router.variants = {}  # adapter name -> (variant kind, base layer type) of its first layer with a variant
         for layer in router.fast_layers:
-            layer.__dict__[_STACK_ATTR] = None
             for name, variant in layer.lora_variant.items():
                 router.variants.setdefault(name, (type(variant).__name__, type(layer.base_layer).__name__))
-        for group in router.groups:
-            states = [m.__dict__.get(_STATE_ATTR) for m in group.members]
-            for i, stack, s in stacked.stacks_of(group, states, router.config.share_dropout):
-                group.members[i].__dict__[_STACK_ATTR] = (stack, s)
     for wrapper in router.expert_layers:
         moe.refresh(wrapper.__dict__[_MOE_ATTR], wrapper, slot_names)
+    if router.store is None and router.config.adapter_store and routing.names:
+        _build_store(router)
     if router.store is not None:
         router.store.follow(routing, torch.is_grad_enabled())
     for name in routing.names:
@@ -345,65 +333,35 @@ class _FastLinearMixin(_TrackedMixin):
             cast = state.lora_dtype
             x_d = x.to(cast) if x.dtype == torch.float32 and cast in (torch.float16, torch.bfloat16) else x
         has_bias = state.has_bias
-
-        def call(**kw):  # the LayerCall of this call (built only when no launch plan replays it)
-            return LayerCall(
-                backend=backend, segs=segs, table=state.table, ranks=state.ranks, fused=base is not None,
-                in_place=config.weights_in_place and backend.name == "triton", has_bias=has_bias,
-                bias_rows=state.bias_map[segs.token_slots.long()] if has_bias else None, **kw,
-            )
-
         # Triton calls with autograd off, no dropout, no lora_bias: eager ones replay a launch plan
-        # (function.LaunchPlan); of few rows (decode steps), eager or compiled, shrink and expand in one launch, each
-        # layer its own (no stack)
+        # (function.LaunchPlan); of few rows (decode steps), eager or compiled, shrink and expand in one launch
         plain = (backend.name == "triton" and not torch.is_grad_enabled() and not has_bias
                  and not state.table.has_dropout)
         plans = state.plans if plain and not torch.compiler.is_compiling() else None
         decode = plain and segs.num_tokens <= DECODE_MAX_ROWS and segs.token_slots is not None
         store = router.store
-        slots = store.layer_slots(self) if store is not None else None
-        if slots is not None and _in_ddp_forward():  # DDP's hooks sit on the parameters: their path, into the arena
-            store.param_path, slots = True, None
-        if slots is not None:  # the adapter store (fast_multilora.store): the layer's two leaves, no stack
-            return run_layer(
-                plans, ("stored", decode), segs, slots,
-                lambda record: call(seed=backend.draw_seed(x) if state.table.has_dropout else None,
-                                    store_mask=config.store_dropout_mask and torch.is_grad_enabled(), stored=slots,
-                                    record=record, decode=decode),
-                x_d, y, W, b, None, (slots.a_leaf,), (slots.b_leaf,))[0]
-        b_weights = [m._parameters["weight"] for m in state.b_modules]
-        if decode:
-            return run_layer(plans, ("decode",), segs, None, lambda record: call(record=record, decode=True),
-                             x_d, y, W, b, None, [m._parameters["weight"] for m in state.a_modules], b_weights)[0]
-        biases = [m._parameters["bias"] for m in state.b_modules] if has_bias else []
-        entry = self.__dict__.get(_STACK_ATTR) if config.share_shrink else None
-        stack, index = entry if entry is not None else (None, 0)
-        if stack is not None:  # a stack member called on the input its lead shrank: take the slice
-            pending = stack.group.pending
-            if (pending is not None and pending.stack is stack and pending.x is x and pending.routing is routing
-                    and index not in pending.taken):
-                pending.taken.add(index)
-                if len(pending.taken) == stack.size:
-                    stack.group.pending = None
-                return run_layer(
-                    plans, ("member", index), segs, None,
-                    lambda record: call(stack_num=stack.size, slice_idx=index, lead=False, stack=pending,
-                                        record=record),
-                    x_d, y, W, b, pending.h, (), b_weights, biases)
-        members = stack.members if stack is not None else (self,)
-        a_weights = [m._modules["lora_A"]._modules[n]._parameters["weight"] for n in state.present for m in members]
-        pending = stacked.Pending(x, routing, {index}, stack=stack) if stack is not None else None
-        out, h = run_layer(
-            plans, ("lead", index), segs, None,
-            lambda record: call(stack_num=len(members), slice_idx=index, lead=True,
-                                seed=backend.draw_seed(x) if state.table.has_dropout else None,
-                                store_mask=config.store_dropout_mask and torch.is_grad_enabled(), stack=pending,
-                                record=record),
-            x_d, y, W, b, None, a_weights, b_weights, biases)
-        if pending is not None:
-            pending.h = h
-            stack.group.pending = pending
-        return out
+        # the adapter store's two leaves (fast_multilora.store); PEFT's parameters for a layer it does not hold and
+        # under DDP, whose gradient hooks sit on the parameters
+        slots = store.layer_slots(self) if store is not None and not _in_ddp_forward() else None
+        if slots is not None:
+            a_ws, b_ws, biases = (slots.a_leaf,), (slots.b_leaf,), ()
+        else:
+            a_ws = [m._parameters["weight"] for m in state.a_modules]
+            b_ws = [m._parameters["weight"] for m in state.b_modules]
+            biases = [m._parameters["bias"] for m in state.b_modules] if has_bias else ()
+
+        def call(record):  # the LayerCall of this call (built only when no launch plan replays it)
+            return LayerCall(
+                backend=backend, segs=segs, table=state.table, ranks=state.ranks, fused=base is not None,
+                in_place=config.weights_in_place and backend.name == "triton", has_bias=has_bias,
+                bias_rows=state.bias_map[segs.token_slots.long()] if has_bias else None,
+                seed=backend.draw_seed(x) if state.table.has_dropout and not decode else None,
+                store_mask=config.store_dropout_mask and torch.is_grad_enabled(), stored=slots, record=record,
+                decode=decode,
+            )
+
+        return run_layer(plans, ("stored" if slots is not None else "params", decode), segs, slots, call,
+                         x_d, y, W, b, a_ws, b_ws, biases)
 
 
 def _in_ddp_forward() -> bool:
@@ -607,7 +565,6 @@ def patch(model: torch.nn.Module, config: Optional[PatchConfig] = None, **settin
     report = PatchReport(backend=config.backend, config=config)
     aux = _aux_wrapper_types()
     variant_warned = []
-    fast = []  # (name, module) on our Function
     for name, module in model.named_modules():
         if module is model:
             continue
@@ -628,7 +585,6 @@ def patch(model: torch.nn.Module, config: Optional[PatchConfig] = None, **settin
             if reason is None:
                 _swap(module, _FastLinearMixin, router)
                 report.patched.append(name)
-                fast.append((name, module))
                 router.fast_layers.append(module)
                 variants = sorted(module.lora_variant)
                 if variants:
@@ -639,8 +595,6 @@ def patch(model: torch.nn.Module, config: Optional[PatchConfig] = None, **settin
         elif aux and isinstance(module, aux):
             _swap(module, _FallbackMixin, router)
             report.fallback[name] = f"{type(module).__name__}: PEFT's per-sample loop"
-    router.groups = stacked.declare_groups(fast) if config.share_shrink else []
-    report.shared = [g.names for g in router.groups]
     # custom LoRA classes registered in an adapter's config (LoraConfig._register_custom_module) are listed, not
     # warned about: PEFT warns about them itself ("Unsupported layer type ..."), and ours would bury its warning
     custom = {c for cfg in getattr(router.tuner, "peft_config", {}).values()
@@ -665,10 +619,22 @@ def patch(model: torch.nn.Module, config: Optional[PatchConfig] = None, **settin
             stacklevel=2,
         )
     if config.adapter_store:
-        from .store import AdapterStore
-
-        AdapterStore.of(model)
+        try:
+            _build_store(router)
+        except ValueError:  # a layer's adapters cannot run a mixed batch: the first routed call raises why
+            pass
     return report
+
+
+def _build_store(router: Router) -> None:
+    """The adapter store (``fast_multilora.store``) of the model, built once its layers' states can be: at ``patch``,
+    or at the first routed forward call when a layer's adapters cannot run a mixed batch yet (that call raises why)."""
+    from .plan import Routing
+    from .store import AdapterStore
+
+    if router.store is None:
+        refresh_layers(router, Routing((), tuple(router.known_adapters())))  # the layers' tables, no call yet
+        AdapterStore.attach(router)
 
 
 def _swap(module, mixin, router):

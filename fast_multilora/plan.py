@@ -96,7 +96,6 @@ class Router:
         self.layers: list = []  # every LoRA layer of the model (ours and the fallback ones), set by patch()
         self.fast_layers: list = []  # the layers on our Function
         self.expert_layers: list = []  # PEFT ParamWrappers of MoE experts (fast_multilora.moe), set by patch()
-        self.groups: list = []  # stacked.SiblingGroup s
         self.variants: dict = {}  # adapter name -> (LoRA variant kind, base layer type), set by refresh_layers
         self.tuner = None  # the PEFT tuner whose peft_config keys we watch
         self.config_key: tuple = ()
@@ -171,8 +170,6 @@ class Router:
         ``device``: where the slot tensor goes (the input's device; default: the LoRA weights'). ``leads``: token
         shapes the layers will see (the input's ``[rows, T]``; ``[rows, 1]`` for generate's decode steps), whose
         layouts are built here, outside any compiled graph (:meth:`segments`)."""
-        for group in self.groups:
-            group.pending = None
         if adapter_names is None:
             if adapter_ids is not None:
                 raise ValueError("`adapter_ids` needs `adapter_names` (the names its values index)")

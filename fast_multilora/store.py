@@ -42,6 +42,7 @@ import torch
 from .plan import CHANGES
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_DATA_PTR = torch.Tensor.data_ptr
 _TENSOR_REQUIRES_GRAD = torch._C.TensorBase.requires_grad  # the C attribute (get / set)
 
 
@@ -124,9 +125,11 @@ class LayerSlots:
     a_leaf: torch.Tensor  # [total_rank, K]
     b_leaf: torch.Tensor  # [total_rank * N]
     params: tuple  # (A params..., B params...) slot order
-    first_ptr: int  # the first A parameter's address when laid out (a moved / replaced parameter changes it)
+    ptrs: tuple  # every parameter's address when laid out (a parameter whose ``.data`` was replaced moved)
     key: tuple  # _layer_key when laid out
     state: object  # the layer's patching.LayerState it was checked against (a new one: the key is checked again)
+    views: tuple = ()  # each parameter's gradient piece (params' order)
+    expected: tuple = ()  # each parameter's ``.grad`` while it trains (its view), ``None`` while frozen
 
     def b_cat(self, b_leaf: torch.Tensor) -> torch.Tensor:
         """``B_cat[N, total_rank]`` from the packed block (the torch backend's and a compiled graph's layout)."""
@@ -182,9 +185,6 @@ class AdapterStore:
         self.seen: Optional[torch.Tensor] = None  # bool [n_slots + 1]: index 0 base, 1 + slot an adapter (mark_seen)
         self.seen_names: tuple = ()
         self.pattern: Optional[list] = None  # requires_grad of every held parameter (sync_requires_grad)
-        # a held layer ran on the per-parameter path (under DDP) since zero_grad: gradients may sit outside the
-        # arena if a caller dropped the views (the optimizer then folds them in: attach_grads)
-        self.param_path = False
         self.expected: list = []  # per held parameter: its gradient view, or None when frozen
         self.layout()
 
@@ -203,13 +203,16 @@ class AdapterStore:
         if router is None:
             raise ValueError("fast_multilora: the model is not patched; call fast_multilora.patch(model) first")
         if router.store is None:
-            from .patching import refresh_layers
-            from .plan import Routing
+            from .patching import _build_store
 
-            refresh_layers(router, Routing((), tuple(router.known_adapters())))  # the layers' tables, no call yet
-            router.store = AdapterStore(router)
-            _shadow_zero_grad(model, router.store)
+            _build_store(router)
         return router.store
+
+    @staticmethod
+    def attach(router) -> None:
+        """Build the store of ``router``'s model (its layers' states are current)."""
+        router.store = AdapterStore(router)
+        _shadow_zero_grad(router.root, router.store)
 
     def follow(self, routing, training: bool) -> None:
         """At a forward call's entry (``patching.refresh_layers``): re-lay out when the layers' adapters changed; in
@@ -259,7 +262,7 @@ class AdapterStore:
                     return True
                 slots.state = st
             p = layer.lora_A[slots.names[0]].weight
-            if p is not slots.params[0] or p.data_ptr() != slots.first_ptr:
+            if p is not slots.params[0] or tuple(map(_DATA_PTR, slots.params)) != slots.ptrs:
                 return True
         return not set(self.slots) <= {id(layer) for layer in self.router.fast_layers}
 
@@ -306,6 +309,7 @@ class AdapterStore:
                 a_params = tuple(layer.lora_A[n].weight for n in present)
                 b_params = tuple(layer.lora_B[n].weight for n in present)
                 off = 0
+                a_views, b_views = [], []
                 for r, pa, pb in zip(ranks, a_params, b_params, strict=True):
                     for p, start, shape in ((pa, a0 + off * K, (r, K)), (pb, b0 + off * N, (N, r))):
                         numel = shape[0] * shape[1]
@@ -325,6 +329,7 @@ class AdapterStore:
                             p.grad = gview
                         held.append(p)
                         views.append(gview)
+                        (a_views if p is pa else b_views).append(gview)
                         arena.blocks.append((start, numel, p))
                     off += r
                 a_leaf = _piece(arena.data, a0, (R, K))
@@ -332,7 +337,9 @@ class AdapterStore:
                 a_leaf.grad = _piece(arena.grad, a0, (R, K))
                 b_leaf.grad = _piece(arena.grad, b0, (R * N,))
                 slots[lid] = LayerSlots(present, ranks, K, N, a_leaf, b_leaf, a_params + b_params,
-                                        a_params[0].data_ptr(), key, layer.__dict__.get(_STATE_ATTR))
+                                        tuple(map(_DATA_PTR, a_params + b_params)), key,
+                                        layer.__dict__.get(_STATE_ATTR), views=tuple(a_views + b_views))
+
         self.arenas, self.slots, self.held, self.views = arenas, slots, held, views
         for p in held:
             _hold(p)
@@ -356,41 +363,74 @@ class AdapterStore:
         self.expected = [g if r else None for g, r in zip(self.views, pattern, strict=True)]
         for s in self.slots.values():
             n = len(s.names)
+            s.expected = tuple(v if p.requires_grad else None for p, v in zip(s.params, s.views, strict=True))
             a_req = any(p.requires_grad for p in s.params[:n])
             b_req = any(p.requires_grad for p in s.params[n:])
-            if s.a_leaf.requires_grad != a_req:
-                s.a_leaf.requires_grad_(a_req)
-            if s.b_leaf.requires_grad != b_req:
-                s.b_leaf.requires_grad_(b_req)
-        self.attach_grads()  # a parameter that now trains gets its view, one that no longer does loses it
+            for leaf, req, part in ((s.a_leaf, a_req, slice(0, n)), (s.b_leaf, b_req, slice(n, 2 * n))):
+                if leaf.requires_grad != req:
+                    leaf.requires_grad_(req)
+                    if req and not leaf._backward_hooks:  # once per leaf (a frozen tensor takes no hook)
+                        leaf.register_hook(self._hook(s, part))
+        self.prepare_grads()  # a parameter that now trains gets its view (zero), one that no longer does loses it
         return True
 
-    def attach_grads(self) -> None:
-        """Fold gradients that landed outside the arena into it (a parameter whose ``.grad`` was dropped and then
-        re-created by autograd on the per-parameter path, or assigned), and re-attach the parameters' views (a
-        frozen parameter has none). One identity check per parameter when everything is in place."""
-        self.param_path = False
-        if all(map(operator.is_, [p.grad for p in self.held], self.expected)):
+    def prepare_grads(self) -> None:
+        """Make every trained held parameter's ``.grad`` its view of the gradient arena again, keeping what it holds.
+
+        Any optimizer may own the parameters: ``torch.optim``'s ``zero_grad()`` drops each ``.grad`` (``None``: the
+        gradient is zero from then on), DDP's reducer or a caller may put another tensor there (it holds the whole
+        gradient), while the layer calls' gradients land in the arena through the two leaves. So a dropped view's
+        piece is zeroed (one fill per arena when every trained parameter's was dropped, the common case), another
+        tensor is copied into the piece, and the views are re-attached. One identity check per parameter when
+        everything is in place. Runs before the leaves' gradients accumulate (a hook on each leaf, see
+        :meth:`_hook`), before an optimizer step of ours, and after ``model.zero_grad()``."""
+        grads = [p.grad for p in self.held]
+        if all(map(operator.is_, grads, self.expected)):
             return
         with torch.no_grad():
-            for p, gview, want in zip(self.held, self.views, self.expected, strict=True):
-                g = p.grad
+            if not any(g is not None and g is e for g, e in zip(grads, self.expected, strict=True)):
+                # no trained parameter kept its view: a whole optimizer's zero_grad()
+                others = [(p, g) for p, g, e in zip(self.held, grads, self.expected, strict=True)
+                          if g is not None and e is not None]
+                for arena in self.arenas.values():
+                    arena.grad.zero_()
+                for p, e in zip(self.held, self.expected, strict=True):
+                    p.grad = e
+                for p, g in others:  # a tensor put in place of the view: the whole gradient
+                    p.grad.copy_(g)
+                return
+            for p, g, want in zip(self.held, grads, self.expected, strict=True):
                 if g is want:
                     continue
-                if want is None:
-                    p.grad = None
-                    continue
-                if g is not None:
-                    gview.add_(g)
-                p.grad = gview
+                if want is not None:
+                    if g is None:
+                        want.zero_()
+                    else:
+                        want.copy_(g)
+                p.grad = want
+
+    def _hook(self, slots: LayerSlots, part: slice):
+        """A hook on one of a layer's leaves, run before its gradient accumulates into the arena: when one of the
+        layer's trained parameters lost its view since (an optimizer's ``zero_grad`` between the forward and the
+        backward), :meth:`prepare_grads` first. A few identity checks per leaf and backward otherwise."""
+
+        def hook(grad):
+            if not all(map(operator.is_, [p.grad for p in slots.params[part]], slots.expected[part])):
+                self.prepare_grads()
+            return None
+
+        return hook
 
     def zero_grad(self) -> None:
         """Zero the gradient arena and ``seen`` (no per-parameter work: the parameters' ``.grad`` stay its views)."""
         for arena in self.arenas.values():
             arena.grad.zero_()
+        self.clear_seen()
+        self.prepare_grads()  # views a caller dropped or replaced since: attached again (their pieces are zero)
+
+    def clear_seen(self) -> None:
         if self.seen is not None:
             self.seen.zero_()
-        self.param_path = False
 
     def layer_slots(self, layer) -> Optional[LayerSlots]:
         return self.slots.get(id(layer))
@@ -403,8 +443,8 @@ def _zero_grad(model, set_to_none: bool = True) -> None:
     type(model).zero_grad(model, set_to_none=set_to_none)
     router = model.__dict__.get(_ROUTER_ATTR)
     if router is not None and router.store is not None:
-        router.store.zero_grad()
-        router.store.attach_grads()  # the views the stock zero_grad dropped
+        router.store.prepare_grads()  # the views the stock zero_grad dropped, their pieces zeroed
+        router.store.clear_seen()
 
 
 def _shadow_zero_grad(model, store: AdapterStore) -> None:

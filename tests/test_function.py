@@ -1,15 +1,15 @@
 """``function.LoraLinear``, the one layer Function: float64 gradcheck along every path (base added or fused,
-alone or as a stack's lead and member, ``lora_bias``, dropout), dropout semantics, stored and redrawn masks, zero
+``lora_bias``, dropout), dropout semantics, stored and redrawn masks, zero
 grads for absent adapters, per-adapter gradient splits, and no reads of unwritten memory."""
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import make_segments, make_table, random_token_slots
 
 from fast_multilora.function import LayerCall, LoraLinear, get_backend
-from fast_multilora.stacked import Pending
 
 CPU = torch.device("cpu")
 BACKENDS = ["torch", "triton"]
@@ -25,12 +25,12 @@ def _call(ts, ranks, grouped, backend="torch", dropout=None, seed=None, scales=N
 
 def delta(x, y, call, *w):
     """``y + delta``, the base output given (the unfused path)."""
-    return LoraLinear.apply(x, y, None, None, None, call, *w)[0]
+    return LoraLinear.apply(x, y, None, None, call, *w)
 
 
 def fused(x, W, b, call, *w):
     """``x Wᵀ + b + delta`` with the base GEMM inside the Function."""
-    return LoraLinear.apply(x, None, W, b, None, call, *w)[0]
+    return LoraLinear.apply(x, None, W, b, call, *w)
 
 
 def _need_interpreter(backend):
@@ -82,51 +82,6 @@ def test_gradcheck_float64_unfused_and_fused(grouped, backend, dropout):
     f_fused = _seeded(lambda x, *w: fused(x, W, b, fcall, *w))
     assert _gradcheck(f_fused, (x, *As, *Bs), backend)
     torch.testing.assert_close(f_fused(x, *As, *Bs), f_delta(x, torch.nn.functional.linear(x, W, b), *As, *Bs))
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("grouped", FAMILIES)
-@pytest.mark.parametrize("fuse", [False, True], ids=["added", "fused"])
-def test_gradcheck_float64_stack(grouped, backend, fuse):
-    """A stack of three members (one shrink by the lead, slices expanded by the others, some fused): float64
-    gradcheck of x and every member's A and B, and equal to each member run alone."""
-    _need_interpreter(backend)
-    g = torch.Generator().manual_seed(1)
-    S, K, N, ranks = 9, 4, 3, [2, 0, 1]
-    ts = random_token_slots(S, len(ranks), g)
-    members = [_weights(ranks, K, N, torch.float64, g) for _ in range(3)]
-    scales = [[1.0, 0.0, 2.0], [0.5, 0.0, 1.5], [3.0, 0.0, 0.25]]
-    W = torch.randn(N, K, generator=g, dtype=torch.float64)
-    x = torch.randn(S, K, generator=g, dtype=torch.float64, requires_grad=True)
-    n = sum(r > 0 for r in ranks)
-
-    def stacked(x, *w):
-        As = [w[m * 2 * n : m * 2 * n + n] for m in range(3)]
-        Bs = [w[m * 2 * n + n : (m + 1) * 2 * n] for m in range(3)]
-        pending = Pending(x, None, {0, 1, 2})
-        outs = []
-        lead = _call(ts, ranks, grouped, backend, scales=scales[1], stack_num=3, slice_idx=1, stack=pending,
-                     fused=fuse)
-        a_cat = [As[m][a] for a in range(n) for m in range(3)]  # adapter-major over the members
-        y = None if fuse else torch.zeros(S, N, dtype=torch.float64)
-        out, h = LoraLinear.apply(x, y, W if fuse else None, None, None, lead, *a_cat, *Bs[1])
-        outs.append(out)
-        for m in (0, 2):
-            c = _call(ts, ranks, grouped, backend, scales=scales[m], stack_num=3, slice_idx=m, lead=False,
-                      fused=fuse and m == 2, stack=pending)
-            y = None if c.fused else torch.zeros(S, N, dtype=torch.float64)
-            outs.append(LoraLinear.apply(x, y, W if c.fused else None, None, h, c, *Bs[m]))
-        return tuple(outs)
-
-    flat = [t for A, B in members for t in (*A, *B)]
-    assert _gradcheck(stacked, (x, *flat), backend)
-    got = stacked(x, *flat)
-    for out, m in zip(got, (1, 0, 2), strict=True):
-        alone = delta(x, torch.zeros(S, N, dtype=torch.float64), _call(ts, ranks, grouped, backend, scales=scales[m]),
-                      *members[m][0], *members[m][1])
-        if (fuse and m != 0):
-            alone = alone + x @ W.T
-        torch.testing.assert_close(out, alone)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -192,21 +147,6 @@ def test_absent_adapters_get_zero_gradients():
     assert torch.count_nonzero(As[1].grad) == 0 and torch.count_nonzero(Bs[1].grad) == 0
     assert torch.count_nonzero(As[0].grad) > 0 and torch.count_nonzero(Bs[2].grad) > 0
     assert torch.count_nonzero(x.grad[3]) == 0  # base rows get no LoRA input gradient
-
-
-def test_stack_member_without_a_slice_gets_no_gradient():
-    """A stack member whose output got no gradient (here: it took no slice) gets ``None`` from the stack, as a layer
-    that did not run; the lead gets its gradient."""
-    g = torch.Generator().manual_seed(4)
-    S, K, N, ranks = 8, 4, 3, [2]
-    ts = torch.zeros(S, dtype=torch.long)
-    (A0,), (B0,) = _weights(ranks, K, N, torch.float32, g)
-    (A1,), _ = _weights(ranks, K, N, torch.float32, g)
-    x = torch.randn(S, K, generator=g)
-    lead = _call(ts, ranks, False, stack_num=2, slice_idx=0, stack=Pending(x, None, {0}))
-    out, _ = LoraLinear.apply(x, torch.zeros(S, N), None, None, None, lead, A0, A1, B0)
-    out.sum().backward()
-    assert A0.grad is not None and A1.grad is None
 
 
 @pytest.mark.parametrize("ranks", [[4, 4, 4], [2, 5, 3]], ids=["equal-ranks", "mixed-ranks"])
@@ -282,7 +222,7 @@ def test_patched_layers_store_masks_only_when_training(mask_buffers):
     import fast_multilora
 
     model = peft_model("llama", dropout=0.3)
-    fast_multilora.patch(model, backend="triton", share_shrink=False)
+    fast_multilora.patch(model, backend="triton")
     model.train()
     ids = torch.randint(0, 97, (3, 5), generator=torch.Generator().manual_seed(0))
     names = ["a0", "__base__", "a1"]
@@ -291,7 +231,7 @@ def test_patched_layers_store_masks_only_when_training(mask_buffers):
     assert mask_buffers == [], "masks stored under torch.no_grad"
     model(input_ids=ids, adapter_names=names).logits.sum().backward()
     assert len(mask_buffers) == 2 * 7, "every LoRA Linear of both layers stores its mask in a training forward"
-    fast_multilora.patch(model, backend="triton", share_shrink=False, store_dropout_mask=False)
+    fast_multilora.patch(model, backend="triton", store_dropout_mask=False)
     model(input_ids=ids, adapter_names=names).logits.sum().backward()
     assert len(mask_buffers) == 2 * 7, "a mask stored with store_dropout_mask=False"
 
@@ -315,15 +255,15 @@ def test_no_grad_runs_the_forward_without_apply(backend, monkeypatch):
     calls = []
     monkeypatch.setattr(LoraLinear, "apply", lambda *a: calls.append(a))
     with torch.no_grad():
-        got_fused, _ = F.run(LoraLinear, x, None, W, None, None, c_fused, *As, *Bs)
+        got_fused = F.run(LoraLinear, x, None, W, None, c_fused, *As, *Bs)
         y2 = y.clone()
-        got_delta, _ = F.run(LoraLinear, x, y2, None, None, None, c_add, *As, *Bs)
+        got_delta = F.run(LoraLinear, x, y2, None, None, c_add, *As, *Bs)
     assert not calls
     assert got_delta is y2, "the delta is added into y in place"
     assert torch.equal(got_fused, want_fused) and torch.equal(got_delta, want_delta)
     assert got_fused.grad_fn is None and not got_fused.requires_grad
     with torch.enable_grad():  # autograd on: through apply
-        F.run(LoraLinear, x, None, W, None, None, c_fused, *As, *Bs)
+        F.run(LoraLinear, x, None, W, None, c_fused, *As, *Bs)
     assert len(calls) == 1
 
 
@@ -347,8 +287,8 @@ def test_split_grads_of_a_blocked_buffer(ranks):
 
 
 @pytest.mark.parametrize("grouped", FAMILIES)
-@pytest.mark.parametrize("stack", [False, True], ids=["alone", "stack"])
-def test_triton_function_with_nan_filled_allocations(grouped, stack, monkeypatch):
+@pytest.mark.parametrize("stored", [False, True], ids=["params", "stored"])
+def test_triton_function_with_nan_filled_allocations(grouped, stored, monkeypatch):
     """Every float buffer ``torch.empty`` hands out while the Triton-backed Function runs forward and backward is
     NaN-filled (as uninitialised memory may be): outputs and gradients still equal the torch backend's, so no kernel
     reads a cell it did not write (``dh`` of a lone call is allocated without a zero fill)."""
@@ -364,17 +304,18 @@ def test_triton_function_with_nan_filled_allocations(grouped, stack, monkeypatch
 
     def run(backend):
         xx = x.clone().requires_grad_()
-        if not stack:
+        if not stored:
             out = fused(xx, W, None, _call(ts, ranks, grouped, backend, fused=True, in_place=True), *As, *Bs)
             return out.detach(), torch.autograd.grad(out, (xx, *As, *Bs), dy)
-        pending = Pending(xx, None, {0, 1})
-        lead = _call(ts, ranks, grouped, backend, fused=True, stack_num=2, stack=pending)
-        a_cat = [w for pair in zip(As, A2, strict=True) for w in pair]
-        out, h = LoraLinear.apply(xx, None, W, None, None, lead, *a_cat, *Bs)
-        member = _call(ts, ranks, grouped, backend, fused=True, stack_num=2, slice_idx=1, lead=False, stack=pending)
-        other = LoraLinear.apply(xx, None, W, None, h, member, *B2)
-        loss = (out * dy).sum() + (other * dy.flip(0)).sum()
-        return out.detach(), torch.autograd.grad(loss, (xx, *As, *Bs, *A2, *B2))
+        # the adapter store's two leaves: A_cat [total_rank, K] and the packed B block (adapter a's [N, r_a] at N * off)
+        present = [r for r in ranks if r > 0]
+        slots = SimpleNamespace(ranks=tuple(present), N=N, b_cat=lambda b: torch.cat(
+            [p.view(N, r) for p, r in zip(b.split([N * r for r in present]), present, strict=True)], 1),
+            packed_grad=lambda g: torch.cat([p.reshape(-1) for p in g.split(present, 1)]))
+        a_leaf = torch.cat([a.detach() for a in A2]).requires_grad_()
+        b_leaf = torch.cat([b.detach().reshape(-1) for b in B2]).requires_grad_()
+        out = fused(xx, W, None, _call(ts, ranks, grouped, backend, fused=True, stored=slots), a_leaf, b_leaf)
+        return out.detach(), torch.autograd.grad(out, (xx, a_leaf, b_leaf), dy)
 
     want_out, want_grads = run("torch")
     real_empty = torch.empty

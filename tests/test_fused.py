@@ -24,10 +24,10 @@ def fused_calls(monkeypatch):
     calls = []
     orig = function.LoraLinear.forward
 
-    def spy(ctx, x, y, W, b, h, call, *weights):
+    def spy(ctx, x, y, W, b, call, *weights):
         if call.fused:
             calls.append(tuple(W.shape))
-        return orig(ctx, x, y, W, b, h, call, *weights)
+        return orig(ctx, x, y, W, b, call, *weights)
 
     monkeypatch.setattr(function.LoraLinear, "forward", staticmethod(spy))
     return calls
@@ -47,8 +47,8 @@ def _run(model, ids, w, seed=11):
 def test_fused_matches_per_module_path(backend, dropout, fused_calls, device):
     fused = peft_model("llama", dropout=dropout).to(device)
     plain = twin(fused)
-    fast_multilora.patch(fused, backend=backend, share_shrink=False)
-    fast_multilora.patch(plain, backend=backend, share_shrink=False, fuse_base=False)
+    fast_multilora.patch(fused, backend=backend)
+    fast_multilora.patch(plain, backend=backend, fuse_base=False)
     fused.train()
     plain.train()
     g = torch.Generator().manual_seed(5)
@@ -73,8 +73,8 @@ def test_fused_matches_per_module_path(backend, dropout, fused_calls, device):
         close(got[2][n], g_, n)
 
 
-def test_siblings_share_and_fuse(fused_calls):
-    """With sharing on, stacked members (q/k/v, gate/up) run fused too, from the first forward call on."""
+def test_every_layer_fuses_from_the_first_call(fused_calls):
+    """Every LoRA Linear of a plain frozen base runs fused, from the first forward call on."""
     model = peft_model("llama")
     fast_multilora.patch(model, backend="torch")
     model.eval()
@@ -102,7 +102,7 @@ def test_cases_that_keep_the_per_module_path(case, fused_calls):
         model = peft_model("llama", configs={"a0": __import__("peft").LoraConfig(
             r=4, target_modules=["q_proj"], lora_bias=True, init_lora_weights=False)})
         layer = model.base_model.model.model.layers[0].self_attn.q_proj
-    fast_multilora.patch(model, backend="torch", share_shrink=False, fuse_base=case != "fuse_base=False")
+    fast_multilora.patch(model, backend="torch", fuse_base=case != "fuse_base=False")
     names = ["a0"] * 3 if case == "lora_bias" else NAMES[:3]
     ids = torch.randint(0, 97, (len(names), 5))
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else torch.enable_grad()

@@ -2,8 +2,8 @@
 stock PEFT running each sample with its adapter alone (outputs, input and LoRA gradients).
 
 Axes: kernel family (SGEMM: one segment per row; chunked: tokens grouped by adapter) × base fused into the
-Function or added to the base layer's output × weights read in place or concatenated × siblings stacked or not;
-packed rows (``adapter_ids``) take the chunked family. Under dropout, where PEFT draws other masks, the stored
+Function or added to the base layer's output × weights: the adapter store's two leaves (the default), or PEFT's
+parameters read in place or concatenated (layers the store does not hold, DDP); packed rows (``adapter_ids``) take the chunked family. Under dropout, where PEFT draws other masks, the stored
 mask and the redrawn one must give the same results. A one-row or one-slot mistake on any path fails here.
 """
 
@@ -18,7 +18,7 @@ NAMES = ["a1", "__base__", "a0", "a2", "a0", "a1", "a2"]
 
 
 def configs(dropout=0.0):
-    """Three adapters on every projection (so q/k/v and gate/up stack), ranks 4 / 8 / 2 with their own scales."""
+    """Three adapters on every projection, ranks 4 / 8 / 2 with their own scales."""
     common = dict(init_lora_weights=False, lora_dropout=dropout, target_modules=LLAMA_TARGETS)
     return {"a0": LoraConfig(r=4, lora_alpha=8, **common),
             "a1": LoraConfig(r=8, lora_alpha=4, use_rslora=True, **common),
@@ -78,12 +78,15 @@ def assert_matches_peft(model, ref, what="", **route):
         _close(got[2][n], g, n)
 
 
-def _patched(family, fuse, in_place, share):
+WEIGHTS = ["store", "in_place", "concatenated"]
+
+
+def _patched(family, fuse, weights):
     """The three-adapter model patched with these settings, and its unpatched twin (stock PEFT)."""
     model = peft_model(configs=configs())
     ref = twin(model)
-    fast_multilora.patch(model, backend="triton", family=family, fuse_base=fuse, weights_in_place=in_place,
-                         share_shrink=share)
+    fast_multilora.patch(model, backend="triton", family=family, fuse_base=fuse, adapter_store=weights == "store",
+                         weights_in_place=weights == "in_place")
     return model, ref
 
 
@@ -92,39 +95,38 @@ def _inputs(T):
     return torch.randint(0, 97, (len(NAMES), T), generator=g), torch.randn(len(NAMES), T, 97, generator=g)
 
 
-@pytest.mark.parametrize("share", [True, False], ids=["stacked", "alone"])
-@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "concatenated"])
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "added"])
 @pytest.mark.parametrize("family", ["sgemm", "chunked"])
-def test_path_matrix_matches_peft(family, fuse, in_place, share):
-    model, ref = _patched(family, fuse, in_place, share)
+def test_path_matrix_matches_peft(family, fuse, weights):
+    model, ref = _patched(family, fuse, weights)
     model.train()
     ref.train()
     assert_matches_peft(model, ref, adapter_names=NAMES)
 
 
-@pytest.mark.parametrize("share", [True, False], ids=["stacked", "alone"])
-def test_packed_rows_match_peft(share):
+@pytest.mark.parametrize("store", [True, False], ids=["store", "params"])
+def test_packed_rows_match_peft(store):
     """Packed rows (``adapter_ids``): each row one adapter's tokens here, so stock PEFT per row is the oracle."""
     model = peft_model(configs=configs())
     ref = twin(model)
-    fast_multilora.patch(model, backend="triton", share_shrink=share)
+    fast_multilora.patch(model, backend="triton", adapter_store=store)
     vocab = ["a2", "a0", "a1"]
     a_ids = torch.tensor([vocab.index(n) if n != "__base__" else -1 for n in NAMES])[:, None].expand(-1, 5)
     assert_matches_peft(model, ref, adapter_names=vocab, adapter_ids=a_ids)
 
 
-@pytest.mark.parametrize("share", [True, False], ids=["stacked", "alone"])
+@pytest.mark.parametrize("weights", ["store", "concatenated"])
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "added"])
 @pytest.mark.parametrize("family", ["sgemm", "chunked"])
-def test_dropout_mask_stored_equals_redrawn(family, fuse, share):
-    """Under LoRA dropout (siblings stack with ``share_dropout``, a mask per slice): the backward reading the stored
-    mask and the backward redrawing it give the same outputs and gradients, for the same RNG state."""
+def test_dropout_mask_stored_equals_redrawn(family, fuse, weights):
+    """Under LoRA dropout: the backward reading the stored mask and the backward redrawing it give the same outputs
+    and gradients, for the same RNG state."""
     results = []
     for store in (True, False):
         model = peft_model(configs=configs(dropout=0.3))
-        fast_multilora.patch(model, backend="triton", family=family, fuse_base=fuse, share_shrink=share,
-                             share_dropout=share, store_dropout_mask=store)
+        fast_multilora.patch(model, backend="triton", family=family, fuse_base=fuse,
+                             adapter_store=weights == "store", store_dropout_mask=store)
         model.train()
         ids, w = _inputs(5)
         torch.manual_seed(7)
@@ -152,18 +154,17 @@ def _forget_plans(model):
         state.plans.clear()
 
 
-# (family, fuse, in_place, share, tokens per row): every pair of two axes' values in some case; 5 tokens per row
-# (35 rows) take the one-launch decode kernel, 10 (70 rows, above kernels.DECODE_MAX_ROWS) the segmented kernels
-EVAL_CASES = [("sgemm", False, False, False, 5), ("sgemm", True, True, True, 10), ("chunked", False, True, True, 5),
-              ("chunked", True, False, True, 10), ("chunked", True, True, False, 5), ("sgemm", True, True, True, 5),
-              ("chunked", False, False, False, 10), ("sgemm", False, True, False, 10)]
+# (family, fuse, weights, tokens per row): every pair of two axes' values in some case; 5 tokens per row (35 rows)
+# take the one-launch decode kernel, 10 (70 rows, above kernels.DECODE_MAX_ROWS) the segmented kernels
+EVAL_CASES = [("sgemm", False, "concatenated", 5), ("sgemm", True, "store", 10), ("chunked", False, "in_place", 5),
+              ("chunked", True, "concatenated", 10), ("chunked", True, "store", 5), ("sgemm", True, "in_place", 5),
+              ("chunked", False, "store", 10), ("sgemm", False, "in_place", 10), ("sgemm", False, "store", 5)]
 
 
-@pytest.mark.parametrize("family, fuse, in_place, share, T", EVAL_CASES,
-                         ids=["-".join([f, "fused" if u else "added", "in_place" if i else "concatenated",
-                                        "stacked" if s else "alone", "decode" if t == 5 else "segmented"])
-                              for f, u, i, s, t in EVAL_CASES])
-def test_eval_replays_launch_plans(family, fuse, in_place, share, T, monkeypatch):
+@pytest.mark.parametrize("family, fuse, weights, T", EVAL_CASES,
+                         ids=["-".join([f, "fused" if u else "added", w, "decode" if t == 5 else "segmented"])
+                              for f, u, w, t in EVAL_CASES])
+def test_eval_replays_launch_plans(family, fuse, weights, T, monkeypatch):
     """With autograd off, a layer call records its launch plan and the next call with that layout replays it
     (``function.LaunchPlan``: no launcher runs its general path): logits equal the recording call's bit for bit and
     stock PEFT's per sample; an in-place weight update is read by the replay, a moved weight makes a new plan.
@@ -171,7 +172,7 @@ def test_eval_replays_launch_plans(family, fuse, in_place, share, T, monkeypatch
     import fast_multilora.kernels as K
     from fast_multilora.kernels.decode import DECODE_MAX_ROWS
 
-    model, ref = _patched(family, fuse, in_place, share)
+    model, ref = _patched(family, fuse, weights)
     model.eval()
     ref.eval()
     ids, _ = _inputs(T)

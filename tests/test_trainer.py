@@ -179,3 +179,21 @@ def test_trainer_with_fast_adamw_equals_torch_adamw(tmp_path):
     for n, w in ends[0].items():
         # AdamW moves each element by ~lr per step; near-zero gradients amplify the two paths' rounding
         torch.testing.assert_close(ends[1][n], w, rtol=1e-4, atol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_trainer_default_optimizer_on_the_store_equals_parameters(tmp_path):
+    """The Trainer's own optimizer (``optimizer=None``: its default AdamW, its zero_grad / clipping / schedule) trains
+    the adapter store (the default storage) exactly as PEFT's parameters kept where PEFT made them."""
+    from models import peft_model
+
+    ends = []
+    for store in (True, False):
+        model = peft_model("llama")
+        fast_multilora.patch(model, backend="torch", adapter_store=store)
+        trainer_for(model, Stream(samples(["a0", "a1", "a2", "__base__"] * 3)), tmp_path / str(store), steps=2,
+                    batch=4, gradient_accumulation_steps=2, max_grad_norm=0.5).train()
+        ends.append(lora_weights(model))
+    start = lora_weights(peft_model("llama"))
+    for n, w in ends[1].items():
+        assert not torch.equal(w, start[n]), f"{n} did not move"
+        torch.testing.assert_close(ends[0][n], w, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
