@@ -108,7 +108,7 @@ def plot(res: dict, path: str, title: str | None = None) -> None:
     where = runs[0].get("gpu") or runs[0].get("machine", {}).get("cpu")
     fig.suptitle(title or f"fast_multilora vs PEFT · {where} · green: fast_multilora, blue: PEFT, gray: no LoRA",
                  fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

@@ -139,7 +139,7 @@ def _train(ctx, p: Provider, variant: str) -> Step:
     pm = ctx.peft(b.get("adapters"))
     pm.train()
     if p.family == "peft_single":
-        pm.set_adapter("a0")  # PEFT: a0 active and trainable on every row
+        pm.set_adapter(ctx.first_adapter())  # PEFT: one adapter active and trainable on every row
         opt, model = optimizer(p.optimizer, pm), _model(ctx, pm, p)
 
         def single():
@@ -207,7 +207,7 @@ def _train(ctx, p: Provider, variant: str) -> Step:
         value.backward()
         got = M.adapters_with_grads(pm, trained)
         opt.zero_grad(set_to_none=True)
-        return {"loss": float(value), "adapters_in_batch": len(trained), "adapters_with_grads": got}
+        return {"loss": float(value.detach()), "adapters_in_batch": len(trained), "adapters_with_grads": got}
 
     return Step(fast, lambda: _unpatch(pm), check, info, first=p.compiled)
 
@@ -230,7 +230,7 @@ def _eval(ctx, p: Provider, variant: str) -> Step:
     pm = ctx.peft()
     pm.eval()
     if p.family == "peft_single":
-        pm.set_adapter("a0")
+        pm.set_adapter(ctx.first_adapter())
         return Step(no_grad(_model(ctx, pm, p)), lambda: M.all_lora_trainable(pm), _nothing, {}, first=p.compiled)
     if p.family == "peft_mixed_loop":
         return Step(no_grad(pm, adapter_names=names), _nothing, _nothing, {})
@@ -318,7 +318,7 @@ def _layer(ctx, p: Provider, variant: str) -> Step:
         return Step(call(ctx.base()), _nothing, _nothing, {})
     pm = ctx.peft()
     if p.family == "peft_single":
-        pm.set_adapter("a0")
+        pm.set_adapter(ctx.first_adapter())
         return Step(call(pm), lambda: M.all_lora_trainable(pm), _nothing, {})
     if p.family == "peft_mixed_loop":
         hooks = mixed_loop_hooks(pm, names, ctx.lora_layer_types())

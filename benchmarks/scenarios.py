@@ -75,13 +75,15 @@ SCENARIOS = {s.name: s for s in (
              "all 7), chat (r 4, attention), code (r 16, MLP, dropout 0.1), 4 x 32 tokens, rows chat/sql/base/code; "
              "torch backend", ("frozen", "peft_single", "peft_mixed_loop", "fast_multilora",
                                "fast_multilora_store_adamw"), ("", "per_adapter_loss"), default=False),
-    Scenario("create_adapters", "declared", "llama", "time to add N adapters to a model",
+    Scenario("create_adapters", "declared", "llama", "time to add N adapters to a model", ("fast_multilora",),
              not_implemented="the library has no adapter-creation path of its own yet (PEFT's add_adapter is used)"),
     Scenario("train_step_paged", "declared", "llama", "train_step_8 with adapters paged between host and GPU",
+             ("fast_multilora",),
              not_implemented="fast_multilora has no paged adapter storage yet"),
-    Scenario("dora_step_8", "declared", "llama", "train_step_8 with DoRA adapters",
+    Scenario("dora_step_8", "declared", "llama", "train_step_8 with DoRA adapters", ("fast_multilora",),
              not_implemented="fast_multilora does not patch DoRA layers yet (they stay on PEFT's path)"),
     Scenario("step_8b_fused_loss", "declared", "llama", "an 8 B model's train step with a fused linear + loss",
+             ("fast_multilora",),
              not_implemented="fast_multilora has no fused linear-cross-entropy loss yet"),
 )}
 
@@ -154,6 +156,10 @@ class Context:
             M.grow(self._pm, n_adapters)
             M.peft_model_dtype(self._pm, self.device, self.dtype)
         return self._pm
+
+    def first_adapter(self) -> str:
+        """The adapter stock PEFT's single-adapter rows train (a0; the README's first, sql)."""
+        return next(iter(self.peft().peft_config))
 
     def cached(self, key, fn):
         if key not in self._cache:
@@ -239,6 +245,8 @@ def measure(ctx: Context, name: str, variant: str) -> dict:
     torch = ctx.torch
     slow = p.family in ("peft_sequential", "peft_mixed_loop") or ctx.kind == "generate"
     warm, iters = (ctx.sizes.slow_warm, ctx.sizes.slow_iters) if slow else (ctx.sizes.warm, ctx.sizes.iters)
+    if ctx.sc.model == "readme":  # the README's steps take milliseconds on a CPU: medians of many
+        warm, iters = 3, 21
     step: Step | None = None
     try:
         if p.compiled or (ctx.kind == "generate" and ctx.sc.name == "generate_static"):
