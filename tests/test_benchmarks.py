@@ -1,6 +1,7 @@
-"""The benchmark harness runs end to end (``bench_model.py --quick``: tiny sizes on the CPU, torch backend): every
-scenario and provider produces a timing, the fast path's outputs match stock PEFT's, and the JSON has the layout
-``docs/benchmarks.md`` reads. Timings themselves are benchmarks, never asserted."""
+"""The benchmark harness on the CPU (``benchmarks/run.py --device cpu``: tiny shapes, torch backend): rows follow the
+results schema, ratios come from the rows of the same run (fresh processes included), the fast path trains every
+adapter and equals stock PEFT's outputs, ``--merge`` keeps other scenarios, declared scenarios say they are not
+implemented, and the GPU path plans and builds its inputs (``--dry-run``). Timings themselves are never asserted."""
 
 import json
 import subprocess
@@ -10,150 +11,145 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import harness  # noqa: E402
 
 
-def bench(out, *args, rc=0, timeout=600):
-    """``bench_model.py --quick --out out *args`` in a subprocess; asserts its exit status ``rc`` and returns
-    ``(stdout, the JSON written)``."""
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--quick", *args,
-                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def run(out, *args, rc=0, timeout=600):
+    """``benchmarks/run.py --out out *args`` in a subprocess; asserts its exit status; returns (stdout, results)."""
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--out", str(out), *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=timeout)
     assert res.returncode == rc, res.stdout[-3000:] + res.stderr[-3000:]
-    return res.stdout, json.loads(out.read_text())
+    return res.stdout, (harness.load_results(str(out)) if Path(out).exists() else None)
 
 
-def assert_timed(d, scenario):
-    """Every provider of ``scenario`` timed, none raised."""
-    for name, r in d[scenario].items():
-        assert r.get("error") is None and r["ms"] is not None and r["ms"] > 0, (scenario, name, r)
+def assert_ratios_from_rows(rows):
+    """Every ok row's ratio over frozen is its wall time over the frozen row of the same record."""
+    frozen = rows["frozen"]["wall_ms"]
+    for key, r in rows.items():
+        assert r["status"] == "ok" and r["wall_ms"] > 0, (key, r)
+        if key != "frozen":
+            assert r["ratios"]["frozen"] == pytest.approx(r["wall_ms"] / frozen, rel=1e-3), (key, r)
 
 
-@pytest.mark.slow
-def test_bench_model_quick_runs_every_provider(tmp_path):
-    out = tmp_path / "h200.json"
-    _, d = bench(out)
-    assert {"layer_4096", "layer_2048", "train_step_8", "eval_8", "train_step_1", "train_step_32", "meta"} <= set(d)
-    for scenario, providers in d.items():
-        if scenario == "meta":
-            continue
-        assert "fast_multilora" in providers and "frozen" in providers, scenario
-        assert_timed(d, scenario)
-    assert {"fast_multilora_p0", "fast_multilora_p0_unshared", "peft_single_p0", "peft_single_fused_adamw",
-            "fast_multilora_fused_adamw", "fast_multilora_share_dropout",
-            "fast_multilora_adamw"} <= set(d["train_step_8"])
-    assert d["train_step_8"]["fast_multilora"]["all_adapters_got_grads"]
-    ev = d["eval_8"]["fast_multilora"]
-    assert ev["diff_rms_over_lora_effect_rms"] < 1e-3, ev  # the mixed batch equals stock PEFT's adapter_names path
-    assert (tmp_path / "h200.md").exists()
+README_ROWS = {"frozen", "peft_single", "peft_mixed_loop", "fast_multilora", "fast_multilora[per_adapter_loss]"}
 
 
-OPT_IN = ("train_step_8_compiled", "eval_8_compiled", "generate_static", "generate_dynamic")
-PROVIDERS = {"train_step_8_compiled": {"fast_multilora", "fast_multilora_adamw", "peft_single", "frozen"},
-             "eval_8_compiled": {"fast_multilora", "peft_single", "frozen"},
-             "generate_static": {"fast_multilora", "fast_multilora_store", "peft_mixed", "frozen"},
-             "generate_dynamic": {"fast_multilora", "fast_multilora_store", "peft_mixed", "frozen"}}
+def test_cpu_readme_step_rows_schema_and_ratios(tmp_path):
+    out = tmp_path / "cpu.json"
+    stdout, res = run(out, "--device", "cpu", "--scenarios", "readme_step_cpu",
+                      "--providers", "frozen,peft_single,peft_mixed_loop,fast_multilora")
+    rec = res["scenarios"]["readme_step_cpu"]
+    assert set(rec["rows"]) == README_ROWS
+    assert_ratios_from_rows(rec["rows"])
+    ps = rec["rows"]["peft_single"]["wall_ms"]
+    fast = rec["rows"]["fast_multilora"]
+    assert fast["ratios"]["peft_single"] == pytest.approx(fast["wall_ms"] / ps, rel=1e-3)
+    for key in ("fast_multilora", "fast_multilora[per_adapter_loss]"):  # sql, chat, code all trained
+        e = rec["rows"][key]["extra"]
+        assert e["adapters_in_batch"] == e["adapters_with_grads"] == 3, e
+        assert e["patch"]["fallback"] == 0 and e["patch"]["patched"] > 0, e
+    run_meta = rec["run"]
+    assert run_meta["device"] == "cpu" and run_meta["backend"] == "torch" and not run_meta["fresh_process"]
+    assert len(run_meta["machine"]["load_avg_1_5_15"]) == 3 and "run.py" in run_meta["command"]
+    assert "readme_step_cpu" in stdout
 
 
-@pytest.fixture(scope="module")
-def opt_in_run(tmp_path_factory):
-    """The opt-in scenarios' quick run (compiled with aot_eager), merged into an earlier run's JSON."""
-    out = tmp_path_factory.mktemp("bench_opt_in") / "h200.json"
-    earlier = {"train_step_8": {p: {"ms": 2.0, "peak_mib": None} for p in ("fast_multilora", "peft_single", "frozen")},
-               "meta": {"device": "cpu", "quick": True, "scenarios": {"train_step_8": "an earlier run"},
-                        "skipped_scenarios": ["layer_4096"]}}
+def test_fresh_process_rows_side_by_side(tmp_path):
+    """``--fresh-process``: each provider in its own process, their rows in one record with ratios between them."""
+    out = tmp_path / "r.json"
+    _, res = run(out, "--device", "cpu", "--scenarios", "readme_step_cpu", "--providers", "frozen,fast_multilora",
+                 "--variants", ",", "--fresh-process")
+    rows = res["scenarios"]["readme_step_cpu"]["rows"]
+    assert set(rows) == {"frozen", "fast_multilora"}
+    assert all(r["fresh_process"] for r in rows.values())
+    assert res["scenarios"]["readme_step_cpu"]["run"]["fresh_process"]
+    assert_ratios_from_rows(rows)
+
+
+def test_eval_and_layer_match_peft_and_merge_keeps_other_scenarios(tmp_path):
+    out = tmp_path / "m.json"
+    earlier = {"schema": 2, "scenarios": {"train_step_8": {"description": "an earlier run", "run": {"commit": "x"},
+                                                            "rows": {"frozen": harness.make_row("frozen",
+                                                                                                wall_ms=2.0)}}}}
     out.write_text(json.dumps(earlier))
-    return out, bench(out, "--merge", "--scenarios", ",".join(OPT_IN))[1]
+    _, res = run(out, "--device", "cpu", "--scenarios", "eval_8,layer_4096", "--merge",
+                 "--providers", "frozen,peft_single,peft_mixed_loop,fast_multilora")
+    assert res["scenarios"]["train_step_8"]["rows"]["frozen"]["wall_ms"] == 2.0  # kept
+    ev = res["scenarios"]["eval_8"]["rows"]
+    assert set(ev) == {"frozen", "peft_single", "peft_mixed_loop", "fast_multilora"}
+    assert_ratios_from_rows(ev)
+    # the mixed batch (8 adapters + base rows) equals PEFT's own adapter_names path, B off zero
+    assert ev["fast_multilora"]["extra"]["diff_rms_over_lora_effect_rms"] < 1e-4, ev["fast_multilora"]
+    assert_ratios_from_rows(res["scenarios"]["layer_4096"]["rows"])
 
 
-def _check_row(scenario, name, r):
-    assert r.get("error") is None and r["ms"] is not None and r["ms"] > 0, (scenario, name, r)
-    assert {"ms", "peak_mib", "compile_s"} <= set(r), (scenario, name, r)
-    if scenario == "generate_dynamic":
-        assert r["compile_s"] is None, (scenario, name, r)  # eager
-    else:
-        assert r["compile_s"] > 0 and r["compile_backend"] == "aot_eager" and r["graphs"] >= 1, (scenario, name, r)
-        assert r["compile_mode"] == "default", (scenario, name, r)
-    if scenario == "eval_8_compiled":
-        assert r["max_abs_diff_vs_eager"] < 1e-4, (scenario, name, r)
-    if scenario == "generate_static" or (scenario == "generate_dynamic" and name.startswith("fast_multilora")):
-        # fp32: compiled (or ours) greedy tokens equal the eager ones
-        assert r["tokens_equal"] and r["tokens_common_prefix_frac"] == 1.0, (scenario, name, r)
+def test_declared_scenarios_record_not_implemented(tmp_path):
+    out = tmp_path / "d.json"
+    _, res = run(out, "--device", "cpu", "--scenarios", "dora_step_8,step_8b_fused_loss")
+    for sc in ("dora_step_8", "step_8b_fused_loss"):
+        rows = res["scenarios"][sc]["rows"]
+        assert rows and all(r["status"] == "not_implemented" and r["wall_ms"] is None and r["reason"]
+                            for r in rows.values()), rows
 
 
-@pytest.mark.slow
-def test_bench_model_quick_opt_in_scenarios(opt_in_run):
-    out, d = opt_in_run
-    assert set(OPT_IN) | {"train_step_8", "meta"} <= set(d)
-    assert d["train_step_8"]["frozen"]["ms"] == 2.0  # --merge kept the earlier run's scenario
-    assert d["meta"]["merged_runs"][-1]["scenarios"] == list(OPT_IN)
-    assert "layer_4096" in d["meta"]["skipped_scenarios"] and "generate_static" not in d["meta"]["skipped_scenarios"]
-    for scenario in OPT_IN:
-        assert set(d[scenario]) == PROVIDERS[scenario], scenario
-        for name, r in d[scenario].items():
-            _check_row(scenario, name, r)
-    for scenario in ("train_step_8_compiled", "eval_8_compiled"):  # every provider, ours too: no graph break
-        for name, r in d[scenario].items():
-            assert r["graph_breaks"] == 0 and r["graphs"] == 1, (scenario, name, r)
-    md = (out.parent / "h200.md").read_text()
-    assert all(f"## {s}" in md for s in ("train_step_8", *OPT_IN)), md
+def test_scale_variants_and_skipped_provider(tmp_path):
+    """train_step_scale: frozen once, each fast provider per (resident, in-batch) count, every adapter of the batch
+    trained; moe_step_8 records PEFT's missing mixed path for experts as skipped, with the reason."""
+    out = tmp_path / "s.json"
+    _, res = run(out, "--device", "cpu", "--scenarios", "train_step_scale,moe_step_8",
+                 "--providers", "frozen,fast_multilora_store_adamw,peft_mixed_loop", "--variants", ",n=32/batch=32")
+    rows = res["scenarios"]["train_step_scale"]["rows"]
+    assert set(rows) == {"frozen", "fast_multilora_store_adamw[n=32/batch=32]"}
+    e = rows["fast_multilora_store_adamw[n=32/batch=32]"]["extra"]
+    assert e["adapters_in_batch"] == e["adapters_with_grads"] == 32, e
+    moe = res["scenarios"]["moe_step_8"]["rows"]
+    assert moe["peft_mixed_loop"]["status"] == "skipped" and "ParamWrapper" in moe["peft_mixed_loop"]["reason"]
+    e = moe["fast_multilora_store_adamw"]["extra"]
+    assert e["adapters_with_grads"] == 8, e
 
 
-@pytest.mark.slow
-def test_bench_model_quick_qlora(tmp_path):
-    """``qlora_step_8`` / ``qlora_eval_8`` on a tiny 4-bit model (bitsandbytes' CPU layers): every provider times,
-    every adapter trains, the patched model equals stock PEFT (eval: the mixed batch; train: a0 and a base row)."""
-    pytest.importorskip("bitsandbytes")
-    out = tmp_path / "h200.json"
-    _, d = bench(out, "--scenarios", "qlora_step_8,qlora_eval_8")
-    for scenario in ("qlora_step_8", "qlora_eval_8"):
-        assert set(d[scenario]) == {"fast_multilora", "peft_single", "peft_mixed_loop", "frozen"}, scenario
-        assert_timed(d, scenario)
-        fast = d[scenario]["fast_multilora"]
-        assert fast["patch"] == {"patched": 14, "fallback": 0}, fast
-        assert fast["diff_rms_over_lora_effect_rms"] < 1e-3, fast
-    assert d["qlora_step_8"]["fast_multilora"]["all_adapters_got_grads"]
-    assert "## qlora_step_8" in (tmp_path / "h200.md").read_text()
+def test_dry_run_builds_every_gpu_scenario():
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--dry-run", "--device", "cuda",
+                          "--scenarios", "all"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "inputs[]: {'ids': (16, 1024)}" in res.stdout  # full shapes
+    assert "row fast_multilora_paged_adamw8bit[per_adapter_loss]" in res.stdout
+    assert "row fast_multilora_store_adamw[n=1024/batch=64]" in res.stdout
+    assert "not implemented" in res.stdout
 
 
-def test_bench_model_budget_skips_exit_3(tmp_path):
-    """A scenario left out by ``--budget-s`` makes the run's exit status 3 (a partial run), naming it."""
-    out = tmp_path / "h200.json"
-    stdout, d = bench(out, "--scenarios", "eval_8", "--budget-s", "0", rc=3, timeout=300)
-    assert "skipped for the time budget: eval_8" in stdout
-    assert "eval_8" in d["meta"]["skipped_scenarios"] and not d.get("eval_8"), d.get("eval_8")
+def test_unknown_names_exit_2(tmp_path):
+    for args in (["--scenarios", "train_step_9"], ["--providers", "peft_singel"]):
+        res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--device", "cpu", *args],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 2 and args[1] in res.stderr and "choose from" in res.stderr, res.stderr[-2000:]
 
 
-@pytest.mark.slow
-def test_bench_model_quick_moe_and_scale(tmp_path):
-    """``moe_step_8`` (every provider times; ours trains every adapter, expert weights included, and equals stock
-    PEFT) and ``train_step_scale`` (one provider per adapter count, every resident adapter trained) on tiny models."""
-    out = tmp_path / "h200.json"
-    _, d = bench(out, "--scenarios", "moe_step_8,train_step_scale")
-    assert set(d["moe_step_8"]) == {"fast_multilora", "peft_single", "peft_sequential", "frozen"}
-    assert [p for p in d["train_step_scale"]] == ["fast_2", "fast_2_torch_adamw", "fast_8", "fast_32",
-                                                  "fast_32_torch_adamw"]
-    for scenario in ("moe_step_8", "train_step_scale"):
-        assert_timed(d, scenario)
-    fast = d["moe_step_8"]["fast_multilora"]
-    assert fast["all_adapters_got_grads"] and fast["patch"]["experts"] > 0, fast
-    assert fast["diff_rms_over_lora_effect_rms"] < 1e-3, fast
-    for n in (2, 8, 32):
-        r = d["train_step_scale"][f"fast_{n}"]
-        assert r["adapters_with_grads"] == r["adapters"] == n and r["optimizer_ms"] > 0, r
-        assert r["layer_host_us"] > 0 and r["layer_host_us_in_model"] > 0, r  # interleaved; in the grown model
-        assert r["optimizer"] == "fast_multilora.AdamW", r
-    assert "## train_step_scale" in (tmp_path / "h200.md").read_text()
+def test_add_ratios_and_schema_checks():
+    rows = {"frozen": harness.make_row("frozen", wall_ms=10.0),
+            "peft_single": harness.make_row("peft_single", wall_ms=20.0),
+            "fast": harness.make_row("fast", wall_ms=15.0),
+            "fast[v]": harness.make_row("fast", "v", wall_ms=30.0),
+            "bad": harness.make_row("bad", "", "error", "boom")}
+    harness.add_ratios(rows)
+    assert rows["fast"]["ratios"] == {"frozen": 1.5, "peft_single": 0.75}
+    assert rows["fast[v]"]["ratios"] == {"frozen": 3.0, "peft_single": 1.5, "first_variant": 2.0}
+    assert rows["bad"]["ratios"] == {} and rows["frozen"]["ratios"] == {"peft_single": 0.5}
+    res = {"schema": 2, "scenarios": {"s": {"description": "", "run": {}, "rows": rows}}}
+    harness.check_results(res)
+    rows["fast"]["status"] = "ok?"
+    with pytest.raises(ValueError, match="s/fast"):
+        harness.check_results(res)
+    with pytest.raises(ValueError, match="status"):
+        harness.make_row("x", status="fine")
 
 
-@pytest.mark.slow
-def test_bench_model_quick_scale_compiled(tmp_path):
-    """``train_step_scale_compiled`` (aot_eager): every count compiles to one graph without a break, times, and
-    trains every resident adapter."""
-    out = tmp_path / "h200.json"
-    _, d = bench(out, "--scenarios", "train_step_scale_compiled", "--scale-counts", "2,8")
-    assert list(d["train_step_scale_compiled"]) == ["fast_2", "fast_8"]
-    assert_timed(d, "train_step_scale_compiled")
-    for n in (2, 8):
-        r = d["train_step_scale_compiled"][f"fast_{n}"]
-        assert r["adapters_with_grads"] == n and r["compile_s"] > 0 and r["compile_backend"] == "aot_eager", r
-        assert r["graphs"] == 1 and r["graph_breaks"] == 0 and "layer_host_us" not in r, r
-    assert "## train_step_scale_compiled" in (tmp_path / "h200.md").read_text()
+@pytest.mark.parametrize("name", ["h200.json", "cpu.json"])
+def test_committed_results_follow_the_schema(name):
+    res = harness.load_results(str(ROOT / "benchmarks" / "results" / name))
+    assert res["scenarios"], name
+    key = "train_step_8" if name == "h200.json" else "readme_step_cpu"
+    rows = res["scenarios"][key]["rows"]
+    assert rows["frozen"]["status"] == "ok" and rows["fast_multilora"]["ratios"]["frozen"] > 0

@@ -1,0 +1,327 @@
+"""Providers: how a user configures each contender, as data (``PROVIDERS``), and the call each one times per scenario
+kind (``prepare``).
+
+A provider is a family (``frozen``: the base model, no LoRA; ``peft_single``: stock PEFT, one adapter on every row;
+``peft_sequential``: stock PEFT, the adapters trained one after another on their own rows; ``peft_mixed_loop``: PEFT's
+own per-sample mixed-batch loop; ``fast``: the PEFT model after ``fast_multilora.patch``, one mixed batch) plus the
+optimizer the user builds, whether the model is ``torch.compile``d, and ``PatchConfig`` settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import models as M
+
+
+@dataclass(frozen=True)
+class Provider:
+    name: str
+    family: str  # frozen | peft_single | peft_sequential | peft_mixed_loop | fast
+    doc: str
+    optimizer: str = "adamw"  # adamw | adamw_fused | paged_adamw8bit | store
+    compiled: bool = False
+    patch: tuple = ()  # PatchConfig overrides, (name, value) pairs
+    needs: str | None = None  # a module the provider imports; without it the row is skipped with that reason
+
+
+OPTIMIZERS = {
+    "adamw": "torch.optim.AdamW(model.parameters(), lr) (torch defaults: foreach)",
+    "adamw_fused": "torch.optim.AdamW(model.parameters(), lr, fused=True)",
+    "paged_adamw8bit": "bitsandbytes.optim.PagedAdamW8bit(model.parameters(), lr)",
+    "store": "fast_multilora.AdamW(model, lr) (adapter store: one launch for every adapter)",
+}
+
+PROVIDERS = {p.name: p for p in (
+    Provider("frozen", "frozen", "the base model without LoRA (train: forward + backward to the input embeddings, no "
+                                 "optimizer): the floor"),
+    Provider("peft_single", "peft_single", "stock PEFT, eager, one adapter active on every row"),
+    Provider("peft_single_fused_adamw", "peft_single", "peft_single with AdamW(fused=True)", optimizer="adamw_fused"),
+    Provider("peft_single_compiled", "peft_single", "peft_single under torch.compile(model) (default mode)",
+             compiled=True),
+    Provider("peft_sequential", "peft_sequential", "stock PEFT, each adapter trained on its own rows one after "
+                                                   "another, an AdamW per adapter"),
+    Provider("peft_mixed_loop", "peft_mixed_loop", "PEFT's own per-sample mixed batch (adapter_names: a loop over "
+                                                   "adapters in every LoRA layer); in training injected by a "
+                                                   "pre-hook, as PEFT allows it only at inference"),
+    Provider("fast_multilora", "fast", "fast_multilora.patch(model), one mixed batch of every adapter, the user's "
+                                       "own torch.optim.AdamW(model.parameters(), lr)"),
+    Provider("fast_multilora_fused_adamw", "fast", "fast_multilora with AdamW(fused=True)", optimizer="adamw_fused"),
+    Provider("fast_multilora_paged_adamw8bit", "fast", "fast_multilora with bitsandbytes' PagedAdamW8bit",
+             optimizer="paged_adamw8bit", needs="bitsandbytes"),
+    Provider("fast_multilora_compiled", "fast", "fast_multilora under torch.compile(model) (default mode)",
+             compiled=True),
+    Provider("fast_multilora_store_adamw", "fast", "fast_multilora with fast_multilora.AdamW(model, lr)",
+             optimizer="store"),
+    Provider("fast_multilora_adapter_store", "fast", "fast_multilora with PatchConfig(adapter_store=True) (inference)",
+             patch=(("adapter_store", True),)),
+)}
+
+
+class Step(NamedTuple):
+    """What a row times: ``fn()`` (one call); ``check()`` after the timing returns fields to record; ``teardown()``
+    always runs; ``first`` is set when the first call compiles (its wall time is recorded as ``compile_s``)."""
+    fn: Callable
+    teardown: Callable
+    check: Callable
+    info: dict
+    first: bool = False
+
+
+def _nothing():
+    return {}
+
+
+def optimizer(kind: str, model):
+    import torch
+
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=M.LR)
+    if kind == "adamw_fused":
+        return torch.optim.AdamW(model.parameters(), lr=M.LR, fused=True)
+    if kind == "paged_adamw8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.PagedAdamW8bit(model.parameters(), lr=M.LR)
+    if kind == "store":
+        import fast_multilora
+
+        return fast_multilora.AdamW(model, lr=M.LR)
+    raise ValueError(f"unknown optimizer {kind!r}; expected one of {sorted(OPTIMIZERS)}")
+
+
+def mixed_loop_hooks(model, names, layer_types) -> list:
+    """PEFT's per-adapter loop in every LoRA layer of ``layer_types``, in training too: ``adapter_names`` handed to
+    each layer's forward by a pre-hook (PEFT's model-level ``adapter_names`` refuses training)."""
+    return [m.register_forward_pre_hook(lambda mod, a, kw: (a, {**kw, "adapter_names": list(names)}),
+                                        with_kwargs=True)
+            for m in model.modules() if isinstance(m, layer_types)]
+
+
+def _patch(ctx, pm, p: Provider):
+    import fast_multilora
+
+    report = fast_multilora.patch(pm, backend=ctx.backend, **dict(p.patch))
+    return {"patched": len(report.patched), "fallback": len(report.fallback)}
+
+
+def _unpatch(pm):
+    import fast_multilora
+
+    fast_multilora.unpatch(pm)
+
+
+def _model(ctx, pm, p: Provider):
+    return ctx.compile(pm) if p.compiled else pm
+
+
+def prepare(ctx, p: Provider, variant: str) -> Step:
+    """The timed call of provider ``p`` in ``ctx``'s scenario (``ctx.kind``: train, scale, eval, generate, layer)."""
+    kind = "train" if ctx.kind == "scale" else ctx.kind
+    return {"train": _train, "eval": _eval, "generate": _generate, "layer": _layer}[kind](ctx, p, variant)
+
+
+# -- training steps ----------------------------------------------------------------------------------------------------
+
+def _train(ctx, p: Provider, variant: str) -> Step:
+    b = ctx.batch(variant)
+    ids = b["ids"]
+    if p.family == "frozen":
+        base = ctx.base()
+        base.requires_grad_(False)
+
+        def frozen():
+            emb = base.get_input_embeddings()(ids).detach().requires_grad_(True)
+            base(inputs_embeds=emb, labels=ids).loss.backward()
+
+        return Step(frozen, _nothing, _nothing, {})
+    pm = ctx.peft(b.get("adapters"))
+    pm.train()
+    if p.family == "peft_single":
+        pm.set_adapter(ctx.first_adapter())  # PEFT: one adapter active and trainable on every row
+        opt, model = optimizer(p.optimizer, pm), _model(ctx, pm, p)
+
+        def single():
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return Step(single, lambda: M.all_lora_trainable(pm), _nothing, {"optimizer": OPTIMIZERS[p.optimizer]},
+                    first=p.compiled)
+    names = b["names"]
+    M.all_lora_trainable(pm)
+    if p.family == "peft_sequential":
+        order = list(dict.fromkeys(n for n in names if n != "__base__"))
+        rows = {a: [i for i, n in enumerate(names) if n == a] for a in order}
+        opts = {a: ctx.torch.optim.AdamW(M.lora_params(pm, a), lr=M.LR) for a in order}
+
+        def sequential():
+            for a in order:
+                pm.set_adapter(a)
+                x = ids[rows[a]]
+                pm(input_ids=x, labels=x).loss.backward()
+                opts[a].step()
+                opts[a].zero_grad(set_to_none=True)
+
+        return Step(sequential, lambda: M.all_lora_trainable(pm), _nothing,
+                    {"optimizer": "torch.optim.AdamW per adapter", "rows_per_adapter": len(ids) // len(order)})
+    if p.family == "peft_mixed_loop":
+        hooks = mixed_loop_hooks(pm, names, ctx.lora_layer_types())
+        opt = optimizer(p.optimizer, pm)
+
+        def loop():
+            pm(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return Step(loop, lambda: [h.remove() for h in hooks], _nothing, {"optimizer": OPTIMIZERS[p.optimizer]})
+    # fast_multilora: every adapter trained in one mixed batch
+    info = {"patch": _patch(ctx, pm, p), "optimizer": OPTIMIZERS[p.optimizer]}
+    opt = optimizer(p.optimizer, pm)
+    model = _model(ctx, pm, p)
+    route = {k: b[k] for k in ("adapter_ids", "position_ids") if k in b}
+    if variant == "per_adapter_loss":
+        import fast_multilora
+
+        info["loss"] = "fast_multilora.per_adapter_loss, rows grouped by adapter"
+
+        def loss():
+            return fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=names, **route).logits, ids,
+                                                   names, adapter_ids=route.get("adapter_ids"))
+    else:
+        info["loss"] = "HF labels= loss" + (", packed rows (adapter_ids)" if route else ", rows interleaved")
+
+        def loss():
+            return model(input_ids=ids, labels=ids, adapter_names=names, **route).loss
+
+    def fast():
+        loss().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    trained = [n for n in dict.fromkeys(names) if n != "__base__"]
+
+    def check():  # the timed steps trained every adapter of the batch (B moved off zero: A gets gradients too)
+        value = loss()
+        value.backward()
+        got = M.adapters_with_grads(pm, trained)
+        opt.zero_grad(set_to_none=True)
+        return {"loss": float(value.detach()), "adapters_in_batch": len(trained), "adapters_with_grads": got}
+
+    return Step(fast, lambda: _unpatch(pm), check, info, first=p.compiled)
+
+
+# -- inference ---------------------------------------------------------------------------------------------------------
+
+def _eval(ctx, p: Provider, variant: str) -> Step:
+    torch = ctx.torch
+    b = ctx.batch(variant)
+    ids, names = b["ids"], b["names"]
+
+    def no_grad(model, **kw):
+        def fn():
+            with torch.no_grad():
+                return model(input_ids=ids, **kw).logits
+        return fn
+
+    if p.family == "frozen":
+        return Step(no_grad(ctx.base()), _nothing, _nothing, {})
+    pm = ctx.peft()
+    pm.eval()
+    if p.family == "peft_single":
+        pm.set_adapter(ctx.first_adapter())
+        return Step(no_grad(_model(ctx, pm, p)), lambda: M.all_lora_trainable(pm), _nothing, {}, first=p.compiled)
+    if p.family == "peft_mixed_loop":
+        return Step(no_grad(pm, adapter_names=names), _nothing, _nothing, {})
+    ref = ctx.cached("peft_logits", lambda: _peft_logits(pm, ids, names))  # before patching: PEFT's own numbers
+    info = {"patch": _patch(ctx, pm, p)}
+    fn = no_grad(_model(ctx, pm, p), adapter_names=names)
+
+    def check():
+        """The mixed batch's logits against PEFT's ``adapter_names`` path: max |diff| and diff RMS over the RMS of
+        the LoRA effect (PEFT's logits minus the base's)."""
+        got = fn().float().cpu()
+        want, base = ref
+        diff = got - want
+        return {"max_abs_diff_vs_peft": float(diff.abs().max()),
+                "diff_rms_over_lora_effect_rms": float(diff.pow(2).mean().sqrt() / (want - base).pow(2).mean().sqrt())}
+
+    return Step(fn, lambda: _unpatch(pm), check, info, first=p.compiled)
+
+
+def _peft_logits(pm, ids, names):
+    import torch
+
+    with torch.no_grad():
+        want = pm(input_ids=ids, adapter_names=names).logits.float().cpu()
+        with pm.disable_adapter():
+            base = pm(input_ids=ids).logits.float().cpu()
+    return want, base
+
+
+def _generate(ctx, p: Provider, variant: str) -> Step:
+    torch = ctx.torch
+    b = ctx.batch(variant)
+    kw, names, T = b["generate"], b["names"], b["ids"].shape[1]
+    out = {}
+
+    def gen(model, **more):
+        def fn():
+            with torch.no_grad():
+                out["tokens"] = model.generate(**kw, **more)
+        return fn
+
+    info = {"cache": "static (transformers compiles the decode step)" if "compile_config" in kw else "dynamic"}
+    if p.family == "frozen":
+        return Step(gen(ctx.base()), _nothing, _nothing, info, first="compile_config" in kw)
+    pm = ctx.peft()
+    pm.eval()
+    dyn = {k: v for k, v in kw.items() if k not in ("cache_implementation", "compile_config")}
+
+    def peft_tokens():
+        with torch.no_grad():
+            return pm.generate(**dyn, adapter_names=names).cpu()
+
+    if p.family == "peft_mixed_loop":
+        return Step(gen(pm, adapter_names=names), _nothing, _nothing, info, first="compile_config" in kw)
+    ref = ctx.cached("peft_tokens", peft_tokens)  # before patching
+    info["patch"] = _patch(ctx, pm, p)
+
+    def check():
+        """Greedy tokens against PEFT's mixed dynamic-cache generate: equal, and the share of each row's new tokens
+        before its first difference (bf16 rounding can flip a near tie of the random model)."""
+        got, want = out.pop("tokens")[:, T:].cpu(), ref[:, T:]
+        prefix = (got == want).int().cumprod(dim=1).sum(dim=1).float().mean() / want.shape[1]
+        return {"tokens_equal_peft": bool(torch.equal(got, want)), "tokens_common_prefix_frac": float(prefix)}
+
+    return Step(gen(pm, adapter_names=names), lambda: _unpatch(pm), check, info, first="compile_config" in kw)
+
+
+# -- one layer ---------------------------------------------------------------------------------------------------------
+
+def _layer(ctx, p: Provider, variant: str) -> Step:
+    b = ctx.batch(variant)
+    x, gy, names = b["x"], b["gy"], b["names"]
+
+    def call(model, **kw):
+        params = [q for q in model.parameters() if q.requires_grad]
+
+        def fn():
+            x.grad = None
+            for q in params:
+                q.grad = None
+            model(x, **kw).backward(gy)
+        return fn
+
+    if p.family == "frozen":
+        return Step(call(ctx.base()), _nothing, _nothing, {})
+    pm = ctx.peft()
+    if p.family == "peft_single":
+        pm.set_adapter(ctx.first_adapter())
+        return Step(call(pm), lambda: M.all_lora_trainable(pm), _nothing, {})
+    if p.family == "peft_mixed_loop":
+        hooks = mixed_loop_hooks(pm, names, ctx.lora_layer_types())
+        return Step(call(pm), lambda: [h.remove() for h in hooks], _nothing, {})
+    info = {"patch": _patch(ctx, pm, p)}
+    return Step(call(pm, adapter_names=names), lambda: _unpatch(pm), _nothing, info)

@@ -1,0 +1,285 @@
+"""Scenarios as data (``SCENARIOS``), the state one scenario's rows share (``Context``: models built once, lazily,
+batches per variant) and the in-process measurement of one provider's rows (``measure``).
+
+A scenario runs its providers in table order (``frozen`` first, on the base model before PEFT wraps it). Variants:
+``""`` (every provider) and others (the ``fast`` family only, e.g. ``per_adapter_loss``); a scenario whose variants are
+all non-empty (``train_step_scale``'s adapter counts) runs ``frozen`` once and its other providers per variant.
+"""
+
+from __future__ import annotations
+
+import gc
+import traceback
+from dataclasses import dataclass
+
+import harness
+import models as M
+from providers import PROVIDERS, Step, prepare
+
+TRAIN = ("frozen", "peft_single", "peft_single_fused_adamw", "peft_single_compiled", "peft_sequential",
+         "peft_mixed_loop", "fast_multilora", "fast_multilora_fused_adamw", "fast_multilora_paged_adamw8bit",
+         "fast_multilora_compiled", "fast_multilora_store_adamw")
+EVAL = ("frozen", "peft_single", "peft_single_compiled", "peft_mixed_loop", "fast_multilora",
+        "fast_multilora_compiled", "fast_multilora_adapter_store")
+GENERATE = ("frozen", "peft_mixed_loop", "fast_multilora", "fast_multilora_adapter_store")
+LAYER = ("frozen", "peft_single", "peft_mixed_loop", "fast_multilora")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    kind: str  # train | scale | eval | generate | layer | declared
+    model: str  # llama | qlora | moe | readme | layer
+    description: str
+    providers: tuple = ()
+    variants: tuple = ("",)
+    skip: tuple = ()  # (provider, reason): rows recorded as skipped
+    not_implemented: str | None = None  # declared slot: no measurement until the library has the feature
+    needs: str | None = None  # a module the scenario needs (bitsandbytes)
+    dropout: float = 0.05
+    default: bool = True  # in run.py's default list
+
+
+_LLAMA = "Llama-shaped model (full: 8 layers, hidden 2048, intermediate 5632, 32/4 heads, vocab 32000, ~0.5 B), bf16"
+_TOK = "16 x 1024 tokens (tiny: 16 x 16)"
+SCENARIOS = {s.name: s for s in (
+    Scenario("train_step_8", "train", "llama",
+             f"{_LLAMA}, {_TOK}, 8 adapters r=16 alpha 32 dropout 0.05 on all 7 projections, one optimizer step; "
+             "variant '': HF labels= loss, rows interleaved a0,a1,..; per_adapter_loss: fast_multilora."
+             "per_adapter_loss, rows grouped by adapter", TRAIN, ("", "per_adapter_loss")),
+    Scenario("qlora_step_8", "train", "qlora",
+             "train_step_8 on the same model saved and loaded in 4-bit (bitsandbytes nf4, double quantization, bf16 "
+             "compute); LoRA bf16", TRAIN, ("", "per_adapter_loss"), needs="bitsandbytes"),
+    Scenario("moe_step_8", "train", "moe",
+             "Qwen3-MoE-shaped model (full: 8 layers, hidden 2048, 16 experts x intermediate 768, top-2, grouped_mm), "
+             f"{_TOK}, 8 adapters r=16 dropout 0 on q/k/v/o + experts (PEFT target_parameters)", TRAIN,
+             ("", "per_adapter_loss"),
+             skip=(("peft_mixed_loop", "PEFT's expert LoRA (lora.ParamWrapper) refuses adapter_names"),), dropout=0.0),
+    Scenario("layer_4096", "layer", "layer",
+             "one nn.Linear 4096x4096 (tiny: 64x64), 8 x 1024 tokens, forward + backward (dx and LoRA grads), 8 "
+             "adapters r=16 mixed, no optimizer", LAYER),
+    Scenario("eval_8", "eval", "llama", f"{_LLAMA}, forward only, {_TOK}: 8 adapters over 14 rows + 2 base rows",
+             EVAL),
+    Scenario("generate_static", "generate", "llama",
+             f"{_LLAMA}, generate 16 prompts x 128 tokens (tiny: 8), 64 new tokens (tiny: 4), greedy, 8 adapters over "
+             "12 rows + 4 base rows, cache_implementation='static' (transformers compiles the decode step)", GENERATE,
+             dropout=0.0),
+    Scenario("generate_dynamic", "generate", "llama", "generate_static with the default dynamic cache, eager",
+             GENERATE, dropout=0.0),
+    Scenario("train_step_scale", "scale", "llama",
+             "train_step_8's model and tokens; n adapters resident and in the optimizer, 8 or 64 of them in the batch "
+             "(8: 2 rows each, adapter_names; 64: packed rows of 4 samples, adapter_ids), HF labels= loss",
+             ("frozen", "fast_multilora", "fast_multilora_store_adamw"), variants=("scale",)),
+    Scenario("readme_step_cpu", "train", "readme",
+             "the README's quick-start step on a CPU: tiny Llama (hidden 64, 2 layers, vocab 256), adapters sql (r 8, "
+             "all 7), chat (r 4, attention), code (r 16, MLP, dropout 0.1), 4 x 32 tokens, rows chat/sql/base/code; "
+             "torch backend", ("frozen", "peft_single", "peft_mixed_loop", "fast_multilora",
+                               "fast_multilora_store_adamw"), ("", "per_adapter_loss"), default=False),
+    Scenario("create_adapters", "declared", "llama", "time to add N adapters to a model", ("fast_multilora",),
+             not_implemented="the library has no adapter-creation path of its own yet (PEFT's add_adapter is used)"),
+    Scenario("train_step_paged", "declared", "llama", "train_step_8 with adapters paged between host and GPU",
+             ("fast_multilora",),
+             not_implemented="fast_multilora has no paged adapter storage yet"),
+    Scenario("dora_step_8", "declared", "llama", "train_step_8 with DoRA adapters", ("fast_multilora",),
+             not_implemented="fast_multilora does not patch DoRA layers yet (they stay on PEFT's path)"),
+    Scenario("step_8b_fused_loss", "declared", "llama", "an 8 B model's train step with a fused linear + loss",
+             ("fast_multilora",),
+             not_implemented="fast_multilora has no fused linear-cross-entropy loss yet"),
+)}
+
+
+def variants_of(sc: Scenario, sizes: M.Sizes) -> list:
+    if sc.variants == ("scale",):
+        return [f"n={n}/batch={m}" for n, m in sizes.scale]
+    return list(sc.variants)
+
+
+def rows_of(sc: Scenario, providers, sizes: M.Sizes, variants=None) -> list:
+    """``(provider, variant)`` pairs ``sc`` measures among ``providers``, in run order (variant-major)."""
+    vs = [v for v in variants_of(sc, sizes) if variants is None or v in variants]
+    out = []
+    for v in vs:
+        for name in sc.providers:
+            fam = PROVIDERS[name].family
+            if name not in providers:
+                continue
+            if fam == "frozen":
+                if v == vs[0]:
+                    out.append((name, ""))
+            elif v == "" or fam == "fast":
+                out.append((name, v))
+    return out
+
+
+class Context:
+    """One scenario's shared state on one device: the base model, the PEFT model (built on first use), batches."""
+
+    def __init__(self, sc: Scenario, device: str, size: str, backend: str, compile_backend: str):
+        import torch
+
+        self.torch, self.sc, self.kind, self.device = torch, sc, sc.kind, device
+        self.sizes = M.Sizes(size)
+        self.dtype = torch.bfloat16 if device == "cuda" else torch.float32  # bf16 matmuls crawl on CPUs
+        self.backend, self.compile_backend = backend, compile_backend
+        self._base = self._pm = None
+        self._wrapped = False
+        self._cache = {}
+
+    def base(self):
+        if self._wrapped:
+            raise RuntimeError(f"{self.sc.name}: frozen must run before the PEFT model wraps the base")
+        if self._base is None:
+            s, dev, dt = self.sizes, self.device, self.dtype
+            self._base = {"llama": lambda: M.llama(s, dev, dt), "moe": lambda: M.moe(s, dev, dt),
+                          "qlora": lambda: M.qlora_base(s, dev, dt), "layer": lambda: M.layer_base(s, dev, dt),
+                          "readme": lambda: M.llama(s, dev, dt, M.README_MODEL)}[self.sc.model]()
+        return self._base
+
+    def peft(self, n_adapters=None):
+        """The PEFT model (built from the base on first use; grown to ``n_adapters`` adapters when given)."""
+        if self._pm is None:
+            if self.sc.model == "readme":
+                self._pm = M.readme_model(self.device, self.dtype)
+            else:
+                lora = dict(dropout=self.sc.dropout, rank=self.sizes.rank)
+                if self.sc.model == "moe":
+                    lora.update(targets=M.ATTN, target_parameters=M.MOE_PARAMETERS)
+                if self.sc.model == "layer":
+                    lora.update(targets=["0"])
+                if self.kind == "generate":
+                    lora.update(init_lora_weights=False)
+                self._pm = M.peft_model(self.base(), n_adapters or 8, self.device, self.dtype, **lora)
+                if self.kind == "eval" and self.device != "meta":
+                    M.lora_b_off_zero(self._pm)
+            self._wrapped = True
+        elif n_adapters:
+            M.grow(self._pm, n_adapters)
+            M.peft_model_dtype(self._pm, self.device, self.dtype)
+        return self._pm
+
+    def first_adapter(self) -> str:
+        """The adapter stock PEFT's single-adapter rows train (a0; the README's first, sql)."""
+        return next(iter(self.peft().peft_config))
+
+    def cached(self, key, fn):
+        if key not in self._cache:
+            self._cache[key] = fn()
+        return self._cache[key]
+
+    def lora_layer_types(self) -> tuple:
+        from peft.tuners.lora import Linear
+
+        if self.sc.model == "qlora":
+            from peft.tuners.lora.bnb import Linear4bit
+
+            return (Linear4bit,)
+        return (Linear,)
+
+    def compile(self, model):
+        if self.compile_backend == "inductor":
+            return self.torch.compile(model)
+        return self.torch.compile(model, backend=self.compile_backend)
+
+    def batch(self, variant: str) -> dict:
+        return self.cached(("batch", variant), lambda: self._batch(variant))
+
+    def _batch(self, variant: str) -> dict:
+        s, dev = self.sizes, self.device
+        if self.sc.model == "readme":
+            ids = M.token_ids(*M.README_TOKENS, M.README_MODEL["vocab_size"], dev)
+            names = M.grouped(M.README_NAMES) if variant == "per_adapter_loss" else list(M.README_NAMES)
+            return {"ids": ids, "names": names}
+        if self.kind == "layer":
+            K, N, rows, T = s.layer
+            g = self.torch.Generator(device="cpu").manual_seed(0)
+            x = self.torch.randn(rows, T, K, generator=g).to(dev, self.dtype).requires_grad_(True)
+            gy = self.torch.randn(rows, T, N, generator=g).to(dev, self.dtype)
+            return {"x": x, "gy": gy, "names": M.interleaved(8, rows)}
+        vocab = (s.moe if self.sc.model == "moe" else s.llama)["vocab_size"]
+        if self.kind == "generate":
+            rows, T = s.rows, s.gen_prompt
+            ids = M.token_ids(rows, T, vocab, dev)
+            kw = dict(input_ids=ids, attention_mask=self.torch.ones_like(ids), max_new_tokens=s.gen_new,
+                      min_new_tokens=s.gen_new, do_sample=False, pad_token_id=0)
+            if self.sc.name == "generate_static":
+                from transformers import CompileConfig
+
+                if self.compile_backend == "inductor":
+                    cc = CompileConfig()  # what generate uses by itself (reduce-overhead)
+                else:
+                    cc = CompileConfig(backend=self.compile_backend, mode=None)
+                    cc._compile_all_devices = True  # transformers compiles on a CPU only when told to
+                kw.update(cache_implementation="static", compile_config=cc)
+            return {"ids": ids, "names": M.interleaved(8, rows, base_rows=rows // 4), "generate": kw}
+        ids = M.token_ids(s.rows, s.T, vocab, dev)
+        if self.kind == "eval":
+            return {"ids": ids, "names": M.interleaved(8, s.rows, base_rows=2)}
+        if self.kind == "scale":
+            variant = variant or variants_of(self.sc, s)[0]  # frozen: the first count's tokens
+            n, m = (int(kv.split("=")[1]) for kv in variant.split("/"))
+            pick = M.spread(n, m)
+            if m <= s.rows:
+                return {"ids": ids, "names": M.interleaved(m, s.rows, pick=pick), "adapters": n}
+            adapter_ids, pos = M.packed_rows(pick, s.rows, s.T, dev)
+            return {"ids": ids, "names": pick, "adapter_ids": adapter_ids, "position_ids": pos, "adapters": n}
+        names = M.interleaved(8, s.rows)
+        return {"ids": ids, "names": M.grouped(names) if variant == "per_adapter_loss" else names}
+
+    def free(self):
+        gc.collect()
+        if self.device == "cuda":
+            self.torch.cuda.empty_cache()
+
+
+def measure(ctx: Context, name: str, variant: str) -> dict:
+    """One row: ``name``'s call prepared, timed and checked in this process; a raising provider is recorded."""
+    p = PROVIDERS[name]
+    skip = dict(ctx.sc.skip).get(name)
+    if skip:
+        return harness.make_row(name, variant, "skipped", skip)
+    if p.needs:
+        try:
+            __import__(p.needs)
+        except Exception as e:  # noqa: BLE001
+            return harness.make_row(name, variant, "skipped", f"{p.needs} unavailable ({type(e).__name__}: {e})")
+    torch = ctx.torch
+    slow = p.family in ("peft_sequential", "peft_mixed_loop") or ctx.kind == "generate"
+    warm, iters = (ctx.sizes.slow_warm, ctx.sizes.slow_iters) if slow else (ctx.sizes.warm, ctx.sizes.iters)
+    if ctx.sc.model == "readme":  # the README's steps take milliseconds on a CPU: medians of many
+        warm, iters = 3, 21
+    step: Step | None = None
+    try:
+        if p.compiled or (ctx.kind == "generate" and ctx.sc.name == "generate_static"):
+            torch._dynamo.reset()
+            from torch._dynamo.utils import counters
+
+            counters.clear()
+        step = prepare(ctx, p, variant)
+        extra = dict(step.info)
+        if step.first:  # compile + first call, timed alone
+            extra["compile_s"] = round(harness.wall_s(step.fn, ctx.device), 2)
+            extra["compile_backend"] = ctx.compile_backend
+        t = harness.time_step(step.fn, ctx.device, warm=warm, iters=iters)
+        if p.compiled:
+            from torch._dynamo.utils import counters
+
+            extra.update(graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()))
+        extra.update(step.check())
+        row = harness.make_row(name, variant, **t, **extra)
+    except Exception as e:  # noqa: BLE001 - recorded in the row, the run goes on
+        traceback.print_exc()
+        msg = f"{type(e).__name__}: {str(e)[:400]}"
+        status = "error"
+        if ctx.device == "cuda" and isinstance(e, torch.cuda.OutOfMemoryError):
+            msg = "out of memory: " + msg
+        row = harness.make_row(name, variant, status, msg)
+    finally:
+        if step is not None:
+            try:
+                step.teardown()
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+        if p.compiled:
+            torch._dynamo.reset()
+        ctx.free()
+    return row
