@@ -54,8 +54,9 @@ PROVIDERS = {p.name: p for p in (
              compiled=True),
     Provider("fast_multilora_store_adamw", "fast", "fast_multilora with fast_multilora.AdamW(model, lr)",
              optimizer="store"),
-    Provider("fast_multilora_adapter_store", "fast", "fast_multilora with PatchConfig(adapter_store=True) (inference)",
-             patch=(("adapter_store", True),)),
+    Provider("fast_multilora_params", "fast", "fast_multilora with PatchConfig(adapter_store=False): every layer call "
+                                              "takes PEFT's per-adapter parameters (the path before the store)",
+             patch=(("adapter_store", False),)),
 )}
 
 
