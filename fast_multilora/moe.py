@@ -215,7 +215,7 @@ def expert_delta(backend, segs, ps: ProjState, u: torch.Tensor, y: torch.Tensor,
     cast = a_w[0].dtype
     if u.dtype == torch.float32 and cast in (torch.float16, torch.bfloat16) and all(t.dtype == cast for t in a_w):
         u = u.to(cast)  # as PEFT's 16-bit adapters see a 16-bit input
-    out, _ = run(LoraLinear, u, y, None, None, None, call, *a_w, *b_w)
+    out = run(LoraLinear, u, y, None, None, call, *a_w, *b_w)
     return out
 
 
