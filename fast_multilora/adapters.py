@@ -1,0 +1,524 @@
+"""Many LoRA adapters at once: create, load and save them in time linear in their number.
+
+PEFT's ``add_adapter`` re-walks the whole model on every call and touches every adapter already present -- the
+layer's ``set_adapter`` and ``_move_adapter_to_device_of_base_layer`` iterate all adapters of the layer,
+``inject_adapter`` snapshots every parameter's ``requires_grad``, re-runs ``set_adapter`` and
+``_mark_only_adapters_as_trainable`` over the model, ``cast_adapter_dtype`` walks every module: a loop of
+``add_adapter`` is quadratic in the number of adapters (256 adapters of an 8-layer model: 350 s). ``load_adapter``
+and ``save_pretrained`` do the same per adapter through ``model.state_dict()`` and ``load_state_dict`` of the whole
+model.
+
+:func:`add_adapters` walks the model once, then for every adapter in order (so the RNG draws come in the loop's order)
+and every module it targets calls PEFT's own ``_create_and_replace`` -> ``update_layer`` (PEFT's init, every
+``init_lora_weights`` variant, DoRA), with the layer's per-adapter module containers holding only the new adapter
+during that call, and runs PEFT's model-wide bookkeeping (``set_adapter``, ``_mark_only_adapters_as_trainable``) once.
+The model ends as the loop leaves it. Configs it does not take are added by PEFT's ``add_adapter`` in their place in
+the order (:data:`FALLBACK` lists why). :func:`load_adapters` and :func:`save_adapters` do the key mapping of PEFT's
+``set_peft_model_state_dict`` / ``get_peft_model_state_dict`` from one pass over the model's state dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from contextlib import contextmanager
+from typing import Mapping, Optional
+
+import torch
+
+from .plan import BASE, mark_changed
+
+# The per-adapter module containers of a LoRA layer that PEFT's update_layer iterates in full (set_adapter: every
+# adapter's requires_grad; _move_adapter_to_device_of_base_layer: ``.parameters()`` of the container). While a new
+# adapter is set up they hold only it. ``lora_magnitude_vector`` stays: DoRA's init tests whether it is empty.
+_HIDDEN = ("lora_A", "lora_B", "lora_dropout", "lora_embedding_A", "lora_embedding_B")
+# Last name components of the modules a LoRA layer creates (besides the adapter names): see _minimal_targets.
+_INTERNAL = frozenset(_HIDDEN + ("base_layer", "lora_magnitude_vector"))
+
+# Why a config takes PEFT's own add_adapter instead of the one-walk route (each is linear per config except where
+# PEFT's own call is not).
+FALLBACK = {
+    "class": "the PeftModel class overrides add_adapter (task-specific models add classifier modules_to_save)",
+    "target_parameters": "target_parameters (MoE ParamWrapper nesting) is set up by PEFT's _inject_parameters",
+    "layer_replication": "layer_replication changes the model's structure before injection",
+    "aux": "modules_to_save / trainable_token_indices add auxiliary wrappers (PEFT's set_additional_trainable_modules)",
+    "variant": "a LoRA variant other than DoRA (its init may read the layer's other adapters)",
+    "custom": "custom LoRA module classes registered on the config",
+    "first": "the model holds no LoRA layer yet (PEFT's first injection freezes the base model instead)",
+    "name": "the adapter name is also a component of a parameter name of the model (PEFT then leaves those "
+            "parameters' requires_grad as its bookkeeping sets it, not as they were)",
+    "active": "the adapter name is among the active adapters",
+    "meta": "the model holds parameters on the meta device",
+}
+
+
+def _peft():
+    """PEFT's pieces used here (imported on first use: importing fast_multilora does not import PEFT)."""
+    from peft import LoraConfig, PeftModel
+    from peft.tuners.lora import LoraLayer, LoraModel
+
+    return LoraConfig, PeftModel, LoraLayer, LoraModel
+
+
+def _tuner_of(model):
+    LoraConfig, PeftModel, LoraLayer, LoraModel = _peft()
+    if not isinstance(model, PeftModel):
+        raise TypeError(
+            f"fast_multilora: expected a peft.PeftModel holding LoRA adapters, got {type(model).__name__}; build one "
+            "with peft.get_peft_model(base_model, LoraConfig(...))"
+        )
+    tuner = model.base_model
+    if not isinstance(tuner, LoraModel):
+        raise TypeError(
+            f"fast_multilora: the PeftModel's tuner is {type(tuner).__name__}, not LoraModel: only LoRA adapters are "
+            "created, loaded and saved here"
+        )
+    return tuner
+
+
+def _check_name(model, name, seen) -> None:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"fast_multilora: adapter names must be non-empty strings, got {name!r}")
+    if "." in name:
+        raise ValueError(f"fast_multilora: adapter name {name!r} contains '.', which PEFT's module dicts refuse; "
+                         "rename it (e.g. with '_')")
+    if name == BASE:
+        raise ValueError(f"fast_multilora: {BASE!r} is the routing name for rows without an adapter; pick another "
+                         "adapter name")
+    if name in model.peft_config:
+        raise ValueError(f"fast_multilora: adapter {name!r} already exists in the model (Adapter with name "
+                         f"'{name}' already exists.); delete it first or pick another name")
+    if name in seen:
+        raise ValueError(f"fast_multilora: adapter name {name!r} is given twice")
+    seen.add(name)
+
+
+def _variants(cfg) -> tuple:
+    """The LoRA variants a config asks for (as ``LoraLayer.resolve_lora_variant`` reads them)."""
+    out = []
+    for f in dataclasses.fields(cfg):
+        if f.name == "init_lora_weights":
+            out += [v for v in f.metadata.get("lora_variants", ()) if cfg.init_lora_weights == v]
+        elif f.metadata.get("is_lora_variant") and getattr(cfg, f.name):
+            out.append(f.name)
+    return tuple(sorted(out))
+
+
+def _config_fallback(model, cfg) -> Optional[str]:
+    from peft import PeftModel
+
+    if type(model).add_adapter is not PeftModel.add_adapter:
+        return "class"
+    if getattr(cfg, "target_parameters", None):
+        return "target_parameters"
+    if getattr(cfg, "layer_replication", None):
+        return "layer_replication"
+    if getattr(cfg, "modules_to_save", None) is not None or getattr(cfg, "trainable_token_indices", None) is not None:
+        return "aux"
+    if set(_variants(cfg)) - {"use_dora"}:
+        return "variant"
+    if getattr(cfg, "_custom_modules", None):
+        return "custom"
+    return None
+
+
+def _check_configs(model, configs: Mapping) -> None:
+    """Up-front checks of the whole batch, before the model is touched (PEFT raises these one adapter at a time)."""
+    LoraConfig, *_ = _peft()
+    if not isinstance(configs, Mapping):
+        raise TypeError(f"fast_multilora.add_adapters: `configs` must map adapter names to LoraConfig, got "
+                        f"{type(configs).__name__}")
+    seen: set = set()
+    for name, cfg in configs.items():
+        _check_name(model, name, seen)
+        if not isinstance(cfg, LoraConfig):
+            raise TypeError(f"fast_multilora.add_adapters: adapter {name!r}: expected a peft.LoraConfig, got "
+                            f"{type(cfg).__name__}")
+        if cfg.peft_type != model.peft_type:
+            raise ValueError(f"fast_multilora.add_adapters: adapter {name!r}: Cannot combine adapters with different "
+                             f"peft types. Found {model.peft_type} and {cfg.peft_type}.")
+    every = list(model.peft_config.values()) + list(configs.values())
+    if sum(getattr(c, "bias", "none") != "none" for c in every) > 1:  # LoraModel._check_new_adapter_config
+        raise ValueError("LoraModel supports only 1 adapter with bias. When using multiple adapters, set bias to "
+                         "'none' for all adapters.")
+    kasa = {getattr(c, "kasa_config", None) is not None for c in every}
+    if len(kasa) > 1:
+        raise ValueError("KaSA cannot be combined with adapters that don't use KaSA, since KaSA modifies the base "
+                         "weights: mix of KaSA and non-KaSA adapters in fast_multilora.add_adapters")
+
+
+def _match_key(value):
+    """A hashable stand-in for a config field that target matching reads."""
+    if isinstance(value, (list, tuple)):
+        return ("seq", tuple(value))
+    if isinstance(value, (set, frozenset)):
+        return ("set", frozenset(value))
+    return value
+
+
+def _match_signature(cfg) -> tuple:
+    return tuple(_match_key(getattr(cfg, f, None)) for f in (
+        "target_modules", "exclude_modules", "modules_to_save", "layers_to_transform", "layers_pattern",
+        "target_parameters", "target_modules_to_tie"))
+
+
+class _Segment:
+    """One run of configs on the one-walk route: state shared by its configs."""
+
+    def __init__(self, peft_model, tuner, autocast):
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        self.peft_model, self.tuner, self.model, self.autocast = peft_model, tuner, tuner.model, autocast
+        self.keys = []  # the model's module names at the start (named_modules order)
+        self.skip = set()  # names of LoRA layers present at the start (their subtrees are adapter internals)
+        for key, module in self.model.named_modules():
+            self.keys.append(key)
+            if isinstance(module, BaseTunerLayer):
+                self.skip.add(key)
+        self.wrapped_at: dict = {}  # module name -> index (in this segment) of the config whose call wrapped it
+        self.wrapped_children = False  # a module wrapped here had submodules (their names move under base_layer)
+        self.structure = 0  # bumped whenever a new LoRA layer replaces a module
+        self.new_names: set = set()
+        self.params = []  # (parameter, requires_grad) before the segment: PEFT's restore list
+        self.components = set()  # name components (after the first) of every parameter of the model
+        self.meta = False
+        for n, p in self.model.named_parameters():
+            self.params.append((p, p.requires_grad))
+            self.components.update(n.split(".")[1:])
+            self.meta = self.meta or p.device.type == "meta"
+        self.matches: dict = {}
+        self.parents: dict = {}
+        self.all_linear = None  # (structure, names) of the last all-linear resolution
+        self.targeted: list = []
+        self.last_config = None
+        self.configs: list = []  # names added in this segment, in order
+        self._tied = None
+
+    def fallback_reason(self, name) -> Optional[str]:
+        if not self.skip:
+            return "first"
+        if self.meta:
+            return "meta"
+        if name in self.components:
+            return "name"
+        if name in self.tuner.active_adapters:
+            return "active"
+        return None
+
+    # -- per config: PEFT's inject_adapter, one config at a time -------------------------------------------------
+    def add(self, name, cfg) -> None:
+        from peft.tuners.tuners_utils import _ExcludedModule, _maybe_include_all_linear_layers
+
+        tuner, model = self.tuner, self.model
+        index = len(self.configs)
+        self.configs.append(name)
+        self.peft_model.peft_config[name] = cfg  # PeftModel.add_adapter: before inject_adapter
+        cfg = self._prepare(name, cfg)
+        if isinstance(cfg.target_modules, str) and cfg.target_modules.lower() == "all-linear":
+            if self.all_linear is not None and self.all_linear[0] == self.structure:
+                cfg.target_modules = set(self.all_linear[1])  # what _maybe_include_all_linear_layers sets
+            else:
+                cfg = _maybe_include_all_linear_layers(cfg, model)
+                self.all_linear = (self.structure, set(cfg.target_modules))
+        self._minimal_targets(cfg)
+
+        from peft.utils.constants import DUMMY_TARGET_MODULES
+
+        if getattr(cfg, "target_modules", None) == DUMMY_TARGET_MODULES:  # PEFT matches nothing and raises nothing
+            self.last_config = cfg
+            self.new_names.add(name)
+            return
+        sig = _match_signature(cfg)
+        cache = self.matches.setdefault(sig, {})
+        excluded, unmatched, targets, to_tie = [], [], [], []
+        for key in self.keys:
+            if not key or self._internal(key, index):
+                continue
+            hit = cache.get(key)
+            if hit is None:
+                hit = cache[key] = (tuner._check_target_module_exists(cfg, key),
+                                    tuner._check_tied_module_exists(cfg, key))
+            result, tied = hit
+            if tied:
+                to_tie.append(key)
+            elif isinstance(result, _ExcludedModule):
+                excluded.append(key)
+            elif not result:
+                unmatched.append(key)
+            else:
+                targets.append(key)
+        targets_all = targets + to_tie
+        if not targets_all:
+            _raise_no_match(cfg, excluded, unmatched)
+        # PEFT casts after the whole injection; a tied target is made from the embedding adapter's weights, so with
+        # tied targets the casts wait until all modules are made (on the whole layers: slower, same result)
+        later = [] if to_tie else None
+        for key in targets_all:
+            parent, target, target_name = self._submodules(key)
+            tuner._check_target_module_compatiblity(cfg, model, target_name)
+            self._create(cfg, name, key, parent, target, target_name, index, later)
+        if later:
+            from peft.tuners.tuners_utils import cast_adapter_dtype
+
+            for m in later:
+                cast_adapter_dtype(m, adapter_name=name, autocast_adapter_dtype=self.autocast)
+        _warn_like_inject(cfg, excluded, targets_all)
+        self.targeted.extend(targets_all)
+        self.last_config = cfg
+        self.new_names.add(name)
+
+    def _prepare(self, name, cfg):
+        """inject_adapter's preparation of the config (in place, as PEFT does)."""
+        tuner, model = self.tuner, self.model
+        from peft.import_utils import is_transformers_ge_v5
+
+        if is_transformers_ge_v5 and hasattr(getattr(model, "config", None), "model_type"):
+            from peft.utils.transformers_weight_conversion import (
+                convert_peft_config_for_transformers,
+                get_model_conversion_mapping,
+            )
+
+            if not hasattr(self, "_conversions"):
+                self._conversions = get_model_conversion_mapping(model)
+            convert_peft_config_for_transformers(cfg, model=model, conversions=self._conversions)
+        # _check_tied_modules reads the model's tied-embedding names, a walk over the whole model; they do not change
+        # while LoRA layers are added (PEFT maps base_layer names back), so they are read once per segment.
+        if self._tied is None:
+            self._tied = tuner._get_module_names_tied_with_embedding()
+        tuner.__dict__["_get_module_names_tied_with_embedding"] = lambda: list(self._tied)
+        try:
+            tuner._check_tied_modules(model, cfg)
+        finally:
+            del tuner.__dict__["_get_module_names_tied_with_embedding"]
+        cfg = tuner._prepare_adapter_config(cfg, tuner.get_model_config(model))
+        tuner._prepare_model(cfg, model)
+        return cfg
+
+    def _minimal_targets(self, cfg) -> None:
+        """inject_adapter's condensing of a long target_modules list (as PEFT computes it from the module names the
+        model has at that call: this segment's first names, unless a name created since could change the answer)."""
+        from peft.tuners.tuners_utils import _find_minimal_target_modules
+        from peft.utils.constants import MIN_TARGET_MODULES_FOR_OPTIMIZATION
+        from peft.utils.peft_types import PeftType
+
+        tm = cfg.target_modules
+        if not (isinstance(tm, (list, set)) and len(tm) >= MIN_TARGET_MODULES_FOR_OPTIMIZATION
+                and cfg.peft_type != PeftType.IA3):
+            return
+        internal = _INTERNAL | self.new_names
+        if self.wrapped_children or any(t.rsplit(".", 1)[-1] in internal for t in tm):
+            key_list = [k for k, _ in self.model.named_modules()]
+        else:
+            key_list = self.keys
+        suffixes = tuple("." + s for s in tm)
+        names_no_target = [n for n in key_list if (n not in tm) and not n.endswith(suffixes)]
+        new = _find_minimal_target_modules(tm, names_no_target)
+        if len(new) < len(tm):
+            cfg.target_modules = new
+
+    def _submodules(self, key):
+        """PEFT's ``_get_submodules`` (parent, module, attribute name), the parent looked up once per name (a module
+        is replaced in its parent, parents stay)."""
+        parent = self.parents.get(key)
+        if parent is None:
+            from peft.tuners.tuners_utils import _get_submodules
+
+            parent, target, target_name = _get_submodules(self.model, key)
+            self.parents[key] = parent
+            return parent, target, target_name
+        target_name = key.rpartition(".")[2]
+        return parent, parent._modules[target_name], target_name
+
+    def _internal(self, key, index) -> bool:
+        """Whether PEFT's call for the config at ``index`` skips ``key`` as an adapter internal: a descendant of a
+        LoRA layer present when that call began."""
+        head = key
+        while True:
+            head, dot, _ = head.rpartition(".")
+            if not dot:
+                return False
+            if head in self.skip or self.wrapped_at.get(head, index) < index:
+                return True
+
+    def _create(self, cfg, name, key, parent, target, target_name, index, later) -> None:
+        from peft.tuners.lora import LoraLayer, ParamWrapper
+
+        tuner = self.tuner
+        if isinstance(target, LoraLayer) and not isinstance(target, ParamWrapper):
+            with _only_new_adapter(target):
+                tuner._create_and_replace(cfg, name, target, target_name, parent, current_key=key)
+                if later is None:
+                    self._cast(target, name)
+            if later is not None:
+                later.append(target)
+            return
+        tuner._create_and_replace(cfg, name, target, target_name, parent, current_key=key)
+        new = parent._modules[target_name]
+        if later is None:
+            self._cast(new, name)
+        else:
+            later.append(new)
+        if new is not target and key not in self.wrapped_at and key not in self.skip:
+            self.wrapped_at[key] = index
+            self.structure += 1
+            self.wrapped_children = self.wrapped_children or bool(target._modules)
+
+    def _cast(self, layer, name) -> None:
+        """PeftModel.add_adapter's ``cast_adapter_dtype`` for this adapter on ``layer`` (whose containers hold only it,
+        or which is new); skipped where it has nothing to cast (no parameter of an upcast dtype)."""
+        from peft.tuners.tuners_utils import cast_adapter_dtype
+
+        if self.autocast and any(p.dtype in _upcast_dtypes() for p in layer.parameters()):
+            cast_adapter_dtype(layer, adapter_name=name, autocast_adapter_dtype=True)
+
+    # -- once per segment: inject_adapter's housekeeping ---------------------------------------------------------
+    def finish(self) -> None:
+        from peft.tuners.tuners_utils import _extend_unique
+
+        if not self.configs:
+            return
+        tuner = self.tuner
+        _extend_unique(tuner.targeted_module_names, self.targeted)
+        tuner.set_adapter(tuner.active_adapters, inference_mode=self.last_config.inference_mode)
+        tuner._mark_only_adapters_as_trainable(self.model)
+        for p, flag in self.params:  # adding an adapter does not change the trainability of present parameters
+            p.requires_grad = flag
+
+
+def _upcast_dtypes() -> frozenset:
+    """The dtypes ``cast_adapter_dtype`` upcasts to float32."""
+    global _UPCAST
+    if _UPCAST is None:
+        from peft.utils import UPCAST_DTYPES
+
+        _UPCAST = frozenset({torch.float16, torch.bfloat16} | {getattr(torch, n) for n in UPCAST_DTYPES
+                                                               if getattr(torch, n, None) is not None})
+    return _UPCAST
+
+
+_UPCAST = None
+
+
+@contextmanager
+def _only_new_adapter(layer):
+    """While a new adapter is added to ``layer``, its per-adapter module containers hold only the new adapter; the
+    entries made are appended to the real containers afterwards (insertion order as PEFT's)."""
+    mods = layer._modules
+    held = {}
+    for attr in _HIDDEN:
+        c = mods.get(attr)
+        if c is not None and len(c):
+            held[attr] = c
+            mods[attr] = type(c)()
+    try:
+        yield
+    finally:
+        for attr, real in held.items():
+            tmp = mods[attr]
+            mods[attr] = real
+            for k in list(tmp.keys()):
+                real[k] = tmp[k]
+
+
+def _raise_no_match(cfg, excluded, unmatched):
+    """inject_adapter's errors for a config that targets nothing (same messages)."""
+    from peft.utils.error import NoMatchingPeftModuleError
+
+    layers = ""
+    if getattr(cfg, "layers_to_transform", None) is not None:
+        layers += f" Note: You specified 'layers_to_transform': {cfg.layers_to_transform}."
+    if getattr(cfg, "layers_pattern", None) is not None:
+        layers += f" You also specified 'layers_pattern': {cfg.layers_pattern}."
+    if excluded and not unmatched:
+        raise NoMatchingPeftModuleError("All modules were excluded. This is likely unintended. Check your "
+                                        "`target_modules`, `exclude_modules` and `modules_to_save` configuration.")
+    if not excluded and unmatched and not cfg.target_modules:
+        raise NoMatchingPeftModuleError("No `target_modules` passed but also no `target_parameters` found. Please "
+                                        "check the values for these arguments.")
+    if not excluded and unmatched:
+        raise NoMatchingPeftModuleError(f"Target modules {cfg.target_modules} not found in the base model. Please "
+                                        f"check the target modules and try again.{layers}")
+    raise NoMatchingPeftModuleError(
+        "No modules were targeted for adaptation. This might be caused by a combination of mismatched target modules "
+        "and excluded modules. Please check your `target_modules` and `exclude_modules` configuration. You may also "
+        f"have only targeted modules that are marked to be saved (`modules_to_save`).{layers}")
+
+
+def _warn_like_inject(cfg, excluded, targeted) -> None:
+    if getattr(cfg, "exclude_modules", None) and not excluded:
+        warnings.warn(f"You have passed exclude_modules={cfg.exclude_modules} but no modules were excluded. "
+                      "Please check that exclude_modules was set correctly.", stacklevel=4)
+    for attr in ("rank_pattern", "alpha_pattern"):
+        patterns = getattr(cfg, attr, None)
+        if not patterns:
+            continue
+        matched = {k for k in patterns if any(re.match(rf"(.*\.)?({k})$", m) for m in targeted)}
+        unmatched = sorted(set(patterns) - matched)
+        if unmatched:
+            warnings.warn(f"The following {attr} keys did not match any targeted module and were ignored: "
+                          f"{unmatched}.", RuntimeWarning, stacklevel=4)
+
+
+def add_adapters(model, configs: Mapping, *, autocast_adapter_dtype: bool = True) -> dict:
+    """Add every adapter of ``configs`` (``{name: peft.LoraConfig}``, in order) to the ``PeftModel`` ``model``, in time
+    linear in their number. The model ends as ``for name, cfg in configs.items(): model.add_adapter(name, cfg,
+    autocast_adapter_dtype=...)`` leaves it: the same modules, parameter names, shapes, dtypes, devices, values (with
+    the same torch seed before the call, bit for bit), ``requires_grad`` flags, ``peft_config`` entries and active
+    adapter. Works on a model patched by :func:`fast_multilora.patch` (its next forward call routes the new adapters).
+
+    Returns ``{name: reason}`` for the configs added by PEFT's own ``add_adapter`` instead (see :data:`FALLBACK`);
+    empty when all took the one-walk route. Bad names or configs raise before the model is touched; an error while
+    adding removes the adapters this call added.
+    """
+    tuner = _tuner_of(model)
+    _check_configs(model, configs)
+    slow: dict = {}
+    added: list = []
+    segment = None
+    try:
+        for name, cfg in configs.items():
+            if name in "lora_":  # PeftModel.add_adapter's warning
+                warnings.warn(f"Adapter name '{name}' should not be contained in the prefix 'lora_'. This may lead "
+                              "to reinitialization of the adapter weights during loading.", stacklevel=2)
+            reason = _config_fallback(model, cfg)
+            if reason is None:
+                if segment is None:
+                    segment = _Segment(model, tuner, autocast_adapter_dtype)
+                reason = segment.fallback_reason(name)
+            added.append(name)
+            if reason is None:
+                segment.add(name, cfg)
+                continue
+            if segment is not None:
+                segment.finish()
+                segment = None
+            slow[name] = FALLBACK[reason]
+            model.add_adapter(name, cfg, autocast_adapter_dtype=autocast_adapter_dtype)
+        if segment is not None:
+            segment.finish()
+    except BaseException:
+        if segment is not None:  # new LoRA layers froze their base layers' parameters
+            for p, flag in segment.params:
+                p.requires_grad = flag
+        _roll_back(model, tuner, added)
+        raise
+    finally:
+        mark_changed()
+    return slow
+
+
+def _roll_back(model, tuner, names) -> None:
+    for name in reversed(names):
+        if name not in model.peft_config:
+            continue
+        try:
+            tuner.delete_adapter(name)
+        except Exception:  # noqa: BLE001 - best effort: a half-made adapter may lack pieces delete_adapter expects
+            model.peft_config.pop(name, None)
+            for m in tuner.model.modules():
+                if hasattr(m, "_all_available_adapter_names") and hasattr(m, "delete_adapter"):
+                    try:
+                        m.delete_adapter(name)
+                    except Exception:  # noqa: BLE001
+                        pass
