@@ -19,13 +19,16 @@ the order (:data:`FALLBACK` lists why). :func:`load_adapters` and :func:`save_ad
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import os
 import re
 import warnings
 from contextlib import contextmanager
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
+from torch import nn
 
 from .plan import BASE, mark_changed
 
@@ -522,3 +525,331 @@ def _roll_back(model, tuner, names) -> None:
                         m.delete_adapter(name)
                     except Exception:  # noqa: BLE001
                         pass
+
+
+# -- the adapters' state-dict keys, from one pass over the model ------------------------------------------------------
+def _tuner_prefixes(peft_model):
+    """What PEFT's ``_get_tuner_state_dict_key_prefixes`` collects, from one walk: ``keyed`` {container prefix + "." +
+    adapter name: adapter name} for the per-adapter containers, ``shared`` the prefixes of the tuner layers' other
+    attributes, ``aux`` the names of the auxiliary wrappers (ModulesToSaveWrapper, ...)."""
+    from peft.tuners._buffer_dict import BufferDict
+    from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, _is_key_under_prefixes
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    keyed, shared, aux = {}, set(), set()
+    for module_name, module in peft_model.named_modules():
+        module_name = module_name.removeprefix("_fsdp_wrapped_module.")
+        if isinstance(module, AuxiliaryTrainingWrapper):
+            aux.add(module_name)
+            continue
+        if not (isinstance(module, BaseTuner) or (isinstance(module, BaseTunerLayer)
+                                                  and not _is_key_under_prefixes(module_name, aux))):
+            continue
+        attrs = (list(module._modules) + [n for n, _ in module.named_parameters(recurse=False)]
+                 + [n for n, _ in module.named_buffers(recurse=False)])
+        for attr in attrs:
+            if attr in ("base_layer", "model"):
+                continue
+            prefix = f"{module_name}.{attr}" if module_name else attr
+            child = getattr(module, attr)
+            if isinstance(child, (nn.ModuleDict, nn.ParameterDict, BufferDict)):
+                for a in child.keys():
+                    keyed[f"{prefix}.{a}"] = a
+                keyed.setdefault(prefix, None)  # the container itself: under it for saving, not for loading
+            else:
+                shared.add(prefix)
+    return keyed, shared, aux
+
+
+def _owner(key, keyed, shared):
+    """``(under_tuner, adapter)``: whether ``key`` lies under a tuner prefix, and the adapter whose container holds it
+    (``None``: a shared attribute or no adapter's)."""
+    sub = key
+    under, adapter = False, None
+    while True:
+        if sub in keyed:
+            under = True
+            if adapter is None:
+                adapter = keyed[sub]
+        elif sub in shared:
+            under = True
+        sub, dot, _ = sub.rpartition(".")
+        if not dot:
+            return under, adapter
+
+
+def save_adapters(model, folder, names: Optional[Sequence[str]] = None, *,
+                  save_embedding_layers="auto") -> dict:
+    """Save adapters of the ``PeftModel`` ``model`` in PEFT's format, each in ``folder/<name>/``
+    (``adapter_config.json`` + ``adapter_model.safetensors``, the files ``model.save_pretrained(...,
+    selected_adapters=[name])`` writes, bit for bit), loadable by ``PeftModel.from_pretrained`` and
+    :func:`load_adapters`. ``names``: which (default: all, in ``peft_config`` order). One pass over the model's state
+    dict for all of them. Returns ``{name: reason}`` for the adapters saved through PEFT's
+    ``get_peft_model_state_dict`` instead (bias, auxiliary modules, embedding layers saved, tensor parallelism)."""
+    from peft.utils.save_and_load import _get_tp_info, _validate_lora_adapter_state_dict, get_peft_model_state_dict
+
+    tuner = _tuner_of(model)
+    if names is None:
+        names = list(model.peft_config)
+    elif isinstance(names, str):
+        raise TypeError("fast_multilora.save_adapters: `names` must be a list of adapter names, not a string")
+    names = list(names)
+    unknown = [n for n in names if n not in model.peft_config]
+    if unknown or len(set(names)) != len(names):
+        raise ValueError(f"fast_multilora.save_adapters: unknown or repeated adapter names {unknown or names}; the "
+                         f"model has {list(model.peft_config)}")
+    if os.path.isfile(folder):
+        raise ValueError(f"Provided path ({folder}) should be a directory, not a file")
+    os.makedirs(folder, exist_ok=True)
+    model.create_or_update_model_card(folder)
+
+    state_dict = model.state_dict()
+    keyed, shared, aux = _tuner_prefixes(model)
+    slow = {}
+    if aux:
+        slow.update({n: "the model has auxiliary modules (modules_to_save / trainable tokens)" for n in names})
+    if _get_tp_info(model) is not None or getattr(model, "_tp_size", None):
+        slow.update({n: "tensor parallelism" for n in names})
+    embeddings = _EmbeddingCheck(model)
+    for n in names:
+        cfg = model.peft_config[n]
+        if n in slow:
+            continue
+        if getattr(cfg, "bias", "none") != "none":
+            slow[n] = f"bias={cfg.bias!r} saves base-model biases"
+        elif embeddings.save(cfg, save_embedding_layers):
+            slow[n] = "embedding layers are saved with it"
+
+    every = set(model.peft_config)
+    fast = {n: {} for n in names if n not in slow}
+    for key, value in state_dict.items():
+        under, _ = _owner(key, keyed, shared)
+        if not under:
+            continue
+        present = {c for c in key.split(".")[1:] if c in every}  # PEFT's _filter_state_dict_for_adapter_name
+        if len(present) > 1:
+            continue
+        for n in (present or fast):
+            d = fast.get(n)
+            if d is not None:
+                d[key] = value
+    lora_cls = type(tuner)
+    for n in names:
+        cfg = model.peft_config[n]
+        if n in slow:
+            out = get_peft_model_state_dict(model, state_dict=state_dict, adapter_name=n,
+                                            save_embedding_layers=save_embedding_layers)
+        else:
+            out = fast[n]
+            if cfg.use_dora:  # LoraModel._get_adapter_state_dict: DoRA's checkpoint keys end without ".weight"
+                suffix = f"lora_magnitude_vector.{n}.weight"
+                out = {k[:-7] if k.endswith(suffix) else k: v for k, v in out.items()}
+            out = {lora_cls._remove_adapter_name_from_key(k, n): v for k, v in out.items()}
+        _validate_lora_adapter_state_dict(out, adapter_name=n)
+        _write_adapter(model, cfg, out, os.path.join(folder, n))
+    return slow
+
+
+def _write_adapter(model, cfg, state, output_dir) -> None:
+    """PeftModel.save_pretrained's writing of one adapter (safetensors)."""
+    from peft.utils.other import id_tensor_storage
+    from safetensors.torch import save_file
+
+    os.makedirs(output_dir, exist_ok=True)
+    ptrs = collections.defaultdict(list)
+    for name, tensor in state.items():
+        ptrs[id_tensor_storage(tensor) if isinstance(tensor, torch.Tensor) else id(tensor)].append(name)
+    for shared_names in ptrs.values():
+        for name in shared_names[1:]:  # safetensors refuses tensors sharing memory
+            state[name] = state[name].clone()
+    state = {k: (v if v.is_contiguous() else v.contiguous()) for k, v in state.items()}
+    save_file(state, os.path.join(output_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+    if cfg.base_model_name_or_path is None:
+        cfg.base_model_name_or_path = model.base_model.model.__dict__.get("name_or_path", None) or None
+    inference_mode = cfg.inference_mode
+    cfg.inference_mode = True
+    auto_mapping_dict = None
+    if cfg.task_type is None:
+        base_model_class = model._get_base_model_class(is_prompt_tuning=False)
+        auto_mapping_dict = {"base_model_class": base_model_class.__name__,
+                             "parent_library": base_model_class.__module__}
+    try:
+        cfg.save_pretrained(output_dir, auto_mapping_dict=auto_mapping_dict)
+    finally:
+        cfg.inference_mode = inference_mode
+
+
+class _EmbeddingCheck:
+    """get_peft_model_state_dict's ``save_embedding_layers="auto"`` decision, its model walks and base-config reads
+    done once per call instead of once per adapter."""
+
+    def __init__(self, model):
+        self.model = model
+        self._names = None
+        self._resized = {}
+
+    def save(self, cfg, setting) -> bool:
+        from peft.utils import INCLUDE_LINEAR_LAYERS_SHORTHAND
+        from peft.utils.constants import EMBEDDING_LAYER_NAMES
+        from peft.utils.other import match_target_against_key
+
+        if setting is not True and setting != "auto":
+            return False
+        if setting is True:
+            return True
+        tm = getattr(cfg, "target_modules", None)
+        targeted = False
+        if isinstance(tm, str) and tm != INCLUDE_LINEAR_LAYERS_SHORTHAND:
+            if self._names is None:
+                base = self.model.get_base_model()
+                self._names = [k for k, _ in base.named_modules()
+                               if any(re.match(rf"(.*\.)?{e}$", k) for e in EMBEDDING_LAYER_NAMES)]
+            targeted = any(match_target_against_key(tm, k) for k in self._names)
+        elif tm:
+            targeted = any(k in tm for k in EMBEDDING_LAYER_NAMES)
+        if targeted and getattr(cfg, "trainable_token_indices", None) is None:
+            return True
+        return self.resized(getattr(cfg, "base_model_name_or_path", None))
+
+    def resized(self, model_id) -> bool:
+        """Whether the model's vocabulary differs from its base model's (PEFT reads the base config per adapter)."""
+        if not model_id:
+            return False
+        if model_id not in self._resized:
+            from peft.utils.other import check_file_exists_on_hf_hub
+
+            vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+            exists = os.path.exists(os.path.join(model_id, "config.json")) or check_file_exists_on_hf_hub(
+                model_id, "config.json")
+            self._resized[model_id] = bool(vocab and exists and vocab != self.model.config.__class__.from_pretrained(
+                model_id).vocab_size)
+        return self._resized[model_id]
+
+
+def load_adapters(model, sources: Mapping, *, is_trainable: bool = False, torch_device=None,
+                  autocast_adapter_dtype: bool = True, ephemeral_gpu_offload: bool = False) -> dict:
+    """Load saved PEFT adapters (``{name: folder or Hub id}``, in order) into the ``PeftModel`` ``model``, in time
+    linear in their number; the model ends as ``for name, path in sources.items(): model.load_adapter(path,
+    adapter_name=name, is_trainable=..., ...)`` leaves it (configs, weights, ``requires_grad``, eval mode unless
+    trainable). Returns ``{name: (missing_keys, unexpected_keys)}`` as ``torch``'s ``_IncompatibleKeys``: missing are
+    the adapter's own parameters the file lacks (PEFT's lists also any other key containing the adapter's name as a
+    substring), unexpected the file's keys the model lacks."""
+    from peft import PeftConfig
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+    from peft.utils.save_and_load import load_peft_weights
+
+    tuner = _tuner_of(model)
+    if not isinstance(sources, Mapping):
+        raise TypeError(f"fast_multilora.load_adapters: `sources` must map adapter names to saved adapter folders, "
+                        f"got {type(sources).__name__}")
+    seen: set = set()
+    for name, path in sources.items():
+        _check_name(model, name, seen)
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"fast_multilora.load_adapters: adapter {name!r}: expected a folder path, got {path!r}")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise NotImplementedError("fast_multilora.load_adapters: under torch.distributed (tensor-parallel sharding "
+                                  "of LoRA weights at load) use PEFT's load_adapter")
+    configs = {}
+    every = list(model.peft_config.values())
+    for name, path in sources.items():
+        cfg = PEFT_TYPE_TO_CONFIG_MAPPING[PeftConfig._get_peft_type(path)].from_pretrained(
+            path, ephemeral_gpu_offload=ephemeral_gpu_offload)
+        _warn_base_changing(cfg, every)  # PeftModel._check_new_adapter_config
+        every.append(cfg)
+        cfg.inference_mode = not is_trainable
+        configs[name] = cfg
+    add_adapters(model, configs, autocast_adapter_dtype=autocast_adapter_dtype)
+    if is_trainable:
+        model.set_requires_grad(list(configs))
+    if torch_device is None:
+        from peft.utils.other import infer_device
+
+        torch_device = infer_device()
+
+    keyed, shared, aux = _tuner_prefixes(model)
+    own = {n: [] for n in configs}
+    shared_keys = []
+    model_keys = list(model.state_dict().keys())
+    for key in model_keys:
+        _, adapter = _owner(key, keyed, shared)
+        if adapter in own:
+            own[adapter].append(key)
+        elif adapter is None and _under(key, shared):
+            shared_keys.append(key)
+    requires_prefix = any(n.startswith("base_model.model.") for n, _ in model.named_parameters())
+    lora_cls = type(tuner)
+    merged, results = {}, {}
+    for name, path in sources.items():
+        cfg = model.peft_config[name]
+        state = _convert_for_transformers(model, cfg, load_peft_weights(path, device=torch_device), name)
+        state = _aux_load_keys(model, aux, state, name)
+        state = {k + ".weight" if k.endswith("lora_magnitude_vector") else k: v for k, v in state.items()}
+        to_model = {}
+        for model_key in own[name] + shared_keys:  # BaseTuner._remap_adapter_state_dict_for_load
+            ckpt = lora_cls._remove_adapter_name_from_key(model_key, name)
+            to_model[ckpt] = model_key
+            if not model_key.startswith("base_model.model."):
+                to_model["base_model.model." + ckpt] = model_key
+        state = {to_model.get(k, k): v for k, v in state.items()}
+        if not requires_prefix:
+            state = {k.removeprefix("base_model.model."): v for k, v in state.items()}
+        merged.update(state)
+        results[name] = state
+    result = model.load_state_dict(merged, strict=False)
+    known = set(model_keys)
+    out = {}
+    for name, state in results.items():
+        out[name] = type(result)([k for k in own[name] if k not in state], [k for k in state if k not in known])
+    if not is_trainable:
+        model.eval()
+    mark_changed()
+    return out
+
+
+def _under(key, prefixes) -> bool:
+    sub = key
+    while True:
+        if sub in prefixes:
+            return True
+        sub, dot, _ = sub.rpartition(".")
+        if not dot:
+            return False
+
+
+def _convert_for_transformers(model, cfg, state, name):
+    from peft.import_utils import is_transformers_ge_v5
+
+    if is_transformers_ge_v5 and hasattr(getattr(model, "config", None), "model_type"):
+        from peft.utils.transformers_weight_conversion import convert_peft_adapter_state_dict_for_transformers
+
+        state = convert_peft_adapter_state_dict_for_transformers(model=model, peft_config=cfg,
+                                                                 adapter_state_dict=state, adapter_name=name)
+    return dict(state)
+
+
+def _aux_load_keys(model, aux, state, name):
+    """set_peft_model_state_dict's key translation for auxiliary wrappers (ModulesToSaveWrapper, ...)."""
+    if not aux:
+        return state
+    out = dict(state)
+    for module_name in aux:
+        module = model.get_submodule(module_name)
+        for k, v in module.adapter_state_dict_load_map(name).items():
+            out[f"{module_name}.{v}"] = state[f"{module_name}.{k}"]
+            del out[f"{module_name}.{k}"]
+    return out
+
+
+def _warn_base_changing(cfg, others) -> None:
+    every = [cfg] + others
+    if len(every) < 2:
+        return
+    for init, what, link in (("pissa", "PiSSA", "pissa_finetuning#convert-pissa-to-lora"),
+                             ("corda", "CorDA", "corda_finetuning#convert-corda-to-lora"),
+                             ("olora", "OLoRA", "olora_finetuning#olora-and-lora")):
+        if any(getattr(c, "init_lora_weights", None) == init for c in every):
+            warnings.warn(f"{what} changes the base weights of the model and should thus not be used with other "
+                          f"adapters. Consider converting the {what} adapter into a normal LoRA adapter: "
+                          f"https://github.com/huggingface/peft/tree/main/examples/{link}", stacklevel=3)
+            return
