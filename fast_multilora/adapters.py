@@ -192,6 +192,7 @@ class _Segment:
             self.meta = self.meta or p.device.type == "meta"
         self.matches: dict = {}
         self.parents: dict = {}
+        self.casts: list = []  # (LoRA layer, adapter name) made, in order
         self.all_linear = None  # (structure, names) of the last all-linear resolution
         self.targeted: list = []
         self.last_config = None
@@ -254,18 +255,10 @@ class _Segment:
         targets_all = targets + to_tie
         if not targets_all:
             _raise_no_match(cfg, excluded, unmatched)
-        # PEFT casts after the whole injection; a tied target is made from the embedding adapter's weights, so with
-        # tied targets the casts wait until all modules are made (on the whole layers: slower, same result)
-        later = [] if to_tie else None
         for key in targets_all:
             parent, target, target_name = self._submodules(key)
             tuner._check_target_module_compatiblity(cfg, model, target_name)
-            self._create(cfg, name, key, parent, target, target_name, index, later)
-        if later:
-            from peft.tuners.tuners_utils import cast_adapter_dtype
-
-            for m in later:
-                cast_adapter_dtype(m, adapter_name=name, autocast_adapter_dtype=self.autocast)
+            self._create(cfg, name, key, parent, target, target_name, index)
         _warn_like_inject(cfg, excluded, targets_all)
         self.targeted.extend(targets_all)
         self.last_config = cfg
@@ -344,36 +337,22 @@ class _Segment:
             if head in self.skip or self.wrapped_at.get(head, index) < index:
                 return True
 
-    def _create(self, cfg, name, key, parent, target, target_name, index, later) -> None:
+    def _create(self, cfg, name, key, parent, target, target_name, index) -> None:
         from peft.tuners.lora import LoraLayer, ParamWrapper
 
         tuner = self.tuner
         if isinstance(target, LoraLayer) and not isinstance(target, ParamWrapper):
-            with _only_new_adapter(target):
+            with _only_adapter(target):
                 tuner._create_and_replace(cfg, name, target, target_name, parent, current_key=key)
-                if later is None:
-                    self._cast(target, name)
-            if later is not None:
-                later.append(target)
+            self.casts.append((target, name))
             return
         tuner._create_and_replace(cfg, name, target, target_name, parent, current_key=key)
         new = parent._modules[target_name]
-        if later is None:
-            self._cast(new, name)
-        else:
-            later.append(new)
+        self.casts.append((new, name))
         if new is not target and key not in self.wrapped_at and key not in self.skip:
             self.wrapped_at[key] = index
             self.structure += 1
             self.wrapped_children = self.wrapped_children or bool(target._modules)
-
-    def _cast(self, layer, name) -> None:
-        """PeftModel.add_adapter's ``cast_adapter_dtype`` for this adapter on ``layer`` (whose containers hold only it,
-        or which is new); skipped where it has nothing to cast (no parameter of an upcast dtype)."""
-        from peft.tuners.tuners_utils import cast_adapter_dtype
-
-        if self.autocast and any(p.dtype in _upcast_dtypes() for p in layer.parameters()):
-            cast_adapter_dtype(layer, adapter_name=name, autocast_adapter_dtype=True)
 
     # -- once per segment: inject_adapter's housekeeping ---------------------------------------------------------
     def finish(self) -> None:
@@ -387,6 +366,17 @@ class _Segment:
         tuner._mark_only_adapters_as_trainable(self.model)
         for p, flag in self.params:  # adding an adapter does not change the trainability of present parameters
             p.requires_grad = flag
+        # PeftModel.add_adapter's cast_adapter_dtype, after the bookkeeping as there (a cast ParameterDict entry is a
+        # new Parameter, trainable), on each layer with its containers holding only the adapter cast; skipped where
+        # there is nothing to cast
+        if self.autocast:
+            from peft.tuners.tuners_utils import cast_adapter_dtype
+
+            upcast = _upcast_dtypes()
+            for layer, name in self.casts:
+                with _only_adapter(layer, name):
+                    if any(p.dtype in upcast for p in layer.parameters()):
+                        cast_adapter_dtype(layer, adapter_name=name, autocast_adapter_dtype=True)
 
 
 def _upcast_dtypes() -> frozenset:
@@ -404,16 +394,19 @@ _UPCAST = None
 
 
 @contextmanager
-def _only_new_adapter(layer):
-    """While a new adapter is added to ``layer``, its per-adapter module containers hold only the new adapter; the
-    entries made are appended to the real containers afterwards (insertion order as PEFT's)."""
+def _only_adapter(layer, name=None):
+    """While in the block, ``layer``'s per-adapter module containers hold only adapter ``name`` (``None``: none, for a
+    new adapter to be added); afterwards the real containers get the entries the block made or replaced (a new key
+    appended, an existing one replaced in place: PEFT's insertion order)."""
     mods = layer._modules
     held = {}
     for attr in _HIDDEN:
         c = mods.get(attr)
         if c is not None and len(c):
             held[attr] = c
-            mods[attr] = type(c)()
+            tmp = mods[attr] = type(c)()
+            if name is not None and name in c:
+                tmp[name] = c[name]
     try:
         yield
     finally:
@@ -421,7 +414,8 @@ def _only_new_adapter(layer):
             tmp = mods[attr]
             mods[attr] = real
             for k in list(tmp.keys()):
-                real[k] = tmp[k]
+                if k not in real or real[k] is not tmp[k]:
+                    real[k] = tmp[k]
 
 
 def _raise_no_match(cfg, excluded, unmatched):
