@@ -186,13 +186,25 @@ class _Segment:
         self.params = []  # (parameter, requires_grad) before the segment: PEFT's restore list
         self.components = set()  # name components (after the first) of every parameter of the model
         self.meta = False
+        # a new adapter's tensors take its base layer's (float) dtype, else the default dtype: with none of the
+        # dtypes cast_adapter_dtype upcasts among those, there is nothing to cast
+        upcast = _upcast_dtypes()
+        self.may_cast = autocast and torch.get_default_dtype() in upcast
         for n, p in self.model.named_parameters():
             self.params.append((p, p.requires_grad))
             self.components.update(n.split(".")[1:])
             self.meta = self.meta or p.device.type == "meta"
+            self.may_cast = self.may_cast or (autocast and p.dtype in upcast)
+        self.may_cast = self.may_cast or (autocast and any(b.dtype in upcast for b in self.model.buffers()))
         self.matches: dict = {}
         self.parents: dict = {}
         self.casts: list = []  # (LoRA layer, adapter name) made, in order
+        from peft.tuners.lora import model as lora_model
+
+        # no tensor parallelism: PEFT's _create_and_replace then only calls a present layer's update_layer
+        self.direct = (not getattr(lora_model, "is_transformers_dtensor_tp", False)
+                       or getattr(self.model, "_device_mesh", None) is None)
+        self.model_config = tuner.get_model_config(self.model)
         self.all_linear = None  # (structure, names) of the last all-linear resolution
         self.targeted: list = []
         self.last_config = None
@@ -287,7 +299,7 @@ class _Segment:
             tuner._check_tied_modules(model, cfg)
         finally:
             del tuner.__dict__["_get_module_names_tied_with_embedding"]
-        cfg = tuner._prepare_adapter_config(cfg, tuner.get_model_config(model))
+        cfg = tuner._prepare_adapter_config(cfg, self.model_config)
         tuner._prepare_model(cfg, model)
         return cfg
 
@@ -343,7 +355,16 @@ class _Segment:
         tuner = self.tuner
         if isinstance(target, LoraLayer) and not isinstance(target, ParamWrapper):
             with _only_adapter(target):
-                tuner._create_and_replace(cfg, name, target, target_name, parent, current_key=key)
+                if self.direct and getattr(target.get_base_layer(), "_hf_tp_plan", None) is None:
+                    # LoraModel._create_and_replace on a LoRA layer, without tensor parallelism: r and alpha by
+                    # pattern, then the layer's update_layer (no tied weights for a present layer)
+                    from peft.utils.other import get_pattern_key
+
+                    r = cfg.rank_pattern.get(get_pattern_key(cfg.rank_pattern.keys(), key), cfg.r)
+                    alpha = cfg.alpha_pattern.get(get_pattern_key(cfg.alpha_pattern.keys(), key), cfg.lora_alpha)
+                    target.update_layer(name, r, lora_alpha=alpha, target_name=key, config=cfg)
+                else:
+                    tuner._create_and_replace(cfg, name, target, target_name, parent, current_key=key)
             self.casts.append((target, name))
             return
         tuner._create_and_replace(cfg, name, target, target_name, parent, current_key=key)
@@ -369,14 +390,15 @@ class _Segment:
         # PeftModel.add_adapter's cast_adapter_dtype, after the bookkeeping as there (a cast ParameterDict entry is a
         # new Parameter, trainable), on each layer with its containers holding only the adapter cast; skipped where
         # there is nothing to cast
-        if self.autocast:
+        if self.may_cast:
             from peft.tuners.tuners_utils import cast_adapter_dtype
 
             upcast = _upcast_dtypes()
             for layer, name in self.casts:
+                if not any(p.dtype in upcast for p in _adapter_tensors(layer, name)):
+                    continue
                 with _only_adapter(layer, name):
-                    if any(p.dtype in upcast for p in layer.parameters()):
-                        cast_adapter_dtype(layer, adapter_name=name, autocast_adapter_dtype=True)
+                    cast_adapter_dtype(layer, adapter_name=name, autocast_adapter_dtype=True)
 
 
 def _upcast_dtypes() -> frozenset:
@@ -393,6 +415,25 @@ def _upcast_dtypes() -> frozenset:
 _UPCAST = None
 
 
+def _adapter_tensors(layer, name):
+    """The parameters and buffers of adapter ``name`` in ``layer``'s per-adapter containers."""
+    for c in layer._modules.values():
+        if isinstance(c, (nn.ModuleDict, nn.ParameterDict)) or type(c).__name__ == "BufferDict":
+            item = c._modules.get(name) if isinstance(c, nn.ModuleDict) else (c[name] if name in c else None)
+            if isinstance(item, torch.Tensor):
+                yield item
+            elif item is not None:
+                yield from item.parameters()
+                yield from item.buffers()
+
+
+def _no_set_adapter(*args, **kwargs) -> None:
+    return None
+
+
+_EMPTY: dict = {}  # type -> empty containers to lend (Module construction is the costly part of a swap)
+
+
 @contextmanager
 def _only_adapter(layer, name=None):
     """While in the block, ``layer``'s per-adapter module containers hold only adapter ``name`` (``None``: none, for a
@@ -404,18 +445,29 @@ def _only_adapter(layer, name=None):
         c = mods.get(attr)
         if c is not None and len(c):
             held[attr] = c
-            tmp = mods[attr] = type(c)()
+            pool = _EMPTY.setdefault(type(c), [])
+            tmp = mods[attr] = pool.pop() if pool else type(c)()
             if name is not None and name in c:
                 tmp[name] = c[name]
+    # update_layer ends with the layer's set_adapter, which the model-wide one of the segment's bookkeeping repeats
+    # for every layer (as inject_adapter repeats it after each update_layer): skipped here
+    layer.__dict__["set_adapter"] = _no_set_adapter
     try:
         yield
     finally:
+        del layer.__dict__["set_adapter"]
         for attr, real in held.items():
             tmp = mods[attr]
             mods[attr] = real
             for k in list(tmp.keys()):
-                if k not in real or real[k] is not tmp[k]:
-                    real[k] = tmp[k]
+                v = tmp[k]
+                if isinstance(real, nn.ModuleDict):  # registered once already (its registration hooks ran then)
+                    real._modules[k] = v
+                elif k not in real or real[k] is not v:
+                    real[k] = v
+                del tmp[k]
+            if type(tmp) is type(real) and not len(tmp) and not tmp._parameters and not tmp._buffers:
+                _EMPTY[type(tmp)].append(tmp)
 
 
 def _raise_no_match(cfg, excluded, unmatched):
