@@ -29,6 +29,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from .plan import BASE, mark_changed
 
@@ -842,15 +843,35 @@ def load_adapters(model, sources: Mapping, *, is_trainable: bool = False, torch_
             state = {k.removeprefix("base_model.model."): v for k, v in state.items()}
         merged.update(state)
         results[name] = state
-    result = model.load_state_dict(merged, strict=False)
+    _load_state(model, merged)
     known = set(model_keys)
     out = {}
     for name, state in results.items():
-        out[name] = type(result)([k for k in own[name] if k not in state], [k for k in state if k not in known])
+        out[name] = _IncompatibleKeys([k for k in own[name] if k not in state], [k for k in state if k not in known])
     if not is_trainable:
         model.eval()
     mark_changed()
     return out
+
+
+def _load_state(model, state) -> None:
+    """``model.load_state_dict(state, strict=False)``, module by module: torch's recursion filters a container's
+    entries once per child, which is quadratic in the adapters of a layer. Each tensor goes through its own module's
+    ``load_state_dict`` (its ``_load_from_state_dict`` and hooks); where a module of the model has load hooks of its
+    own (they may rename keys for their subtree), the whole model's ``load_state_dict`` instead."""
+    if any(m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks for m in model.modules()):
+        model.load_state_dict(state, strict=False)
+        return
+    groups = collections.defaultdict(dict)
+    for key, value in state.items():
+        path, _, leaf = key.rpartition(".")
+        groups[path][leaf] = value
+    for path, local in groups.items():
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:  # keys the model lacks: ignored, as strict=False ignores them
+            continue
+        module.load_state_dict(local, strict=False)
 
 
 def _under(key, prefixes) -> bool:
