@@ -36,9 +36,10 @@ def configs(n, rank):
 
 
 def timed(fn, *args):
-    t = time.perf_counter()
+    """(CPU seconds of this process, wall seconds) of ``fn(*args)``: on shared cores the CPU time is the steadier."""
+    c, w = time.process_time(), time.perf_counter()
     fn(*args)
-    return time.perf_counter() - t
+    return time.process_time() - c, time.perf_counter() - w
 
 
 def peft_add(model, cfgs):
@@ -52,7 +53,7 @@ def peft_load(model, sources):
 
 
 def measure(n, args, loop, tmp) -> dict:
-    """{what: (fast_multilora seconds, PEFT loop seconds or None)} for ``n`` adapters."""
+    """{what: (fast_multilora times, PEFT loop times or None)} for ``n`` adapters."""
     model = build(args)
     add = timed(fast_multilora.add_adapters, model, configs(n, args.rank))
     save = timed(fast_multilora.save_adapters, model, os.path.join(tmp, "ours"))
@@ -73,22 +74,23 @@ def main():
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--rank", type=int, default=4)
     p.add_argument("--counts", default="128,256,512,1024", help="adapter counts for fast_multilora")
-    p.add_argument("--loop-count", type=int, default=128, help="adapter count for PEFT's loops (0: skip them)")
+    p.add_argument("--loop-count", default="128", help="adapter count(s) for PEFT's loops, e.g. 128,256 (0: none)")
     args = p.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average "
           f"{os.getloadavg()[0]:.1f} at start; torch {torch.__version__}, peft {__import__('peft').__version__}; "
           f"Llama {args.layers} layers, hidden {args.hidden}, r={args.rank} on all 7 projections")
-    print("| adapters | what | fast_multilora (s) | PEFT loop (s) | ratio |")
+    print("| adapters | what | fast_multilora: CPU s (wall s) | PEFT loop: CPU s (wall s) | ratio (CPU) |")
     print("|---:|---|---:|---:|---:|")
-    counts = sorted({int(c) for c in args.counts.split(",")} | ({args.loop_count} if args.loop_count else set()))
+    loops = {int(c) for c in args.loop_count.split(",")} - {0}
+    counts = sorted({int(c) for c in args.counts.split(",")} | loops)
     for n in counts:
         with tempfile.TemporaryDirectory() as tmp:
-            rows = measure(n, args, n == args.loop_count, tmp)
+            rows = measure(n, args, n in loops, tmp)
         for what, (ours, theirs) in rows.items():
-            tail = f"{theirs:.2f} | {theirs / ours:.0f}x" if theirs is not None else "| "
-            print(f"| {n} | {what} | {ours:.2f} | {tail} |", flush=True)
+            tail = f"{theirs[0]:.2f} ({theirs[1]:.1f}) | {theirs[0] / ours[0]:.0f}x" if theirs else "| "
+            print(f"| {n} | {what} | {ours[0]:.2f} ({ours[1]:.1f}) | {tail} |", flush=True)
     print(f"# load average {os.getloadavg()[0]:.1f} at the end")
 
 
