@@ -776,7 +776,8 @@ class _EmbeddingCheck:
 def load_adapters(model, sources: Mapping, *, is_trainable: bool = False, torch_device=None,
                   autocast_adapter_dtype: bool = True, ephemeral_gpu_offload: bool = False) -> dict:
     """Load saved PEFT adapters (``{name: folder or Hub id}``, in order) into the ``PeftModel`` ``model``, in time
-    linear in their number; the model ends as ``for name, path in sources.items(): model.load_adapter(path,
+    linear in their number (a name the model has already gets the file's weights, its config kept, as PEFT does);
+    the model ends as ``for name, path in sources.items(): model.load_adapter(path,
     adapter_name=name, is_trainable=..., ...)`` leaves it (configs, weights, ``requires_grad``, eval mode unless
     trainable). Returns ``{name: (missing_keys, unexpected_keys)}`` as ``torch``'s ``_IncompatibleKeys``: missing are
     the adapter's own parameters the file lacks (PEFT's lists also any other key containing the adapter's name as a
@@ -791,7 +792,8 @@ def load_adapters(model, sources: Mapping, *, is_trainable: bool = False, torch_
                         f"got {type(sources).__name__}")
     seen: set = set()
     for name, path in sources.items():
-        _check_name(model, name, seen)
+        if name not in model.peft_config:  # a present adapter gets the file's weights (its config stays), as in PEFT
+            _check_name(model, name, seen)
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"fast_multilora.load_adapters: adapter {name!r}: expected a folder path, got {path!r}")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -800,6 +802,8 @@ def load_adapters(model, sources: Mapping, *, is_trainable: bool = False, torch_
     configs = {}
     every = list(model.peft_config.values())
     for name, path in sources.items():
+        if name in model.peft_config:
+            continue
         cfg = PEFT_TYPE_TO_CONFIG_MAPPING[PeftConfig._get_peft_type(path)].from_pretrained(
             path, ephemeral_gpu_offload=ephemeral_gpu_offload)
         _warn_base_changing(cfg, every)  # PeftModel._check_new_adapter_config
@@ -815,7 +819,7 @@ def load_adapters(model, sources: Mapping, *, is_trainable: bool = False, torch_
         torch_device = infer_device()
 
     keyed, shared, aux = _tuner_prefixes(model)
-    own = {n: [] for n in configs}
+    own = {n: [] for n in sources}
     shared_keys = []
     model_keys = list(model.state_dict().keys())
     for key in model_keys:
