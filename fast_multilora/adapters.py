@@ -33,9 +33,10 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from .plan import BASE, mark_changed
 
-# The per-adapter module containers of a LoRA layer that PEFT's update_layer iterates in full (set_adapter: every
-# adapter's requires_grad; _move_adapter_to_device_of_base_layer: ``.parameters()`` of the container). While a new
-# adapter is set up they hold only it. ``lora_magnitude_vector`` stays: DoRA's init tests whether it is empty.
+# The per-adapter module containers of a LoRA layer that PEFT's update_layer iterates in full
+# (_move_adapter_to_device_of_base_layer: ``.parameters()`` of the container; set_adapter: every adapter's
+# requires_grad). While a new adapter is set up they hold only it (_only_adapter). ``lora_magnitude_vector`` stays:
+# DoRA's init tests whether it is empty.
 _HIDDEN = ("lora_A", "lora_B", "lora_dropout", "lora_embedding_A", "lora_embedding_B")
 # Last name components of the modules a LoRA layer creates (besides the adapter names): see _minimal_targets.
 _INTERNAL = frozenset(_HIDDEN + ("base_layer", "lora_magnitude_vector"))
@@ -58,7 +59,7 @@ FALLBACK = {
 
 
 def _peft():
-    """PEFT's pieces used here (imported on first use: importing fast_multilora does not import PEFT)."""
+    """PEFT's classes used here."""
     from peft import LoraConfig, PeftModel
     from peft.tuners.lora import LoraLayer, LoraModel
 
