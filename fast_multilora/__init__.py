@@ -48,6 +48,7 @@ if not _here:
     _sys.modules[_spec.name] = _mod
     _spec.loader.exec_module(_mod)
 
+from .adapters import add_adapters, load_adapters, save_adapters  # noqa: E402
 from .config import PatchConfig  # noqa: E402
 from .loss import per_adapter_loss, per_adapter_mean  # noqa: E402
 from .optim import AdamW  # noqa: E402
@@ -56,5 +57,5 @@ from .plan import BASE, mark_changed  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["AdamW", "BASE", "PatchConfig", "PatchReport", "mark_changed", "patch", "per_adapter_loss",
-           "per_adapter_mean", "route", "unpatch"]
+__all__ = ["AdamW", "BASE", "PatchConfig", "PatchReport", "add_adapters", "load_adapters", "mark_changed", "patch",
+           "per_adapter_loss", "per_adapter_mean", "route", "save_adapters", "unpatch"]
