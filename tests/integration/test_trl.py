@@ -22,7 +22,7 @@ import fast_multilora  # noqa: E402
 from fast_multilora.data import AdapterInterleaveSampler, MultiAdapterCollator  # noqa: E402
 from fast_multilora.trl import MultiAdapterSFTTrainer  # noqa: E402
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 sys.path.insert(0, EXAMPLES)
 import multi_adapter_tasks as T  # noqa: E402
 
