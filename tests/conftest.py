@@ -16,7 +16,12 @@ if DEVICE == "cpu":
     # one thread per process, subprocesses the tests start included: the README's command runs one pytest-xdist
     # worker per core, and intra-op threads on top of them only oversubscribe the cores
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, os.path.dirname(__file__))
+# tests/helpers.py, models.py, trainloop.py, and test modules that reuse another's builders by module name
+# (``from test_paths import ...``), whichever files a run collects
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _dir in (os.path.join(_HERE, "integration"), os.path.join(_HERE, "kernels"), _HERE):
+    if _dir not in sys.path:
+        sys.path.insert(0, _dir)
 
 import torch  # noqa: E402
 

@@ -32,20 +32,20 @@ The ``*_paths`` tests draw the same problems (mostly one slice and with dropout)
   runs both with one block table) and both against the reference with ``dropout_keep_mask`` as its mask.
 
 Tolerance: ``|got - want| <= tol * bound + resolution`` elementwise, ``bound`` the reference op on absolute values;
-``tol`` is ``TOL`` of the activation dtype (16-bit: about twice the error of PyTorch's own 16-bit computation against
-fp32), plus one ulp of the output dtype for a gradient stored in another 16-bit dtype (``dA_out`` / ``dB_out``: fp32
-sums rounded once); ``resolution`` the spacing of the output dtype's subnormals (a result stored in fp16 is only
-defined to 2**-24 below 2**-14, whatever its terms).
+``tol`` is ``helpers.TOL`` of the activation dtype (16-bit: about twice the error of PyTorch's own 16-bit computation
+against fp32), plus one ulp of the output dtype for a gradient stored in another 16-bit dtype (``dA_out`` /
+``dB_out``: fp32 sums rounded once); ``resolution`` the spacing of the output dtype's subnormals (a result stored in
+fp16 is only defined to 2**-24 below 2**-14, whatever its terms).
 
 CPU (Triton interpreter): examples are bounded by a cost model of the interpreter's programs (``_COST_LIMIT``; a third
 of it for the backward paths, which run the shrink backward twice and draw masks the model leaves out), so the whole
 file runs in about two minutes on 2 cores (each test 20-45 s); ``derandomize=True`` makes the examples the same on
 every run.
-GPU: ``FML_TEST_DEVICE=cuda pytest -m gpu tests/test_fuzz.py`` runs the ``*_gpu`` sweeps with larger shapes (S up to
-4096, K and N from a fixed list up to 4096 so compiled kernel variants are reused) and ``FML_FUZZ_EXAMPLES`` examples
-each (default 200; mostly kernel compilation, several minutes). ``FML_FUZZ_CPU_EXAMPLES`` (default 100; the forward
-test runs twice as many, the ``*_paths`` tests half as many, each example checking several paths) scales the CPU
-profile.
+GPU: ``FML_TEST_DEVICE=cuda pytest -m gpu tests/kernels/test_fuzz.py`` runs the ``*_gpu`` sweeps with larger shapes
+(S up to 4096, K and N from a fixed list up to 4096 so compiled kernel variants are reused) and
+``FML_FUZZ_EXAMPLES`` examples each (default 200; mostly kernel compilation, several minutes).
+``FML_FUZZ_CPU_EXAMPLES`` (default 100; the forward test runs twice as many, the ``*_paths`` tests half as many, each
+example checking several paths) scales the CPU profile.
 """
 
 import os
@@ -56,7 +56,7 @@ from fast_multilora.kernels import lora_expand, lora_shrink
 from fast_multilora.kernels.decode import DECODE_MAX_ROWS
 from fast_multilora.kernels.dropout import dropout_keep_mask, keep_bits_buffer, unpack_keep_bits
 from fast_multilora.kernels.segments import AdapterTable, Segments, segments_from_token_slots, slot_weights
-from helpers import DEVICE, KERNEL_DTYPES, poisoned
+from helpers import DEVICE, KERNEL_DTYPES, TOL, assert_close_bound, poisoned
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -78,8 +78,6 @@ CPU_FWD = settings(max_examples=2 * CPU_EXAMPLES, **_COMMON)  # the forward is c
 CPU_PATHS = settings(max_examples=max(1, CPU_EXAMPLES // 2), **_COMMON)  # each runs several paths per example
 GPU = settings(max_examples=GPU_EXAMPLES, **_COMMON)
 
-# Max error relative to the reference's largest magnitude (same budget as tests/test_kernels_backward.py).
-TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 LAYOUTS = ["empty", "one_token", "giant", "unsorted", "interleaved", "base_runs", "all_base", "split_runs"]
 # The interpreter runs a Python loop per program and per tile step: keep one example's work near a second.
 _COST_LIMIT = 1500
@@ -286,22 +284,11 @@ def _tol(dtype, out_dtype):
 
 
 def _close(got, want, bound, dtype, what, p):
-    """``|got - want| <= tol * bound + resolution`` elementwise, ``bound`` the same reference op on absolute values
-    (the sum of the magnitudes of the terms): a rounding-error bound that holds under cancellation, where a bound
-    relative to ``max|want|`` does not. ``tol``: :func:`_tol`; ``resolution``: of ``got``'s dtype."""
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    if got.numel() == 0:
-        return
-    assert torch.isfinite(got).all(), f"{what}: {int((~torch.isfinite(got)).sum())} non-finite entries; {_desc(p)}"
-    tol = _tol(dtype, got.dtype)
-    # storing in got's dtype rounds a subnormal result to a multiple of this spacing, which no relative bound covers
-    res = _resolution(got.dtype)
-    err = (got.double() - want.double()).abs()
-    excess = err - (tol * bound.double() + res)
-    if (excess > 0).any():
-        i = int(excess.argmax())
-        raise AssertionError(f"{what}: err {err.reshape(-1)[i]:.3e} > {tol:.0e} * bound {bound.reshape(-1)[i]:.3e} "
-                             f"+ {res:.1e} ({got.dtype} resolution) at flat index {i}; {_desc(p)}")
+    """``|got - want| <= tol * bound + resolution`` elementwise (``helpers.assert_close_bound``), ``bound`` the same
+    reference op on absolute values. ``tol``: :func:`_tol`; ``resolution``: of ``got``'s dtype (storing in it rounds
+    a subnormal result to a multiple of that spacing, which no relative bound covers)."""
+    assert_close_bound(got, want, bound, _tol(dtype, got.dtype), what, resolution=_resolution(got.dtype),
+                       detail=_desc(p))
 
 
 def _desc(p):
