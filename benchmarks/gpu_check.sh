@@ -16,7 +16,7 @@
 # opt-in scenarios: train step and eval under torch.compile, static- and dynamic-cache generate, merged into the
 # model stage's h200.json; COMPILE_MODE, default "default", lists torch.compile's modes, each but "default" written
 # to h200_<mode>.json; T_COMPILED per mode). qlora (opt-in): bench_model.py's qlora_step_8 / qlora_eval_8 (issue 19)
-# merged into the model stage's h200.json (T_QLORA); with GPU_TESTS=tests/test_quantized_gpu.py the tests stage runs
+# merged into the model stage's h200.json (T_QLORA); with GPU_TESTS=tests/integration/test_quantized_gpu.py the tests stage runs
 # the QLoRA GPU tests. bitsandbytes is not in the GPU image and the machine has no network: a wheel
 # wheels/bitsandbytes-*.whl in the tree is pip-installed (--no-deps) before any stage.
 # Default: "tests kernels model".
@@ -48,8 +48,8 @@ T_GAPS=${T_GAPS:-150}
 MODEL_SCENARIOS=${MODEL_SCENARIOS:-}  # the model stage's scenarios (default: bench_model.py's own list)
 MODEL_ARGS=${MODEL_ARGS:-}  # more bench_model.py flags for the model and compiled stages (e.g. --scale-counts 8,64,256)
 COMPILED_ARGS=${COMPILED_ARGS:-$MODEL_ARGS}  # the compiled stage's own flags where they differ from the model stage's
-GPU_TESTS=${GPU_TESTS:-tests/}  # the tests stage's paths (e.g. GPU_TESTS=tests/test_compile_gpu.py)
-KTEST_FILES=${KTEST_FILES:-"tests/test_kernels_forward.py tests/test_kernels_backward.py tests/test_kernels_decode.py tests/test_fused.py tests/test_slot_weights.py"}  # the ktests stage's files
+GPU_TESTS=${GPU_TESTS:-tests/}  # the tests stage's paths (e.g. GPU_TESTS=tests/integration/test_compile_gpu.py)
+KTEST_FILES=${KTEST_FILES:-"tests/kernels/test_forward.py tests/kernels/test_backward.py tests/kernels/test_decode.py tests/test_function_fused.py tests/kernels/test_slot_weights.py"}  # the ktests stage's files
 COMPILED_SCENARIOS=${COMPILED_SCENARIOS:-train_step_8_compiled,eval_8_compiled,generate_static,generate_dynamic}
 T_COMPILED=${T_COMPILED:-540}  # 12 providers, 9 of them compiled (40-90 s each on an H200)
 COMPILE_MODE=${COMPILE_MODE:-default}
@@ -131,7 +131,7 @@ main() {
         for i in $(seq 1 "$FUZZ_PROCS"); do
             (CUDA_VISIBLE_DEVICES=$fuzz_gpu FML_TEST_DEVICE=cuda FML_FUZZ_DERANDOMIZE=0 \
                 FML_FUZZ_EXAMPLES=$(( (FML_FUZZ_EXAMPLES + FUZZ_PROCS - 1) / FUZZ_PROCS )) timeout -k 10 "$T_TESTS" \
-                "$PY" -m pytest -q -rfE -m gpu -k fuzz tests/test_fuzz.py -p no:cacheprovider --hypothesis-seed="$i" \
+                "$PY" -m pytest -q -rfE -m gpu -k fuzz tests/kernels/test_fuzz.py -p no:cacheprovider --hypothesis-seed="$i" \
                 >"$OUT/fuzz_gpu_$i.tmp" 2>&1
              echo "fuzz shard $i (seed $i) rc=$?" >>"$OUT/fuzz_gpu_$i.tmp") &
             fuzz_pids="$fuzz_pids $!"
