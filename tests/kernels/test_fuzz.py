@@ -2,9 +2,10 @@
 
 Each example draws a problem -- tokens S (0..96), K and N (1..130), adapters (1..128) with ranks 0..256 (0 = the
 adapter is absent from the layer), a segment layout (empty, one token, one giant segment, unsorted runs, interleaved
-tokens, base runs, all base, runs split into several segments, a shuffled permutation), the family (SGEMM / chunked
-SGMV), dropout on/off with a seed, the dtype (fp32/fp16 on CPU, + bf16 on GPU), weights in the activation dtype or
-fp32, stack_num 1..3 with a slice -- and checks:
+tokens, base runs, all base, runs split into several segments, a shuffled permutation, packed rows' long base run:
+``16 j + 1`` base tokens among shorter adapter runs), the family (SGEMM / chunked SGMV), dropout on/off with a seed,
+the dtype (fp32/fp16 on CPU, + bf16 on GPU), weights in the activation dtype or fp32, stack_num 1..3 with a slice --
+and checks:
 
 * forward: ``lora_shrink`` (NaN-poisoned ``out``: cells the contract leaves undefined stay NaN) and ``lora_expand``
   (rows without a live adapter stay NaN; don't-care ``h`` cells are NaN and must not be read);
@@ -78,7 +79,8 @@ CPU_FWD = settings(max_examples=2 * CPU_EXAMPLES, **_COMMON)  # the forward is c
 CPU_PATHS = settings(max_examples=max(1, CPU_EXAMPLES // 2), **_COMMON)  # each runs several paths per example
 GPU = settings(max_examples=GPU_EXAMPLES, **_COMMON)
 
-LAYOUTS = ["empty", "one_token", "giant", "unsorted", "interleaved", "base_runs", "all_base", "split_runs"]
+LAYOUTS = ["empty", "one_token", "giant", "unsorted", "interleaved", "base_runs", "all_base", "split_runs",
+           "long_base"]
 # The interpreter runs a Python loop per program and per tile step: keep one example's work near a second.
 _COST_LIMIT = 1500
 
@@ -98,9 +100,20 @@ def _token_slots(layout, S, n, gen):
         return ts
     if layout == "all_base":
         return torch.full((S,), -1)
+    if layout == "long_base" and S >= 18:
+        # packed rows: one base run of 16 j + 1 rows (one past a 16-row block) among shorter adapter runs -- the
+        # write-mode expand's grid takes its rows from the longest base run there, not from the adapter runs
+        L = 16 * int(torch.randint(1, (S - 2) // 16 + 1, (1,), generator=gen)) + 1
+        out, slot = [], -1
+        while len(out) < S - L:  # runs of 1 .. min(L - 1, 16) tokens, each of another slot than the last
+            slot = (slot + 1 + int(torch.randint(0, max(1, n - 1), (1,), generator=gen))) % n
+            out += [slot] * int(torch.randint(1, min(L - 1, 16) + 1, (1,), generator=gen))
+        out = out[: S - L]
+        cut = int(torch.randint(0, len(out) + 1, (1,), generator=gen))
+        return torch.tensor(out[:cut] + [-1] * L + out[cut:])
     out = []
-    while len(out) < S:  # unsorted runs; base_runs: every other run is a long base run
-        if layout == "base_runs" and len(out) % 2 == 0:
+    while len(out) < S:  # unsorted runs; base_runs (long_base below 18 tokens): every other run is a long base run
+        if layout in ("base_runs", "long_base") and len(out) % 2 == 0:
             out += [-1] * int(torch.randint(1, max(2, S // 2), (1,), generator=gen))
         out += [int(torch.randint(0, n, (1,), generator=gen))] * int(torch.randint(1, max(2, S // 3), (1,),
                                                                                     generator=gen))
@@ -176,14 +189,15 @@ def _cost(ts, ranks, K, N, stack, backward=True):
     return fwd + bwd if backward else fwd
 
 
-def _fit(ts, ranks, K, N, stack, limit, backward):
-    """Shrink an example until the interpreter can run it in about a second: fewer tokens, narrower K / N, a
-    smaller largest rank, fewer adapters (tokens of dropped adapters are remapped), in turn."""
+def _fit(ts, ranks, K, N, stack, limit, backward, keep_tokens=False):
+    """Shrink an example until the interpreter can run it in about a second: fewer tokens (unless ``keep_tokens``:
+    the layout is the point), narrower K / N, a smaller largest rank, fewer adapters (tokens of dropped adapters are
+    remapped), in turn."""
     step = 0
     while _cost(ts, ranks, K, N, stack, backward) > limit:
         what = step % 5
         step += 1
-        if what == 0 and ts.numel() > 16:
+        if what == 0 and ts.numel() > 16 and not keep_tokens:
             ts = ts[: ts.numel() // 2]
         elif what == 1 and K > 8:
             K //= 2
@@ -231,7 +245,7 @@ def problems(draw, max_S=96, max_KN=130, max_adapters=128, max_rank=256, cost_li
     ranks[int(torch.randint(0, n, (1,), generator=gen))] = big
     ranks = ranks.tolist()
     ts = _token_slots(layout, S, n, gen)
-    ts, ranks, K, N = _fit(ts, ranks, K, N, stack, cost_limit, backward)
+    ts, ranks, K, N = _fit(ts, ranks, K, N, stack, cost_limit, backward, keep_tokens=layout == "long_base")
     n = len(ranks)
     ps = (torch.rand(n, generator=gen) * 0.6).tolist() if dropout else [0.0] * n
     return dict(dtype=dtype, layout=layout, family=family, ranks=ranks, stack=stack, slice_idx=slice_idx, K=K, N=N,
