@@ -98,8 +98,7 @@ def host_split(pm, step, n=7) -> str:
     """Host milliseconds per part of the step (medians of ``n``), the default settings against stock PEFT's single
     adapter (anchors' step: HF loss, foreach AdamW) on the same model: which part a host-bound step spends its time
     in. Our step does not synchronise (``tests/integration/test_sync.py``), so each of its parts is the host's own
-    time; stock
-    PEFT's step blocks in its backward (its backward time includes waiting for the GPU)."""
+    time; stock PEFT's step blocks in its backward (its backward time includes waiting for the GPU)."""
     def med(rows, i):
         return statistics.median(r[i] for r in rows) * 1e3
 
