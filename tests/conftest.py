@@ -1,4 +1,4 @@
-"""Test set-up: device choice, the Triton interpreter on CPU, NaN-poisoned outputs.
+"""Test set-up: device choice, the Triton interpreter on CPU, the default selection, shared fixtures.
 
 By default tests run on the CPU with ``TRITON_INTERPRET=1`` (set here, before triton is imported), so Triton
 kernels run on CPU tensors. ``FML_TEST_DEVICE=cuda`` (the GPU script sets it) runs the same tests on the GPU with
@@ -30,6 +30,13 @@ import fast_multilora  # noqa: E402, F401  (first: in a checkout, its guard keep
 if DEVICE == "cpu":
     # the tests' tensors are tiny: intra-op threads only add synchronisation (ms per op on a loaded 2-core machine)
     torch.set_num_threads(1)
+
+
+def pytest_configure(config):
+    # CPU runs without -m leave out the tests marked slow (run them with -m slow, everything with -m "slow or not
+    # slow"); GPU runs (FML_TEST_DEVICE=cuda) keep them: there they are not slow
+    if DEVICE == "cpu" and not config.option.markexpr:
+        config.option.markexpr = "not slow"
 
 
 def pytest_collection_modifyitems(config, items):

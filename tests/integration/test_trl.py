@@ -198,6 +198,7 @@ def test_bad_adapter_column(tmp_path, tok):
         trainer.train()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [[], ["--data", "per-adapter", "--packing"]], ids=["column", "per-adapter-packed"])
 def test_example_runs_and_saves_peft_adapters(tmp_path, flags):
     """examples/sft_multi_adapter.py --model tiny: trains, logs every adapter's loss, saves each adapter in PEFT

@@ -40,8 +40,8 @@ fp16 is only defined to 2**-24 below 2**-14, whatever its terms).
 
 CPU (Triton interpreter): examples are bounded by a cost model of the interpreter's programs (``_COST_LIMIT``; a third
 of it for the backward paths, which run the shrink backward twice and draw masks the model leaves out), so the whole
-file runs in about two minutes on 2 cores (each test 20-45 s); ``derandomize=True`` makes the examples the same on
-every run.
+file runs in about two minutes on 2 cores (each test 20-45 s; so marked ``slow``: ``pytest -m slow`` runs them);
+``derandomize=True`` makes the examples the same on every run.
 GPU: ``FML_TEST_DEVICE=cuda pytest -m gpu tests/kernels/test_fuzz.py`` runs the ``*_gpu`` sweeps with larger shapes
 (S up to 4096, K and N from a fixed list up to 4096 so compiled kernel variants are reused) and
 ``FML_FUZZ_EXAMPLES`` examples each (default 200; mostly kernel compilation, several minutes).
@@ -616,18 +616,21 @@ def check_decode(p, device):
     _close(y[live], want[live], bound[live], p["dtype"], "shrink_expand", p)
 
 
+@pytest.mark.slow
 @CPU_PATHS
 @given(p=decode_problems())
 def test_fuzz_shrink_expand(p):
     check_decode(p, DEVICE)
 
 
+@pytest.mark.slow
 @CPU_FWD
 @given(p=problems(backward=False))
 def test_fuzz_forward(p):
     check_forward(p, DEVICE)
 
 
+@pytest.mark.slow
 @needs_bwd
 @CPU
 @given(p=problems())
@@ -635,12 +638,14 @@ def test_fuzz_backward(p):
     check_backward(p, DEVICE)
 
 
+@pytest.mark.slow
 @CPU_PATHS
 @given(p=path_problems(backward=False))
 def test_fuzz_forward_paths(p):
     check_forward_paths(p, DEVICE)
 
 
+@pytest.mark.slow
 @needs_bwd
 @CPU_PATHS
 @given(p=path_problems(cost_limit=_COST_LIMIT // 3))  # mostly under dropout, whose draws the cost model leaves out
