@@ -408,29 +408,6 @@ def test_gpu_benchmark_shape(dtype, grouped, layout, device):
     assert_close_max(dx, want_dx, dtype, "dx")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
-def test_gpu_bandwidth_report(grouped, device, capsys):
-    """Prints achieved bandwidth (minimal bytes / time) of both launchers at the benchmark shape; asserts nothing."""
-    import triton
-
-    case = Case(**{**GPU_CASE.__dict__, "layout": "runs"})
-    d = build(case, torch.bfloat16, grouped, device, torch.Generator().manual_seed(6))
-    dy, x = torch.nan_to_num(d["dy"]), torch.nan_to_num(d["x"])
-    segs, table = d["segs"], d["table"]
-    dh = torch.zeros_like(d["h"])
-    lora_expand_bwd(dy, d["h"], d["B"], segs, table, dh=dh)  # build the cached grouping once
-    t_e = triton.testing.do_bench(lambda: lora_expand_bwd(dy, d["h"], d["B"], segs, table, dh=dh))
-    t_s = triton.testing.do_bench(lambda: lora_shrink_bwd(dh, x, d["A"], segs, table))
-    S, K, N = case.S, case.K, case.N
-    bytes_e = S * N * 2 + 2 * S * 16 * 4 + N * 128 * (2 + 4)  # dy; h, dh; B, dB
-    bytes_s = 2 * S * K * 2 + S * 16 * 4 + 128 * K * (2 + 4)  # x, dx; dh; A, dA
-    with capsys.disabled():
-        print(f"\n[{'chunked' if grouped else 'sgemm'}] expand_bwd {t_e * 1e3:.1f} us "
-              f"{bytes_e / (t_e * 1e-3) / 1e9:.0f} GB/s; shrink_bwd {t_s * 1e3:.1f} us "
-              f"{bytes_s / (t_s * 1e-3) / 1e9:.0f} GB/s")  # do_bench returns ms
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # CPU-only compile check: the GPU table's main configs must compile for sm_90 (frontend + ptxas, no GPU needed)
 # without register spills. Catches what the interpreter cannot: layout/lowering failures and spilling tiles.
