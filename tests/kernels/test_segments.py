@@ -145,3 +145,24 @@ def test_kernels_define_every_row_of_packed_layouts(name, dtype, grouped):
     assert (dx[~live] == 0).all(), "dx rows without an adapter must be exactly zero"
     _close(dx, dx64, dtype, "dx")
     _close(dA, dA64, dtype, "dA")
+
+
+@pytest.mark.parametrize("T", [1, 17])
+def test_write_mode_expand_of_row_segments_defines_every_row(T):
+    """``row_segments`` (per-row routing, the compiled path's layout) of rows of ``T`` tokens, base rows between
+    adapter rows: the write-mode expand's grid takes its rows from ``base_max_len`` = ``T`` here too."""
+    row_slots = torch.tensor([0, -1, 1, -1, 2], device=DEVICE)  # slot 2: rank 0
+    segs = row_segments(row_slots, T, n_slots=len(RANKS))
+    S, N = segs.num_tokens, 20
+    g = torch.Generator().manual_seed(T)
+    table = make_table(RANKS, device=DEVICE)
+    h = torch.randn(S, max(RANKS), generator=g).to(DEVICE)
+    B = (torch.randn(N, sum(RANKS), generator=g) / 4).to(DEVICE)
+    bias = torch.randn(N, generator=g).to(DEVICE)
+    y = lora_expand(h, B, segs, table, poisoned(S, N, device=DEVICE), accumulate=False, bias=bias)
+    unwritten = torch.isnan(y).any(1).nonzero().reshape(-1).tolist()
+    assert not unwritten, f"write-mode expand left rows {unwritten} unwritten"
+    want = ref.lora_expand(h.double(), B.double(), segs, table, torch.empty(S, N, dtype=torch.float64,
+                                                                            device=DEVICE),
+                           accumulate=False, bias=bias.double())
+    _close(y, want, torch.float32, "write-mode expand of row segments")
