@@ -34,8 +34,8 @@ if DEVICE == "cpu":
 
 def pytest_configure(config):
     # CPU runs without -m leave out the tests marked slow (run them with -m slow, everything with -m "slow or not
-    # slow"); GPU runs (FML_TEST_DEVICE=cuda) keep them: there they are not slow
-    if DEVICE == "cpu" and not config.option.markexpr:
+    # slow"), unless tests are named by node id (file.py::test); GPU runs (FML_TEST_DEVICE=cuda) keep them
+    if DEVICE == "cpu" and not config.option.markexpr and not any("::" in str(a) for a in config.args):
         config.option.markexpr = "not slow"
 
 
