@@ -10,7 +10,7 @@ runs of 17, 33, 65 and 129 rows each end one row into a new block.
 
 import pytest
 import torch
-from fast_multilora.kernels.backward import lora_shrink_bwd
+from fast_multilora.kernels.backward import lora_expand_bwd, lora_shrink_bwd
 from fast_multilora.kernels.forward import lora_expand, lora_shrink
 from fast_multilora.kernels.segments import grouped_segments, row_segments, segments_from_token_slots
 from helpers import DEVICE, KERNEL_DTYPES, TOL, make_table, poisoned
@@ -166,3 +166,31 @@ def test_write_mode_expand_of_row_segments_defines_every_row(T):
                                                                             device=DEVICE),
                            accumulate=False, bias=bias.double())
     _close(y, want, torch.float32, "write-mode expand of row segments")
+
+
+def test_backward_chunks_of_one_token_per_slot():
+    """Every slot and the base one token each, the last slot live: the backward's chunk table holds one chunk per
+    group, ``n_slots + 1`` in all -- its capacity's bound is reached exactly, so one chunk short drops the last slot's
+    rows from ``dA`` / ``dB``."""
+    ranks = [2, 3, 1, 4]
+    ts = torch.tensor([3, -1, 0, 2, 1])
+    S, K, N = ts.numel(), 12, 10
+    g = torch.Generator().manual_seed(5)
+    table = make_table(ranks, device=DEVICE)
+    segs = segments_from_token_slots(ts, grouped=False, device=DEVICE)
+    x = torch.randn(S, K, generator=g).to(DEVICE)
+    A = torch.randn(sum(ranks), K, generator=g).to(DEVICE)
+    B = torch.randn(N, sum(ranks), generator=g).to(DEVICE)
+    h = torch.randn(S, max(ranks), generator=g).to(DEVICE)
+    dy = torch.randn(S, N, generator=g).to(DEVICE)
+    dh, dB = lora_expand_bwd(dy, h, B, segs, table)
+    dh64, dB64 = ref.lora_expand_bwd(dy.double(), h.double(), B.double(), segs, table)
+    r_tok = torch.tensor([ranks[s] if s >= 0 else 0 for s in ts.tolist()], device=DEVICE)
+    defined = torch.arange(max(ranks), device=DEVICE)[None, :] < r_tok[:, None]
+    _close(dh[defined], dh64[defined], torch.float32, "dh")
+    _close(dB, dB64, torch.float32, "dB")
+    dx, dA = lora_shrink_bwd(torch.where(defined, dh64, 0).float(), x, A, segs, table,
+                             dx_out=poisoned(S, K, device=DEVICE))
+    dx64, dA64 = ref.lora_shrink_bwd(torch.where(defined, dh64, 0), x.double(), A.double(), segs, table)
+    _close(dx, dx64, torch.float32, "dx")
+    _close(dA, dA64, torch.float32, "dA")
