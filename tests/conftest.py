@@ -1,4 +1,4 @@
-"""Test set-up: device choice, the Triton interpreter on CPU, NaN-poisoned outputs.
+"""Test set-up: device choice, the Triton interpreter on CPU, the default selection, shared fixtures.
 
 By default tests run on the CPU with ``TRITON_INTERPRET=1`` (set here, before triton is imported), so Triton
 kernels run on CPU tensors. ``FML_TEST_DEVICE=cuda`` (the GPU script sets it) runs the same tests on the GPU with
@@ -16,7 +16,12 @@ if DEVICE == "cpu":
     # one thread per process, subprocesses the tests start included: the README's command runs one pytest-xdist
     # worker per core, and intra-op threads on top of them only oversubscribe the cores
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, os.path.dirname(__file__))
+# tests/helpers.py, models.py, trainloop.py, and test modules that reuse another's builders by module name
+# (``from test_paths import ...``), whichever files a run collects
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _dir in (os.path.join(_HERE, "integration"), os.path.join(_HERE, "kernels"), _HERE):
+    if _dir not in sys.path:
+        sys.path.insert(0, _dir)
 
 import torch  # noqa: E402
 
@@ -25,6 +30,13 @@ import fast_multilora  # noqa: E402, F401  (first: in a checkout, its guard keep
 if DEVICE == "cpu":
     # the tests' tensors are tiny: intra-op threads only add synchronisation (ms per op on a loaded 2-core machine)
     torch.set_num_threads(1)
+
+
+def pytest_configure(config):
+    # CPU runs without -m leave out the tests marked slow (run them with -m slow, everything with -m "slow or not
+    # slow"), unless tests are named by node id (file.py::test); GPU runs (FML_TEST_DEVICE=cuda) keep them
+    if DEVICE == "cpu" and not config.option.markexpr and not any("::" in str(a) for a in config.args):
+        config.option.markexpr = "not slow"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,4 +1,5 @@
-"""Worker for tests/test_accelerate.py::test_fsdp2_gradients_match_one_process (run by torchrun, 2 CPU ranks, gloo).
+"""Worker for tests/integration/test_accelerate.py::test_fsdp2_gradients_match_one_process (run by torchrun, 2 CPU
+ranks, gloo).
 
 FSDP2 (``fully_shard``) shards the frozen base and the adapters of a patched tiny Llama per decoder layer; each rank
 takes its half of a global mixed batch and backpropagates ``distributed_per_adapter_loss``. Rank 0 saves the full

@@ -90,9 +90,63 @@ def dense_lora(x, token_slots, As, Bs, scales, keep=None, ps=None):
     return out
 
 
-DEVICE = __import__("os").environ.get("FML_TEST_DEVICE", "cpu")
+DEVICE = os.environ.get("FML_TEST_DEVICE", "cpu")
 # The Triton interpreter multiplies raw bits for bfloat16 tl.dot (triton-lang/triton#11584), so bf16 runs on GPU only.
 KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+DTYPE_IDS = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+KERNEL_DTYPE_PARAMS = [pytest.param(dt, id=DTYPE_IDS[dt]) for dt in KERNEL_DTYPES]
+
+# The kernels' error budget per activation dtype, times the reference's largest magnitude (kernel tests) or times the
+# reference op on absolute values, a bound of the terms' magnitudes (tests/kernels/test_fuzz.py, test_large_index.py).
+TOL = {
+    torch.float64: 1e-12,  # fp64 everywhere: only summation order differs
+    torch.float32: 2e-5,  # ieee fp32 dots: only summation order differs (~K * 2^-24 worst case for K <= 2049)
+    torch.float16: 4e-3,  # one fp16 rounding (2^-11) of h / dh / fp32 weights before each dot, fp32 accumulate
+    torch.bfloat16: 3e-2,  # one bf16 rounding (2^-8) of h / dh / fp32 weights before each dot, fp32 accumulate
+}
+
+
+def assert_close_max(got, want, dtype, what):
+    """``max|got - want| <= TOL[dtype] * max|want|``, every entry of ``got`` finite (a NaN-poisoned entry nobody wrote
+    fails); prints the error and the bound."""
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if got.numel() == 0:
+        return
+    assert torch.isfinite(got).all(), f"{what}: {int((~torch.isfinite(got)).sum())} non-finite (unwritten?) entries"
+    err = (got.double() - want.double()).abs().max().item()
+    scale = max(want.double().abs().max().item(), 1e-6)
+    assert err <= TOL[dtype] * scale, f"{what}: max err {err:.3e} > tol {TOL[dtype]:.1e} * max|ref| {scale:.3e}"
+
+
+def assert_close_bound(got, want, bound, tol, what, resolution=0.0, detail=""):
+    """``|got - want| <= tol * bound + resolution`` elementwise, ``bound`` the reference op on absolute values (the
+    sum of the terms' magnitudes): a rounding-error bound that holds under cancellation, where one relative to
+    ``max|want|`` does not. ``resolution``: what storing in ``got``'s dtype may round away (subnormal spacing)."""
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if got.numel() == 0:
+        return
+    assert torch.isfinite(got).all(), f"{what}: {int((~torch.isfinite(got)).sum())} non-finite entries; {detail}"
+    err = (got.double() - want.double()).abs()
+    excess = err - (tol * bound.double() + resolution)
+    if (excess > 0).any():
+        i = int(excess.argmax())
+        raise AssertionError(f"{what}: {int((excess > 0).sum())} entries off, worst err {err.reshape(-1)[i]:.3e} > "
+                             f"{tol:.0e} * bound {bound.reshape(-1)[i]:.3e} + {resolution:.1e} at flat index {i}; "
+                             f"{detail}")
+
+
+def assert_close_lowp(got, want64, lowp_baseline, dtype, what):
+    """The forward kernels' rule against an fp64 reference ``want64``: fp32 (fp64) within rtol 1e-5 (1e-12) and the
+    same times max|ref|; fp16 / bf16 (flash-attention's rule) at most twice the error of torch's own low-precision
+    computation ``lowp_baseline``, plus 1e-6 of max|ref| so an exact baseline cannot make the bound zero."""
+    scale = want64.abs().max().item() if want64.numel() else 0.0
+    if dtype in (torch.float32, torch.float64):
+        tol = 1e-5 if dtype == torch.float32 else 1e-12
+        torch.testing.assert_close(got.double(), want64, rtol=tol, atol=tol * scale, msg=lambda m: f"{what}: {m}")
+        return
+    err = (got.double() - want64).abs().max().item() if got.numel() else 0.0
+    base = (lowp_baseline.double() - want64).abs().max().item() if got.numel() else 0.0
+    assert err <= 2 * base + 1e-6 * scale, f"{what}: kernel error {err:.3e} > 2 x torch {dtype} error {base:.3e}"
 
 
 def poisoned(*shape, dtype=torch.float32, device="cpu"):

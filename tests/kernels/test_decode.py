@@ -4,7 +4,7 @@ Both families' layouts (the kernel reads ``segs.token_slots``, which ``row_segme
 carry), weights concatenated, read in place (``SlotWeights``, laid out in reverse slot order with NaN gaps) and
 the adapter store's form (``A_cat`` with B as one packed 1-D block, slot ``a``'s ``[N, r_a]`` at ``N * offsets[a]``),
 rank-0 slots, rank 1, K = 123, 1-token segments, 128 adapters, unsorted rows. ``y`` rows of base tokens and rank-0
-slots are NaN and must stay NaN. Tolerances as ``test_kernels_forward.py`` (fp32: 1e-5 of max|ref| against fp64;
+slots are NaN and must stay NaN. Tolerances as ``test_forward.py`` (fp32: 1e-5 of max|ref| against fp64;
 16-bit: at most twice torch's own 16-bit error plus 1e-6 of max|ref|); the 16-bit baseline rounds ``h`` to the
 activation dtype, as the kernel's expand operands are.
 """
@@ -13,8 +13,7 @@ import pytest
 import torch
 from fast_multilora.kernels.decode import DECODE_BLOCKS, lora_shrink_expand
 from fast_multilora.kernels.segments import grouped_segments, row_segments, slot_weights
-from helpers import DEVICE, make_table, random_token_slots
-from test_kernels_forward import DTYPES, _check_close
+from helpers import DEVICE, KERNEL_DTYPE_PARAMS, assert_close_lowp, make_table, random_token_slots
 from test_slot_weights import _scattered
 
 from fast_multilora import reference as ref
@@ -56,7 +55,7 @@ def _live(ts, ranks):
 
 @pytest.mark.parametrize("form", WEIGHTS)
 @pytest.mark.parametrize("grouped", LAYOUTS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPE_PARAMS)
 @pytest.mark.parametrize("S, K, N, ranks, layout", CASES)
 def test_shrink_expand_matches_reference(S, K, N, ranks, layout, dtype, grouped, form):
     g = torch.Generator().manual_seed(S * 1000 + K + len(ranks))
@@ -77,7 +76,7 @@ def test_shrink_expand_matches_reference(S, K, N, ranks, layout, dtype, grouped,
     y64 = ref.lora_shrink_expand(x.to(hi), A_cat.to(hi), B_cat.to(hi), segs, table, y_in.to(hi))
     h_lowp = ref.lora_shrink(x, A_cat, segs, table).to(dtype)  # h as the 16-bit expand's operand
     y_lowp = ref.lora_expand(h_lowp, B_cat, segs, table, y_in.clone())
-    _check_close(y[live], y64[live], y_lowp[live], dtype, "shrink_expand")
+    assert_close_lowp(y[live], y64[live], y_lowp[live], dtype, "shrink_expand")
 
 
 def test_float64_and_blocks_by_rank():
@@ -176,4 +175,4 @@ def test_gpu_decode_shapes(K, N, form, dtype):
         assert torch.equal(y[~live], y0[~live])
         y64 = ref.lora_shrink_expand(x.double(), A_cat.double(), B_cat.double(), segs, table, y0.double())
         y_lowp = ref.lora_expand(ref.lora_shrink(x, A_cat, segs, table).to(dtype), B_cat, segs, table, y0.clone())
-        _check_close(y[live], y64[live], y_lowp[live], dtype, f"shrink_expand grouped={grouped}")
+        assert_close_lowp(y[live], y64[live], y_lowp[live], dtype, f"shrink_expand grouped={grouped}")

@@ -434,7 +434,7 @@ def test_a_checkout_leaves_the_top_level_name_kernels_to_pypi(tmp_path):
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     other = tmp_path / "site"
     (other / "kernels").mkdir(parents=True)
     (other / "kernels" / "__init__.py").write_text("")

@@ -2,9 +2,10 @@
 
 Each example draws a problem -- tokens S (0..96), K and N (1..130), adapters (1..128) with ranks 0..256 (0 = the
 adapter is absent from the layer), a segment layout (empty, one token, one giant segment, unsorted runs, interleaved
-tokens, base runs, all base, runs split into several segments, a shuffled permutation), the family (SGEMM / chunked
-SGMV), dropout on/off with a seed, the dtype (fp32/fp16 on CPU, + bf16 on GPU), weights in the activation dtype or
-fp32, stack_num 1..3 with a slice -- and checks:
+tokens, base runs, all base, runs split into several segments, a shuffled permutation, packed rows' long base run:
+``16 j + 1`` base tokens among shorter adapter runs), the family (SGEMM / chunked SGMV), dropout on/off with a seed,
+the dtype (fp32/fp16 on CPU, + bf16 on GPU), weights in the activation dtype or fp32, stack_num 1..3 with a slice --
+and checks:
 
 * forward: ``lora_shrink`` (NaN-poisoned ``out``: cells the contract leaves undefined stay NaN) and ``lora_expand``
   (rows without a live adapter stay NaN; don't-care ``h`` cells are NaN and must not be read);
@@ -32,20 +33,20 @@ The ``*_paths`` tests draw the same problems (mostly one slice and with dropout)
   runs both with one block table) and both against the reference with ``dropout_keep_mask`` as its mask.
 
 Tolerance: ``|got - want| <= tol * bound + resolution`` elementwise, ``bound`` the reference op on absolute values;
-``tol`` is ``TOL`` of the activation dtype (16-bit: about twice the error of PyTorch's own 16-bit computation against
-fp32), plus one ulp of the output dtype for a gradient stored in another 16-bit dtype (``dA_out`` / ``dB_out``: fp32
-sums rounded once); ``resolution`` the spacing of the output dtype's subnormals (a result stored in fp16 is only
-defined to 2**-24 below 2**-14, whatever its terms).
+``tol`` is ``helpers.TOL`` of the activation dtype (16-bit: about twice the error of PyTorch's own 16-bit computation
+against fp32), plus one ulp of the output dtype for a gradient stored in another 16-bit dtype (``dA_out`` /
+``dB_out``: fp32 sums rounded once); ``resolution`` the spacing of the output dtype's subnormals (a result stored in
+fp16 is only defined to 2**-24 below 2**-14, whatever its terms).
 
 CPU (Triton interpreter): examples are bounded by a cost model of the interpreter's programs (``_COST_LIMIT``; a third
 of it for the backward paths, which run the shrink backward twice and draw masks the model leaves out), so the whole
-file runs in about two minutes on 2 cores (each test 20-45 s); ``derandomize=True`` makes the examples the same on
-every run.
-GPU: ``FML_TEST_DEVICE=cuda pytest -m gpu tests/test_fuzz.py`` runs the ``*_gpu`` sweeps with larger shapes (S up to
-4096, K and N from a fixed list up to 4096 so compiled kernel variants are reused) and ``FML_FUZZ_EXAMPLES`` examples
-each (default 200; mostly kernel compilation, several minutes). ``FML_FUZZ_CPU_EXAMPLES`` (default 100; the forward
-test runs twice as many, the ``*_paths`` tests half as many, each example checking several paths) scales the CPU
-profile.
+file runs in about two minutes on 2 cores (each test 20-45 s; so marked ``slow``: ``pytest -m slow`` runs them);
+``derandomize=True`` makes the examples the same on every run.
+GPU: ``FML_TEST_DEVICE=cuda pytest -m gpu tests/kernels/test_fuzz.py`` runs the ``*_gpu`` sweeps with larger shapes
+(S up to 4096, K and N from a fixed list up to 4096 so compiled kernel variants are reused) and
+``FML_FUZZ_EXAMPLES`` examples each (default 200; mostly kernel compilation, several minutes).
+``FML_FUZZ_CPU_EXAMPLES`` (default 100; the forward test runs twice as many, the ``*_paths`` tests half as many, each
+example checking several paths) scales the CPU profile.
 """
 
 import os
@@ -56,7 +57,7 @@ from fast_multilora.kernels import lora_expand, lora_shrink
 from fast_multilora.kernels.decode import DECODE_MAX_ROWS
 from fast_multilora.kernels.dropout import dropout_keep_mask, keep_bits_buffer, unpack_keep_bits
 from fast_multilora.kernels.segments import AdapterTable, Segments, segments_from_token_slots, slot_weights
-from helpers import DEVICE, KERNEL_DTYPES, poisoned
+from helpers import DEVICE, KERNEL_DTYPES, TOL, assert_close_bound, poisoned
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -78,9 +79,8 @@ CPU_FWD = settings(max_examples=2 * CPU_EXAMPLES, **_COMMON)  # the forward is c
 CPU_PATHS = settings(max_examples=max(1, CPU_EXAMPLES // 2), **_COMMON)  # each runs several paths per example
 GPU = settings(max_examples=GPU_EXAMPLES, **_COMMON)
 
-# Max error relative to the reference's largest magnitude (same budget as tests/test_kernels_backward.py).
-TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
-LAYOUTS = ["empty", "one_token", "giant", "unsorted", "interleaved", "base_runs", "all_base", "split_runs"]
+LAYOUTS = ["empty", "one_token", "giant", "unsorted", "interleaved", "base_runs", "all_base", "split_runs",
+           "long_base"]
 # The interpreter runs a Python loop per program and per tile step: keep one example's work near a second.
 _COST_LIMIT = 1500
 
@@ -100,9 +100,20 @@ def _token_slots(layout, S, n, gen):
         return ts
     if layout == "all_base":
         return torch.full((S,), -1)
+    if layout == "long_base" and S >= 18:
+        # packed rows: one base run of 16 j + 1 rows (one past a 16-row block) among shorter adapter runs -- the
+        # write-mode expand's grid takes its rows from the longest base run there, not from the adapter runs
+        L = 16 * int(torch.randint(1, (S - 2) // 16 + 1, (1,), generator=gen)) + 1
+        out, slot = [], -1
+        while len(out) < S - L:  # runs of 1 .. min(L - 1, 16) tokens, each of another slot than the last
+            slot = (slot + 1 + int(torch.randint(0, max(1, n - 1), (1,), generator=gen))) % n
+            out += [slot] * int(torch.randint(1, min(L - 1, 16) + 1, (1,), generator=gen))
+        out = out[: S - L]
+        cut = int(torch.randint(0, len(out) + 1, (1,), generator=gen))
+        return torch.tensor(out[:cut] + [-1] * L + out[cut:])
     out = []
-    while len(out) < S:  # unsorted runs; base_runs: every other run is a long base run
-        if layout == "base_runs" and len(out) % 2 == 0:
+    while len(out) < S:  # unsorted runs; base_runs (long_base below 18 tokens): every other run is a long base run
+        if layout in ("base_runs", "long_base") and len(out) % 2 == 0:
             out += [-1] * int(torch.randint(1, max(2, S // 2), (1,), generator=gen))
         out += [int(torch.randint(0, n, (1,), generator=gen))] * int(torch.randint(1, max(2, S // 3), (1,),
                                                                                     generator=gen))
@@ -178,14 +189,15 @@ def _cost(ts, ranks, K, N, stack, backward=True):
     return fwd + bwd if backward else fwd
 
 
-def _fit(ts, ranks, K, N, stack, limit, backward):
-    """Shrink an example until the interpreter can run it in about a second: fewer tokens, narrower K / N, a
-    smaller largest rank, fewer adapters (tokens of dropped adapters are remapped), in turn."""
+def _fit(ts, ranks, K, N, stack, limit, backward, keep_tokens=False):
+    """Shrink an example until the interpreter can run it in about a second: fewer tokens (unless ``keep_tokens``:
+    the layout is the point), narrower K / N, a smaller largest rank, fewer adapters (tokens of dropped adapters are
+    remapped), in turn."""
     step = 0
     while _cost(ts, ranks, K, N, stack, backward) > limit:
         what = step % 5
         step += 1
-        if what == 0 and ts.numel() > 16:
+        if what == 0 and ts.numel() > 16 and not keep_tokens:
             ts = ts[: ts.numel() // 2]
         elif what == 1 and K > 8:
             K //= 2
@@ -233,7 +245,7 @@ def problems(draw, max_S=96, max_KN=130, max_adapters=128, max_rank=256, cost_li
     ranks[int(torch.randint(0, n, (1,), generator=gen))] = big
     ranks = ranks.tolist()
     ts = _token_slots(layout, S, n, gen)
-    ts, ranks, K, N = _fit(ts, ranks, K, N, stack, cost_limit, backward)
+    ts, ranks, K, N = _fit(ts, ranks, K, N, stack, cost_limit, backward, keep_tokens=layout == "long_base")
     n = len(ranks)
     ps = (torch.rand(n, generator=gen) * 0.6).tolist() if dropout else [0.0] * n
     return dict(dtype=dtype, layout=layout, family=family, ranks=ranks, stack=stack, slice_idx=slice_idx, K=K, N=N,
@@ -286,22 +298,11 @@ def _tol(dtype, out_dtype):
 
 
 def _close(got, want, bound, dtype, what, p):
-    """``|got - want| <= tol * bound + resolution`` elementwise, ``bound`` the same reference op on absolute values
-    (the sum of the magnitudes of the terms): a rounding-error bound that holds under cancellation, where a bound
-    relative to ``max|want|`` does not. ``tol``: :func:`_tol`; ``resolution``: of ``got``'s dtype."""
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    if got.numel() == 0:
-        return
-    assert torch.isfinite(got).all(), f"{what}: {int((~torch.isfinite(got)).sum())} non-finite entries; {_desc(p)}"
-    tol = _tol(dtype, got.dtype)
-    # storing in got's dtype rounds a subnormal result to a multiple of this spacing, which no relative bound covers
-    res = _resolution(got.dtype)
-    err = (got.double() - want.double()).abs()
-    excess = err - (tol * bound.double() + res)
-    if (excess > 0).any():
-        i = int(excess.argmax())
-        raise AssertionError(f"{what}: err {err.reshape(-1)[i]:.3e} > {tol:.0e} * bound {bound.reshape(-1)[i]:.3e} "
-                             f"+ {res:.1e} ({got.dtype} resolution) at flat index {i}; {_desc(p)}")
+    """``|got - want| <= tol * bound + resolution`` elementwise (``helpers.assert_close_bound``), ``bound`` the same
+    reference op on absolute values. ``tol``: :func:`_tol`; ``resolution``: of ``got``'s dtype (storing in it rounds
+    a subnormal result to a multiple of that spacing, which no relative bound covers)."""
+    assert_close_bound(got, want, bound, _tol(dtype, got.dtype), what, resolution=_resolution(got.dtype),
+                       detail=_desc(p))
 
 
 def _desc(p):
@@ -615,18 +616,21 @@ def check_decode(p, device):
     _close(y[live], want[live], bound[live], p["dtype"], "shrink_expand", p)
 
 
+@pytest.mark.slow
 @CPU_PATHS
 @given(p=decode_problems())
 def test_fuzz_shrink_expand(p):
     check_decode(p, DEVICE)
 
 
+@pytest.mark.slow
 @CPU_FWD
 @given(p=problems(backward=False))
 def test_fuzz_forward(p):
     check_forward(p, DEVICE)
 
 
+@pytest.mark.slow
 @needs_bwd
 @CPU
 @given(p=problems())
@@ -634,12 +638,14 @@ def test_fuzz_backward(p):
     check_backward(p, DEVICE)
 
 
+@pytest.mark.slow
 @CPU_PATHS
 @given(p=path_problems(backward=False))
 def test_fuzz_forward_paths(p):
     check_forward_paths(p, DEVICE)
 
 
+@pytest.mark.slow
 @needs_bwd
 @CPU_PATHS
 @given(p=path_problems(cost_limit=_COST_LIMIT // 3))  # mostly under dropout, whose draws the cost model leaves out

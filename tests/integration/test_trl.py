@@ -22,7 +22,7 @@ import fast_multilora  # noqa: E402
 from fast_multilora.data import AdapterInterleaveSampler, MultiAdapterCollator  # noqa: E402
 from fast_multilora.trl import MultiAdapterSFTTrainer  # noqa: E402
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 sys.path.insert(0, EXAMPLES)
 import multi_adapter_tasks as T  # noqa: E402
 
@@ -198,6 +198,7 @@ def test_bad_adapter_column(tmp_path, tok):
         trainer.train()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [[], ["--data", "per-adapter", "--packing"]], ids=["column", "per-adapter-packed"])
 def test_example_runs_and_saves_peft_adapters(tmp_path, flags):
     """examples/sft_multi_adapter.py --model tiny: trains, logs every adapter's loss, saves each adapter in PEFT

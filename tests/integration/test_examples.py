@@ -7,8 +7,12 @@ import json
 import os
 import sys
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 sys.path.insert(0, EXAMPLES)
+
+pytestmark = pytest.mark.slow  # demo runs
 
 
 def test_eval_mixed_batch_scores_the_demos_prompts(tmp_path, capsys):

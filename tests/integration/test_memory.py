@@ -95,7 +95,7 @@ def _check_caches(model):
 
 
 @pytest.mark.parametrize("backend, warm, steps, traced", [
-    pytest.param("torch", 200, 1000, 150, id="torch-1000"),
+    pytest.param("torch", 200, 1000, 150, id="torch-1000", marks=pytest.mark.slow),
     pytest.param("triton", 8, 20, 10, id="triton-20",
                  marks=pytest.mark.skipif(not HAS_TRITON_BWD, reason="Triton backward not exported")),
 ])

@@ -1,5 +1,5 @@
 """QLoRA on CUDA (needs bitsandbytes' CUDA build: the GPU run installs a carried wheel): the checks of
-tests/test_quantized.py in bf16 on the GPU, where the Triton kernels run bf16 dots -- per sample against stock PEFT
+test_quantized.py in bf16 on the GPU, where the Triton kernels run bf16 dots -- per sample against stock PEFT
 (logits, input and LoRA gradients, train and eval, 4-bit nf4 with double quantization and 8-bit bases, PEFT's fp32
 adapters and bf16 adapters) with the same tolerance rule -- and the QLoRA training recipe with bitsandbytes'
 ``PagedAdamW8bit`` paging its states (on the CPU it falls back to unpaged)."""

@@ -18,13 +18,19 @@ import torch
 from fast_multilora.kernels.dropout import dropout_keep_mask, keep_bits_buffer, unpack_keep_bits
 from fast_multilora.kernels.forward import lora_expand, lora_shrink
 from fast_multilora.kernels.sgmv import chunk_table
-from helpers import DEVICE, KERNEL_DTYPES, make_segments, make_table, poisoned, random_token_slots
+from helpers import (
+    DEVICE,
+    KERNEL_DTYPE_PARAMS,
+    assert_close_lowp,
+    make_segments,
+    make_table,
+    poisoned,
+    random_token_slots,
+)
 
 from fast_multilora import reference as ref
 
 FAMILIES = [pytest.param(False, id="sgemm"), pytest.param(True, id="chunked")]
-DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
-DTYPES = [pytest.param(dt, id=DTYPE_IDS[dt]) for dt in KERNEL_DTYPES]
 
 _g = torch.Generator().manual_seed(70)
 RANKS_70 = [int(r) if i % 9 else 0 for i, r in enumerate(torch.randint(1, 9, (70,), generator=_g))]
@@ -51,18 +57,6 @@ def _live_rows(token_slots, ranks):
     return torch.tensor([a >= 0 and ranks[a] > 0 for a in token_slots.tolist()], dtype=torch.bool)
 
 
-def _check_close(got, want64, lowp_baseline, dtype, what):
-    """Per-dtype tolerance (module docstring); ``got``/``want64``/``lowp_baseline`` are same-shape tensors."""
-    scale = want64.abs().max().item() if want64.numel() else 0.0
-    if dtype in (torch.float32, torch.float64):
-        tol = 1e-5 if dtype == torch.float32 else 1e-12
-        torch.testing.assert_close(got.double(), want64, rtol=tol, atol=tol * scale, msg=lambda m: f"{what}: {m}")
-        return
-    err = (got.double() - want64).abs().max().item() if got.numel() else 0.0
-    base = (lowp_baseline.double() - want64).abs().max().item() if got.numel() else 0.0
-    assert err <= 2 * base + 1e-6 * scale, f"{what}: kernel error {err:.3e} > 2 x torch {dtype} error {base:.3e}"
-
-
 def _run_case(S, K, N, ranks, stack, layout, ps, w_lowp, grouped, dtype, device, seed=1234):
     g = torch.Generator().manual_seed(S * 1000 + K + len(ranks))
     ts = random_token_slots(S, len(ranks), g, layout=layout)
@@ -87,7 +81,7 @@ def _run_case(S, K, N, ranks, stack, layout, ps, w_lowp, grouped, dtype, device,
     assert torch.isnan(h[~defined]).all(), "shrink wrote outside the rows/columns it owns"
     h64 = ref.lora_shrink(x.to(hi), A.to(hi), segs, table, stack_num=stack, keep=keep)
     h_lowp = ref.lora_shrink(x, A.to(dtype), segs, table, stack_num=stack, keep=keep).to(dtype)
-    _check_close(h[defined], h64[defined], h_lowp[defined], dtype, "shrink")
+    assert_close_lowp(h[defined], h64[defined], h_lowp[defined], dtype, "shrink")
     if ps is not None and stack == 1:  # a training forward stores the mask it drew, packed, for the backward
         bits = keep_bits_buffer(x).fill_(0xA5)  # a sentinel pattern: rows the kernel does not own keep it
         h2 = lora_shrink(x, A, segs, table, seed=seed, out=poisoned(S, width, dtype=h_dtype, device=device),
@@ -105,7 +99,7 @@ def _run_case(S, K, N, ranks, stack, layout, ps, w_lowp, grouped, dtype, device,
         y64 = ref.lora_expand(h_in.to(hi), B.to(hi), segs, table, y_in.to(hi), stack_num=stack, slice_idx=s)
         y_lowp = ref.lora_expand(h_in.to(dtype), B.to(dtype), segs, table, y_in.clone(), stack_num=stack,
                                  slice_idx=s)
-        _check_close(y[live], y64[live], y_lowp[live], dtype, f"expand slice {s}")
+        assert_close_lowp(y[live], y64[live], y_lowp[live], dtype, f"expand slice {s}")
 
     # write mode (accumulate=False): the poisoned y is never read and every row is defined -- the product (+ bias)
     # on adapter rows, the bias (or zero) elsewhere; SGEMM segments with and without the base-run length known
@@ -122,10 +116,10 @@ def _run_case(S, K, N, ranks, stack, layout, ps, w_lowp, grouped, dtype, device,
             y_lowp = ref.lora_expand(h_in.to(dtype), B.to(dtype), segs, table, torch.empty_like(y), stack_num=stack,
                                      slice_idx=s, accumulate=False, bias=b)
             assert not torch.isnan(y).any(), "write-mode expand left rows unwritten"
-            _check_close(y, y64, y_lowp, dtype, f"expand write mode, bias={b is not None}")
+            assert_close_lowp(y, y64, y_lowp, dtype, f"expand write mode, bias={b is not None}")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPE_PARAMS)
 @pytest.mark.parametrize("grouped", FAMILIES)
 @pytest.mark.parametrize("S, K, N, ranks, stack, layout, ps, w_lowp", CASES)
 def test_forward_matches_reference(S, K, N, ranks, stack, layout, ps, w_lowp, grouped, dtype, device):
@@ -242,11 +236,11 @@ def test_gpu_benchmark_shape(grouped, dtype, n):
     h = lora_shrink(x, A, segs, table)
     h64 = ref.lora_shrink(x.double(), A.double(), segs, table)
     h_lowp = ref.lora_shrink(x, A.to(dtype), segs, table).to(dtype)
-    _check_close(h[live], h64[live], h_lowp[live], dtype, "shrink")
+    assert_close_lowp(h[live], h64[live], h_lowp[live], dtype, "shrink")
     y = lora_expand(h, B, segs, table, y0.clone())
     y64 = ref.lora_expand(h.double(), B.double(), segs, table, y0.double())
     y_lowp = ref.lora_expand(h.to(dtype), B.to(dtype), segs, table, y0.clone())
-    _check_close(y[live], y64[live], y_lowp[live], dtype, "expand")
+    assert_close_lowp(y[live], y64[live], y_lowp[live], dtype, "expand")
     assert torch.equal(y[~live], y0[~live])
 
 

@@ -398,6 +398,7 @@ _PTX_ACCESSES = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
 def test_alignment_hint_gives_vector_accesses(dtype):
     """Compiled for an H100-class GPU (PTX, no GPU needed; a subprocess without the interpreter): with a table's

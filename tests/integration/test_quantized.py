@@ -8,7 +8,7 @@ the delta is added once in fp32, PEFT's per-adapter path sums in another order).
 16-bit compute dtypes (bf16 on the torch backend only: the Triton interpreter cannot do bf16 dots) and 16-bit
 activations or adapters: each layer's output dtype equals PEFT's, and ours and PEFT's results are compared with the
 exact math of the same stored weights (the model converted to fp32 compute, quantized weights untouched): ours is at
-most twice PEFT's own error plus the low precision's unit roundoff (tests/test_errors.py's rule, in relative RMSE)."""
+most twice PEFT's own error plus the low precision's unit roundoff (test_errors.py's rule, in relative RMSE)."""
 
 import warnings
 from functools import partial
@@ -342,7 +342,7 @@ def _adapter_groups(model, lrs):
 def test_qlora_training_recipe(checkpoint, tmp_path):
     """QLoRA as people run it, three adapters at once: ``prepare_model_for_kbit_training`` with gradient
     checkpointing, bitsandbytes' ``PagedAdamW8bit`` (unpaged on CPU: bitsandbytes pages on CUDA only; the paged run
-    is in tests/test_quantized_gpu.py) with one parameter group per adapter, three mixed steps. Stock PEFT, each row
+    is in test_quantized_gpu.py) with one parameter group per adapter, three mixed steps. Stock PEFT, each row
     run alone with its adapter and the same optimizer stepping on the summed gradients, ends with the same weights;
     each adapter saved with ``save_pretrained`` loads into stock PEFT with those weights; ``merge_and_unload`` of
     the trained model equals stock PEFT's merge of the saved adapter."""

@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "train_multi_adapter.py"
 ADAPTERS = ["upper", "reverse", "digits"]
 # SGD (momentum) and no clipping: the update is linear in the gradient, so a wrong loss scale would show (AdamW

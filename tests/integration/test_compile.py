@@ -108,10 +108,16 @@ def _run_mixes(model, compiled, train, packed=False, T=9):
     return results
 
 
-@pytest.mark.parametrize("store", [False, True], ids=["params", "store"])
-@pytest.mark.parametrize("packed", [False, True], ids=["names", "adapter_ids"])
-@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+# two corners of the grid by default (every value of every axis once; ~40 s of a core for the Triton one), the rest
+# marked slow
+_DEFAULT_GRID = {("triton", True, False, False), ("torch", False, True, True)}
+_GRID = [pytest.param(b, t, p, s, id=f"{b}-{'train' if t else 'eval'}-{'adapter_ids' if p else 'names'}-"
+                                      f"{'store' if s else 'params'}",
+                      marks=() if (b, t, p, s) in _DEFAULT_GRID else pytest.mark.slow)
+         for b in ("torch", "triton") for t in (True, False) for p in (False, True) for s in (False, True)]
+
+
+@pytest.mark.parametrize("backend, train, packed, store", _GRID)
 def test_compiled_model_one_graph_for_every_mix(backend, train, packed, store, device):
     """A patched tiny Llama under ``torch.compile(model, backend="aot_eager")``: one graph, no graph break, no
     recompilation over six adapter mixes; logits and LoRA grads equal eager's (fp32-tight). ``store``: both models'
@@ -167,7 +173,7 @@ def _same(got, want, backend, what=""):
                                msg=lambda m: f"{backend} {what}: {m}")
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
 def test_compiled_training_with_dropout(backend, device):
     """LoRA dropout under ``torch.compile``: still one graph for every mix (the seed is drawn on the device inside
     the graph, the torch backend's mask from torch's RNG); each step draws a new mask, and with the same RNG state
@@ -396,7 +402,7 @@ def test_device_layouts_match_the_host_builder(kind, device):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
 def test_static_cache_generation_compiles_once_for_every_mix(backend, device):
     """``generate(..., cache_implementation="static")``: transformers compiles the decode step (here with
     ``aot_eager``, its compile forced on CPU); three mixes give eager's tokens, with no graph break and no graph
