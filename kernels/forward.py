@@ -73,14 +73,14 @@ SHRINK_DROPOUT_STORE_BLOCKS = {
 # (bound on N = output dim, BLOCK_S, BLOCK_N cap, BLOCK_R cap, num_warps, num_stages, N-tiles per program (SGEMM
 # family))
 # add mode (y read and written): 4 N-tiles per program, profiler kernel time at S=16384, N = 2048 / 5632 on H200
-# 49.9 / 126.2 us against 56.5 / 151.1 with one (benchmarks/bench_bandwidth.py; copy floor 33.1 / 87.6)
+# 49.9 / 126.2 us against 56.5 / 151.1 with one (benchmarks/bench_bandwidth.py, in git history; copy floor 33.1 / 87.6)
 EXPAND_BLOCKS = {
     "gpu": [(_INF, 64, 128, 64, 4, 1, 4)],
     "interpreter": [(_INF, 16, 64, 16, 1, 1, 2)],
 }
 # write mode (``accumulate=False``: y only written): 64x128 tiles, 8 warps, 4 N-tiles per program -- as fast as the
 # 128x128 / 4-warp tiles it replaces (31.8 / 78.2 against 31.2 / 80.3 us at S=16384, N = 2048 / 5632 on H200;
-# benchmarks/bench_bandwidth.py; zero_() of y: 20.7 / 55.1), which spilled registers (255 per thread, ncu)
+# benchmarks/bench_bandwidth.py in git history; zero_() of y: 20.7 / 55.1), which spilled registers (255 per thread, ncu)
 EXPAND_WRITE_BLOCKS = {
     "gpu": [(_INF, 64, 128, 64, 8, 1, 4)],
     "interpreter": [(_INF, 16, 64, 16, 1, 1, 2)],

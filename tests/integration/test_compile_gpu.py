@@ -1,4 +1,4 @@
-"""``torch.compile`` on the GPU (marked ``gpu``; run by ``benchmarks/gpu_check.sh``): Inductor in the modes users
+"""``torch.compile`` on the GPU (marked ``gpu``; run by ``benchmarks/gpu_run.sh``): Inductor in the modes users
 pick -- default, ``"reduce-overhead"`` (CUDA graphs), ``"max-autotune-no-cudagraphs"`` -- for a training step and
 for eval, static-cache generation, and CUDA-graph replay with dropout. Each compiles one graph that serves every
 adapter mix of the same shapes and equals eager: fp32 within 1e-4 of the largest entry (Inductor fuses the model's

@@ -70,7 +70,7 @@ needs_bwd = pytest.mark.skipif(not HAS_BWD, reason="kernels/backward.py launcher
 CPU_EXAMPLES = int(os.environ.get("FML_FUZZ_CPU_EXAMPLES", "100"))
 GPU_EXAMPLES = int(os.environ.get("FML_FUZZ_EXAMPLES", "200"))
 # FML_FUZZ_DERANDOMIZE=0: examples from hypothesis' seed (``--hypothesis-seed=N``), so parallel processes with
-# different seeds run different examples (benchmarks/gpu_check.sh's sharded GPU sweep)
+# different seeds run different examples (a sharded GPU sweep)
 _COMMON = dict(deadline=None, derandomize=os.environ.get("FML_FUZZ_DERANDOMIZE", "1") != "0", database=None,
                print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
