@@ -4,6 +4,7 @@
     report = fast_multilora.patch(peft_model)          # swaps PEFT LoRA Linear layers in place
     out = peft_model(**batch, adapter_names=names)     # one name per sample, "__base__" for none; train or eval
     loss = fast_multilora.per_adapter_loss(out.logits, batch["labels"], names)
+    loss = fast_multilora.fused_causal_lm_loss(peft_model, {**batch, "adapter_names": names})  # no logits built
 """
 
 import importlib.util as _ilu
@@ -49,6 +50,7 @@ if not _here:
     _spec.loader.exec_module(_mod)
 
 from .config import PatchConfig  # noqa: E402
+from .fused_loss import fused_causal_lm_loss, per_adapter_loss_from_hidden  # noqa: E402
 from .loss import per_adapter_loss, per_adapter_mean  # noqa: E402
 from .optim import AdamW  # noqa: E402
 from .patching import PatchReport, patch, route, unpatch  # noqa: E402
@@ -56,5 +58,5 @@ from .plan import BASE, mark_changed  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["AdamW", "BASE", "PatchConfig", "PatchReport", "mark_changed", "patch", "per_adapter_loss",
-           "per_adapter_mean", "route", "unpatch"]
+__all__ = ["AdamW", "BASE", "PatchConfig", "PatchReport", "fused_causal_lm_loss", "mark_changed", "patch",
+           "per_adapter_loss", "per_adapter_loss_from_hidden", "per_adapter_mean", "route", "unpatch"]
