@@ -130,6 +130,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                     dw[v0:v1] = dz.t() @ hidden
             if need_h:
                 dh += dz @ w_blk
+            del dz  # before the next block's logits
         return (None if dh is None else dh.to(hidden.dtype)), dw, db, None, None, None, None, None
 
 
