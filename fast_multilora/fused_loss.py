@@ -28,6 +28,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.function import once_differentiable
 
 from .loss import AdapterLosses, per_adapter_mean, shifted_targets
@@ -163,7 +164,8 @@ def _head(lm_head, bias):
     for name, t in (("weight", weight), ("bias", bias)):
         if t is None:
             continue
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) or not t.is_floating_point():
+        plain = type(t) in (torch.Tensor, torch.nn.Parameter) or isinstance(t, FakeTensor)  # fake: shape analyses
+        if not plain or not t.is_floating_point():
             raise TypeError(
                 f"per_adapter_loss_from_hidden: the LM head's {name} is a {type(t).__name__} of dtype {t.dtype}; the "
                 "fused loss needs a plain floating-point tensor (a quantized or sharded head, e.g. bitsandbytes, "
