@@ -146,6 +146,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
                                     None if softcap is None else float(softcap))
 
 
+def _qualname(obj) -> str:
+    cls = getattr(type(obj), "_fml_base", type(obj))  # a patched PEFT layer: its PEFT class
+    return cls.__qualname__ if cls.__module__.startswith("torch") else f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _head(lm_head, bias):
     """``(weight, bias)`` of the LM head, checked: an ``nn.Linear`` or a weight tensor ``[V, H]`` (plus ``bias``)."""
     if isinstance(lm_head, torch.nn.Linear):
@@ -158,7 +163,7 @@ def _head(lm_head, bias):
     else:
         raise TypeError(
             f"per_adapter_loss_from_hidden: `lm_head` must be the LM head as an nn.Linear or its weight tensor "
-            f"[vocab, hidden], got {type(lm_head).__name__}. A head with LoRA adapters or another wrapper (PEFT's "
+            f"[vocab, hidden], got {_qualname(lm_head)}. A head with LoRA adapters or another wrapper (PEFT's "
             "lora.Linear, ModulesToSaveWrapper) is not a plain linear map: use per_adapter_loss(model(...).logits, ...)"
         )
     for name, t in (("weight", weight), ("bias", bias)):
@@ -253,7 +258,7 @@ def _post_head_transform(causal) -> tuple:
     if own is not None:
         if isinstance(own, torch.Tensor):
             raise ValueError(f"fused_causal_lm_loss: {type(causal).__name__}.logit_scale is a tensor (a learned scale);"
-                             " compute its hidden states yourself and call per_adapter_loss_from_hidden")
+                             " the fused loss takes a fixed scale: use per_adapter_loss(model(**batch).logits, ...)")
         scale *= float(own)
     if getattr(cfg, "logits_scaling", None):  # Granite: logits / config.logits_scaling
         scale /= float(cfg.logits_scaling)
@@ -305,7 +310,7 @@ def fused_causal_lm_loss(model, batch, *, adapter_names: Optional[Sequence[str]]
         )
     if not isinstance(lm_head, torch.nn.Linear):
         raise ValueError(
-            f"fused_causal_lm_loss: the LM head of {kind} is a {type(lm_head).__name__}, not a plain nn.Linear (LoRA "
+            f"fused_causal_lm_loss: the LM head of {kind} is a {_qualname(lm_head)}, not a plain nn.Linear (LoRA "
             "on lm_head, modules_to_save=['lm_head'], or a quantized head): its logits are not hidden @ W.T; use "
             "per_adapter_loss(model(**batch).logits, ...)"
         )

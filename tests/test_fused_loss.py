@@ -376,5 +376,5 @@ def test_errors_of_the_model_helper():
         fast_multilora.fused_causal_lm_loss(model, dict(input_ids=ids, labels=ids, adapter_names=["a0", "a1"]))
     head = peft_model("llama", configs={"a0": LoraConfig(r=2, target_modules=["q_proj", "lm_head"])})
     fast_multilora.patch(head, backend="torch")
-    with pytest.raises(ValueError, match="not a plain nn.Linear"):
+    with pytest.raises(ValueError, match=r"is a peft\.tuners\.lora\.layer\.Linear, not a plain nn.Linear"):
         fast_multilora.fused_causal_lm_loss(head, dict(input_ids=ids, labels=ids, adapter_names=["a0", "a0"]))
