@@ -72,7 +72,6 @@ class LinearCrossEntropy(torch.autograd.Function):
     ``labels == ignore_index``, NaN where a label lies outside ``[0, V)`` (no host read to raise on)."""
 
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, hidden, weight, bias, labels, ignore_index: int, chunk: int, scale: float,
                 softcap: Optional[float]):
         N, V = hidden.shape[0], weight.shape[0]
@@ -88,12 +87,19 @@ class LinearCrossEntropy(torch.autograd.Function):
         ce = torch.where(labels == ignore_index, 0.0, torch.where(in_range, ce, float("nan")))
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.settings = (ignore_index, chunk, scale, softcap)
+        dev = hidden.device.type  # the backward recomputes the logits under the forward's autocast, on any device
+        ctx.amp = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         return ce
 
     @staticmethod
     @once_differentiable
-    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_ce):
+        dev, enabled, dtype = ctx.amp
+        with torch.autocast(dev, dtype=dtype, enabled=enabled):
+            return LinearCrossEntropy._backward(ctx, grad_ce)
+
+    @staticmethod
+    def _backward(ctx, grad_ce):
         hidden, weight, bias, labels, lse = ctx.saved_tensors
         ignore_index, chunk, scale, softcap = ctx.settings
         need_h, need_w, need_b = ctx.needs_input_grad[:3]

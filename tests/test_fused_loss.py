@@ -117,6 +117,43 @@ def test_bf16_within_twice_the_unfused_error(device):
         assert got.dtype == ref.dtype, name
 
 
+class _MatmulDtypes(TorchDispatchMode):
+    """The dtypes of the matmuls run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.mm.out):
+            self.dtypes.update(a.dtype for a in args if isinstance(a, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+
+def test_autocast_equals_the_unfused_head_under_autocast(device):
+    """fp32 hidden states and head under bf16 autocast (the head's matmuls in bf16, as the model's own head call
+    under autocast): the backward recomputes the logits under the same autocast, so the loss and gradients stay
+    within twice the unfused path's error under the same autocast against the fp32 truth; gradients come back in
+    the inputs' dtype."""
+    *params, labels, routing = _batch(device)
+    truth = _unfused(*params, labels, routing)
+    truth_grads = _grads(truth, params)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        fused = _fused(*params, labels, routing, chunk_size=37)
+        unfused = _unfused(*params, labels, routing)
+    with _MatmulDtypes() as seen:
+        fused_grads = _grads(fused, params)
+    assert seen.dtypes == {torch.bfloat16}, seen.dtypes  # the backward's matmuls under the forward's autocast
+    for name, got, ref, exact in [("loss", fused, unfused, truth),
+                                  *zip(["hidden", "weight", "bias"], fused_grads, _grads(unfused, params),
+                                       truth_grads, strict=True)]:
+        err_fused = (got.float() - exact).abs().max().item()
+        err_unfused = (ref.float() - exact).abs().max().item()
+        assert err_unfused > 0, name  # autocast did round
+        assert err_fused <= 2 * err_unfused + 1e-6 * exact.abs().max().item(), (name, err_fused, err_unfused)
+        assert got.dtype == exact.dtype, name
+
+
 @pytest.mark.parametrize("transform", [(1.0, None), (0.6, 1.5)], ids=["plain", "scale-softcap"])
 def test_gradcheck_float64(transform):
     """The autograd Function in float64 (several token chunks and vocabulary blocks, an ignored and a last-row
