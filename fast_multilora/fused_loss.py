@@ -68,8 +68,8 @@ class LinearCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy of ``F.linear(hidden, weight, bias)`` against ``labels`` without the full logits.
 
     ``hidden[N, H]``, ``weight[V, H]``, ``bias[V] | None``, ``labels[N]`` (int64); returns ``ce[N]`` in fp32 (fp64
-    for fp64 inputs, as every logits block): 0 where
-    ``labels == ignore_index``, NaN where a label lies outside ``[0, V)`` (no host read to raise on)."""
+    for fp64 inputs, as every logits block): 0 where ``labels == ignore_index``, NaN where a label lies outside
+    ``[0, V)`` (no host read to raise on)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index: int, chunk: int, scale: float,
@@ -145,8 +145,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
                          labels: torch.Tensor, *, ignore_index: int = -100, chunk_size: Optional[int] = None,
                          logit_scale: float = 1.0, softcap: Optional[float] = None) -> torch.Tensor:
     """Per-token cross-entropy ``ce[N]`` (fp32) of ``F.linear(hidden, weight, bias)`` (``hidden[N, H]``) against
-    ``labels[N]``, chunked (:class:`LinearCrossEntropy`); ``chunk_size`` tokens per chunk (default
-    :func:`chunk_tokens`)."""
+    ``labels[N]`` (int64), without the full logits (:class:`LinearCrossEntropy`); ``chunk_size`` tokens per chunk
+    (default :func:`chunk_tokens`)."""
     chunk = chunk_tokens(hidden.shape[0], hidden.shape[1], weight.shape[0]) if chunk_size is None else chunk_size
     return LinearCrossEntropy.apply(hidden, weight, bias, labels, ignore_index, int(chunk), float(logit_scale),
                                     None if softcap is None else float(softcap))
@@ -230,7 +230,7 @@ def per_adapter_loss_from_hidden(hidden: torch.Tensor, lm_head: Union[torch.nn.L
     vocab = sorted({n for n in adapter_names if n != BASE})
     targets, tok = shifted_targets(labels, adapter_names, vocab, hidden.device, adapter_ids=adapter_ids,
                                    ignore_index=ignore_index, shift=shift)
-    ce = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1),
+    ce = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1).long(),
                               ignore_index=ignore_index, chunk_size=chunk_size, logit_scale=logit_scale,
                               softcap=softcap)
     means, counts = per_adapter_mean(ce, tok, len(vocab), valid=targets.reshape(-1) != ignore_index)
