@@ -4,6 +4,7 @@
     report = fast_multilora.patch(peft_model)          # swaps PEFT LoRA Linear layers in place
     out = peft_model(**batch, adapter_names=names)     # one name per sample, "__base__" for none; train or eval
     loss = fast_multilora.per_adapter_loss(out.logits, batch["labels"], names)
+    loss = fast_multilora.fused_causal_lm_loss(peft_model, {**batch, "adapter_names": names})  # no logits built
 """
 
 import importlib.util as _ilu
@@ -50,6 +51,7 @@ if not _here:
 
 from .adapters import add_adapters, load_adapters, save_adapters  # noqa: E402
 from .config import PatchConfig  # noqa: E402
+from .fused_loss import fused_causal_lm_loss, per_adapter_loss_from_hidden  # noqa: E402
 from .loss import per_adapter_loss, per_adapter_mean  # noqa: E402
 from .optim import AdamW  # noqa: E402
 from .patching import PatchReport, patch, route, unpatch  # noqa: E402
@@ -57,5 +59,6 @@ from .plan import BASE, mark_changed  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["AdamW", "BASE", "PatchConfig", "PatchReport", "add_adapters", "load_adapters", "mark_changed", "patch",
-           "per_adapter_loss", "per_adapter_mean", "route", "save_adapters", "unpatch"]
+__all__ = ["AdamW", "BASE", "PatchConfig", "PatchReport", "add_adapters", "fused_causal_lm_loss", "load_adapters",
+           "mark_changed", "patch", "per_adapter_loss", "per_adapter_loss_from_hidden", "per_adapter_mean", "route",
+           "save_adapters", "unpatch"]

@@ -56,17 +56,27 @@ def token_adapters(adapter_names: Sequence[str], vocab: Sequence[str], shape, de
     return table[adapter_ids.to(device, non_blocking=True).long()]
 
 
+def shifted_targets(labels: torch.Tensor, adapter_names: Sequence[str], vocab: Sequence[str], device, *,
+                    adapter_ids: Optional[torch.Tensor] = None, ignore_index: int = -100, shift: bool = True):
+    """``(labels, token_adapter)`` ``[B, T]`` on ``device``, aligned with the predictions of positions ``0..T-1``:
+    with ``shift`` each position's label is the next token's (the last position gets ``ignore_index``) and its
+    adapter the next token's (-1 at the end), as :func:`token_adapters` indexes ``vocab``."""
+    tok = token_adapters(adapter_names, vocab, labels.shape, device, adapter_ids=adapter_ids)
+    labels = labels.to(device, non_blocking=True)
+    if shift:  # shift the labels, not the logits: a slice of the logits would be copied, and its gradient zero-filled
+        labels = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+        tok = F.pad(tok[:, 1:], (0, 1), value=-1)
+    return labels, tok
+
+
 def adapter_token_means(logits: torch.Tensor, labels: torch.Tensor, adapter_names: Sequence[str],
                         vocab: Sequence[str], *, adapter_ids: Optional[torch.Tensor] = None,
                         ignore_index: int = -100, shift: bool = True):
     """Per-adapter mean token cross-entropy and token counts over an adapter ``vocab`` (``__base__`` tokens and
     ``ignore_index`` labels left out). Returns ``(means[len(vocab)], counts[len(vocab)])``; ``means`` carries the
     graph. ``adapter_names`` one per row, or with packed rows the names that ``adapter_ids[B, T]`` indexes."""
-    tok = token_adapters(adapter_names, vocab, labels.shape, logits.device, adapter_ids=adapter_ids)
-    labels = labels.to(logits.device, non_blocking=True)
-    if shift:  # shift the labels, not the logits: a slice of the logits would be copied, and its gradient zero-filled
-        labels = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
-        tok = F.pad(tok[:, 1:], (0, 1), value=-1)
+    labels, tok = shifted_targets(labels, adapter_names, vocab, logits.device, adapter_ids=adapter_ids,
+                                  ignore_index=ignore_index, shift=shift)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                          ignore_index=ignore_index, reduction="none")
     return per_adapter_mean(ce, tok, len(vocab), valid=labels.reshape(-1) != ignore_index)

@@ -1,0 +1,330 @@
+"""Per-adapter loss from the last hidden states, without building the full-vocabulary logits.
+
+``per_adapter_loss(model(...).logits, ...)`` needs the logits of every token: on a Llama-3-8B-shaped step (8192
+tokens x 128,256 vocabulary) that is 4.2 GB in fp32, plus a gradient of the same size. Here the LM head's matmul and
+the cross-entropy run together, a block at a time:
+
+* forward, in chunks of tokens: the chunk's logits ``[chunk, V]`` (the head's dtype, then fp32), their logsumexp and
+  the target logit; per token it keeps ``ce`` (the output) and ``lse`` (for the backward), nothing of size ``V``.
+* backward, in blocks of the vocabulary: the block's logits ``[N, V_blk]`` again, ``d logits = (softmax - onehot) *
+  g`` from the saved ``lse`` (``g``: the per-token upstream gradient), then ``dW[blk] = d logits^T @ hidden`` and
+  ``db[blk]`` written once each, and ``d hidden += d logits @ W[blk]`` summed in fp32 over the blocks in order. No
+  atomics and no accumulation into ``dW``: each row block of ``dW`` is one matmul over all tokens, as in the
+  unfused path, so the result does not depend on the chunking.
+
+The per-adapter weighting (``1 / N_a`` per token of adapter ``a``, 0 for ``__base__`` and ignored tokens) is not part
+of the fused op: it returns per-token losses and :func:`~fast_multilora.loss.per_adapter_mean` reduces them, so
+autograd hands the op exactly those weights as its upstream gradient. Everything stays on the device: no host read.
+
+Pure PyTorch (CPU and GPU). Where a Triton kernel would go later (``kernels/cross_entropy.py``, host code in
+:class:`LinearCrossEntropy`): the per-chunk ``fp32 upcast + logsumexp + target`` of the forward and the
+``exp(z - lse) - onehot, * g`` of the backward, each a single pass over the logits block written in place (as Liger
+Kernel's cross-entropy kernel does), which removes the fp32 copy and the temporaries of the block.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.autograd.function import once_differentiable
+
+from .loss import AdapterLosses, per_adapter_mean, shifted_targets
+from .plan import BASE
+
+__all__ = ["LinearCrossEntropy", "chunk_tokens", "fused_causal_lm_loss", "linear_cross_entropy",
+           "per_adapter_loss_from_hidden"]
+
+# a chunk of at least this many tokens: below it the Python loop's per-chunk overhead dominates on small models
+MIN_CHUNK = 64
+
+
+def chunk_tokens(n_tokens: int, hidden_size: int, vocab_size: int) -> int:
+    """Default tokens per chunk: the chunk's logits hold about as many elements as the hidden states (``N x H``), so
+    the transient memory is of the order of the inputs whatever the vocabulary (Liger Kernel sizes its chunks so);
+    a power of two, at least :data:`MIN_CHUNK` (or ``N``)."""
+    ratio = -(-vocab_size // max(hidden_size, 1))
+    per = -(-max(n_tokens, 1) // ratio)
+    return min(max(1 << (per - 1).bit_length(), MIN_CHUNK), max(n_tokens, 1))
+
+
+def _logits(h, weight, bias, scale: float, softcap: Optional[float]):
+    """fp32 logits of ``h`` against ``weight`` rows: the head's own ``F.linear`` (in its dtype, autocast's if on), then
+    the model's post-head transform ``softcap * tanh(scale * z / softcap)``. Returns ``(logits, tanh or None, the
+    matmul's dtype)``; the tanh is for the backward's chain rule."""
+    raw = F.linear(h, weight, bias)
+    z = raw.to(torch.promote_types(raw.dtype, torch.float32))  # fp32 (fp64 stays): a fresh tensor, scaled in place
+    if scale != 1.0:
+        z.mul_(scale)
+    if softcap is None:
+        return z, None, raw.dtype
+    t = torch.tanh(z / softcap)
+    return t * softcap, t, raw.dtype
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of ``F.linear(hidden, weight, bias)`` against ``labels`` without the full logits.
+
+    ``hidden[N, H]``, ``weight[V, H]``, ``bias[V] | None``, ``labels[N]`` (int64); returns ``ce[N]`` in fp32 (fp64
+    for fp64 inputs, as every logits block): 0 where ``labels == ignore_index``, NaN where a label lies outside
+    ``[0, V)`` (no host read to raise on)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, ignore_index: int, chunk: int, scale: float,
+                softcap: Optional[float]):
+        N, V = hidden.shape[0], weight.shape[0]
+        ce = torch.empty(N, dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
+        lse = torch.empty_like(ce)
+        target = labels.clamp(0, V - 1)
+        for s in range(0, N, chunk):
+            z, _, _ = _logits(hidden[s:s + chunk], weight, bias, scale, softcap)  # [chunk, V] fp32
+            lse[s:s + chunk] = torch.logsumexp(z, 1)
+            ce[s:s + chunk] = lse[s:s + chunk] - z.gather(1, target[s:s + chunk, None])[:, 0]
+            del z
+        in_range = (labels >= 0) & (labels < V)
+        ce = torch.where(labels == ignore_index, 0.0, torch.where(in_range, ce, float("nan")))
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.settings = (ignore_index, chunk, scale, softcap)
+        dev = hidden.device.type  # the backward recomputes the logits under the forward's autocast, on any device
+        ctx.amp = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        return ce
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_ce):
+        dev, enabled, dtype = ctx.amp
+        with torch.autocast(dev, dtype=dtype, enabled=enabled):
+            return LinearCrossEntropy._backward(ctx, grad_ce)
+
+    @staticmethod
+    def _backward(ctx, grad_ce):
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        ignore_index, chunk, scale, softcap = ctx.settings
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        N, H = hidden.shape
+        V = weight.shape[0]
+        g = torch.where(labels == ignore_index, 0.0, grad_ce.to(lse.dtype))  # [N]
+        dh = torch.zeros(N, H, dtype=lse.dtype, device=hidden.device) if need_h else None
+        dw = torch.empty_like(weight) if need_w else None
+        db = torch.empty_like(bias) if need_b else None
+        # vocabulary blocks of as many logits as a forward chunk: [N, block] = [chunk, V]
+        block = max(1, min(V, -(-chunk * V // max(N, 1))))
+        for v0 in range(0, V, block):
+            v1 = min(v0 + block, V)
+            w_blk, b_blk = weight[v0:v1], (None if bias is None else bias[v0:v1])
+            z, t, mm_dtype = _logits(hidden, w_blk, b_blk, scale, softcap)  # [N, blk] fp32
+            p = z.sub_(lse[:, None]).exp_()  # softmax
+            # - onehot: one write per row (deterministic), 0 for labels outside this block
+            at = (labels - v0).clamp_(0, v1 - v0 - 1)[:, None]
+            here = ((labels >= v0) & (labels < v1)).to(p.dtype)[:, None]
+            p.scatter_(1, at, p.gather(1, at) - here)
+            p.mul_(g[:, None])
+            if softcap is not None:
+                p.mul_(t.mul_(t).neg_().add_(1.0))  # d tanh = 1 - tanh^2
+            if scale != 1.0:
+                p.mul_(scale)
+            del z, t
+            if need_b:
+                db[v0:v1] = p.sum(0)
+            dz = p.to(mm_dtype)  # d logits in the head matmul's dtype, as the unfused path's gradient
+            del p
+            if need_w:
+                if dw.dtype == dz.dtype == hidden.dtype:
+                    torch.mm(dz.t(), hidden, out=dw[v0:v1])
+                else:  # autocast: the matmul in its dtype, then into the weight's
+                    dw[v0:v1] = dz.t() @ hidden
+            if need_h:
+                dh += dz @ w_blk
+            del dz  # before the next block's logits
+        return (None if dh is None else dh.to(hidden.dtype)), dw, db, None, None, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         labels: torch.Tensor, *, ignore_index: int = -100, chunk_size: Optional[int] = None,
+                         logit_scale: float = 1.0, softcap: Optional[float] = None) -> torch.Tensor:
+    """Per-token cross-entropy ``ce[N]`` (fp32) of ``F.linear(hidden, weight, bias)`` (``hidden[N, H]``) against
+    ``labels[N]`` (int64), without the full logits (:class:`LinearCrossEntropy`); ``chunk_size`` tokens per chunk
+    (default :func:`chunk_tokens`)."""
+    chunk = chunk_tokens(hidden.shape[0], hidden.shape[1], weight.shape[0]) if chunk_size is None else chunk_size
+    return LinearCrossEntropy.apply(hidden, weight, bias, labels, ignore_index, int(chunk), float(logit_scale),
+                                    None if softcap is None else float(softcap))
+
+
+def _qualname(obj) -> str:
+    cls = getattr(type(obj), "_fml_base", type(obj))  # a patched PEFT layer: its PEFT class
+    return cls.__qualname__ if cls.__module__.startswith("torch") else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _head(lm_head, bias):
+    """``(weight, bias)`` of the LM head, checked: an ``nn.Linear`` or a weight tensor ``[V, H]`` (plus ``bias``)."""
+    if isinstance(lm_head, torch.nn.Linear):
+        if bias is not None:
+            raise ValueError("per_adapter_loss_from_hidden: `bias` is for a weight tensor; an nn.Linear head brings "
+                             "its own bias")
+        weight, bias = lm_head.weight, lm_head.bias
+    elif isinstance(lm_head, torch.Tensor):
+        weight = lm_head
+    else:
+        raise TypeError(
+            f"per_adapter_loss_from_hidden: `lm_head` must be the LM head as an nn.Linear or its weight tensor "
+            f"[vocab, hidden], got {_qualname(lm_head)}. A head with LoRA adapters or another wrapper (PEFT's "
+            "lora.Linear, ModulesToSaveWrapper) is not a plain linear map: use per_adapter_loss(model(...).logits, ...)"
+        )
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        plain = type(t) in (torch.Tensor, torch.nn.Parameter) or isinstance(t, FakeTensor)  # fake: shape analyses
+        if not plain or not t.is_floating_point():
+            raise TypeError(
+                f"per_adapter_loss_from_hidden: the LM head's {name} is a {type(t).__name__} of dtype {t.dtype}; the "
+                "fused loss needs a plain floating-point tensor (a quantized or sharded head, e.g. bitsandbytes, "
+                "torchao or a DTensor, is not supported): use per_adapter_loss(model(...).logits, ...)"
+            )
+    if weight.dim() != 2 or (bias is not None and tuple(bias.shape) != (weight.shape[0],)):
+        raise ValueError(f"per_adapter_loss_from_hidden: the LM head's weight must be [vocab, hidden] and its bias "
+                         f"[vocab], got {tuple(weight.shape)} and {None if bias is None else tuple(bias.shape)}")
+    return weight, bias
+
+
+def per_adapter_loss_from_hidden(hidden: torch.Tensor, lm_head: Union[torch.nn.Linear, torch.Tensor],
+                                 labels: torch.Tensor, adapter_names: Sequence[str], *,
+                                 bias: Optional[torch.Tensor] = None, adapter_ids: Optional[torch.Tensor] = None,
+                                 ignore_index: int = -100, shift: bool = True, return_dict: bool = False,
+                                 chunk_size: Optional[int] = None, logit_scale: float = 1.0,
+                                 softcap: Optional[float] = None):
+    """:func:`~fast_multilora.per_adapter_loss` of the logits ``lm_head(hidden)``, computed without them.
+
+    ``hidden[B, T, H]``: the model's last hidden states (after its final norm); ``lm_head``: an ``nn.Linear`` or its
+    weight ``[V, H]`` (with ``bias=`` its bias). ``labels``, ``adapter_names``, ``adapter_ids``, ``ignore_index``,
+    ``shift`` and ``return_dict`` as in ``per_adapter_loss``: the sum over adapters of each adapter's mean token
+    cross-entropy, ``__base__`` rows and ``ignore_index`` labels left out. ``chunk_size``: tokens per chunk (memory
+    ``~ chunk_size x V`` fp32 elements at a time; default :func:`chunk_tokens`). ``logit_scale`` / ``softcap``: the
+    model's post-head transform, ``logits = softcap * tanh(logit_scale * z / softcap)`` (Cohere's ``logit_scale``,
+    Granite's ``1 / logits_scaling``, Gemma's ``final_logit_softcapping``). A label outside ``[0, V)`` other than
+    ``ignore_index`` makes its adapter's loss NaN (``per_adapter_loss`` raises instead: that needs a host read).
+    """
+    weight, bias = _head(lm_head, bias)
+    if hidden.dim() != 3 or not hidden.is_floating_point():
+        raise ValueError(f"per_adapter_loss_from_hidden: `hidden` must be the floating-point hidden states "
+                         f"[batch, seq, hidden], got shape {tuple(hidden.shape)} ({hidden.dtype})")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"per_adapter_loss_from_hidden: hidden size {hidden.shape[-1]} does not match the LM head's "
+                         f"weight {tuple(weight.shape)} ([vocab, hidden])")
+    if tuple(labels.shape) != tuple(hidden.shape[:2]):
+        raise ValueError(f"per_adapter_loss_from_hidden: `labels` has shape {tuple(labels.shape)}, the hidden states "
+                         f"{tuple(hidden.shape)}: give one label per token [batch, seq]")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"per_adapter_loss_from_hidden: `chunk_size` must be a positive int (tokens per chunk) or "
+                         f"None, got {chunk_size!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"per_adapter_loss_from_hidden: `softcap` must be positive or None, got {softcap!r}")
+    if weight.device != hidden.device:
+        raise ValueError(f"per_adapter_loss_from_hidden: `hidden` is on {hidden.device} but the LM head's weight on "
+                         f"{weight.device}; move them to one device")
+    if weight.dtype != hidden.dtype and not torch.is_autocast_enabled(hidden.device.type):
+        raise TypeError(f"per_adapter_loss_from_hidden: `hidden` is {hidden.dtype} but the LM head's weight "
+                        f"{weight.dtype}; cast one to the other (as the model's own head call would need) or run "
+                        "under torch.autocast")
+    vocab = sorted({n for n in adapter_names if n != BASE})
+    targets, tok = shifted_targets(labels, adapter_names, vocab, hidden.device, adapter_ids=adapter_ids,
+                                   ignore_index=ignore_index, shift=shift)
+    ce = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1).long(),
+                              ignore_index=ignore_index, chunk_size=chunk_size, logit_scale=logit_scale,
+                              softcap=softcap)
+    means, counts = per_adapter_mean(ce, tok, len(vocab), valid=targets.reshape(-1) != ignore_index)
+    loss = means.sum()
+    if return_dict:
+        return loss, AdapterLosses(vocab, means.detach(), counts)
+    return loss
+
+
+# ---- the model helper --------------------------------------------------------------------------------------------
+
+_HEAD_NAMES = ("ForCausalLM", "LMHeadModel")
+
+
+def _causal_lm(model):
+    """The transformers ``*ForCausalLM`` inside a ``PeftModel`` / ``LoraModel`` (or ``model`` itself)."""
+    from peft.tuners.tuners_utils import BaseTuner
+
+    if hasattr(model, "get_base_model"):  # PeftModel
+        model = model.get_base_model()
+    elif isinstance(model, BaseTuner):
+        model = model.model
+    return model
+
+
+def _post_head_transform(causal) -> tuple:
+    """``(logit_scale, softcap)`` of the transforms transformers' causal LMs apply to ``lm_head``'s output."""
+    cfg = getattr(causal, "config", None)
+    scale = 1.0
+    own = getattr(causal, "logit_scale", None)  # Cohere: logits * self.logit_scale
+    if own is not None:
+        if isinstance(own, torch.Tensor):
+            raise ValueError(f"fused_causal_lm_loss: {type(causal).__name__}.logit_scale is a tensor (a learned scale);"
+                             " the fused loss takes a fixed scale: use per_adapter_loss(model(**batch).logits, ...)")
+        scale *= float(own)
+    if getattr(cfg, "logits_scaling", None):  # Granite: logits / config.logits_scaling
+        scale /= float(cfg.logits_scaling)
+    softcap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2/3: cap * tanh(logits / cap)
+    return scale, (float(softcap) if softcap else None)
+
+
+def fused_causal_lm_loss(model, batch, *, adapter_names: Optional[Sequence[str]] = None,
+                         adapter_ids: Optional[torch.Tensor] = None, ignore_index: int = -100, shift: bool = True,
+                         return_dict: bool = False, chunk_size: Optional[int] = None):
+    """``per_adapter_loss(model(**batch).logits, ...)`` of a patched PEFT causal LM, without building the logits.
+
+    ``model``: the patched ``PeftModel`` (or its ``LoraModel``) of a transformers ``*ForCausalLM`` /
+    ``*LMHeadModel`` (a backbone ``model.base_model`` returning ``last_hidden_state``, and a plain ``nn.Linear``
+    ``lm_head``). ``batch``: what ``model(**batch)`` would take, with ``labels`` and the routing (``adapter_names``,
+    optional ``adapter_ids``; or pass them as arguments). Runs the backbone with the batch routed (the routing stays
+    active after the call, as after ``model(...)``, so gradient-checkpointing recomputation sees it), then
+    :func:`per_adapter_loss_from_hidden` on ``model.get_output_embeddings()`` with the model's post-head transform
+    (``logit_scale``, ``logits_scaling``, ``final_logit_softcapping``). Returns the loss, or ``(loss,
+    AdapterLosses)`` with ``return_dict=True``.
+    """
+    from .patching import _ROUTER_ATTR, _begin
+
+    inputs = dict(batch)
+    labels = inputs.pop("labels", None)
+    names = inputs.pop("adapter_names", None) if adapter_names is None else adapter_names
+    ids = inputs.pop("adapter_ids", None) if adapter_ids is None else adapter_ids
+    inputs.pop("adapter_names", None), inputs.pop("adapter_ids", None)
+    if labels is None:
+        raise ValueError("fused_causal_lm_loss: the batch has no `labels`; give the token labels [batch, seq] "
+                         "(the input ids, with ignore_index where no loss is wanted)")
+    if names is None:
+        raise ValueError("fused_causal_lm_loss: no `adapter_names` in the batch or the arguments; give one adapter "
+                         "name per row ('__base__' for none), or the vocabulary that `adapter_ids` indexes")
+    router = model.__dict__.get(_ROUTER_ATTR) or next(
+        (m.__dict__[_ROUTER_ATTR] for m in model.modules() if _ROUTER_ATTR in m.__dict__), None)
+    if router is None:
+        raise ValueError("fused_causal_lm_loss: the model is not patched; call fast_multilora.patch(model) first")
+    causal = _causal_lm(model)
+    kind = type(causal).__name__
+    backbone = getattr(causal, "base_model", causal)
+    lm_head = causal.get_output_embeddings() if hasattr(causal, "get_output_embeddings") else None
+    if not kind.endswith(_HEAD_NAMES) or backbone is causal or lm_head is None:
+        raise ValueError(
+            f"fused_causal_lm_loss: {kind} is not a standard transformers causal LM (a *ForCausalLM / *LMHeadModel "
+            "with a backbone `base_model` and an `lm_head`); run its backbone yourself and call "
+            "fast_multilora.per_adapter_loss_from_hidden(hidden, lm_head, labels, names), or use "
+            "per_adapter_loss(model(**batch).logits, ...)"
+        )
+    if not isinstance(lm_head, torch.nn.Linear):
+        raise ValueError(
+            f"fused_causal_lm_loss: the LM head of {kind} is a {_qualname(lm_head)}, not a plain nn.Linear (LoRA "
+            "on lm_head, modules_to_save=['lm_head'], or a quantized head): its logits are not hidden @ W.T; use "
+            "per_adapter_loss(model(**batch).logits, ...)"
+        )
+    scale, softcap = _post_head_transform(causal)
+    inputs.setdefault("use_cache", False)
+    _begin(router, names, ids, (), inputs)
+    out = backbone(**inputs)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return per_adapter_loss_from_hidden(hidden, lm_head, labels, names, adapter_ids=ids, ignore_index=ignore_index,
+                                        shift=shift, return_dict=return_dict, chunk_size=chunk_size,
+                                        logit_scale=scale, softcap=softcap)
