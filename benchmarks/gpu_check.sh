@@ -83,36 +83,23 @@ stage() {  # stage NAME LIMIT_S CMD...: run CMD under timeout, record rc and sec
     return 0
 }
 
+# exits 0 where fast_multilora and its kernels import from this tree (the kernels folder is a namespace: no __file__)
+IMPORTS_THIS_TREE="import sys, fast_multilora.kernels.api as k; sys.exit(not k.__file__.startswith('$PWD/'))"
+
 ensure_importable() {
-    # fast_multilora.kernels is the root folder kernels/ (pyproject's package-dir); if the editable install did not
-    # take, map it with a meta-path finder in a generated sitecustomize.py
+    # fast_multilora.kernels is this tree's root folder kernels/ (pyproject's package-dir; fast_multilora/__init__.py
+    # maps a source tree's own folder); if the editable install did not take, put the tree's root on PYTHONPATH
     # (checked from / : from the repo root the package imports through the cwd, the benchmarks' scripts do not)
-    if (cd / && "$PY" -c "import sys, fast_multilora.kernels as k; sys.exit(not k.__file__.startswith('$PWD/'))") \
-        2>/dev/null; then return 0; fi
-    echo "install: fast_multilora.kernels not importable; mapping kernels/ through a generated sitecustomize"
-    local shim
-    shim=$(mktemp -d)
-    cat >"$shim/sitecustomize.py" <<EOF
-import importlib.util, os, sys
-_KDIR = os.path.join("$PWD", "kernels")
-class _KernelsFinder:
-    @classmethod
-    def find_spec(cls, name, path=None, target=None):
-        if name == "fast_multilora.kernels":
-            return importlib.util.spec_from_file_location(
-                name, os.path.join(_KDIR, "__init__.py"), submodule_search_locations=[_KDIR])
-        return None
-sys.meta_path.insert(0, _KernelsFinder)
-EOF
-    export PYTHONPATH="$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    "$PY" -c "import fast_multilora.kernels; print('install: fallback ok')"
+    if (cd / && "$PY" -c "$IMPORTS_THIS_TREE") 2>/dev/null; then return 0; fi
+    echo "install: fast_multilora not importable from this tree; putting $PWD on PYTHONPATH"
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    "$PY" -c "import fast_multilora.kernels.api; print('install: fallback ok')"
 }
 
 main() {
     echo "== gpu_check: $(date -u) repo=$PWD out=$OUT stages='$STAGES' commit=${COMMIT:-unknown}"
     # (re)install unless this tree is the one imported: an editable install of another checkout would run its code
-    if ! (cd / && "$PY" -c "import sys, fast_multilora.kernels as k; sys.exit(not k.__file__.startswith('$PWD/'))") \
-        2>/dev/null; then
+    if ! (cd / && "$PY" -c "$IMPORTS_THIS_TREE") 2>/dev/null; then
         stage install "$T_INSTALL" "$PY" -m pip install --no-deps --no-build-isolation -e . -q
     fi
     ensure_importable

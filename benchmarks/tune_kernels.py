@@ -21,7 +21,7 @@ from fast_multilora.kernels import forward as kf
 from fast_multilora.kernels.segments import AdapterTable, grouped_segments, segments_from_token_slots
 from harness import kernel_ms  # benchmarks/ is on sys.path when this runs as a script
 
-from fast_multilora import kernels as K
+from fast_multilora.kernels import api as K
 
 
 def uniform_table(A, r, dropout, dev):

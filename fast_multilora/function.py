@@ -107,7 +107,7 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self):
-        from . import kernels as K
+        from .kernels import api as K
         from . import ops
 
         self.k = K

@@ -8,7 +8,7 @@ import torch
 from trainloop import Data, lora_weights, make_model, make_optim, train
 
 import fast_multilora
-from fast_multilora import kernels
+from fast_multilora.kernels import api as kernels
 
 HAS_TRITON_BWD = hasattr(kernels, "lora_expand_bwd") and hasattr(kernels, "lora_shrink_bwd")
 

@@ -9,13 +9,13 @@ import warnings
 
 import pytest
 import torch
-from fast_multilora.kernels import lora_expand, lora_shrink
+from fast_multilora.kernels.api import lora_expand, lora_shrink
 from helpers import make_segments, make_table
 from models import peft_model, twin
 from peft import LoraConfig
 
 import fast_multilora
-from fast_multilora import kernels
+from fast_multilora.kernels import api as kernels
 from fast_multilora import reference as ref
 from fast_multilora.function import get_backend
 

@@ -143,7 +143,7 @@ def test_repeat_launches_match_reference(device):
     """Second and later calls of one shape take the cached path and still equal the reference (fresh values)."""
     if not L._ENABLED:
         pytest.skip("cached launches are off (FML_FAST_LAUNCH=0 or interpreter)")
-    from fast_multilora.kernels import lora_expand, lora_expand_bwd, lora_shrink, lora_shrink_bwd
+    from fast_multilora.kernels.api import lora_expand, lora_expand_bwd, lora_shrink, lora_shrink_bwd
     from fast_multilora.kernels.segments import segments_from_token_slots
     from helpers import make_table
 

@@ -14,7 +14,7 @@ from peft.utils import get_peft_model_state_dict
 from trainloop import VOCAB, Data, lora_params, lora_weights, make_model, make_optim, train
 
 import fast_multilora
-from fast_multilora import kernels
+from fast_multilora.kernels import api as kernels
 
 HAS_TRITON_BWD = hasattr(kernels, "lora_expand_bwd") and hasattr(kernels, "lora_shrink_bwd")
 BACKENDS = [
