@@ -11,6 +11,10 @@ import importlib.util as _ilu
 import os as _os
 import sys as _sys
 
+import torch as _torch  # noqa: F401  (before _quiet_import: torch sets its own loggers up as it is imported)
+
+from ._third_party import quiet_import as _quiet_import
+
 # fast_multilora.kernels, the Triton kernels: an installed wheel has them in fast_multilora/kernels/, a source tree in
 # its root folder kernels/ (pyproject's package-dir maps it). That folder has no __init__.py, so from a checkout's root
 # the top-level name ``kernels`` stays PyPI's distribution (transformers imports it). A source tree's package declares
@@ -22,6 +26,10 @@ if not _os.path.isdir(_os.path.join(__path__[0], "kernels")) and _os.path.isdir(
     _spec = _ilm.ModuleSpec(__name__ + ".kernels", None, is_package=True)
     _spec.submodule_search_locations = [_tree_kernels]
     kernels = _sys.modules[_spec.name] = _ilu.module_from_spec(_spec)
+
+
+with _quiet_import():  # what peft's import logs about transformers', torchao's and bitsandbytes' set-up
+    import peft as _peft  # noqa: E402, F401  (the library's first third-party import after torch)
 
 from .config import PatchConfig  # noqa: E402
 from .loss import per_adapter_loss, per_adapter_mean  # noqa: E402

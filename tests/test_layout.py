@@ -125,3 +125,14 @@ def test_the_wheel_layout_imports_its_packaged_kernels(tmp_path):
     got = _python(_WHICH, tmp_path, pythonpath=str(site))
     assert os.path.realpath(got["package"]) == os.path.realpath(site / "fast_multilora" / "__init__.py")
     assert os.path.realpath(got["api"]) == os.path.realpath(site / "fast_multilora" / "kernels" / "api.py")
+
+
+def test_importing_fast_multilora_prints_nothing():
+    """``python -W default -c "import fast_multilora"`` prints nothing: what importing peft (transformers, torchao,
+    bitsandbytes) logs or warns about the dependencies' own set-up is dropped (fast_multilora._third_party), and the
+    library itself warns about nothing at import."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH", "PYTHONWARNINGS")}
+    out = subprocess.run([sys.executable, "-W", "default", "-c", "import fast_multilora"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert (out.stdout, out.stderr) == ("", "")
