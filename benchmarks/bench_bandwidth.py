@@ -23,12 +23,11 @@ import json
 import math
 
 import torch
+from fast_multilora.kernels import api as K
 from fast_multilora.kernels import forward as kf
 from fast_multilora.kernels.dropout import keep_bits_buffer
 from harness import kernel_ms  # benchmarks/ is on sys.path when this runs as a script
 from tune_kernels import make_case
-
-from fast_multilora.kernels import api as K
 
 
 def case(S, Kd, N, r=16, A=8, dropout=0.05, dev="cuda", dtype=torch.bfloat16):

@@ -15,7 +15,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_bandwidth import case  # noqa: E402
-
 from fast_multilora.kernels import api as K  # noqa: E402
 
 

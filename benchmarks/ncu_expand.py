@@ -10,7 +10,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_bandwidth import case  # noqa: E402
-
 from fast_multilora.kernels import api as K  # noqa: E402
 
 segs, table, x, A_cat, B_cat = case(16384, 2048, 2048)

@@ -15,10 +15,10 @@ import time
 
 import pytest
 import torch
+from fast_multilora.kernels import api as kernels
 from fast_multilora.kernels.dropout import dropout_keep_mask
 from fast_multilora.kernels.segments import AdapterTable, segments_from_token_slots
 
-from fast_multilora.kernels import api as kernels
 from fast_multilora import reference as ref
 
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # times the |terms| bound, as test_fuzz
