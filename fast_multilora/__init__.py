@@ -13,6 +13,7 @@ import sys as _sys
 
 import torch as _torch  # noqa: F401  (before _quiet_import: torch sets its own loggers up as it is imported)
 
+from ._third_party import hint_patch_in_peft_training_error as _hint_patch_in_peft_training_error
 from ._third_party import quiet_import as _quiet_import
 
 # fast_multilora.kernels, the Triton kernels: an installed wheel has them in fast_multilora/kernels/, a source tree in
@@ -30,6 +31,7 @@ if not _os.path.isdir(_os.path.join(__path__[0], "kernels")) and _os.path.isdir(
 
 with _quiet_import():  # what peft's import logs about transformers', torchao's and bitsandbytes' set-up
     import peft as _peft  # noqa: E402, F401  (the library's first third-party import after torch)
+_hint_patch_in_peft_training_error()  # PEFT's refusal of `adapter_names` in training names the fix
 
 from .config import PatchConfig  # noqa: E402
 from .loss import per_adapter_loss, per_adapter_mean  # noqa: E402

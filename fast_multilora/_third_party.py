@@ -2,9 +2,12 @@
 
 ``quiet_import``: importing peft imports transformers, torchao and bitsandbytes, which log or warn about their own
 set-up; the known messages, none of them about this library, are dropped while ``fast_multilora`` imports peft.
+``hint_patch_in_peft_training_error``: PEFT's refusal of ``adapter_names`` in training mode names
+``fast_multilora.patch`` (docs/errors.md).
 """
 
 import contextlib
+import functools
 import logging
 import re
 import warnings
@@ -45,3 +48,35 @@ def quiet_import():
     finally:
         for logger, f in filters:
             logger.removeFilter(f)
+
+
+# PEFT's LoraModel refuses `adapter_names` in training mode with this sentence (peft 0.21: tuners/lora/model.py)
+PEFT_TRAINING_MODE = "Cannot pass `adapter_names` when the model is in training mode."
+PATCH_HINT = (" This model is not patched by fast_multilora: call fast_multilora.patch(model) on the PeftModel to "
+              "train a mixed batch of adapters (model.eval() runs PEFT's own per-sample loop instead).")
+
+
+def hint_patch_in_peft_training_error() -> None:
+    """PEFT's training-mode refusal of ``adapter_names`` (raised by ``LoraModel._enable_peft_forward_hooks``) goes on
+    to name the fix where fast_multilora is imported: PEFT's sentence first, so code matching it still matches; every
+    other error of that method, and everything else it does, unchanged. Wraps the method once per process."""
+    from peft.tuners.lora.model import LoraModel
+
+    hooks = LoraModel.__dict__["_enable_peft_forward_hooks"]
+    if getattr(hooks, "_fml_patch_hint", False):
+        return
+
+    @contextlib.contextmanager
+    @functools.wraps(hooks)
+    def _enable_peft_forward_hooks(self, *args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(hooks(self, *args, **kwargs))
+            except ValueError as e:
+                if e.args and isinstance(e.args[0], str) and e.args[0].startswith(PEFT_TRAINING_MODE):
+                    e.args = (e.args[0] + PATCH_HINT, *e.args[1:])
+                raise
+            yield
+
+    _enable_peft_forward_hooks._fml_patch_hint = True
+    LoraModel._enable_peft_forward_hooks = _enable_peft_forward_hooks

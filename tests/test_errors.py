@@ -5,17 +5,18 @@ Models are the tiny ones of tests/models.py (CPU, seeded). Triton rows run under
 a backward pass skip until ``fast_multilora.kernels`` exports the backward launchers.
 """
 
+import re
 import warnings
 
 import pytest
 import torch
+from fast_multilora.kernels import api as kernels
 from fast_multilora.kernels.api import lora_expand, lora_shrink
 from helpers import make_segments, make_table
 from models import peft_model, twin
 from peft import LoraConfig
 
 import fast_multilora
-from fast_multilora.kernels import api as kernels
 from fast_multilora import reference as ref
 from fast_multilora.function import get_backend
 
@@ -82,16 +83,39 @@ def test_wrong_number_or_type_of_names():
 
 
 def test_names_to_unpatched_model():
-    """Stock PEFT: an error in training, its own per-sample loop in eval (same result as ours)."""
+    """Stock PEFT: an error in training, its own per-sample loop in eval (same result as ours). Where fast_multilora
+    is imported, PEFT's training-mode error goes on to name ``fast_multilora.patch(model)``, PEFT's sentence first."""
     model = peft_model()
     plain = twin(model)
     model.train()
-    with pytest.raises(ValueError, match="Cannot pass `adapter_names` when the model is in training mode"):
+    hint = r"\. This model is not patched by fast_multilora: call fast_multilora\.patch\(model\)"
+    with pytest.raises(ValueError, match=r"^Cannot pass `adapter_names` when the model is in training mode" + hint):
         model(input_ids=_ids(), adapter_names=NAMES)
     with pytest.raises(ValueError, match="not patched"):
         fast_multilora.route(model, NAMES)
     fast_multilora.patch(plain)
     _assert_same_in_eval(model, plain)
+
+
+def test_peft_training_mode_hint_is_added_once_and_only_to_that_error():
+    """The hint wraps PEFT's method once per process (a second call, or a re-imported fast_multilora, adds nothing)
+    and leaves PEFT's other errors of that method as they are."""
+    from peft.tuners.lora.model import LoraModel
+
+    from fast_multilora import _third_party
+
+    hooks = LoraModel._enable_peft_forward_hooks
+    _third_party.hint_patch_in_peft_training_error()
+    assert LoraModel._enable_peft_forward_hooks is hooks and hooks._fml_patch_hint
+    model = peft_model()
+    model.train()
+    with pytest.raises(ValueError) as e:
+        model(input_ids=_ids(), adapter_names=NAMES)
+    assert str(e.value).count("fast_multilora.patch") == 1
+    model.eval()
+    with pytest.raises(ValueError) as e:
+        model(input_ids=_ids(), adapter_names=["a0", "zz", "a0", "a0"])
+    assert str(e.value) == "Trying to infer with non-existing adapter(s): zz"  # PEFT's, untouched
 
 
 def _assert_same_in_eval(model, plain):
@@ -544,3 +568,50 @@ def test_adapter_ids_to_an_unpatched_model_are_ignored_by_transformers():
         out = model(input_ids=ids, adapter_names=["a0", "a1", "a1", "a0"], adapter_ids=packed).logits
         per_row = model(input_ids=ids, adapter_names=["a0", "a1", "a1", "a0"]).logits
     assert torch.equal(out, per_row)
+
+
+def test_per_adapter_loss_checks_shapes():
+    """Labels, logits or `adapter_ids` of the wrong shape: the shapes given and the ones expected, before any loss
+    math (torch's own message spoke of a batch size)."""
+    logits, labels = torch.randn(2, 5, 11), torch.zeros(2, 5, dtype=torch.long)
+    names = ["a0", "a1"]
+    for bad in (torch.zeros(2, 6, dtype=torch.long), torch.zeros(10, dtype=torch.long),
+                torch.zeros(3, 5, dtype=torch.long), torch.zeros(2, 5, 1, dtype=torch.long)):
+        msg = rf"labels must be \[batch, seq\] = \(2, 5\) to match logits of shape \(2, 5, 11\), got shape " \
+              rf"{re.escape(str(tuple(bad.shape)))}"
+        with pytest.raises(ValueError, match=msg):
+            fast_multilora.per_adapter_loss(logits, bad, names)
+    with pytest.raises(ValueError, match=r"logits must be \[batch, seq, vocab\].*got shape \(10, 11\)"):
+        fast_multilora.per_adapter_loss(logits.reshape(10, 11), labels, names)
+    with pytest.raises(ValueError, match=r"`adapter_ids` must be \[batch, seq\] = \(2, 5\).*got shape \(2, 4\)"):
+        fast_multilora.per_adapter_loss(logits, labels, names, adapter_ids=torch.zeros(2, 4, dtype=torch.long))
+    ok = fast_multilora.per_adapter_loss(logits, labels, names, adapter_ids=torch.zeros(2, 5, dtype=torch.long))
+    assert ok.isfinite()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_float64_inputs_embeds(backend):
+    """float64 `inputs_embeds` into a model of another dtype fails in the base layers on stock PEFT as well; a
+    patched model says so at its entry, naming the dtypes and the fix. A float64 model takes them, as stock PEFT's
+    does, with the same logits."""
+    embeds = torch.randn(4, 7, 32, dtype=torch.float64)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = peft_model(dtype=dtype)
+        plain = twin(model)
+        plain.eval()
+        with pytest.raises(RuntimeError, match="dtype"):  # stock PEFT: torch's own message from a base layer
+            plain(inputs_embeds=embeds, adapter_names=NAMES)
+        fast_multilora.patch(model, backend=backend)
+        for mode in (model.train, model.eval):
+            mode()
+            msg = rf"^inputs_embeds is float64 but the model's embeddings are {dtype}: cast it to the model's dtype"
+            with pytest.raises(TypeError, match=msg + rf" \(inputs_embeds\.to\({dtype}\)\)"):
+                model(inputs_embeds=embeds, adapter_names=NAMES)
+    model = peft_model(dtype=torch.float64)
+    plain = twin(model)
+    fast_multilora.patch(model, backend=backend)
+    model.eval()
+    plain.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(inputs_embeds=embeds, adapter_names=NAMES).logits,
+                                   plain(inputs_embeds=embeds, adapter_names=NAMES).logits)
