@@ -5,8 +5,10 @@ Models are the tiny ones of tests/models.py (CPU, seeded). Triton rows run under
 a backward pass skip until ``fast_multilora.kernels`` exports the backward launchers.
 """
 
+import ast
 import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -615,3 +617,100 @@ def test_float64_inputs_embeds(backend):
     with torch.no_grad():
         torch.testing.assert_close(model(inputs_embeds=embeds, adapter_names=NAMES).logits,
                                    plain(inputs_embeds=embeds, adapter_names=NAMES).logits)
+
+
+# --- every error is documented --------------------------------------------------------------------------------------
+
+_ROOT = Path(__file__).resolve().parent.parent
+_HOLE = object()
+
+
+def _text_runs(node):
+    """The literal text of a message expression with ``_HOLE`` where a value goes; None if it is no string."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.JoinedStr):
+        return [v.value if isinstance(v, ast.Constant) else _HOLE for v in node.values]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _text_runs(node.left), _text_runs(node.right)
+        return None if left is None or right is None else left + right
+    return None
+
+
+def _message_start(runs) -> str:
+    """The message's first literal run of at least three words, stripped of the punctuation next to the values;
+    where no run has three, the whole message with ``…`` for each value (as docs/errors.md writes them)."""
+    pieces, text = [], ""
+    for r in [*runs, _HOLE]:
+        if r is _HOLE:
+            pieces.append(text.strip(" :;,.-'\"()"))
+            text = ""
+        else:
+            text += r
+    whole = "".join("…" if r is _HOLE else r for r in runs).strip()
+    return next((p for p in pieces if len(p.split()) >= 3), whole)
+
+
+def _error_messages(path: Path):
+    """``[(line, message start)]`` of every exception a source file raises (``raise E(msg)``, ``return E(msg)`` of
+    a helper building one, and the calls of a helper raising its parameter, e.g. ``_check(cond, msg)``), plus the
+    lines whose message is no string it can read."""
+    tree = ast.parse(path.read_text())
+    parents = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
+
+    def function_of(node):
+        while node in parents:
+            node = parents[node]
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                return node
+        return None
+
+    found, unreadable, helpers = [], [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Raise):
+            call = node.exc
+        elif isinstance(node, ast.Return):
+            call = node.value
+        else:
+            continue
+        if not isinstance(call, ast.Call) or not ast.unparse(call.func).endswith(("Error", "Exception")):
+            continue  # a bare re-raise, or a helper's call (its own ``return E(...)`` is collected)
+        if not call.args:
+            unreadable.append(node.lineno)
+            continue
+        runs = _text_runs(call.args[0])
+        fn = function_of(node)
+        params = [a.arg for a in fn.args.args] if fn else []
+        if runs is not None:
+            found.append((node.lineno, _message_start(runs)))
+        elif isinstance(call.args[0], ast.Name) and call.args[0].id in params:
+            helpers[fn.name] = params.index(call.args[0].id)
+        else:
+            unreadable.append(node.lineno)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in helpers:
+            i = helpers[node.func.id]
+            runs = _text_runs(node.args[i]) if len(node.args) > i else None
+            if runs is None:
+                unreadable.append(node.lineno)
+            else:
+                found.append((node.lineno, _message_start(runs)))
+    return found, unreadable
+
+
+def test_docs_list_every_error():
+    """docs/errors.md names every error the library and the kernels raise: each raise site's message start, read
+    from the sources, is in it (a new error without its row there fails here)."""
+    docs = (_ROOT / "docs" / "errors.md").read_text()
+    sources = sorted([*(_ROOT / "fast_multilora").glob("*.py"), *(_ROOT / "kernels").glob("*.py")])
+    missing, unreadable, count = [], [], 0
+    for path in sources:
+        found, bad = _error_messages(path)
+        rel = path.relative_to(_ROOT)
+        count += len(found)
+        unreadable += [f"{rel}:{line}" for line in bad]
+        missing += [f"{rel}:{line}: {start!r}" for line, start in found if len(start) < 8 or start not in docs]
+    assert count > 100  # the sources' raise sites were found
+    assert not unreadable, f"raise sites whose message is no string literal or f-string: {unreadable}"
+    assert not missing, "errors missing from docs/errors.md (message start, or a start under 8 characters):\n" + \
+        "\n".join(missing)
