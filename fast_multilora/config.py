@@ -46,6 +46,10 @@ class PatchConfig:
     takes two weight tensors whatever the adapter count, so a compiled graph has two inputs per layer instead of two
     per adapter (fewer guards, a shorter compile) and concatenates no weights per call -- the setting for compiled
     evaluation and static-cache generation.
+
+    ``fast_launch``: Triton kernels are launched through ``kernels.launch``'s cache of compiled kernels (less host
+    time per launch, the same kernels) rather than Triton's own ``kernel[grid](...)``; ``False`` is a debugging
+    switch. The cache is the process's, so the last ``patch`` sets it for every patched model.
     """
 
     backend: str = "auto"
@@ -56,6 +60,7 @@ class PatchConfig:
     weights_in_place: bool = True
     store_dropout_mask: bool = True
     adapter_store: bool = False
+    fast_launch: bool = True
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

@@ -45,6 +45,7 @@ from . import moe, stacked
 from .config import PatchConfig
 from .function import LayerCall, get_backend, lora_dropout_rate, run_layer
 from .kernels.decode import DECODE_MAX_ROWS
+from .kernels.launch import set_enabled as set_fast_launch
 from .kernels.segments import AdapterTable
 from .plan import BASE, CHANGES, Router
 
@@ -596,6 +597,7 @@ def patch(model: torch.nn.Module, config: Optional[PatchConfig] = None, **settin
             hooks.append(_InstanceAttr(tuner, "_enable_peft_forward_hooks"))
         model.__dict__[_HOOKS_ATTR] = hooks
     router.config = config
+    set_fast_launch(config.fast_launch)
     router.current = None
     router.checked = None
     router._by_names.clear()
