@@ -16,12 +16,11 @@ import time
 from pathlib import Path
 
 import torch
+from fast_multilora.kernels import api as K
 from fast_multilora.kernels import backward as kb
 from fast_multilora.kernels import forward as kf
 from fast_multilora.kernels.segments import AdapterTable, grouped_segments, segments_from_token_slots
 from harness import kernel_ms  # benchmarks/ is on sys.path when this runs as a script
-
-from fast_multilora import kernels as K
 
 
 def uniform_table(A, r, dropout, dev):

@@ -39,7 +39,8 @@ def load(run_dir: Path, adapters, model_spec: str, device):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     folder = run_dir / "adapters"
-    model = PeftModel.from_pretrained(base, folder / adapters[0], adapter_name=adapters[0])
+    with T.quiet_peft_model():
+        model = PeftModel.from_pretrained(base, folder / adapters[0], adapter_name=adapters[0])
     for a in adapters[1:]:
         model.load_adapter(folder / a, adapter_name=a)
     return model.to(device).eval(), tok

@@ -28,6 +28,7 @@ import importlib.util
 import os
 import random
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -289,6 +290,15 @@ def load_base(spec: str = "smollm2", log=print, use_cache: bool = True):
     return model, tok
 
 
+@contextlib.contextmanager
+def quiet_peft_model():
+    """Building a ``PeftModel``: PEFT (0.21.2, 2026-12) reads transformers' ``is_gradient_checkpointing``, which
+    transformers 5 deprecated in favour of ``is_activation_checkpointing``; that one FutureWarning is dropped."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def add_adapters(base, adapters, rank=8, alpha=None, dropout=0.0, targets=("q_proj", "v_proj"), seed=0):
     """A PeftModel with one LoRA adapter per name, all trainable (PEFT itself leaves only the active one trainable);
     the base model is frozen."""
@@ -301,7 +311,8 @@ def add_adapters(base, adapters, rank=8, alpha=None, dropout=0.0, targets=("q_pr
         cfg = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=dropout,
                          target_modules=list(targets), task_type="CAUSAL_LM")
         if model is None:
-            model = get_peft_model(base, cfg, adapter_name=name)
+            with quiet_peft_model():
+                model = get_peft_model(base, cfg, adapter_name=name)
         else:
             model.add_adapter(name, cfg)
     for n, p in model.named_parameters():

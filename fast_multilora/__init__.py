@@ -7,47 +7,32 @@
     loss = fast_multilora.fused_causal_lm_loss(peft_model, {**batch, "adapter_names": names})  # no logits built
 """
 
+import importlib.machinery as _ilm
 import importlib.util as _ilu
 import os as _os
 import sys as _sys
 
-_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-_kdir = _os.path.join(_root, "kernels")
-_checkout = _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isfile(_os.path.join(_kdir,
-                                                                                                   "segments.py"))
-if _checkout:
-    _found = _ilu.find_spec(__name__ + ".kernels")
-    _here = _found is not None and _os.path.dirname(_os.path.abspath(_found.origin or "")) == _kdir
-else:  # an installed package: fast_multilora/kernels/ is its own
-    _here = True
-if _checkout:
-    import importlib.machinery as _ilm
+import torch as _torch  # noqa: F401  (before _quiet_import: torch sets its own loggers up as it is imported)
 
-    class _PyPIKernels:
-        """The top-level name ``kernels`` is PyPI's package (transformers imports it for its hub kernels), never this
-        checkout's root folder kernels/ (``fast_multilora.kernels``), which Python would find first whenever the
-        checkout's root is on ``sys.path`` (``python -m`` or a REPL run from it, pytest-xdist's workers). Where PyPI's
-        is not installed, the import proceeds as without this finder."""
+from ._third_party import hint_patch_in_peft_training_error as _hint_patch_in_peft_training_error
+from ._third_party import quiet_import as _quiet_import
 
-        @staticmethod
-        def find_spec(name, path=None, target=None):
-            if name != "kernels":
-                return None
-            return _ilm.PathFinder.find_spec(name, [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _root])
+# fast_multilora.kernels, the Triton kernels: an installed wheel has them in fast_multilora/kernels/, a source tree in
+# its root folder kernels/ (pyproject's package-dir maps it). That folder has no __init__.py, so from a checkout's root
+# the top-level name ``kernels`` stays PyPI's distribution (transformers imports it). A source tree's package declares
+# its own tree's folder here, as the namespace package Python makes of such a folder: setuptools' editable finder
+# cannot map a folder without __init__.py, and would hand a second checkout imported from sys.path (a worktree beside
+# an editable install of another) the installed tree's kernels.
+_tree_kernels = _os.path.join(_os.path.dirname(__path__[0]), "kernels")
+if not _os.path.isdir(_os.path.join(__path__[0], "kernels")) and _os.path.isdir(_tree_kernels):
+    _spec = _ilm.ModuleSpec(__name__ + ".kernels", None, is_package=True)
+    _spec.submodule_search_locations = [_tree_kernels]
+    kernels = _sys.modules[_spec.name] = _ilu.module_from_spec(_spec)
 
-    if not any(isinstance(f, type) and f.__name__ == "_PyPIKernels" for f in _sys.meta_path):  # once per process
-        _sys.meta_path.insert(0, _PyPIKernels)
-    if _os.path.dirname(_os.path.abspath(getattr(_sys.modules.get("kernels"), "__file__", None) or _os.sep)) == _kdir:
-        del _sys.modules["kernels"]  # imported from this checkout before this guard: found afresh on the next import
-if not _here:
-    # A source tree imported from sys.path (a plain checkout, a second worktree beside an editable install, an old
-    # setuptools' legacy editable install): load this tree's root folder kernels/ as fast_multilora.kernels, as the
-    # installed package has it -- never another tree's.
-    _spec = _ilu.spec_from_file_location(__name__ + ".kernels", _os.path.join(_kdir, "__init__.py"),
-                                         submodule_search_locations=[_kdir])
-    _mod = _ilu.module_from_spec(_spec)
-    _sys.modules[_spec.name] = _mod
-    _spec.loader.exec_module(_mod)
+
+with _quiet_import():  # what peft's import logs about transformers', torchao's and bitsandbytes' set-up
+    import peft as _peft  # noqa: E402, F401  (the library's first third-party import after torch)
+_hint_patch_in_peft_training_error()  # PEFT's refusal of `adapter_names` in training names the fix
 
 from .adapters import add_adapters, load_adapters, save_adapters  # noqa: E402
 from .config import PatchConfig  # noqa: E402

@@ -39,6 +39,10 @@ class PatchConfig:
     ``patch``; PEFT's parameters are views of it and their ``.grad`` views of its gradient, so any optimizer steps
     them): each layer call takes two weight tensors whatever the adapter count. ``False`` keeps every parameter
     where PEFT made it (each layer call then takes every adapter's weights).
+
+    ``fast_launch``: Triton kernels are launched through ``kernels.launch``'s cache of compiled kernels (less host
+    time per launch, the same kernels) rather than Triton's own ``kernel[grid](...)``; ``False`` is a debugging
+    switch. The cache is the process's, so the last ``patch`` sets it for every patched model.
     """
 
     backend: str = "auto"
@@ -47,6 +51,7 @@ class PatchConfig:
     weights_in_place: bool = True
     store_dropout_mask: bool = True
     adapter_store: bool = True
+    fast_launch: bool = True
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

@@ -110,8 +110,8 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self):
-        from . import kernels as K
         from . import ops
+        from .kernels import api as K
 
         self.k = K
         self.ops = ops

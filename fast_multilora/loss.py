@@ -52,6 +52,9 @@ def token_adapters(adapter_names: Sequence[str], vocab: Sequence[str], shape, de
         if len(names) != shape[0]:
             raise ValueError(f"got {len(names)} adapter names for a batch of {shape[0]} rows")
         return table[:-1][:, None].expand(shape)
+    if tuple(adapter_ids.shape) != tuple(shape):
+        raise ValueError(f"`adapter_ids` must be [batch, seq] = {tuple(shape)}, one adapter index per token of the "
+                         f"labels, got shape {tuple(adapter_ids.shape)}")
     # -1 indexes the trailing "no adapter" entry
     return table[adapter_ids.to(device, non_blocking=True).long()]
 
@@ -75,6 +78,13 @@ def adapter_token_means(logits: torch.Tensor, labels: torch.Tensor, adapter_name
     """Per-adapter mean token cross-entropy and token counts over an adapter ``vocab`` (``__base__`` tokens and
     ``ignore_index`` labels left out). Returns ``(means[len(vocab)], counts[len(vocab)])``; ``means`` carries the
     graph. ``adapter_names`` one per row, or with packed rows the names that ``adapter_ids[B, T]`` indexes."""
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [batch, seq, vocab] (the model output's .logits), got shape "
+                         f"{tuple(logits.shape)}")
+    if tuple(labels.shape) != tuple(logits.shape[:2]):
+        raise ValueError(f"labels must be [batch, seq] = {tuple(logits.shape[:2])} to match logits of shape "
+                         f"{tuple(logits.shape)}, got shape {tuple(labels.shape)}: one label per token, unshifted "
+                         "(shift=True shifts them as HF models do)")
     labels, tok = shifted_targets(labels, adapter_names, vocab, logits.device, adapter_ids=adapter_ids,
                                   ignore_index=ignore_index, shift=shift)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),

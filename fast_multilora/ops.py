@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import kernels as K
+from .kernels import api as K
 from .kernels.launch import memo_keys
 from .kernels.segments import AdapterTable, Segments
 

@@ -43,6 +43,7 @@ from . import moe
 from .config import PatchConfig
 from .function import LayerCall, get_backend, lora_dropout_rate, run_layer
 from .kernels.decode import DECODE_MAX_ROWS
+from .kernels.launch import set_enabled as set_fast_launch
 from .kernels.segments import AdapterTable
 from .plan import BASE, CHANGES, Router
 
@@ -554,6 +555,7 @@ def patch(model: torch.nn.Module, config: Optional[PatchConfig] = None, **settin
             hooks.append(_InstanceAttr(tuner, "_enable_peft_forward_hooks"))
         model.__dict__[_HOOKS_ATTR] = hooks
     router.config = config
+    set_fast_launch(config.fast_launch)
     router.current = None
     router.checked = None
     router._by_names.clear()
@@ -714,6 +716,19 @@ def _refuse_mixed_alora(kwargs, names, ids) -> None:
                          "without `adapter_names` for aLoRA (PEFT's own path)")
 
 
+def _refuse_float64_embeds(model, kwargs) -> None:
+    """float64 ``inputs_embeds`` into a model of another dtype: its base layers would fail on the dtype mix (as on a
+    stock PEFT model); said here, at the model's entry, with the fix."""
+    x = kwargs.get("inputs_embeds")
+    if not (isinstance(x, torch.Tensor) and x.dtype == torch.float64):
+        return
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    dtype = getattr(getattr(emb, "weight", None), "dtype", None)
+    if dtype is not None and dtype != torch.float64:
+        raise TypeError(f"inputs_embeds is float64 but the model's embeddings are {dtype}: cast it to the model's "
+                        f"dtype (inputs_embeds.to({dtype})), or the model to float64 (model.double())")
+
+
 @torch.compiler.disable
 def _model_pre_hook(model, args, kwargs):
     """Routes the forward call: names -> slot tensor on the input's device (``Router.begin``). Outside any compiled
@@ -722,6 +737,7 @@ def _model_pre_hook(model, args, kwargs):
     names = kwargs.pop("adapter_names", None)
     ids = kwargs.pop("adapter_ids", None)
     _refuse_mixed_alora(kwargs, names, ids)
+    _refuse_float64_embeds(model, kwargs)
     _begin(router, names, ids, args, kwargs)
     router.entered = True  # PeftModel.forward's _enable_peft_forward_hooks then keeps this routing
     return args, kwargs

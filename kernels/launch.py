@@ -6,7 +6,7 @@ host-bound step. ``launch`` keeps, per kernel, the compiled kernels it has seen 
 as Triton's own specialisation (per tensor argument: dtype and 16-byte alignment; per int: equal to 1, divisible by
 16, fits in int32; every ``tl.constexpr`` and launch option), and calls the compiled kernel's launcher directly for
 a key it has seen. The first call of each key, the interpreter (``TRITON_INTERPRET=1``), launch hooks (profilers)
-and ``FML_FAST_LAUNCH=0`` take Triton's own path.
+and ``PatchConfig(fast_launch=False)`` (:func:`set_enabled`) take Triton's own path.
 
 Arguments: ``args`` are the kernel's leading non-constexpr parameters in order, ``meta`` the constexprs by name plus
 launch options (``num_warps``, ``num_stages``); every constexpr must be given (no defaults, no heuristics), which
@@ -26,7 +26,8 @@ except ImportError:  # pragma: no cover - older Triton
     _knobs = None
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_ENABLED = os.environ.get("FML_FAST_LAUNCH", "1") != "0" and not _INTERPRET and _knobs is not None
+_SUPPORTED = not _INTERPRET and _knobs is not None  # cleared for good if the path disables itself (_disable)
+_ENABLED = _SUPPORTED
 _I32 = 2**31
 
 
@@ -159,9 +160,17 @@ def _key(k: _Kernel, dev, args, meta) -> tuple:
     return (dev, tuple(meta.items()), _arg_key(args, k.nospec))
 
 
-def _disable(why: str) -> None:
+def set_enabled(on: bool) -> None:
+    """The cached path on or off for the process (``PatchConfig.fast_launch``, which ``fast_multilora.patch`` passes
+    here; the compiled kernels it keeps are the process's); it stays off where it cannot run (the interpreter, an
+    old Triton, a launcher it failed to call)."""
     global _ENABLED
-    _ENABLED = False
+    _ENABLED = bool(on) and _SUPPORTED
+
+
+def _disable(why: str) -> None:
+    global _ENABLED, _SUPPORTED
+    _ENABLED = _SUPPORTED = False
     _KERNELS.clear()
     warnings.warn(f"fast_multilora: cached kernel launches disabled, using Triton's launch path ({why})",
                   stacklevel=3)

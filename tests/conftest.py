@@ -3,6 +3,9 @@
 By default tests run on the CPU with ``TRITON_INTERPRET=1`` (set here, before triton is imported), so Triton
 kernels run on CPU tensors. ``FML_TEST_DEVICE=cuda`` (the GPU script sets it) runs the same tests on the GPU with
 compiled kernels and enables the tests marked ``gpu``.
+
+The root folder kernels/ is no package of its own (``fast_multilora.kernels`` only), so from the checkout's root the
+top-level name ``kernels`` stays PyPI's whatever is imported first (tests/test_layout.py).
 """
 
 import os
@@ -25,7 +28,7 @@ for _dir in (os.path.join(_HERE, "integration"), os.path.join(_HERE, "kernels"),
 
 import torch  # noqa: E402
 
-import fast_multilora  # noqa: E402, F401  (first: in a checkout, its guard keeps the top-level name ``kernels`` PyPI's)
+import fast_multilora  # noqa: E402, F401  (before the tests import peft: its import drops the dependencies' set-up noise)
 
 if DEVICE == "cpu":
     # the tests' tensors are tiny: intra-op threads only add synchronisation (ms per op on a loaded 2-core machine)

@@ -147,7 +147,7 @@ def test_compiled_eval_of_few_rows_takes_the_decode_op(T, device, monkeypatch):
     """Compiled eval of at most ``kernels.DECODE_MAX_ROWS`` rows (4 x 9) runs the one-launch decode op in the graph
     (``fast_multilora::lora_shrink_expand``: no shrink, no expand, no chunk table), more rows (4 x 20) the shrink and
     the expand; one graph over the mixes, logits equal eager's (which takes the same kernels)."""
-    import fast_multilora.kernels as K
+    from fast_multilora.kernels import api as K
 
     model = peft_model("llama").to(device)
     eager = twin(model)
@@ -389,7 +389,7 @@ def test_device_layouts_match_the_host_builder(kind, device):
     S, R = rows * T, sum(RANKS)
     x, dy = torch.randn(S, K, generator=g).to(device), torch.randn(S, N, generator=g).to(device)
     A, B = torch.randn(R, K, generator=g).to(device), torch.randn(N, R, generator=g).to(device)
-    from fast_multilora import kernels as KK
+    from fast_multilora.kernels import api as KK
 
     results = []
     for segs in (dev_segs, host_segs):

@@ -5,10 +5,10 @@ the base model's own backward is deterministic too (our kernels use no atomics: 
 
 import pytest
 import torch
+from fast_multilora.kernels import api as kernels
 from trainloop import Data, lora_weights, make_model, make_optim, train
 
 import fast_multilora
-from fast_multilora import kernels
 
 HAS_TRITON_BWD = hasattr(kernels, "lora_expand_bwd") and hasattr(kernels, "lora_shrink_bwd")
 

@@ -5,17 +5,20 @@ Models are the tiny ones of tests/models.py (CPU, seeded). Triton rows run under
 a backward pass skip until ``fast_multilora.kernels`` exports the backward launchers.
 """
 
+import ast
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
-from fast_multilora.kernels import lora_expand, lora_shrink
+from fast_multilora.kernels import api as kernels
+from fast_multilora.kernels.api import lora_expand, lora_shrink
 from helpers import make_segments, make_table
 from models import peft_model, twin
 from peft import LoraConfig
 
 import fast_multilora
-from fast_multilora import kernels
 from fast_multilora import reference as ref
 from fast_multilora.function import get_backend
 
@@ -82,16 +85,39 @@ def test_wrong_number_or_type_of_names():
 
 
 def test_names_to_unpatched_model():
-    """Stock PEFT: an error in training, its own per-sample loop in eval (same result as ours)."""
+    """Stock PEFT: an error in training, its own per-sample loop in eval (same result as ours). Where fast_multilora
+    is imported, PEFT's training-mode error goes on to name ``fast_multilora.patch(model)``, PEFT's sentence first."""
     model = peft_model()
     plain = twin(model)
     model.train()
-    with pytest.raises(ValueError, match="Cannot pass `adapter_names` when the model is in training mode"):
+    hint = r"\. This model is not patched by fast_multilora: call fast_multilora\.patch\(model\)"
+    with pytest.raises(ValueError, match=r"^Cannot pass `adapter_names` when the model is in training mode" + hint):
         model(input_ids=_ids(), adapter_names=NAMES)
     with pytest.raises(ValueError, match="not patched"):
         fast_multilora.route(model, NAMES)
     fast_multilora.patch(plain)
     _assert_same_in_eval(model, plain)
+
+
+def test_peft_training_mode_hint_is_added_once_and_only_to_that_error():
+    """The hint wraps PEFT's method once per process (a second call, or a re-imported fast_multilora, adds nothing)
+    and leaves PEFT's other errors of that method as they are."""
+    from peft.tuners.lora.model import LoraModel
+
+    from fast_multilora import _third_party
+
+    hooks = LoraModel._enable_peft_forward_hooks
+    _third_party.hint_patch_in_peft_training_error()
+    assert LoraModel._enable_peft_forward_hooks is hooks and hooks._fml_patch_hint
+    model = peft_model()
+    model.train()
+    with pytest.raises(ValueError) as e:
+        model(input_ids=_ids(), adapter_names=NAMES)
+    assert str(e.value).count("fast_multilora.patch") == 1
+    model.eval()
+    with pytest.raises(ValueError) as e:
+        model(input_ids=_ids(), adapter_names=["a0", "zz", "a0", "a0"])
+    assert str(e.value) == "Trying to infer with non-existing adapter(s): zz"  # PEFT's, untouched
 
 
 def _assert_same_in_eval(model, plain):
@@ -544,3 +570,147 @@ def test_adapter_ids_to_an_unpatched_model_are_ignored_by_transformers():
         out = model(input_ids=ids, adapter_names=["a0", "a1", "a1", "a0"], adapter_ids=packed).logits
         per_row = model(input_ids=ids, adapter_names=["a0", "a1", "a1", "a0"]).logits
     assert torch.equal(out, per_row)
+
+
+def test_per_adapter_loss_checks_shapes():
+    """Labels, logits or `adapter_ids` of the wrong shape: the shapes given and the ones expected, before any loss
+    math (torch's own message spoke of a batch size)."""
+    logits, labels = torch.randn(2, 5, 11), torch.zeros(2, 5, dtype=torch.long)
+    names = ["a0", "a1"]
+    for bad in (torch.zeros(2, 6, dtype=torch.long), torch.zeros(10, dtype=torch.long),
+                torch.zeros(3, 5, dtype=torch.long), torch.zeros(2, 5, 1, dtype=torch.long)):
+        msg = rf"labels must be \[batch, seq\] = \(2, 5\) to match logits of shape \(2, 5, 11\), got shape " \
+              rf"{re.escape(str(tuple(bad.shape)))}"
+        with pytest.raises(ValueError, match=msg):
+            fast_multilora.per_adapter_loss(logits, bad, names)
+    with pytest.raises(ValueError, match=r"logits must be \[batch, seq, vocab\].*got shape \(10, 11\)"):
+        fast_multilora.per_adapter_loss(logits.reshape(10, 11), labels, names)
+    with pytest.raises(ValueError, match=r"`adapter_ids` must be \[batch, seq\] = \(2, 5\).*got shape \(2, 4\)"):
+        fast_multilora.per_adapter_loss(logits, labels, names, adapter_ids=torch.zeros(2, 4, dtype=torch.long))
+    ok = fast_multilora.per_adapter_loss(logits, labels, names, adapter_ids=torch.zeros(2, 5, dtype=torch.long))
+    assert ok.isfinite()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_float64_inputs_embeds(backend):
+    """float64 `inputs_embeds` into a model of another dtype fails in the base layers on stock PEFT as well; a
+    patched model says so at its entry, naming the dtypes and the fix. A float64 model takes them, as stock PEFT's
+    does, with the same logits."""
+    embeds = torch.randn(4, 7, 32, dtype=torch.float64)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = peft_model(dtype=dtype)
+        plain = twin(model)
+        plain.eval()
+        with pytest.raises(RuntimeError, match="dtype"):  # stock PEFT: torch's own message from a base layer
+            plain(inputs_embeds=embeds, adapter_names=NAMES)
+        fast_multilora.patch(model, backend=backend)
+        for mode in (model.train, model.eval):
+            mode()
+            msg = rf"^inputs_embeds is float64 but the model's embeddings are {dtype}: cast it to the model's dtype"
+            with pytest.raises(TypeError, match=msg + rf" \(inputs_embeds\.to\({dtype}\)\)"):
+                model(inputs_embeds=embeds, adapter_names=NAMES)
+    model = peft_model(dtype=torch.float64)
+    plain = twin(model)
+    fast_multilora.patch(model, backend=backend)
+    model.eval()
+    plain.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(inputs_embeds=embeds, adapter_names=NAMES).logits,
+                                   plain(inputs_embeds=embeds, adapter_names=NAMES).logits)
+
+
+# --- every error is documented --------------------------------------------------------------------------------------
+
+_ROOT = Path(__file__).resolve().parent.parent
+_HOLE = object()
+
+
+def _text_runs(node):
+    """The literal text of a message expression with ``_HOLE`` where a value goes; None if it is no string."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.JoinedStr):
+        return [v.value if isinstance(v, ast.Constant) else _HOLE for v in node.values]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _text_runs(node.left), _text_runs(node.right)
+        return None if left is None or right is None else left + right
+    return None
+
+
+def _message_start(runs) -> str:
+    """The message's first literal run of at least three words, stripped of the punctuation next to the values;
+    where no run has three, the whole message with ``…`` for each value (as docs/errors.md writes them)."""
+    pieces, text = [], ""
+    for r in [*runs, _HOLE]:
+        if r is _HOLE:
+            pieces.append(text.strip(" :;,.-'\"()"))
+            text = ""
+        else:
+            text += r
+    whole = "".join("…" if r is _HOLE else r for r in runs).strip()
+    return next((p for p in pieces if len(p.split()) >= 3), whole)
+
+
+def _error_messages(path: Path):
+    """``[(line, message start)]`` of every exception a source file raises (``raise E(msg)``, ``return E(msg)`` of
+    a helper building one, and the calls of a helper raising its parameter, e.g. ``_check(cond, msg)``), plus the
+    lines whose message is no string it can read."""
+    tree = ast.parse(path.read_text())
+    parents = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
+
+    def function_of(node):
+        while node in parents:
+            node = parents[node]
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                return node
+        return None
+
+    found, unreadable, helpers = [], [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Raise):
+            call = node.exc
+        elif isinstance(node, ast.Return):
+            call = node.value
+        else:
+            continue
+        if not isinstance(call, ast.Call) or not ast.unparse(call.func).endswith(("Error", "Exception")):
+            continue  # a bare re-raise, or a helper's call (its own ``return E(...)`` is collected)
+        if not call.args:
+            unreadable.append(node.lineno)
+            continue
+        runs = _text_runs(call.args[0])
+        fn = function_of(node)
+        params = [a.arg for a in fn.args.args] if fn else []
+        if runs is not None:
+            found.append((node.lineno, _message_start(runs)))
+        elif isinstance(call.args[0], ast.Name) and call.args[0].id in params:
+            helpers[fn.name] = params.index(call.args[0].id)
+        else:
+            unreadable.append(node.lineno)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in helpers:
+            i = helpers[node.func.id]
+            runs = _text_runs(node.args[i]) if len(node.args) > i else None
+            if runs is None:
+                unreadable.append(node.lineno)
+            else:
+                found.append((node.lineno, _message_start(runs)))
+    return found, unreadable
+
+
+def test_docs_list_every_error():
+    """docs/errors.md names every error the library and the kernels raise: each raise site's message start, read
+    from the sources, is in it (a new error without its row there fails here)."""
+    docs = (_ROOT / "docs" / "errors.md").read_text()
+    sources = sorted([*(_ROOT / "fast_multilora").glob("*.py"), *(_ROOT / "kernels").glob("*.py")])
+    missing, unreadable, count = [], [], 0
+    for path in sources:
+        found, bad = _error_messages(path)
+        rel = path.relative_to(_ROOT)
+        count += len(found)
+        unreadable += [f"{rel}:{line}" for line in bad]
+        missing += [f"{rel}:{line}: {start!r}" for line, start in found if len(start) < 8 or start not in docs]
+    assert count > 100  # the sources' raise sites were found
+    assert not unreadable, f"raise sites whose message is no string literal or f-string: {unreadable}"
+    assert not missing, "errors missing from docs/errors.md (message start, or a start under 8 characters):\n" + \
+        "\n".join(missing)

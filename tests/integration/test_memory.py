@@ -14,10 +14,10 @@ import tracemalloc
 
 import pytest
 import torch
+from fast_multilora.kernels import api as kernels
 from peft import LoraConfig, get_peft_model
 
 import fast_multilora
-from fast_multilora import kernels
 from fast_multilora.function import _BACKENDS
 from fast_multilora.patching import _ROUTER_ATTR, _SUBCLASSES, LayerState
 

@@ -169,7 +169,7 @@ def test_eval_replays_launch_plans(family, fuse, weights, T, monkeypatch):
     (``function.LaunchPlan``: no launcher runs its general path): logits equal the recording call's bit for bit and
     stock PEFT's per sample; an in-place weight update is read by the replay, a moved weight makes a new plan.
     Calls of few rows take one launch (``kernels.decode``), the others the shrink and the expand."""
-    import fast_multilora.kernels as K
+    from fast_multilora.kernels import api as K
     from fast_multilora.kernels.decode import DECODE_MAX_ROWS
 
     model, ref = _patched(family, fuse, weights)

@@ -356,7 +356,7 @@ def run_qlora_recipe(checkpoint, tmp_path, device="cpu"):
 
     model = qlora_model(checkpoint, "nf4", kbit_training=True, device=device)
     ref = qlora_model(checkpoint, "nf4", kbit_training=True, device=device)
-    assert model.base_model.model.is_gradient_checkpointing
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.base_model.model.modules())
     report = fast_multilora.patch(model)
     assert not report.fallback and len(report.patched) == 14
     lrs = {"a0": 2e-2, "a1": 1e-2, "a2": 5e-3}

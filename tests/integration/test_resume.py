@@ -8,13 +8,13 @@ import random
 
 import pytest
 import torch
+from fast_multilora.kernels import api as kernels
 from models import tiny_llama
 from peft import PeftModel
 from peft.utils import get_peft_model_state_dict
 from trainloop import VOCAB, Data, lora_params, lora_weights, make_model, make_optim, train
 
 import fast_multilora
-from fast_multilora import kernels
 
 HAS_TRITON_BWD = hasattr(kernels, "lora_expand_bwd") and hasattr(kernels, "lora_shrink_bwd")
 BACKENDS = [

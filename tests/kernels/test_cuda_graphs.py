@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from fast_multilora.kernels import lora_expand, lora_expand_bwd, lora_shrink, lora_shrink_bwd
+from fast_multilora.kernels.api import lora_expand, lora_expand_bwd, lora_shrink, lora_shrink_bwd
 from fast_multilora.kernels.segments import AdapterTable, Segments, segments_from_token_slots
 from helpers import make_table
 

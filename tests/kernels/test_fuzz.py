@@ -53,7 +53,8 @@ import os
 
 import pytest
 import torch
-from fast_multilora.kernels import lora_expand, lora_shrink
+from fast_multilora.kernels import api as kernels
+from fast_multilora.kernels.api import lora_expand, lora_shrink
 from fast_multilora.kernels.decode import DECODE_MAX_ROWS
 from fast_multilora.kernels.dropout import dropout_keep_mask, keep_bits_buffer, unpack_keep_bits
 from fast_multilora.kernels.segments import AdapterTable, Segments, segments_from_token_slots, slot_weights
@@ -61,7 +62,6 @@ from helpers import DEVICE, KERNEL_DTYPES, TOL, assert_close_bound, poisoned
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from fast_multilora import kernels
 from fast_multilora import reference as ref
 
 HAS_BWD = hasattr(kernels, "lora_expand_bwd") and hasattr(kernels, "lora_shrink_bwd")

@@ -15,11 +15,11 @@ import time
 
 import pytest
 import torch
+from fast_multilora.kernels import api as kernels
 from fast_multilora.kernels.dropout import dropout_keep_mask
 from fast_multilora.kernels.segments import AdapterTable, segments_from_token_slots
 from helpers import TOL, assert_close_bound
 
-from fast_multilora import kernels
 from fast_multilora import reference as ref
 
 RANKS = [16, 8, 32, 4]

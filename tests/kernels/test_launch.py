@@ -124,6 +124,32 @@ def test_launcher_type_error_falls_back_to_triton(fast, monkeypatch):
     assert len(fn.triton_calls) == 2 and not L._ENABLED
 
 
+def test_patch_passes_fast_launch_down(fast, monkeypatch):
+    """``PatchConfig.fast_launch`` reaches the launch path through ``patch``: ``False`` sends every launch through
+    Triton's own ``kernel[grid](...)``, ``True`` (the default) takes the cached path where it can run -- never
+    where it cannot (the interpreter, an old Triton, a launcher it failed to call)."""
+    from models import peft_model
+
+    import fast_multilora
+
+    monkeypatch.setattr(L, "_SUPPORTED", True)
+    fn = _FakeJit()
+    x = torch.zeros(64).as_subclass(_T)
+    meta = dict(BLOCK=16, FLAG=True, num_warps=4)
+    model = peft_model()
+    fast_multilora.patch(model, fast_launch=False)
+    for _ in range(2):
+        L.launch(fn, (1,), (x, 32, 0), meta)
+    assert len(fn.triton_calls) == 2 and not L._ENABLED
+    fast_multilora.patch(model)
+    for _ in range(2):
+        L.launch(fn, (1,), (x, 32, 0), meta)
+    assert len(fn.triton_calls) == 3 and len(fn.last.calls) == 1  # compiled once, then replayed
+    monkeypatch.setattr(L, "_SUPPORTED", False)
+    fast_multilora.patch(model, fast_launch=True)
+    assert not L._ENABLED
+
+
 def test_hook_chains_count_only_when_not_empty(monkeypatch):
     chain = SimpleNamespace(calls=[])
     assert not L._active(chain) and not L._active(None)
@@ -142,8 +168,8 @@ def test_constexprs_must_come_last(fast):
 def test_repeat_launches_match_reference(device):
     """Second and later calls of one shape take the cached path and still equal the reference (fresh values)."""
     if not L._ENABLED:
-        pytest.skip("cached launches are off (FML_FAST_LAUNCH=0 or interpreter)")
-    from fast_multilora.kernels import lora_expand, lora_expand_bwd, lora_shrink, lora_shrink_bwd
+        pytest.skip("cached launches are off (fast_launch=False or interpreter)")
+    from fast_multilora.kernels.api import lora_expand, lora_expand_bwd, lora_shrink, lora_shrink_bwd
     from fast_multilora.kernels.segments import segments_from_token_slots
     from helpers import make_table
 
@@ -198,7 +224,7 @@ def test_eval_replays_take_the_compiled_kernels(device, family, fuse, T):
     """A replayed eval call (``function.LaunchPlan``) launches the recorded kernels through the cached path, fresh
     inputs each call: logits equal the general path's (plans forgotten) bit for bit."""
     if not L._ENABLED:
-        pytest.skip("cached launches are off (FML_FAST_LAUNCH=0 or interpreter)")
+        pytest.skip("cached launches are off (fast_launch=False or interpreter)")
     from models import peft_model
 
     import fast_multilora

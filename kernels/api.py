@@ -1,6 +1,10 @@
-"""Triton kernels for segmented multi-LoRA and their thin launchers (imports torch and triton only).
+"""The launchers and tables of the Triton kernels for segmented multi-LoRA, in one namespace (torch and triton only).
 
-Installed as ``fast_multilora.kernels``.
+The folder kernels/ is ``fast_multilora.kernels`` (pyproject's package-dir; a source tree's ``fast_multilora`` maps
+it so itself) and has no ``__init__.py`` on purpose: a regular package there would be the top-level name ``kernels``
+whenever a checkout's root is on ``sys.path`` and hide PyPI's distribution of that name, which transformers imports.
+The library and the tests import these names from here (``from fast_multilora.kernels import api as K``) or from
+the module that defines each.
 """
 
 from .adamw import CHUNK, ChunkTable, adamw_scalars_, adamw_step_, chunk_table, grad_sq_norms, scale_grads_

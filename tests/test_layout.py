@@ -1,0 +1,138 @@
+"""The package layout: the root folder kernels/ is ``fast_multilora.kernels``, never the top-level name ``kernels``.
+
+PyPI has a distribution named ``kernels`` (transformers >= 5.25 installs it and imports names from it), and a
+checkout's root is on ``sys.path`` whenever Python runs from it (``python -c``, ``python -m pytest``, its xdist
+workers). The root folder kernels/ therefore has no ``__init__.py``: a regular package there would hide PyPI's, and
+``import peft`` from the root would fail. ``fast_multilora/__init__.py`` maps a source tree's own folder as
+``fast_multilora.kernels`` without an import hook. Each check runs in a fresh interpreter (cwd and path as a user's).
+"""
+
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KERNELS = os.path.join(ROOT, "kernels")
+
+
+def _python(code: str, cwd, *args: str, pythonpath: str = "") -> dict:
+    """Run ``code`` as ``python -c`` in ``cwd`` (so cwd is ``sys.path[0]``) and return the JSON it prints last."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, f"python -c {code!r} in {cwd} failed:\n{out.stderr[-4000:]}"
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _pypi_kernels_file():
+    """The ``__init__.py`` of PyPI's ``kernels`` where that distribution is installed, else None."""
+    try:
+        dist = importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return os.path.realpath(dist.locate_file(os.path.join("kernels", "__init__.py")))
+
+
+_FROM_ROOT = r"""
+import importlib.machinery, json, os, sys
+# another top-level distribution named kernels, last on the path: where PyPI's is not installed, the first regular
+# package of that name past the checkout's root folder (transformers imports it too, and finds it no hub-kernels one)
+sys.path.append(sys.argv[1])
+import peft, transformers
+finders = [repr(f) for f in sys.meta_path], [repr(h) for h in sys.path_hooks]
+import fast_multilora
+from fast_multilora.kernels import api
+hooks_after = [repr(f) for f in sys.meta_path], [repr(h) for h in sys.path_hooks]
+spec = importlib.machinery.PathFinder.find_spec("kernels", sys.path)
+import kernels
+print(json.dumps({"cwd_on_path": os.path.realpath(sys.path[0] or os.curdir), "hooks_added": finders != hooks_after,
+                  "first_kernels": spec.origin, "kernels": getattr(kernels, "__file__", None),
+                  "ours": list(fast_multilora.kernels.__path__), "api": api.__file__}))
+"""
+
+
+def test_a_checkout_root_imports_peft_and_transformers_with_fast_multilora(tmp_path):
+    """From the checkout's root, ``import peft, transformers, fast_multilora`` works (transformers imports PyPI's
+    ``kernels`` where installed), importing fast_multilora adds no import hook, and the top-level name ``kernels`` is
+    the first regular package of that name on the path -- PyPI's, or a stand-in placed last -- never the root folder;
+    ``fast_multilora.kernels`` is the root folder."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("")
+    assert not os.path.exists(os.path.join(KERNELS, "__init__.py")), (
+        "kernels/__init__.py makes the root folder the top-level package kernels, hiding PyPI's distribution")
+    got = _python(_FROM_ROOT, ROOT, str(tmp_path))
+    assert got["cwd_on_path"] == os.path.realpath(ROOT)
+    assert not got["hooks_added"], "import fast_multilora changed sys.meta_path or sys.path_hooks"
+    first = os.path.realpath(got["first_kernels"])
+    assert first == os.path.realpath(got["kernels"])
+    assert first == (_pypi_kernels_file() or os.path.realpath(tmp_path / "kernels" / "__init__.py"))
+    assert [os.path.realpath(p) for p in got["ours"]] == [os.path.realpath(KERNELS)]
+    assert os.path.realpath(got["api"]) == os.path.realpath(os.path.join(KERNELS, "api.py"))
+
+
+def test_a_checkout_root_imports_fast_multilora_then_peft():
+    """``import fast_multilora, peft`` from the checkout's root: the other order works too, and ``kernels`` there is
+    PyPI's distribution where it is installed."""
+    got = _python("import json, fast_multilora, peft, kernels\n"
+                  "print(json.dumps({'kernels': getattr(kernels, '__file__', None)}))", ROOT)
+    pypi = _pypi_kernels_file()
+    if pypi is None:
+        pytest.skip("PyPI's kernels is not installed (the stand-in check of the test above covers the root folder)")
+    assert os.path.realpath(got["kernels"]) == pypi
+
+
+_WHICH = r"""
+import json, fast_multilora
+from fast_multilora.kernels import api
+print(json.dumps({"package": fast_multilora.__file__, "api": api.__file__}))
+"""
+
+
+def _copy_sources(dst, kernels_to):
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(os.path.join(ROOT, "fast_multilora"), dst / "fast_multilora", ignore=ignore)
+    shutil.copytree(KERNELS, kernels_to, ignore=ignore)
+
+
+def test_a_second_checkout_imports_its_own_kernels(tmp_path):
+    """A second source tree run from its root (a worktree beside an editable install of another checkout, as in
+    development and in CI's clone) imports its own ``fast_multilora`` and its own kernels/, not the installed tree's.
+    """
+    tree = tmp_path / "tree"
+    _copy_sources(tree, tree / "kernels")
+    got = _python(_WHICH, tree)
+    assert os.path.realpath(got["package"]) == os.path.realpath(tree / "fast_multilora" / "__init__.py")
+    assert os.path.realpath(got["api"]) == os.path.realpath(tree / "kernels" / "api.py")
+
+
+def test_the_wheel_layout_imports_its_packaged_kernels(tmp_path):
+    """The layout pyproject's package-dir gives a wheel (kernels/ shipped as fast_multilora/kernels/) imports the
+    packaged kernels, with no checkout around."""
+    tomllib = pytest.importorskip("tomllib")
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        setuptools = tomllib.load(f)["tool"]["setuptools"]
+    assert setuptools["packages"] == ["fast_multilora", "fast_multilora.kernels"]
+    assert setuptools["package-dir"] == {"fast_multilora": "fast_multilora", "fast_multilora.kernels": "kernels"}
+    site = tmp_path / "site"
+    _copy_sources(site, site / "fast_multilora" / "kernels")
+    got = _python(_WHICH, tmp_path, pythonpath=str(site))
+    assert os.path.realpath(got["package"]) == os.path.realpath(site / "fast_multilora" / "__init__.py")
+    assert os.path.realpath(got["api"]) == os.path.realpath(site / "fast_multilora" / "kernels" / "api.py")
+
+
+def test_importing_fast_multilora_prints_nothing():
+    """``python -W default -c "import fast_multilora"`` prints nothing: what importing peft (transformers, torchao,
+    bitsandbytes) logs or warns about the dependencies' own set-up is dropped (fast_multilora._third_party), and the
+    library itself warns about nothing at import."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH", "PYTHONWARNINGS")}
+    out = subprocess.run([sys.executable, "-W", "default", "-c", "import fast_multilora"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert (out.stdout, out.stderr) == ("", "")
