@@ -192,7 +192,10 @@ def rows(op: str, target: str) -> list:
     """All rows of ``op`` in ``target``'s file (the dicts themselves, with match fields and notes)."""
     if op not in OP_FIELDS:
         raise ConfigError(f"unknown op {op!r}; known ops: {sorted(OP_FIELDS)}")
-    return load(target)[op]
+    ops = load(target)
+    if op not in ops:
+        raise ConfigError(f"{CONFIG_DIR / f'{target}.json'}: ops.{op}: the file (or its base) has no rows for this op")
+    return ops[op]
 
 
 @contextlib.contextmanager

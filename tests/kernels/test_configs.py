@@ -138,6 +138,8 @@ def test_unknown_op_and_target_raise_naming_them():
         configs.block_config("shrink", width=16, target="nope")
     with pytest.raises(configs.ConfigError, match=r"interpreter\.json: ops\.shrink_bwd_r16"):
         configs.block_config("shrink_bwd_r16", width=16, mode="none", target="interpreter")
+    with pytest.raises(configs.ConfigError, match=r"interpreter\.json: ops\.shrink_bwd_r16"):
+        configs.rows("shrink_bwd_r16", "interpreter")
     with pytest.raises(configs.ConfigError, match=r"h200\.json: ops\.expand_bwd: no row for .*rank_tile=1024"):
         configs.block_config("expand_bwd", width=16, dtype=torch.bfloat16, rank_tile=1024, target="h200")
 
