@@ -7,10 +7,10 @@ from measurements. Usage (GPU): ``python benchmarks/tune_kernels.py --out tune.j
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from fast_multilora.kernels import api as K
 from fast_multilora.kernels import backward as kb
-from fast_multilora.kernels import forward as kf
+from fast_multilora.kernels import configs as kc
 from fast_multilora.kernels.segments import AdapterTable, grouped_segments, segments_from_token_slots
 from harness import kernel_ms  # benchmarks/ is on sys.path when this runs as a script
 
@@ -53,22 +53,36 @@ def make_case(S=8192, Kd=4096, N=4096, r=16, A=8, dtype=torch.bfloat16, grouped=
     return segs, table, x, y, dy, A_cat, B_cat
 
 
-class shrink_bwd_rows:
+BF16 = {"rank_tile": 16, "dtypes": ["float16", "bfloat16"]}  # the match fields of a 16-bit rank-16 row
+
+
+def first_row(op, row):
+    """Within the block, ``row`` comes first among ``op``'s rows of this GPU's block-size file (it wins wherever its
+    match fields agree; the other rows stay for the rest); restored after."""
+    return kc.override(op, [row, *kc.rows(op, kc.target_for())])
+
+
+def only_row(*ops, **row):
+    """Within the block, each of ``ops`` has the one row ``row`` (kernels/configs/<gpu>.json); restored after."""
+    stack = contextlib.ExitStack()
+    for op in ops:
+        stack.enter_context(kc.override(op, [row]))
+    return stack
+
+
+@contextlib.contextmanager
+def shrink_bwd_rows(cfg):
     """Within the block: every 16-bit shrink-backward launch with one rank tile of 16 takes ``cfg`` (BLOCK_S,
-    BLOCK_K, num_warps, num_stages) -- the generic table's row and every row of the per-mode table; restored after."""
+    BLOCK_K, num_warps, num_stages) -- the generic op's row and every mode's row of ``shrink_bwd_r16``; restored
+    after."""
+    fields = dict(zip(("BLOCK_S", "BLOCK_K", "num_warps", "num_stages"), cfg, strict=True))
+    with first_row("shrink_bwd", dict(BF16, **fields)), kc.override("shrink_bwd_r16", [fields]):
+        yield
 
-    def __init__(self, cfg):
-        self.cfg = tuple(cfg)
 
-    def __enter__(self):
-        self.saved = dict(kb._SHRINK_BLOCKS), dict(kb._SHRINK_R16)
-        kb._SHRINK_BLOCKS[16] = (self.cfg, kb._SHRINK_BLOCKS[16][1])
-        for mode in kb._SHRINK_R16:
-            kb._SHRINK_R16[mode] = ((math.inf, *self.cfg),)
-
-    def __exit__(self, *exc):
-        kb._SHRINK_BLOCKS.update(self.saved[0])
-        kb._SHRINK_R16.update(self.saved[1])
+def expand_bwd_row(bs, bn, w, fused):
+    """Within the block, the 16-bit rank-16 expand backward takes ``(BLOCK_S, BLOCK_N, num_warps, fused)``."""
+    return first_row("expand_bwd", dict(BF16, BLOCK_S=bs, BLOCK_N=bn, num_warps=w, fused=fused))
 
 
 def record(rows, op, family, config, fn, moved=None):
@@ -85,17 +99,14 @@ def record(rows, op, family, config, fn, moved=None):
 
 
 def sweep_shrink(rows, case, family, seed):
-    """The forward shrink's block rows (``SHRINK_BLOCKS``, or ``SHRINK_DROPOUT_BLOCKS`` with a dropout ``seed``)."""
+    """The forward shrink's block rows (op ``shrink``, or ``shrink_dropout`` with a dropout ``seed``)."""
     segs, table, x, y, dy, A_cat, B_cat = case
-    tables = kf.SHRINK_BLOCKS if seed is None else kf.SHRINK_DROPOUT_BLOCKS
-    saved, saved_many = tables["gpu"], dict(kf.SHRINK_MANY_BLOCKS["gpu"])
-    kf.SHRINK_MANY_BLOCKS["gpu"].clear()  # the swept row, whatever the segment count
+    op = "shrink" if seed is None else "shrink_dropout"
     for bs, bk, w, st in itertools.product((16, 32, 64), (128, 256), (4, 8), (3,)):
-        tables["gpu"] = [(math.inf, bs, 32, bk, w, st)]
-        record(rows, "shrink" + ("_dropout" if seed is not None else ""), family, (bs, bk, w, st),
-               lambda: K.lora_shrink(x, A_cat, segs, table, seed=seed))
-    tables["gpu"] = saved
-    kf.SHRINK_MANY_BLOCKS["gpu"].update(saved_many)
+        # the swept row, whatever the segment count (shrink_many too)
+        with only_row(op, "shrink_many", BLOCK_S=bs, BLOCK_N=32, BLOCK_K=bk, num_warps=w, num_stages=st):
+            record(rows, "shrink" + ("_dropout" if seed is not None else ""), family, (bs, bk, w, st),
+                   lambda: K.lora_shrink(x, A_cat, segs, table, seed=seed))
     record(rows, "shrink" + ("_dropout" if seed is not None else ""), family, ("shipped",),
            lambda: K.lora_shrink(x, A_cat, segs, table, seed=seed))
 
@@ -103,25 +114,22 @@ def sweep_shrink(rows, case, family, seed):
 def sweep_expand(rows, case, family):
     segs, table, x, y, dy, A_cat, B_cat = case
     h = K.lora_shrink(x, A_cat, segs, table)
-    saved = kf.EXPAND_BLOCKS["gpu"]
     for bs, bn, w, st in itertools.product((32, 64, 128), (128, 256), (4, 8), (1,)):
-        kf.EXPAND_BLOCKS["gpu"] = [(math.inf, bs, bn, 64, w, st, 1)]
-        record(rows, "expand", family, (bs, bn, w, st), lambda: K.lora_expand(h, B_cat, segs, table, y))
-    kf.EXPAND_BLOCKS["gpu"] = saved
+        with only_row("expand_add", BLOCK_S=bs, BLOCK_N=bn, BLOCK_R=64, num_warps=w, num_stages=st, N_TILES=1):
+            record(rows, "expand", family, (bs, bn, w, st), lambda: K.lora_expand(h, B_cat, segs, table, y))
 
 
 def sweep_bwd(rows, case, family):
     segs, table, x, y, dy, A_cat, B_cat = case
     h = K.lora_shrink(x, A_cat, segs, table)
     dh, _ = K.lora_expand_bwd(dy, h, B_cat, segs, table)
-    saved_e, saved_p = dict(kb._EXPAND_BLOCKS), kb._PROGRAMS_PER_SM
+    saved_p = kb._PROGRAMS_PER_SM
     for pps in (2, 8):
         kb._PROGRAMS_PER_SM = pps
         for bs, bn, w, fused in itertools.product((128, 256), (64, 128), (4, 8), (True,)):
-            kb._EXPAND_BLOCKS[16] = (((math.inf, bs, bn, w, fused),), saved_e[16][1])
-            record(rows, "expand_bwd", family, (pps, bs, bn, w, fused),
-                   lambda: K.lora_expand_bwd(dy, h, B_cat, segs, table))
-        kb._EXPAND_BLOCKS.update(saved_e)
+            with expand_bwd_row(bs, bn, w, fused):
+                record(rows, "expand_bwd", family, (pps, bs, bn, w, fused),
+                       lambda: K.lora_expand_bwd(dy, h, B_cat, segs, table))
         for bs, bk, w in itertools.product((32, 64), (64, 128), (4, 8)):
             with shrink_bwd_rows((bs, bk, w, 3)):
                 record(rows, "shrink_bwd", family, (pps, bs, bk, w),
@@ -157,11 +165,9 @@ def _sweep_expand_bwd_step(rows, S, N):
         K.lora_expand_bwd(dy, h, B_cat, segs, table, dh=dh, dB_out=dB, dB_blocked=True)
 
     record(rows, "m_expand_bwd_step", family, ("shipped",), call)
-    saved = dict(kb._EXPAND_BLOCKS)
     for bs, bn, w in itertools.product((64, 128, 256), (64, 128), (4, 8)):
-        kb._EXPAND_BLOCKS[16] = (((math.inf, bs, bn, w, True),), saved[16][1])
-        record(rows, "m_expand_bwd_step", family, (bs, bn, w), call)
-    kb._EXPAND_BLOCKS.update(saved)
+        with expand_bwd_row(bs, bn, w, True):
+            record(rows, "m_expand_bwd_step", family, (bs, bn, w), call)
     mine = [r for r in rows if r["family"] == family and r["us"]]
     shipped = next(r["us"] for r in mine if r["config"] == ["shipped"])
     best = ", ".join(f"{r['config']} {r['us']:.1f}" for r in sorted(mine, key=lambda r: r["us"])[:6])
@@ -176,17 +182,14 @@ def _sweep_model_expand_shape(rows, S, Kd, N):
     h = K.lora_shrink(x, A_cat, segs, table, seed=5, keep_out=keep)
     dh, _ = K.lora_expand_bwd(dy, h, B_cat, segs, table)
     if Kd == 2048:  # the expand and its backward depend on N only
-        saved = kf.EXPAND_WRITE_BLOCKS["gpu"]
         for bs, bn, w in itertools.product((64, 128, 256), (64, 128, 256), (4, 8)):
-            kf.EXPAND_WRITE_BLOCKS["gpu"] = [(math.inf, bs, bn, 64, w, 1)]
-            record(rows, "m_expand_write", shape, (bs, bn, w),
-                   lambda: K.lora_expand(h, B_cat, segs, table, y, accumulate=False))
-        kf.EXPAND_WRITE_BLOCKS["gpu"] = saved
-        saved_e = dict(kb._EXPAND_BLOCKS)
+            with only_row("expand_write", BLOCK_S=bs, BLOCK_N=bn, BLOCK_R=64, num_warps=w, num_stages=1, N_TILES=1):
+                record(rows, "m_expand_write", shape, (bs, bn, w),
+                       lambda: K.lora_expand(h, B_cat, segs, table, y, accumulate=False))
         for bs, bn, w in itertools.product((64, 128, 256), (64, 128), (4, 8)):
-            kb._EXPAND_BLOCKS[16] = (((math.inf, bs, bn, w, True),), saved_e[16][1])
-            record(rows, "m_expand_bwd", shape, (bs, bn, w), lambda: K.lora_expand_bwd(dy, h, B_cat, segs, table))
-        kb._EXPAND_BLOCKS.update(saved_e)
+            with expand_bwd_row(bs, bn, w, True):
+                record(rows, "m_expand_bwd", shape, (bs, bn, w),
+                       lambda: K.lora_expand_bwd(dy, h, B_cat, segs, table))
     if N == 2048:  # the shrink backward depends on K only
         for bs, bk, w in itertools.product((32, 64), (64, 128, 256), (4, 8)):
             with shrink_bwd_rows((bs, bk, w, 3)):
@@ -223,13 +226,13 @@ def _sweep_model_shrink_shape(rows, S, Kd, N):
         with shrink_bwd_rows((bs, bk, w, st)):
             for mode, fn in modes.items():
                 record(rows, f"m_shrink_bwd_{mode}", shape, (bs, bk, w, st), fn)
-    saved = kf.SHRINK_DROPOUT_BLOCKS["gpu"], kf.SHRINK_DROPOUT_STORE_BLOCKS["gpu"]
     for bs, bk, w, st in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4)):
-        kf.SHRINK_DROPOUT_BLOCKS["gpu"] = kf.SHRINK_DROPOUT_STORE_BLOCKS["gpu"] = [(math.inf, bs, 32, bk, w, st)]
-        record(rows, "m_shrink_dropout", shape, (bs, bk, w, st), lambda: K.lora_shrink(x, A_cat, segs, table, seed=5))
-        record(rows, "m_shrink_dropout_store", shape, (bs, bk, w, st),
-               lambda: K.lora_shrink(x, A_cat, segs, table, seed=5, keep_out=keep))
-    kf.SHRINK_DROPOUT_BLOCKS["gpu"], kf.SHRINK_DROPOUT_STORE_BLOCKS["gpu"] = saved
+        with only_row("shrink_dropout", "shrink_dropout_store", BLOCK_S=bs, BLOCK_N=32, BLOCK_K=bk, num_warps=w,
+                      num_stages=st):
+            record(rows, "m_shrink_dropout", shape, (bs, bk, w, st),
+                   lambda: K.lora_shrink(x, A_cat, segs, table, seed=5))
+            record(rows, "m_shrink_dropout_store", shape, (bs, bk, w, st),
+                   lambda: K.lora_shrink(x, A_cat, segs, table, seed=5, keep_out=keep))
     print(shape, "done", flush=True)
 
 
@@ -250,12 +253,10 @@ def _sweep_model_shape(rows, S, Kd, N):
     dh, _ = K.lora_expand_bwd(dy, h, B_cat, segs, table)
     saved_p = kb._PROGRAMS_PER_SM
     if N == 2048:  # shrink and shrink backward depend on K only
-        saved = kf.SHRINK_DROPOUT_BLOCKS["gpu"]
         for bs, bk, w, st in itertools.product((32, 64), (128, 256), (4, 8), (3, 4)):
-            kf.SHRINK_DROPOUT_BLOCKS["gpu"] = [(math.inf, bs, 32, bk, w, st)]
-            record(rows, "m_shrink_dropout", shape, (bs, bk, w, st),
-                   lambda: K.lora_shrink(x, A_cat, segs, table, seed=5))
-        kf.SHRINK_DROPOUT_BLOCKS["gpu"] = saved
+            with only_row("shrink_dropout", BLOCK_S=bs, BLOCK_N=32, BLOCK_K=bk, num_warps=w, num_stages=st):
+                record(rows, "m_shrink_dropout", shape, (bs, bk, w, st),
+                       lambda: K.lora_shrink(x, A_cat, segs, table, seed=5))
         for pps in (2, 4):
             kb._PROGRAMS_PER_SM = pps
             for bs, bk, w, st in itertools.product((32, 64), (64, 128, 256), (4, 8), (2, 3)):
@@ -266,22 +267,17 @@ def _sweep_model_shape(rows, S, Kd, N):
         record(rows, "m_da", shape, ("default",),
                lambda: K.lora_shrink_bwd(dh, x, A_cat, segs, table, seed=5, need_dx=False))
     if Kd == 2048:  # the expand and its backward depend on N only
-        for mode, table_, accumulate in (("m_expand_write", kf.EXPAND_WRITE_BLOCKS, False),
-                                         ("m_expand_add", kf.EXPAND_BLOCKS, True)):
-            saved = table_["gpu"]
+        for mode, op, accumulate in (("m_expand_write", "expand_write", False), ("m_expand_add", "expand_add", True)):
             for bs, bn, w in itertools.product((64, 128), (64, 128, 256), (4, 8)):
-                table_["gpu"] = [(math.inf, bs, bn, 64, w, 1)]
-                record(rows, mode, shape, (bs, bn, w),
-                       lambda a=accumulate: K.lora_expand(h, B_cat, segs, table, y, accumulate=a))
-            table_["gpu"] = saved
-        saved_e = dict(kb._EXPAND_BLOCKS)
+                with only_row(op, BLOCK_S=bs, BLOCK_N=bn, BLOCK_R=64, num_warps=w, num_stages=1, N_TILES=1):
+                    record(rows, mode, shape, (bs, bn, w),
+                           lambda a=accumulate: K.lora_expand(h, B_cat, segs, table, y, accumulate=a))
         for pps in (2, 4):
             kb._PROGRAMS_PER_SM = pps
             for bs, bn, w in itertools.product((64, 128, 256), (64, 128), (4, 8)):
-                kb._EXPAND_BLOCKS[16] = (((math.inf, bs, bn, w, True),), saved_e[16][1])
-                record(rows, "m_expand_bwd", shape, (pps, bs, bn, w),
-                       lambda: K.lora_expand_bwd(dy, h, B_cat, segs, table))
-        kb._EXPAND_BLOCKS.update(saved_e)
+                with expand_bwd_row(bs, bn, w, True):
+                    record(rows, "m_expand_bwd", shape, (pps, bs, bn, w),
+                           lambda: K.lora_expand_bwd(dy, h, B_cat, segs, table))
         kb._PROGRAMS_PER_SM = saved_p
     # cuBLAS beside them: the base GEMM alone, and accumulating into a given output (beta = 1), forward and dx
     W = torch.randn(N, Kd, device=x.device, dtype=x.dtype) * 0.02
@@ -417,12 +413,9 @@ def sweep_adamw(rows, n_adapters: int = 64, dtype=torch.bfloat16):
 
 
 def sweep_decode(rows, S_values=(16, 64), dev="cuda"):
-    """The decode kernel's rows (``kernels.decode.DECODE_BLOCKS``) at the model's projections: ``S`` rows, a quarter
-    of them base rows, the rest spread over 8 adapters of rank 16 in arrival order (unsorted), bf16; concatenated
-    weights (``SlotWeights`` read in place differ only in the per-row weight offsets)."""
-    from fast_multilora.kernels import decode as kd
-
-    saved = kd.DECODE_BLOCKS["gpu"]
+    """The decode kernel's rows (op ``decode`` of ``kernels/configs/<gpu>.json``) at the model's projections: ``S``
+    rows, a quarter of them base rows, the rest spread over 8 adapters of rank 16 in arrival order (unsorted), bf16;
+    concatenated weights (``SlotWeights`` read in place differ only in the per-row weight offsets)."""
     g = torch.Generator().manual_seed(0)
     for S, (Kd, N) in itertools.product(S_values, DECODE_SHAPES):
         ts = torch.randint(0, 8, (S,), generator=g)
@@ -438,9 +431,8 @@ def sweep_decode(rows, S_values=(16, 64), dev="cuda"):
         for bn, bk, w, st in itertools.product((32, 64, 128, 256), (128, 256, 512), (2, 4, 8), (1, 3)):
             if 16 * bk > 128 * 32 * w or bn * 16 > 64 * 32 * w:  # > 128 fp32 shrink / 64 expand values per thread
                 continue
-            kd.DECODE_BLOCKS["gpu"] = [(math.inf, 1, bn, bk, w, st)]
-            record(rows, "decode", name, (bn, bk, w, st), call)
-        kd.DECODE_BLOCKS["gpu"] = saved
+            with only_row("decode", BLOCK_S=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st):
+                record(rows, "decode", name, (bn, bk, w, st), call)
         record(rows, "decode", name, ("shipped",), call)
         print(name, "done", flush=True)
 

@@ -22,8 +22,9 @@ Choices (each explained in the doc):
 * Dtypes: dots run in the activation dtype (``dy`` / ``x``) with an fp32 accumulator; 16-bit tiles of fp32 operands
   (``h``, ``dh``, fp32 weights) are cast down right before ``tl.dot`` (marked ``# cast:``). fp32 uses
   ``input_precision="ieee"``; float64 inputs accumulate in float64 (works in the interpreter, for gradcheck).
-* Block sizes are data (tables below, keyed by the rank tile), no autotuning; under ``TRITON_INTERPRET=1`` small
-  tables keep CPU tests fast and exercise every path (N-splits, multi-chunk slots, rank tiles, the unfused mode).
+* Block sizes are data (``kernels/configs/*.json`` via ``configs.block_config``, keyed by the rank tile), no
+  autotuning; under ``TRITON_INTERPRET=1`` small tiles (``interpreter.json``) keep CPU tests fast and exercise
+  every path (N-splits, multi-chunk slots, rank tiles, the unfused mode).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .chunks import chunk_table
+from .configs import block_config, target_for
 from .dropout import check_keep_bits, check_seed, keep_block, unpack_keep
 from .launch import CHECK_KEYS, cdiv, checked, launch, mark_checked, next_power_of_2
 from .segments import AdapterTable, Segments, packed_b, slot_grouping, weight_args
@@ -44,63 +46,29 @@ from .sgemm import slot_b, slot_weight
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# Block tables, keyed by the rank tile BLOCK_R (a power of 2 >= 16), one entry for 16-bit activations (tensor-core
-# dots) and one for fp32/fp64 (FMA dots under input_precision="ieee": smaller tiles, else registers spill).
-# Expand backward: BLOCK_R = next_pow2(max_rank) -> (16-bit rows by N, fp32/fp64 entry); a row is (bound on N,
-# BLOCK_S, BLOCK_N, num_warps, fused), the first whose bound covers N applies, the other entry is (BLOCK_S, BLOCK_N,
-# num_warps, fused). fused: dB from per-chunk partials (dy read once; the partials cost ~8*r/(BLOCK_S*itemsize) of
-# dy's bytes); unfused, where that would exceed a second read of dy: the finish pass recomputes dB from dy.
-_INF = float("inf")
-_EXPAND_BLOCKS = {
-    # 16-bit rows: kernel time of both kernels (profiler) at the training step's shapes on H200 (S=16384, 8 adapters,
-    # r=16), N = 256 / 2048 / 5632 in us: 10.5 / 42.7 / 96.9 against 15.5 / 49.0 / 105.2 with the one row
-    # (128, 64, 8) used before for every N, in the step's call form (tune_kernels.py --parts model_expand_bwd,
-    # h200_tune_expand_bwd_0b59ee6.json in the repository's history at 0b59ee6; the sweep that chose them, --parts
-    # model_expand: 11.5 / 44.3 / 99.2)
-    16: (((1024, 256, 128, 8, True), (4096, 256, 64, 8, True), (_INF, 128, 64, 4, True)), (64, 64, 8, True)),
-    32: (((_INF, 256, 64, 8, True),), (64, 32, 8, False)),
-    64: (((_INF, 128, 64, 8, False),), (32, 32, 8, False)),
-    128: (((_INF, 64, 64, 8, False),), (32, 16, 8, False)),
-    256: (((_INF, 32, 64, 8, False),), (16, 16, 8, False)),
-    512: (((_INF, 16, 32, 8, False),), (16, 16, 8, False)),
-}
-# Shrink backward: BLOCK_R = min(next_pow2(stack*max_rank), 128) -> (BLOCK_S, BLOCK_K, num_warps, num_stages).
-_SHRINK_BLOCKS = {
-    16: ((32, 128, 8, 3), (32, 64, 8, 3)),  # 16-bit entry measured best on H200 (S=8192, K=4096, r=16)
-    32: ((64, 64, 8, 3), (32, 32, 8, 3)),
-    64: ((64, 64, 8, 3), (16, 32, 8, 3)),
-    128: ((64, 32, 8, 3), (16, 32, 8, 3)),
-}
-# The training step's case -- 16-bit activations, one unstacked rank tile of 16 (r <= 16), dx needed -- by where the
-# dropout mask comes from ("none": no dropout; "redrawn": Philox again; "stored": the forward's packed mask), then
-# by K (first row whose bound covers K): (bound, BLOCK_S, BLOCK_K, num_warps, num_stages). Kernel time on H200 at
-# S=16384, 8 adapters (tune_kernels.py --parts model_shrink), K=2048 / 5632 in us: none 49.7 / 137.6, redrawn
-# 80.9 / 247.8, stored 65.3 / 181.3 (the generic (32, 128, 8, 3) row: 61.9 / 134.5, 80.9 / 259.7, 85.0 / 296.8).
-_SHRINK_R16 = {
-    "none": ((float("inf"), 32, 256, 8, 3),),
-    "redrawn": ((4096, 32, 128, 8, 3), (float("inf"), 32, 128, 4, 2)),
-    "stored": ((4096, 32, 256, 4, 3), (float("inf"), 32, 128, 4, 3)),
-}
+# Block sizes: rows of kernels/configs/<target>.json (configs.block_config), keyed by the rank tile BLOCK_R and, where
+# they differ, the dtype (16-bit activations: tensor-core dots; fp32/fp64: FMA dots under input_precision="ieee",
+# smaller tiles, else registers spill): "expand_bwd" (BLOCK_R = next_pow2(max_rank); 16-bit rows by N; fused: dB
+# from per-chunk partials, unfused: the finish pass recomputes dB from dy), "shrink_bwd" / "shrink_bwd_da" (dx
+# needed / dA alone; BLOCK_R = min(next_pow2(stack*max_rank), _SHRINK_MAX_R)), "shrink_bwd_r16" (the training
+# step's case, by the dropout mask's source and K; GPU files only).
 
 
-def _shrink_r16_tile(mode: str, K: int, accumulate_dx: bool) -> tuple:
-    """``(BLOCK_S, BLOCK_K, num_warps, num_stages)`` of ``_SHRINK_R16[mode]`` for ``K``. Adding into dx holds one more
-    [BLOCK_S, BLOCK_K] tile: the stored-mask row's 256-wide K tile then spills on sm_90 (255 registers + 64 bytes
-    of stack, ``test_gpu_table_compiles_for_sm90_without_spills``), so it takes 128."""
-    BLOCK_S, BLOCK_K, num_warps, num_stages = next(row[1:] for row in _SHRINK_R16[mode] if K <= row[0])
+def _config_target(device) -> str:
+    return target_for(device, interpret=_INTERPRET)
+
+
+def _shrink_r16_tile(mode: str, K: int, accumulate_dx: bool, target: Optional[str] = None) -> tuple:
+    """``(BLOCK_S, BLOCK_K, num_warps, num_stages)`` of the ``shrink_bwd_r16`` row of ``mode`` for ``K``. Adding
+    into dx holds one more [BLOCK_S, BLOCK_K] tile: the stored-mask row's 256-wide K tile then spills on sm_90 (255
+    registers + 64 bytes of stack, ``test_gpu_table_compiles_for_sm90_without_spills``), so it takes 128."""
+    cfg = block_config("shrink_bwd_r16", width=K, mode=mode, target=target)
+    BLOCK_S, BLOCK_K, num_warps, num_stages = cfg["BLOCK_S"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"]
     if accumulate_dx and mode == "stored":
         BLOCK_K = min(BLOCK_K, 128)
     return BLOCK_S, BLOCK_K, num_warps, num_stages
 
 
-# dA alone (``need_dx=False``: an input that needs no gradient): no dx tile, so wider K tiles and a pipelined row
-# loop. BLOCK_R -> (BLOCK_S, BLOCK_K, num_warps, num_stages), 16-bit entry then fp32/fp64.
-_SHRINK_DA_BLOCKS = {
-    16: ((32, 256, 4, 2), (32, 64, 8, 1)),  # 16-bit entry: sweep at S=16384, K in {2048, 5632}, 4 programs per SM
-    32: ((64, 128, 4, 3), (32, 32, 8, 1)),
-    64: ((64, 64, 4, 3), (16, 32, 8, 1)),
-    128: ((64, 32, 8, 2), (16, 32, 8, 1)),
-}
 _SHRINK_MAX_R = 128
 _SHRINK_MIN_SUB = 1  # row blocks per shrink program, at least
 # Finish passes (sums of partials): elements per tile BLOCK_R * BLOCK_N (or BLOCK_K).
@@ -110,10 +78,7 @@ _FINISH_TILE = 2048
 _PROGRAMS_PER_SM = 2
 _DA_PROGRAMS_PER_SM = 4
 
-if _INTERPRET:  # tiny blocks: fast on CPU, and small test shapes still hit splits, multi-chunk slots, unfused mode
-    _EXPAND_BLOCKS = {r: (((_INF, 16, 64, 1, r <= 32),), (16, 64, 1, r <= 32)) for r in (16, 32, 64, 128, 256, 512)}
-    _SHRINK_BLOCKS = {16: ((16, 64, 1, 1),) * 2, 32: ((16, 64, 1, 1),) * 2}
-    _SHRINK_DA_BLOCKS = {16: ((16, 64, 1, 1),) * 2, 32: ((16, 64, 1, 1),) * 2}
+if _INTERPRET:  # fast on CPU, and small test shapes still hit splits and multi-chunk slots (blocks: interpreter.json)
     _SHRINK_MAX_R = 32
     _SHRINK_MIN_SUB = 2  # the row loop runs more than once
     _FINISH_TILE = 1024
@@ -639,8 +604,8 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
         return dh, dB_out.zero_()
 
     BLOCK_R = _block_r(R)
-    rows16, wide = _EXPAND_BLOCKS[BLOCK_R]
-    BLOCK_S, BLOCK_N, num_warps, fused = wide if dy.element_size() >= 4 else next(r[1:] for r in rows16 if N <= r[0])
+    cfg = block_config("expand_bwd", width=N, dtype=dy.dtype, rank_tile=BLOCK_R, target=_config_target(dev))
+    BLOCK_S, BLOCK_N, num_warps, fused = cfg["BLOCK_S"], cfg["BLOCK_N"], cfg["num_warps"], cfg["fused"]
     info, cptr, order, capacity = _chunks(segs, n_slots, BLOCK_S)
     tiles_n = cdiv(N, BLOCK_N)
     # enough programs to fill the GPU: split N when there are few chunks (dh partials: ~4*splits*r/N of dy's bytes)
@@ -715,10 +680,11 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     load_mask = has_dropout and keep is not None
     if BLOCK_R == 16 and need_dx and stack_num == 1 and x.element_size() == 2 and not _INTERPRET:
         BLOCK_S, BLOCK_K, num_warps, num_stages = _shrink_r16_tile(
-            "stored" if load_mask else "redrawn" if has_dropout else "none", K, accumulate_dx)
+            "stored" if load_mask else "redrawn" if has_dropout else "none", K, accumulate_dx, _config_target(dev))
     else:
-        blocks = _SHRINK_BLOCKS if need_dx else _SHRINK_DA_BLOCKS
-        BLOCK_S, BLOCK_K, num_warps, num_stages = blocks[BLOCK_R][x.element_size() >= 4]
+        cfg = block_config("shrink_bwd" if need_dx else "shrink_bwd_da", dtype=x.dtype, rank_tile=BLOCK_R,
+                           target=_config_target(dev))
+        BLOCK_S, BLOCK_K, num_warps, num_stages = cfg["BLOCK_S"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"]
     if has_dropout and stack_num > 1 and not _INTERPRET:
         # a mask per slice: the tables' tiles spill registers on sm_90 for a q/k/v stack (Triton 3.6: 64-row tiles
         # with dx, 4-warp dA-only tiles)

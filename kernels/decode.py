@@ -17,31 +17,21 @@ and rank-0 slots are untouched. Weights: ``A_cat`` / ``B_cat`` or ``SlotWeights`
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from .forward import _ACTIVATION_DTYPES, _check_2d, _check_layout, _target, _weights
+from .configs import block_config
+from .forward import _ACTIVATION_DTYPES, _check_2d, _check_layout, _config_target, _weights
 from .launch import Bound, cdiv, launch, next_power_of_2
 from .segments import AdapterTable, Segments, packed_b
-
-_INF = math.inf
 
 # rows of x above which the layer path takes the segmented kernels: each N-tile of a row re-reads the slot's A (a
 # 2048 x 16 bf16 A is 64 KB), so the redundant work grows with rows x N-tiles
 DECODE_MAX_ROWS = 64
-# (bound on BLOCK_R = next_power_of_2(max_rank), BLOCK_S, BLOCK_N, BLOCK_K, num_warps, num_stages). GPU: one row per
-# program (rows of different slots share no weight), [BLOCK_R, BLOCK_K] shrink and [BLOCK_N, BLOCK_R] expand tiles in
-# fp32 at <= 64 values per thread; the rank-16 row from `tune_kernels.py --parts decode` (docs/benchmarks.md), the
-# others untuned. Interpreter: 16 rows per program (its cost is per program and op), with several N-tiles and K steps
-# at test sizes
-DECODE_BLOCKS = {
-    "gpu": [(16, 1, 256, 512, 4, 1), (32, 1, 128, 128, 4, 1), (64, 1, 64, 64, 4, 1), (_INF, 1, 64, 32, 8, 1)],
-    "interpreter": [(_INF, 16, 32, 32, 1, 1)],
-}
+# Blocks: the "decode" rows of kernels/configs/<target>.json, by BLOCK_R = next_power_of_2(max_rank)
 
 
 @triton.jit
@@ -158,8 +148,9 @@ def lora_shrink_expand(x, A_cat, B_cat, segs: Segments, table: AdapterTable, y, 
             record.append(_noop)
         return y
     BLOCK_R = max(16, next_power_of_2(table.max_rank))
-    BLOCK_S, BLOCK_N, BLOCK_K, num_warps, num_stages = next(row[1:] for row in DECODE_BLOCKS[_target()]
-                                                            if BLOCK_R <= row[0])
+    cfg = block_config("decode", width=BLOCK_R, target=_config_target(device))
+    BLOCK_S, BLOCK_N, BLOCK_K = cfg["BLOCK_S"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    num_warps, num_stages = cfg["num_warps"], cfg["num_stages"]
     BLOCK_N = min(BLOCK_N, max(16, next_power_of_2(N)))
     BLOCK_K = min(BLOCK_K, max(16, next_power_of_2(K)))
     fp64 = torch.float64 in (x.dtype, y.dtype)
@@ -179,4 +170,4 @@ def lora_shrink_expand(x, A_cat, B_cat, segs: Segments, table: AdapterTable, y, 
     return y
 
 
-__all__ = ["DECODE_BLOCKS", "DECODE_MAX_ROWS", "lora_shrink_expand", "shrink_expand_kernel"]
+__all__ = ["DECODE_MAX_ROWS", "lora_shrink_expand", "shrink_expand_kernel"]

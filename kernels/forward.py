@@ -5,9 +5,10 @@ these take a Philox ``seed`` (``None`` = no dropout; the mask is ``kernels.dropo
 backward kernels can regenerate it, or read the packed copy ``keep_out=`` stores). ``segs.perm is None`` picks the
 SGEMM family (``sgemm.py``), otherwise the chunked SGMV family (``sgmv.py``).
 
-Block sizes are data, not autotuned: the tables below, one row per size bucket, first row whose bound covers the
-op's ``N`` wins, then two fixed rules (4-byte activations halve ``BLOCK_K``; stages, then ``BLOCK_K``, shrink until
-the pipelined tiles fit ``SMEM_BUDGET``). GPU rows target Hopper (H100/H200: 228 KB shared memory, 132 SMs):
+Block sizes are data, not autotuned: rows of ``kernels/configs/<target>.json`` picked by ``configs.block_config``
+(one row per size bucket, the first whose ``max_width`` covers the op's ``N`` wins), then two fixed rules (4-byte
+activations halve ``BLOCK_K``; stages, then ``BLOCK_K``, shrink until the pipelined tiles fit ``SMEM_BUDGET``).
+GPU rows target Hopper (H100/H200: 228 KB shared memory, 132 SMs):
 
 * shrink, memory-bound: ``BLOCK_N`` covers the whole ``stack*rank`` up to 128 so x is read once; ``BLOCK_S=64`` rows
   x ``BLOCK_K=256`` (32 KB bf16 per stage) with 3 stages keeps ~96 KB of x in flight per SM; at S=8192, 8 segments
@@ -25,68 +26,20 @@ written (rows of adapter tokens, columns ``< stack*rank``); when ``out`` is not 
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Optional
 
 import torch
 
+from .configs import INTERPRETER, block_config, target_for
 from .dropout import check_keep_bits, check_seed
 from .launch import CHECK_KEYS, Bound, cdiv, checked, launch, mark_checked, next_power_of_2
 from .segments import AdapterTable, Segments, packed_b, weight_args
 from .sgemm import sgemm_expand_kernel, sgemm_shrink_kernel
 from .sgmv import chunk_table, sgmv_expand_kernel, sgmv_shrink_kernel
 
-_INF = math.inf
-
-# (bound on N = stack*max_rank, BLOCK_S, BLOCK_N cap, BLOCK_K, num_warps, num_stages), for 2-byte activations
-SHRINK_BLOCKS = {
-    "gpu": [
-        (32, 64, 32, 256, 4, 3),  # r <= 32: per stage x 32 KB + A <= 16 KB (bf16)
-        (64, 64, 64, 128, 4, 4),  # per stage x 16 KB + A 16 KB
-        (_INF, 64, 128, 128, 4, 3),  # per stage x 16 KB + A 32 KB; stack*rank > 128 takes several N-tiles
-    ],
-    "interpreter": [(_INF, 16, 32, 32, 1, 1)],
-}
-# a mix of many adapters (at least SHRINK_MANY_SEGMENTS segments), no dropout, stack*rank <= 32: (BLOCK_S, BLOCK_N cap,
-# BLOCK_K, num_warps, num_stages) per family. Measured on H200 at S=8192, K=N=4096, r=16, bf16, 32 adapters with 90 %
-# of the tokens on one (benchmarks/tune_kernels.py --parts skewed): chunked 32x256 tiles 21.5 us against 30.2 us for
-# the 64-row tiles above (147 chunks of 64 rows on 132 SMs, one program per SM: a 1.1-wave tail), SGEMM 64x128
-# 25.9 against 32.4 us. Few-adapter mixes keep the rows above (the 8-adapter headline case was tuned on them).
+# a mix of at least this many segments (no dropout, stack*rank <= 32) takes the "shrink_many" rows
 SHRINK_MANY_SEGMENTS = 32
-SHRINK_MANY_BLOCKS = {
-    "gpu": {"chunked": (32, 32, 256, 4, 3), "sgemm": (64, 32, 128, 4, 3)},
-    "interpreter": {"chunked": (16, 32, 16, 1, 1), "sgemm": (16, 32, 16, 1, 1)},
-}
-# with fused dropout (Philox per element group: more registers), measured best on H200 at S=8192, K=4096, r=16, bf16
-# (16-bit Philox halves, 8 columns per draw; sweep at S=16384, K in {2048, 5632}: 4 warps x 4 stages best at both)
-SHRINK_DROPOUT_BLOCKS = {
-    "gpu": [(32, 32, 32, 128, 4, 4), (_INF, 32, 128, 128, 8, 3)],
-    "interpreter": [(_INF, 16, 32, 32, 1, 1)],
-}
-# storing the drawn mask for the backward (``keep_out``): K tiles of 64 (kernel time at S=16384, K=2048 / 5632:
-# 47.9 / 124.7 us against 51.8 / 129.8 with the table above; without storing 37.6 / 94.9)
-SHRINK_DROPOUT_STORE_BLOCKS = {
-    "gpu": [(32, 32, 32, 64, 4, 3), (_INF, 32, 128, 128, 8, 3)],
-    "interpreter": [(_INF, 16, 32, 32, 1, 1)],
-}
-# (bound on N = output dim, BLOCK_S, BLOCK_N cap, BLOCK_R cap, num_warps, num_stages, N-tiles per program (SGEMM
-# family))
-# add mode (y read and written): 4 N-tiles per program, profiler kernel time at S=16384, N = 2048 / 5632 on H200
-# 49.9 / 126.2 us against 56.5 / 151.1 with one (benchmarks/bench_bandwidth.py, in git history; copy floor 33.1 / 87.6)
-EXPAND_BLOCKS = {
-    "gpu": [(_INF, 64, 128, 64, 4, 1, 4)],
-    "interpreter": [(_INF, 16, 64, 16, 1, 1, 2)],
-}
-# write mode (``accumulate=False``: y only written): 64x128 tiles, 8 warps, 4 N-tiles per program -- as fast as the
-# 128x128 / 4-warp tiles it replaces (31.8 / 78.2 against 31.2 / 80.3 us at S=16384, N = 2048 / 5632 on H200;
-# benchmarks/bench_bandwidth.py in git history; zero_() of y: 20.7 / 55.1), which spilled registers (255 per thread, ncu)
-EXPAND_WRITE_BLOCKS = {
-    "gpu": [(_INF, 64, 128, 64, 8, 1, 4)],
-    "interpreter": [(_INF, 16, 64, 16, 1, 1, 2)],
-}
-# output tiles from which the expand gives a program several N-tiles (the interpreter: always, so tests cover it)
-_LOOP_MIN_TILES = {"gpu": 2048, "interpreter": 0}
 SMEM_BUDGET = 144 * 1024  # bytes of pipelined shrink tiles; leaves headroom under Hopper's 228 KB (A100: 164 KB)
 _ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -98,8 +51,9 @@ def _target() -> str:
     return _TARGET
 
 
-def _pick(rows, n):
-    return next(row[1:] for row in rows if n <= row[0])
+def _config_target(device) -> str:
+    """The block-size file (``kernels/configs/<target>.json``) for a launch on ``device``."""
+    return INTERPRETER if _target() == "interpreter" else target_for(device, interpret=False)
 
 
 def _pow2_clamp(n: int, lo: int, hi: int) -> int:
@@ -118,17 +72,17 @@ def _rows_block(segs: Segments, cap: int) -> int:
 
 def _shrink_blocks(segs: Segments, width: int, x: torch.Tensor, A_cat: torch.Tensor, dropout: bool = False,
                    stack_num: int = 1, store_mask: bool = False):
-    """``(BLOCK_S, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for the shrink, from ``SHRINK_BLOCKS`` (or
-    ``SHRINK_DROPOUT_BLOCKS``, ``SHRINK_DROPOUT_STORE_BLOCKS``; ``SHRINK_MANY_BLOCKS`` for many-adapter mixes) and
-    the rules."""
+    """``(BLOCK_S, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for the shrink: the row of op ``shrink`` (or
+    ``shrink_dropout``, ``shrink_dropout_store``; ``shrink_many`` for many-adapter mixes) in the target's block-size
+    file (``configs.block_config``), then the rules."""
     target = _target()
-    tables = SHRINK_DROPOUT_STORE_BLOCKS if store_mask else SHRINK_DROPOUT_BLOCKS if dropout else SHRINK_BLOCKS
-    rows = tables[target]
-    S_BLK, N_CAP, BLOCK_K, num_warps, num_stages = _pick(rows, width)
+    cfg_target = _config_target(x.device)
+    op = "shrink_dropout_store" if store_mask else "shrink_dropout" if dropout else "shrink"
     if not dropout and width <= 32 and segs.num_segments >= SHRINK_MANY_SEGMENTS:
-        many = SHRINK_MANY_BLOCKS[target].get("sgemm" if segs.perm is None else "chunked")
-        if many is not None:
-            S_BLK, N_CAP, BLOCK_K, num_warps, num_stages = many
+        op = "shrink_many"
+    cfg = block_config(op, width=width, family="sgemm" if segs.perm is None else "chunked", target=cfg_target)
+    S_BLK, N_CAP, BLOCK_K = cfg["BLOCK_S"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    num_warps, num_stages = cfg["num_warps"], cfg["num_stages"]
     BLOCK_N = _pow2_clamp(width, 16, N_CAP)
     BLOCK_S = _rows_block(segs, S_BLK)
     if target == "gpu":
@@ -358,8 +312,10 @@ def _expand_launch(h, B_cat, B, w_offs, packed: bool, segs: Segments, table: Ada
         return
     fill = not accumulate and not write_all
     fp64 = torch.float64 in (y.dtype, h.dtype)
-    blocks = EXPAND_BLOCKS if accumulate else EXPAND_WRITE_BLOCKS
-    S_BLK, N_CAP, R_CAP, num_warps, num_stages, n_tiles = _pick(blocks[_target()], N)
+    cfg_target = _config_target(y.device)
+    cfg = block_config("expand_add" if accumulate else "expand_write", width=N, target=cfg_target)
+    S_BLK, N_CAP, R_CAP, n_tiles = cfg["BLOCK_S"], cfg["BLOCK_N"], cfg["BLOCK_R"], cfg["N_TILES"]
+    num_warps, num_stages = cfg["num_warps"], cfg["num_stages"]
     BLOCK_N = _pow2_clamp(N, 16, N_CAP)
     BLOCK_R = _pow2_clamp(table.max_rank, 16, R_CAP)
     BLOCK_S = _rows_block(segs, S_BLK)
@@ -377,7 +333,8 @@ def _expand_launch(h, B_cat, B, w_offs, packed: bool, segs: Segments, table: Ada
         tiles_n = cdiv(N, BLOCK_N)
         # several N-tiles per program only when the grid has tiles to spare (small batches keep every tile apart)
         tiles = segs.num_segments * cdiv(rows, BLOCK_S) * tiles_n
-        n_tiles = min(n_tiles, tiles_n) if tiles >= _LOOP_MIN_TILES[_target()] else 1
+        n_tiles = min(n_tiles, tiles_n) if tiles >= block_config(
+            "expand_loop", target=cfg_target)["min_tiles"] else 1
         grid = (segs.num_segments, cdiv(rows, BLOCK_S), cdiv(N, BLOCK_N * n_tiles))
         _run(sgemm_expand_kernel, grid, (
             h, B, y, bias_arg, segs.indptr, segs.slot, table.ranks, table.offsets, w_offs, table.scales, slice_idx,

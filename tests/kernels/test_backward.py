@@ -416,10 +416,12 @@ def test_gpu_benchmark_shape(dtype, grouped, layout, device):
 _COMPILE_SCRIPT = r'''
 import os, re, subprocess, sys, tempfile
 os.environ.pop("TRITON_INTERPRET", None)
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fast_multilora.kernels import backward as B
+from fast_multilora.kernels.configs import block_config, rows as config_rows
 
 INNER = {"stride_dyn", "stride_hr", "stride_br", "stride_dhr", "stride_xk", "stride_ak", "stride_dxk", "stride_pdr",
          "stride_pbr", "stride_pak", "stride_dbr", "stride_dak"}  # unit strides: specialised to 1 at launch
@@ -460,7 +462,10 @@ ptr["w_offs"] = "*i64"  # W_OFFS: each adapter's weight read in place (segments.
 bad = 0
 # B's three forms: concatenated, each adapter's weight read in place, the adapter store's packed block
 B_FORMS = ((False, False), (True, False), (False, True))
-for _bound, BS, BN, nw, fused in B._EXPAND_BLOCKS[16][0]:  # the 16-bit rows, by N
+for row in config_rows("expand_bwd", "h200"):  # the 16-bit rows of rank tile 16, by N
+    if row.get("rank_tile") != 16 or "bfloat16" not in row.get("dtypes", ["bfloat16"]):
+        continue
+    BS, BN, nw, fused = row["BLOCK_S"], row["BLOCK_N"], row["num_warps"], row["fused"]
     for w_offs, packed in B_FORMS:
         bad += spills(B._expand_bwd_kernel, ptr, dict(DIRECT_DH=False, STORE_DB=fused, EVEN_N=True,
                                                       DOT_PRECISION="tf32", W_OFFS=w_offs, B_PACKED=packed,
@@ -468,9 +473,10 @@ for _bound, BS, BN, nw, fused in B._EXPAND_BLOCKS[16][0]:  # the 16-bit rows, by
 for blocked in (False, True):  # dB as [N, total_rank], or blocked in the weights' layout
     bad += spills(B._expand_bwd_finish, ptr, dict(FROM_PARTS=fused, DOT_PRECISION="tf32", BLOCK_S=BS,
                                                   BLOCK_N=B._FINISH_TILE // 16, BLOCK_R=16, DB_BLOCKED=blocked), 8)
-for need_dx, table in ((True, B._SHRINK_BLOCKS), (False, B._SHRINK_DA_BLOCKS)):
+for need_dx, op in ((True, "shrink_bwd"), (False, "shrink_bwd_da")):
     for stack, block_r in ((1, 16), (3, 64)):  # one mask; a mask per slice of a q/k/v stack (3 x r=16 in one tile)
-        BS, BK, nw, _stages = table[block_r][0]
+        cfg = block_config(op, dtype=torch.bfloat16, rank_tile=block_r, target="h200")
+        BS, BK, nw = cfg["BLOCK_S"], cfg["BLOCK_K"], cfg["num_warps"]
         if stack > 1:  # the launcher's rule for a mask per slice
             BS, nw = min(BS, 32), max(nw, 8)
         for load_mask in ((False, True) if stack == 1 else (False,)):  # the forward's stored mask, or redrawn
@@ -481,23 +487,25 @@ for need_dx, table in ((True, B._SHRINK_BLOCKS), (False, B._SHRINK_DA_BLOCKS)):
                                                               DROP_STACK=stack, ACC_DX=acc),
                               nw)
 # the training step's rows: 16-bit, one rank tile of 16, by the dropout mask's source
-for mode, rows in B._SHRINK_R16.items():
-    for (bound, *_), w_offs, acc in ((row, w, a) for row in rows for w in (False, True) for a in (False, True)):
-        BS, BK, nw, _stages = B._shrink_r16_tile(mode, min(bound, 8192), acc)  # the launcher's rule
+for row in config_rows("shrink_bwd_r16", "h200"):
+    mode = row["mode"]
+    for w_offs, acc in ((w, a) for w in (False, True) for a in (False, True)):
+        BS, BK, nw, _stages = B._shrink_r16_tile(mode, min(row.get("max_width", 8192), 8192), acc, "h200")  # rule
         bad += spills(B._shrink_bwd_kernel, ptr, dict(NEED_DX=True, HAS_DROPOUT=mode != "none",
                                                       LOAD_MASK=mode == "stored", HOIST_A=True, EVEN_K=True,
                                                       DOT_PRECISION="tf32", W_OFFS=w_offs, BLOCK_S=BS, BLOCK_K=BK,
                                                       BLOCK_R=16, DROP_STACK=1, ACC_DX=acc), nw)
 # the forward shrink with a mask per slice (dropout on a q/k/v stack), the dropout table's r <= 32 row
-from fast_multilora.kernels import forward as F
 from fast_multilora.kernels.sgemm import sgemm_shrink_kernel
-_, BS, BN, BK, nw, _stages = F.SHRINK_DROPOUT_BLOCKS["gpu"][-1]
+row = config_rows("shrink_dropout", "h200")[-1]
+BS, BK, nw = row["BLOCK_S"], row["BLOCK_K"], row["num_warps"]
 ptr.update({n: "*i32" for n in ("indptr", "seg_slot")})
 bad += spills(sgemm_shrink_kernel, ptr, dict(STACK=3, HAS_DROPOUT=True, STORE_MASK=False, EVEN_K=True,
                                              DOT_PRECISION="tf32", W_OFFS=False, BLOCK_S=BS, BLOCK_N=64,
                                              BLOCK_K=min(BK, 64)),
               nw)  # launcher's rule
-_, BS, BN, BK, nw, _stages = F.SHRINK_DROPOUT_STORE_BLOCKS["gpu"][0]  # r <= 32, storing the mask it draws
+row = config_rows("shrink_dropout_store", "h200")[0]  # r <= 32, storing the mask it draws
+BS, BK, nw = row["BLOCK_S"], row["BLOCK_K"], row["num_warps"]
 for w_offs in (False, True):
     bad += spills(sgemm_shrink_kernel, ptr, dict(STACK=1, HAS_DROPOUT=True, STORE_MASK=True, EVEN_K=True,
                                                  DOT_PRECISION="tf32", W_OFFS=w_offs, BLOCK_S=BS, BLOCK_N=16,
@@ -505,18 +513,19 @@ for w_offs in (False, True):
 # the forward expand's rows, add and write mode (16-bit y, one rank tile of 16)
 from fast_multilora.kernels.sgemm import sgemm_expand_kernel
 ptr.update(y="*" + act, bias="*" + act)
-for accumulate, rows in ((True, F.EXPAND_BLOCKS["gpu"]), (False, F.EXPAND_WRITE_BLOCKS["gpu"])):
-    for (_bound, BS, BN, _r_cap, nw, _stages, n_tiles), (w_offs, packed) in ((row, f) for row in rows
-                                                                             for f in B_FORMS):
+for accumulate, op in ((True, "expand_add"), (False, "expand_write")):
+    for row, (w_offs, packed) in ((row, f) for row in config_rows(op, "h200") for f in B_FORMS):
+        BS, BN, nw, n_tiles = row["BLOCK_S"], row["BLOCK_N"], row["num_warps"], row["N_TILES"]
         bad += spills(sgemm_expand_kernel, dict(ptr, stride_hn=None), dict(
             FP64=False, DOT_PRECISION="tf32", ACCUMULATE=accumulate, HAS_BIAS=False, W_OFFS=w_offs,
             B_PACKED=packed, BLOCK_S=BS, BLOCK_N=BN, BLOCK_R=16, N_TILES=n_tiles, stride_hn=1, stride_yn=1), nw)
 # the decode kernel's rows (few-row calls: shrink and expand in one launch), each rank bucket's BLOCK_R
-from fast_multilora.kernels.decode import DECODE_BLOCKS, shrink_expand_kernel
+from fast_multilora.kernels.decode import shrink_expand_kernel
 ptr.update(token_slots="*i32", a_offs="*i64", b_offs="*i64")
 # (weights concatenated, read in place, or the adapter store's A_cat and packed B block)
-for (bound, BS, BN, BK, nw, _stages), (offs, packed) in ((row, o) for row in DECODE_BLOCKS["gpu"]
-                                                         for o in ((False, False), (True, False), (False, True))):
+for row, (offs, packed) in ((row, o) for row in config_rows("decode", "h200")
+                             for o in ((False, False), (True, False), (False, True))):
+    BS, BN, BK, nw, bound = row["BLOCK_S"], row["BLOCK_N"], row["BLOCK_K"], row["num_warps"], row.get("max_width", 128)
     bad += spills(shrink_expand_kernel, dict(ptr, S="i32"), dict(
         A_OFFS=offs, B_OFFS=offs, B_PACKED=packed, FP64=False, ROUND=True, BLOCK_S=BS, BLOCK_N=BN, BLOCK_K=BK,
         BLOCK_R=int(min(bound, 128)), stride_xk=1, stride_ak=1, stride_yn=1), nw)

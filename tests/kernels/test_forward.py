@@ -207,7 +207,7 @@ def test_validation_errors(device):
 
 def _big_problem(grouped, dtype, ps=None, n=8):
     """The benchmark's shape (S = 8192, K = N = 4096, r = 16): ``n`` adapters in equal shares, or with ``n = 32``
-    90 % of the tokens on adapter 0 (the many-adapter mix, ``SHRINK_MANY_BLOCKS``); 5 % base tokens."""
+    90 % of the tokens on adapter 0 (the many-adapter mix, op ``shrink_many``); 5 % base tokens."""
     g = torch.Generator().manual_seed(8192)
     S, K, N, ranks = 8192, 4096, 4096, [16] * n
     if n == 8:
@@ -283,9 +283,10 @@ def test_dropout_mask_rate_and_halves(device):
 @pytest.mark.parametrize("grouped", FAMILIES)
 def test_many_adapter_mixes_take_their_shrink_tiles(grouped, monkeypatch):
     """The GPU's shrink tiles: a mix of at least ``SHRINK_MANY_SEGMENTS`` segments without dropout takes the
-    many-adapter row of its family (``SHRINK_MANY_BLOCKS``), fewer segments or dropout the default rows. The
-    kernels on those tiles are checked against the reference on the GPU (``test_gpu_benchmark_shape``'s sizes) and,
-    with the interpreter's rows, by the 70-adapter case above."""
+    many-adapter row of its family (op ``shrink_many`` of ``kernels/configs/h200.json``), fewer segments or dropout
+    the default rows. The kernels on those tiles are checked against the reference on the GPU
+    (``test_gpu_benchmark_shape``'s sizes) and, with the interpreter's rows, by the 70-adapter case above."""
+    from fast_multilora.kernels import configs
     from fast_multilora.kernels import forward as kf
 
     monkeypatch.setattr(kf, "_target", lambda: "gpu")
@@ -295,7 +296,8 @@ def test_many_adapter_mixes_take_their_shrink_tiles(grouped, monkeypatch):
     for n, dropout, many in ((40, False, True), (8, False, False), (40, True, False)):
         segs = make_segments(torch.arange(n).repeat_interleave(4096 // n + 1)[:4096], grouped, "cpu")
         got = kf._shrink_blocks(segs, 16, x, A, dropout=dropout)
-        rows = kf.SHRINK_DROPOUT_BLOCKS if dropout else kf.SHRINK_BLOCKS
-        S_BLK, _, BLOCK_K, warps, _ = kf.SHRINK_MANY_BLOCKS["gpu"][family] if many else kf._pick(rows["gpu"], 16)
+        op = "shrink_many" if many else "shrink_dropout" if dropout else "shrink"
+        cfg = configs.block_config(op, width=16, family=family, target="h200")
+        S_BLK, BLOCK_K, warps = cfg["BLOCK_S"], cfg["BLOCK_K"], cfg["num_warps"]
         assert (got[0], got[2], got[3]) == (kf._rows_block(segs, S_BLK), BLOCK_K, warps), (n, dropout, got)
         assert (segs.num_segments >= kf.SHRINK_MANY_SEGMENTS) == (n == 40), segs.num_segments
