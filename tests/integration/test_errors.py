@@ -621,7 +621,7 @@ def test_float64_inputs_embeds(backend):
 
 # --- every error is documented --------------------------------------------------------------------------------------
 
-_ROOT = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]
 _HOLE = object()
 
 
