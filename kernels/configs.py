@@ -56,7 +56,7 @@ class ConfigError(ValueError):
 
 
 def _fail(path: Path, where: str, what: str):
-    raise ConfigError(f"{path}: {where}: {what}")
+    raise ConfigError(f"block-size file {path}: {where}: {what}")
 
 
 def _check_row(path: Path, op: str, i: int, row) -> dict:
