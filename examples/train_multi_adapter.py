@@ -299,7 +299,8 @@ def main(argv=None):
     peft_model = accelerator.unwrap_model(model)
     state = accelerator.get_state_dict(model)  # gathers FSDP shards (every rank calls it); plain otherwise
     if main_proc:
-        peft_model.save_pretrained(out_dir / "adapters", selected_adapters=args.adapters, state_dict=state)
+        peft_model.save_pretrained(out_dir / "adapters", selected_adapters=args.adapters, state_dict=state,
+                                   save_embedding_layers=False)  # LoRA on Linear layers only: no vocabulary check
         run = {"model": args.model, "adapters": args.adapters, "rank": args.rank, "alpha": args.alpha,
                "targets": args.targets, "max_steps": args.max_steps, "global_batch_size": args.global_batch_size,
                "eval_per_task": args.eval_per_task,
