@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-import models as M
+import workloads as M
 
 
 @dataclass(frozen=True)

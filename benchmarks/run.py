@@ -146,7 +146,7 @@ def report(scenario, row):
 def dry_run(scs, provs, st) -> int:
     """The plan of every scenario, and its inputs and model built for real shapes (model on the meta device: no
     memory, no device needed)."""
-    import models as M
+    import workloads as M
     from scenarios import Context, rows_of
 
     for sc in scs:
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     st = settings(args)
     if args.dry_run:
         return dry_run(scs, provs, st)
-    import models as M
+    import workloads as M
     import torch
 
     if st["device"] == "cuda":

@@ -13,7 +13,7 @@ import traceback
 from dataclasses import dataclass
 
 import harness
-import models as M
+import workloads as M
 from providers import PROVIDERS, Step, prepare
 
 TRAIN = ("frozen", "peft_single", "peft_single_fused_adamw", "peft_single_compiled", "peft_sequential",

@@ -225,7 +225,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FML_CACHE", Path.home() / ".cache" / "fast_multilora"))
 
 
-# The benchmark's Llama shape (benchmarks/models.py): ~0.5 B parameters.
+# The benchmark's Llama shape (benchmarks/workloads.py): ~0.5 B parameters.
 BENCH_LLAMA = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=32,
                    num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)
 

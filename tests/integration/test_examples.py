@@ -42,3 +42,28 @@ def test_readme_quick_start_runs(tmp_path, monkeypatch):
     assert all(p.grad is not None for n, p in scope["model"].named_parameters() if "lora_" in n)
     saved = {p.parent.name for p in (tmp_path / "out" / "adapters").glob("*/adapter_config.json")}
     assert saved == {"sql", "chat", "code"}
+
+
+def test_readme_demo_table_is_what_the_demo_prints():
+    """The README's demo table is the demo's own printout: the demo's ``print_table`` fed the README's numbers prints
+    the README's lines (header and rows), character for character."""
+    import multi_adapter_tasks as T
+    import train_multi_adapter
+
+    readme = open(os.path.join(os.path.dirname(EXAMPLES), "README.md")).read()
+    lines = readme.split("<!-- timings -->", 1)[1].split("```\n", 2)[1].splitlines()
+    header, rows = lines[0], [ln.split() for ln in lines[1:]]
+    before = {"accuracy": {}, "loss": {}}
+    after = {"accuracy": {}, "loss": {}, "examples": {}}
+    for a, t, b0, a0, a1, b1, l0, _, l1 in rows:
+        before["accuracy"].update({f"{T.BASE}/{t}": float(b0), f"{a}/{t}": float(a0)})
+        after["accuracy"].update({f"{T.BASE}/{t}": float(b1), f"{a}/{t}": float(a1)})
+        before["loss"][a], after["loss"][a] = float(l0), float(l1)
+        after["examples"].update({f"{a}/{t}": ("x", "y", "y"), f"{T.BASE}/{t}": ("x", "y", "z")})
+    args = train_multi_adapter.parse_args([])
+    assert [T.task_of(a) for a in args.adapters] == [r[1] for r in rows], "the README lists the demo's adapters"
+    printed = []
+    train_multi_adapter.print_table(args, before, after, printed.append)
+    table = "\n".join(printed).splitlines()
+    start = table.index(header)  # the header as the demo prints it
+    assert table[start + 1 : start + 1 + len(rows)] == lines[1 : 1 + len(rows)]
