@@ -145,9 +145,12 @@ class PerAdapterLoss(TrainerCallback):
             sums, counts = adapter_token_sums(logits, labels, names, self.vocab, adapter_ids=ids,
                                               ignore_index=self.ignore_index, shift=self.shift)
         training = self._model.training if self._model is not None else torch.is_grad_enabled()
-        acc = self._stats.setdefault(training, [torch.zeros(len(self.vocab)), torch.zeros(len(self.vocab))])
-        acc[0] += sums.detach().float().cpu()
-        acc[1] += counts.detach().float().cpu()  # local: on_log all-reduces both
+        # summed on the loss's device (a .cpu() here would make the host wait for the forward every step); read at
+        # logging only. Local: on_log all-reduces both
+        acc = self._stats.setdefault(training, [torch.zeros(len(self.vocab), device=sums.device),
+                                                torch.zeros(len(self.vocab), device=sums.device)])
+        acc[0] += sums.detach().float()
+        acc[1] += counts.detach().float()
         if self.sync_counts and _dist_world() > 1:
             counts = counts.detach().clone()
             torch.distributed.all_reduce(counts)
@@ -166,7 +169,7 @@ class PerAdapterLoss(TrainerCallback):
         acc = self._stats.pop(training, None)
         if acc is None:
             acc = [torch.zeros(len(self.vocab)), torch.zeros(len(self.vocab))]
-        s, c = acc
+        s, c = acc[0].cpu(), acc[1].cpu()
         if _dist_world() > 1:
             both = torch.stack([s, c]).to(_comm_device())
             torch.distributed.all_reduce(both)
