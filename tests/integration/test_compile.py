@@ -121,11 +121,12 @@ _GRID = [pytest.param(b, t, p, s, id=f"{b}-{'train' if t else 'eval'}-{'adapter_
 def test_compiled_model_one_graph_for_every_mix(backend, train, packed, store, device):
     """A patched tiny Llama under ``torch.compile(model, backend="aot_eager")``: one graph, no graph break, no
     recompilation over six adapter mixes; logits and LoRA grads equal eager's (fp32-tight). ``store``: both models'
-    adapters in the adapter store (``fast_multilora.store``), whose leaves the layers take."""
+    adapters in the adapter store (``fast_multilora.store``, the default), whose leaves the layers take; else
+    ``adapter_store=False``, every layer call taking PEFT's parameters."""
     model = peft_model("llama").to(device)
     eager = twin(model)
-    fast_multilora.patch(model, backend=backend)
-    fast_multilora.patch(eager, backend=backend)
+    fast_multilora.patch(model, backend=backend, adapter_store=store)
+    fast_multilora.patch(eager, backend=backend, adapter_store=store)
     if store:
         from fast_multilora.store import AdapterStore
 
