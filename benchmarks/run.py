@@ -193,8 +193,8 @@ def main(argv=None) -> int:
     st = settings(args)
     if args.dry_run:
         return dry_run(scs, provs, st)
-    import workloads as M
     import torch
+    import workloads as M
 
     if st["device"] == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True

@@ -3,8 +3,9 @@ stock PEFT running each sample with its adapter alone (outputs, input and LoRA g
 
 Axes: kernel family (SGEMM: one segment per row; chunked: tokens grouped by adapter) × base fused into the
 Function or added to the base layer's output × weights: the adapter store's two leaves (the default), or PEFT's
-parameters read in place or concatenated (layers the store does not hold, DDP); packed rows (``adapter_ids``) take the chunked family. Under dropout, where PEFT draws other masks, the stored
-mask and the redrawn one must give the same results. A one-row or one-slot mistake on any path fails here.
+parameters read in place or concatenated (layers the store does not hold, DDP); packed rows (``adapter_ids``)
+take the chunked family. Under dropout, where PEFT draws other masks, the stored mask and the redrawn one must give
+the same results. A one-row or one-slot mistake on any path fails here.
 """
 
 import pytest
