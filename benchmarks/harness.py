@@ -233,7 +233,7 @@ def make_row(provider: str, variant: str = "", status: str = "ok", reason: str |
     return row
 
 
-def add_ratios(rows: dict, refs=("frozen", "peft_single")) -> dict:
+def add_ratios(rows: dict, refs=("frozen", "frozen_compiled", "peft_single")) -> dict:
     """Each ok row's wall time over the reference providers' (same variant if that row exists, else their default
     variant) and over the same provider's first variant (variant sweeps such as adapter counts); in place."""
     first = {}

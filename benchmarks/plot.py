@@ -31,8 +31,8 @@ def tables(res: dict, scenarios=None) -> str:
                 f"{where}, commit `{run.get('commit')}`, {run.get('date_utc')} UTC, torch {run.get('torch')}"
                 + (", one process per provider" if run.get("fresh_process") else "")
                 + (f"; {run['converted_from']}" if run.get("converted_from") else ""), "",
-                "| row | wall ms | GPU ms | host ms | × frozen | × peft_single | peak MiB | note |",
-                "|---|---|---|---|---|---|---|---|"]
+                "| row | wall ms | GPU ms | host ms | × frozen | × frozen compiled | × peft_single | peak MiB | note |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for key, r in rec["rows"].items():
             ratios = r["ratios"]
             note = r["reason"] or ""
@@ -41,7 +41,8 @@ def tables(res: dict, scenarios=None) -> str:
             elif r["status"] != "ok":
                 note = f"**{r['status']}**: {note}"
             out.append(f"| {key} | {_f(r['wall_ms'])} | {_f(r['gpu_ms'])} | {_f(r['host_ms'])} | "
-                       f"{_f(ratios.get('frozen'), 2)} | {_f(ratios.get('peft_single'), 2)} | "
+                       f"{_f(ratios.get('frozen'), 2)} | {_f(ratios.get('frozen_compiled'), 2)} | "
+                       f"{_f(ratios.get('peft_single'), 2)} | "
                        f"{_f(r['peak_mib'], 0)} | {note.replace('|', '/')} |")
         out.append("")
     return "\n".join(out)

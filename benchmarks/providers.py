@@ -36,6 +36,8 @@ OPTIMIZERS = {
 PROVIDERS = {p.name: p for p in (
     Provider("frozen", "frozen", "the base model without LoRA (train: forward + backward to the input embeddings, no "
                                  "optimizer): the floor"),
+    Provider("frozen_compiled", "frozen", "frozen under torch.compile(model) (default mode): the compiled rows' floor",
+             compiled=True),
     Provider("peft_single", "peft_single", "stock PEFT, eager, one adapter active on every row"),
     Provider("peft_single_fused_adamw", "peft_single", "peft_single with AdamW(fused=True)", optimizer="adamw_fused"),
     Provider("peft_single_compiled", "peft_single", "peft_single under torch.compile(model) (default mode)",
@@ -131,12 +133,13 @@ def _train(ctx, p: Provider, variant: str) -> Step:
     if p.family == "frozen":
         base = ctx.base()
         base.requires_grad_(False)
+        model = ctx.compile(base) if p.compiled else base
 
         def frozen():
             emb = base.get_input_embeddings()(ids).detach().requires_grad_(True)
-            base(inputs_embeds=emb, labels=ids).loss.backward()
+            model(inputs_embeds=emb, labels=ids).loss.backward()
 
-        return Step(frozen, _nothing, _nothing, {})
+        return Step(frozen, _nothing, _nothing, {}, first=p.compiled)
     pm = ctx.peft(b.get("adapters"))
     pm.train()
     if p.family == "peft_single":
@@ -227,7 +230,8 @@ def _eval(ctx, p: Provider, variant: str) -> Step:
         return fn
 
     if p.family == "frozen":
-        return Step(no_grad(ctx.base()), _nothing, _nothing, {})
+        base = ctx.base()
+        return Step(no_grad(ctx.compile(base) if p.compiled else base), _nothing, _nothing, {}, first=p.compiled)
     pm = ctx.peft()
     pm.eval()
     if p.family == "peft_single":

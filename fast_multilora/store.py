@@ -72,8 +72,30 @@ class _HeldParameter(torch.nn.Parameter):
 _PARAMETER_TYPES = (torch.nn.Parameter, _HeldParameter)
 
 
+def _register_foreach_type() -> bool:
+    """Let ``torch.optim`` take its fast paths for held parameters. Its optimizers pick the foreach / fused
+    implementation only for parameters whose ``type()`` is in ``torch.optim.optimizer._foreach_supported_types``
+    (``[Tensor, Parameter]``; ``torch.distributed.tensor`` appends ``DTensor`` the same way); any other class silently
+    gets the single-tensor loop -- ~10 launches per parameter per step, which made a default ``torch.optim.AdamW`` step
+    host-bound (169 vs 108 ms with ``fused=True``, H200, 896 parameters). Where a torch version has no such list the
+    class is not swapped at all (``_hold`` does nothing) and a training forward reads every held flag instead."""
+    try:
+        from torch.optim import optimizer as _optimizer
+    except ImportError:  # pragma: no cover
+        return False
+    types = getattr(_optimizer, "_foreach_supported_types", None)
+    if not isinstance(types, list):
+        return False
+    if _HeldParameter not in types:
+        types.append(_HeldParameter)
+    return True
+
+
+SWAP_CLASS = _register_foreach_type()  # False: held parameters keep their class, flags read per training forward
+
+
 def _hold(p) -> None:
-    if type(p) is torch.nn.Parameter:
+    if SWAP_CLASS and type(p) is torch.nn.Parameter:
         p.__class__ = _HeldParameter
 
 
@@ -220,7 +242,7 @@ class AdapterStore:
         if self.stale():
             self.layout()
         if training:
-            if self.flags_read != CHANGES[0]:  # a held parameter's requires_grad may have changed (_HeldParameter)
+            if self.flags_read != CHANGES[0] or not SWAP_CLASS:  # a held flag may have changed (_HeldParameter)
                 self.sync_requires_grad()
             self.mark_seen(routing)
 

@@ -124,3 +124,19 @@ def test_grads_are_the_parameters_own_after_any_zero_grad():
         assert (p.grad is None) == (q.grad is None), n
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_torch_optimizers_take_their_foreach_and_fused_paths_on_held_parameters(monkeypatch):
+    """torch's optimizers choose foreach (their default on a GPU) or fused only for parameters whose ``type()`` they
+    list (``torch.optim.optimizer._foreach_supported_types``); a held parameter's class is registered there, else
+    ``torch.optim.AdamW(model.parameters())`` silently falls back to its per-parameter loop (host-bound on a GPU).
+    The device check is widened to the CPU here so the choice itself is what is tested."""
+    from torch.optim import optimizer as torch_optimizer
+
+    model = _model(True)
+    params = [p for _, p in _lora(model)]
+    assert params and all(type(p) is not torch.nn.Parameter for p in params)  # held: the store's class
+    monkeypatch.setattr(torch_optimizer, "_get_foreach_kernels_supported_devices", lambda: ["cpu"])
+    monkeypatch.setattr(torch_optimizer, "_get_fused_kernels_supported_devices", lambda: ["cpu"])
+    assert torch_optimizer._default_to_fused_or_foreach(params, False, False) == (False, True)
+    assert torch_optimizer._default_to_fused_or_foreach(params, False, True) == (True, False)

@@ -548,13 +548,19 @@ def test_a_layer_leaving_the_store_keeps_its_optimizer_states():
     assert float(st["step"]) == step + 1 and not torch.equal(st["exp_avg"], moments)  # stepped on from its moments
 
 
+@pytest.mark.parametrize("swap", [True, False], ids=["class", "no_class"])
 @pytest.mark.parametrize("how", ["requires_grad_", "assignment", "set_requires_grad"])
-def test_freezing_and_unfreezing_while_training_is_seen(how):
+def test_freezing_and_unfreezing_while_training_is_seen(how, swap, monkeypatch):
     """A held parameter's ``requires_grad`` changed between steps (``p.requires_grad_``, ``p.requires_grad = ...``,
     PEFT's ``set_requires_grad``) takes effect at the next forward, though the store reads the flags only after such
-    a change (``store._HeldParameter``): frozen, the adapter's weights stay bit-identical and it has no ``.grad``
+    a change (``store._HeldParameter``), or at every training forward where the class is not swapped (a torch
+    without ``_foreach_supported_types``): frozen, the adapter's weights stay bit-identical and it has no ``.grad``
     while the others train; unfrozen, it gets gradients and trains again."""
+    from fast_multilora import store
+
+    monkeypatch.setattr(store, "SWAP_CLASS", swap)
     model, opt, names = _trained(3, seed=23, steps=1)
+    assert all((type(p) is store._HeldParameter) == swap for n, p in model.named_parameters() if "lora_" in n)
     frozen = names[1]
     params = [p for n, p in model.named_parameters() if f".{frozen}." in n]
     others = [p for n, p in model.named_parameters() if "lora_" in n and f".{frozen}." not in n]
