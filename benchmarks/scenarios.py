@@ -16,9 +16,10 @@ import harness
 import workloads as M
 from providers import PROVIDERS, Step, prepare
 
-TRAIN = ("frozen", "frozen_compiled", "peft_single", "peft_single_fused_adamw", "peft_single_compiled", "peft_sequential",
-         "peft_mixed_loop", "fast_multilora", "fast_multilora_fused_adamw", "fast_multilora_paged_adamw8bit",
-         "fast_multilora_compiled", "fast_multilora_store_adamw", "fast_multilora_params")
+TRAIN = ("frozen", "frozen_compiled", "peft_single", "peft_single_fused_adamw", "peft_single_compiled",
+         "peft_sequential", "peft_mixed_loop", "fast_multilora", "fast_multilora_fused_adamw",
+         "fast_multilora_paged_adamw8bit", "fast_multilora_compiled", "fast_multilora_store_adamw",
+         "fast_multilora_params")
 EVAL = ("frozen", "frozen_compiled", "peft_single", "peft_single_compiled", "peft_mixed_loop", "fast_multilora",
         "fast_multilora_compiled", "fast_multilora_params")
 GENERATE = ("frozen", "peft_mixed_loop", "fast_multilora", "fast_multilora_params")
