@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from .kernels.segments import to_device
 from .plan import BASE
 
 
@@ -45,9 +46,9 @@ def token_adapters(adapter_names: Sequence[str], vocab: Sequence[str], shape, de
     unknown = sorted({n for n in names if n != BASE and n not in index})
     if unknown:
         raise ValueError(f"adapter(s) {unknown} not in the loss vocabulary {list(vocab)}")
-    # built on the host, copied without a stream sync: a blocking copy here would make the host wait for the whole
-    # forward pass before it could queue the backward
-    table = torch.tensor([index.get(n, -1) for n in names] + [-1]).to(device, non_blocking=True)
+    # built on the host, copied through pinned memory: a copy that waited for the stream would make the host wait for
+    # the whole forward pass before it could queue the backward
+    table = to_device(torch.tensor([index.get(n, -1) for n in names] + [-1]), device)
     if adapter_ids is None:
         if len(names) != shape[0]:
             raise ValueError(f"got {len(names)} adapter names for a batch of {shape[0]} rows")
@@ -56,7 +57,7 @@ def token_adapters(adapter_names: Sequence[str], vocab: Sequence[str], shape, de
         raise ValueError(f"`adapter_ids` must be [batch, seq] = {tuple(shape)}, one adapter index per token of the "
                          f"labels, got shape {tuple(adapter_ids.shape)}")
     # -1 indexes the trailing "no adapter" entry
-    return table[adapter_ids.to(device, non_blocking=True).long()]
+    return table[to_device(adapter_ids, device).long()]
 
 
 def shifted_targets(labels: torch.Tensor, adapter_names: Sequence[str], vocab: Sequence[str], device, *,
@@ -65,7 +66,7 @@ def shifted_targets(labels: torch.Tensor, adapter_names: Sequence[str], vocab: S
     with ``shift`` each position's label is the next token's (the last position gets ``ignore_index``) and its
     adapter the next token's (-1 at the end), as :func:`token_adapters` indexes ``vocab``."""
     tok = token_adapters(adapter_names, vocab, labels.shape, device, adapter_ids=adapter_ids)
-    labels = labels.to(device, non_blocking=True)
+    labels = to_device(labels, device)
     if shift:  # shift the labels, not the logits: a slice of the logits would be copied, and its gradient zero-filled
         labels = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
         tok = F.pad(tok[:, 1:], (0, 1), value=-1)

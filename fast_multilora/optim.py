@@ -23,6 +23,7 @@ import torch
 from torch.optim.adamw import adamw as _adamw
 
 from . import reference
+from .kernels.segments import to_device
 from .store import AdapterStore
 
 _STATES = ("exp_avg", "exp_avg_sq")
@@ -186,7 +187,7 @@ class AdamW(torch.optim.Optimizer):
         if cached is not None and cached[0] == rows and cached[1].device == device:
             return cached[1]
         host = torch.tensor(rows, dtype=torch.float32)
-        dev = host.to(device) if device.type != "cuda" else host.pin_memory().to(device, non_blocking=True)
+        dev = to_device(host, device)
         # (a tensor-valued setting can change in place: such rows are read afresh every step)
         plain = all(type(x) in (float, int) for r in rows for x in r)
         self._hyper_cache = (rows, dev) if plain else None

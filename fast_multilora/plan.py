@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from .config import PatchConfig
-from .kernels.segments import Segments, grouped_segments, row_segments
+from .kernels.segments import Segments, grouped_segments, row_segments, to_device
 
 BASE = "__base__"
 
@@ -266,4 +266,4 @@ class Router:
 
 
 def _to(t: torch.Tensor, device) -> torch.Tensor:
-    return t if t.device == device else t.to(device, non_blocking=True)
+    return to_device(t, device)

@@ -167,8 +167,20 @@ def _slot_offsets(weights, slots, n_slots, dim):
 
 
 def _device_offsets(host: list, device) -> torch.Tensor:
-    offsets = torch.tensor(host, dtype=torch.int64)
-    return offsets.to(device, non_blocking=True) if device.type != "cpu" else offsets
+    return to_device(torch.tensor(host, dtype=torch.int64), device)
+
+
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device`` without making the host wait for the device: to a CUDA device through
+    pinned memory (torch's caching host allocator keeps the block until the copy ran), since a copy from pageable
+    memory may synchronize with the stream, i.e. wait for every kernel queued before it (a whole forward pass, when
+    a loss builds its tables). Other devices: a plain copy (the tensor itself when it is there already)."""
+    device = torch.device(device)
+    if host.device == device:
+        return host
+    if device.type == "cuda" and host.device.type == "cpu":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def packed_b(name: str, w, N: int, total_rank: int, device) -> bool:
@@ -217,7 +229,7 @@ def segments_from_token_slots(token_slots: torch.Tensor, grouped: bool, device=N
     lens = indptr[1:] - indptr[:-1]
     live = slots >= 0
     host = torch.cat([indptr, slots] + ([perm.to(torch.int64)] if perm is not None else [])).to(torch.int32)
-    dev = host.to(device, non_blocking=True) if device.type != "cpu" else host
+    dev = to_device(host, device)
     n_seg = slots.numel()
     return Segments(
         indptr=dev[: n_seg + 1],

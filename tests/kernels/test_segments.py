@@ -194,3 +194,36 @@ def test_backward_chunks_of_one_token_per_slot():
     dx64, dA64 = ref.lora_shrink_bwd(torch.where(defined, dh64, 0), x.double(), A.double(), segs, table)
     _close(dx, dx64, torch.float32, "dx")
     _close(dA, dA64, torch.float32, "dA")
+
+
+def test_to_device_on_the_cpu_is_the_tensor_or_a_copy():
+    from fast_multilora.kernels.segments import to_device
+
+    t = torch.arange(5)
+    assert to_device(t, "cpu") is t
+    assert to_device(t, torch.device("meta")).device.type == "meta"
+
+
+@pytest.mark.gpu
+def test_to_device_does_not_wait_for_queued_kernels():
+    """A host tensor goes to the GPU through pinned memory: the call returns while a long kernel queued before it
+    still runs (a copy from pageable memory may wait for the stream: the routing table at a forward's entry, the
+    loss's tables after the forward), and the values arrive in order after it."""
+    from fast_multilora.kernels.segments import to_device
+
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of one SM's clock
+    end.record()
+    end.synchronize()
+    sleep_ms = start.elapsed_time(end)
+    host = torch.arange(1000)
+    torch.cuda._sleep(200_000_000)
+    import time
+
+    t0 = time.perf_counter()
+    dev = to_device(host, "cuda")
+    waited_ms = (time.perf_counter() - t0) * 1e3
+    assert waited_ms < sleep_ms / 4, (waited_ms, sleep_ms)
+    assert torch.equal(dev.cpu(), host)
