@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from . import reference
+from . import cpu_ops, reference
 from .kernels.dropout import quantize_p
 from .kernels.segments import AdapterTable, Segments, SlotWeights
 
@@ -52,8 +52,9 @@ def _no_autocast(fn):
 
 
 class TorchBackend:
-    """Pure-PyTorch segmented ops (``fast_multilora.reference``, static shapes: they compile too). Dropout: the
-    shrink draws the keep-mask from torch's RNG on the device and the backward reads the mask it returned."""
+    """Pure-PyTorch segmented ops: on a CPU, eager, ``fast_multilora.cpu_ops`` (each slot's rows only); elsewhere
+    ``fast_multilora.reference`` (static shapes: they compile too). Dropout: the shrink draws the keep-mask from
+    torch's RNG on the device and the backward reads the mask it returned."""
 
     name = "torch"
 
@@ -76,27 +77,38 @@ class TorchBackend:
             p = torch.where(ts >= 0, table.dropout[ts.clamp(min=0)], 0.0)
             shape = (stack_num, *x.shape) if stack_num > 1 else x.shape
             keep = torch.rand(shape, device=x.device) >= p[:, None]
+        if cpu_ops.applies(x, stack_num):
+            return cpu_ops.lora_shrink(x, A_cat, segs, table, keep=keep), keep
         return reference.lora_shrink(x, A_cat, segs, table, stack_num=stack_num, keep=keep), keep
 
     @_no_autocast
     def expand(self, h, B_cat, segs, table, y, stack_num, slice_idx, accumulate=True, bias=None, record=None):
+        if cpu_ops.applies(h, stack_num):
+            return cpu_ops.lora_expand(h, B_cat, segs, table, y, accumulate=accumulate, bias=bias)
         return reference.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx,
                                      accumulate=accumulate, bias=bias)
 
     @_no_autocast
     def shrink_expand(self, x, A_cat, B_cat, segs, table, y, record=None):
+        if cpu_ops.applies(x):
+            return cpu_ops.lora_shrink_expand(x, A_cat, B_cat, segs, table, y)
         return reference.lora_shrink_expand(x, A_cat, B_cat, segs, table, y)
 
     @_no_autocast
     def expand_bwd(self, dy, h, B_cat, segs, table, stack_num, slice_idx, dh=None, grad_dtype=None):
         # grad_dtype: a hint the reference does not take (its weight gradients stay float32 [N, total_rank])
+        if cpu_ops.applies(dy, stack_num):
+            return cpu_ops.lora_expand_bwd(dy, h, B_cat, segs, table, dh=dh)
         return reference.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx, dh=dh)
 
     @_no_autocast
     def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx, keep=None, grad_dtype=None,
                    dx_acc=None):
-        dx, dA = reference.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, keep=keep,
-                                           need_dx=need_dx)
+        if cpu_ops.applies(x, stack_num):
+            dx, dA = cpu_ops.lora_shrink_bwd(dh, x, A_cat, segs, table, keep=keep, need_dx=need_dx)
+        else:
+            dx, dA = reference.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, keep=keep,
+                                               need_dx=need_dx)
         return (dx if dx_acc is None or dx is None else dx_acc.add_(dx)), dA
 
 

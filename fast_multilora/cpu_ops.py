@@ -1,0 +1,138 @@
+"""The torch backend's segmented LoRA ops on a CPU, eager: each slot's matmuls on its own rows only.
+
+Same contracts as :mod:`fast_multilora.reference` (stack_num 1; see there for the math and the layouts), which stays
+the oracle these are tested against (``tests/test_cpu_ops.py``) and the torch backend's ops wherever these do not
+apply (a GPU, ``torch.compile``, stacked slices). The reference runs every slot over all rows with a row mask (static
+shapes, so it traces), which costs ``slots x rows`` work and ~6 ops per slot; here the rows are grouped by slot once
+per forward (``Segments.cache``: every layer of the call shares it) and each slot's product covers its own rows
+(a few ops per slot). Each row is read and written by its own slot's ops only, so a non-finite value in one adapter's
+rows or weights stays in that adapter's outputs and gradients, as with the reference and the kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .kernels.segments import AdapterTable, Segments, slot_grouping
+from .reference import _acc_dtype, _slots, token_slots
+
+_KEY = "cpu_rows_by_slot"
+
+
+def applies(x: torch.Tensor, stack_num: int = 1) -> bool:
+    """Whether these ops serve a call: CPU tensors, eager (not traced), one slice."""
+    return x.device.type == "cpu" and stack_num == 1 and not torch.compiler.is_compiling()
+
+
+def _rows(segs: Segments, n_slots: int) -> list:
+    """``rows[a]``: int64 indices of slot ``a``'s rows (ascending), cached on ``segs`` for the forward's layers."""
+    got = segs.cache.get(_KEY)
+    if got is not None and len(got) >= n_slots:
+        return got
+    ts = token_slots(segs)
+    order, bounds = slot_grouping(ts, max(n_slots, int(ts.max()) + 1 if ts.numel() else 0))
+    order, b = order.long(), bounds.tolist()  # CPU tensors: no device wait
+    rows = []
+    for a in range(len(b) - 2):
+        idx = order[b[a + 1] : b[a + 2]]
+        n = idx.numel()
+        first = int(idx[0]) if n else 0
+        # ascending and distinct: contiguous exactly when the span equals the count (a row's tokens, grouped rows)
+        rows.append(slice(first, first + n) if n and int(idx[-1]) - first + 1 == n else idx)
+    segs.cache[_KEY] = rows
+    return rows
+
+
+def _slot_rows(segs: Segments, table: AdapterTable):
+    """``(slot, rank, offset, scale, p, rows)`` of every slot of rank > 0 that has rows (``rows``: a ``slice`` when
+    they are contiguous, else an index tensor)."""
+    n = len(table.host[0]) if table.host is not None else table.ranks.numel()
+    rows = _rows(segs, n)
+    for a, r, off, c, p in _slots(table):
+        if a < len(rows) and (type(rows[a]) is slice or rows[a].numel()):
+            yield a, r, off, c, p, rows[a]
+
+
+def _take(t: torch.Tensor, rows) -> torch.Tensor:
+    return t[rows] if type(rows) is slice else t.index_select(0, rows)
+
+
+def _put(t: torch.Tensor, rows, value: torch.Tensor) -> None:
+    if type(rows) is slice:
+        t[rows] = value
+    else:
+        t.index_copy_(0, rows, value)
+
+
+def _as(t: torch.Tensor, dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _dropped(x: torch.Tensor, keep: Optional[torch.Tensor], rows, p: float) -> torch.Tensor:
+    if keep is None or p == 0.0:
+        return x
+    return x * _take(keep, rows).to(x.dtype) / (1.0 - p)
+
+
+def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, keep=None) -> torch.Tensor:
+    """:func:`reference.lora_shrink` (one slice): ``h[S, max_rank]``, zero on base rows and past each slot's rank."""
+    acc = _acc_dtype(x)
+    h = torch.zeros(x.shape[0], table.max_rank, dtype=acc, device=x.device)
+    for _, r, off, _, p, rows in _slot_rows(segs, table):
+        xa = _dropped(_as(_take(x, rows), acc), keep, rows, p)
+        _put(h[:, :r], rows, xa @ _as(A_cat[off : off + r], acc).T)
+    return h
+
+
+def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, accumulate: bool = True,
+                bias: Optional[torch.Tensor] = None):
+    """:func:`reference.lora_expand` (one slice): in place ``y[t] += scale_a * h[t, :r] @ B_a^T`` on adapter rows;
+    ``accumulate=False`` writes ``bias`` (or zero) on every row first, the product added to it on adapter rows."""
+    acc = h.dtype
+    if not accumulate:
+        if bias is None:
+            y.zero_()
+        else:
+            y.copy_(bias.to(y.dtype).expand_as(y))
+    for _, r, off, c, _, rows in _slot_rows(segs, table):
+        delta = c * (_take(h, rows)[:, :r] @ _as(B_cat[:, off : off + r], acc).T)
+        if accumulate:
+            out = _as(_take(y, rows), acc) + delta
+        else:
+            out = delta if bias is None else _as(bias, acc) + delta
+        _put(y, rows, _as(out, y.dtype))
+    return y
+
+
+def lora_shrink_expand(x, A_cat, B_cat, segs: Segments, table: AdapterTable, y):
+    """:func:`reference.lora_shrink_expand`."""
+    return lora_expand(lora_shrink(x, A_cat, segs, table), B_cat, segs, table, y)
+
+
+def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, dh: Optional[torch.Tensor] = None):
+    """:func:`reference.lora_expand_bwd` (one slice): ``(dh, dB_cat)``; a given ``dh`` gets each adapter row's first
+    ``r`` columns written, the rest kept."""
+    acc = _acc_dtype(dy)
+    if dh is None:
+        dh = torch.zeros(dy.shape[0], table.max_rank, dtype=acc, device=dy.device)
+    dB = torch.zeros(B_cat.shape[0], table.total_rank, dtype=acc, device=dy.device)
+    for _, r, off, c, _, rows in _slot_rows(segs, table):
+        g = _as(_take(dy, rows), acc)
+        _put(dh[:, :r], rows, c * (g @ _as(B_cat[:, off : off + r], acc)))
+        dB[:, off : off + r] = c * (g.T @ _as(_take(h, rows)[:, :r], acc))
+    return dh, dB
+
+
+def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, keep=None, need_dx: bool = True):
+    """:func:`reference.lora_shrink_bwd` (one slice): ``(dx or None, dA_cat)``, ``dx`` zero on base rows."""
+    acc = _acc_dtype(x)
+    g_x = torch.zeros(x.shape, dtype=acc, device=x.device) if need_dx else None
+    dA = torch.zeros(table.total_rank, x.shape[1], dtype=acc, device=x.device)
+    for _, r, off, _, p, rows in _slot_rows(segs, table):
+        g = _as(_take(dh, rows)[:, :r], acc)
+        dA[off : off + r] = g.T @ _dropped(_as(_take(x, rows), acc), keep, rows, p)
+        if need_dx:
+            _put(g_x, rows, _dropped(g @ _as(A_cat[off : off + r], acc), keep, rows, p))
+    return (g_x.to(x.dtype) if need_dx else None), dA
