@@ -151,7 +151,8 @@ class LayerSlots:
     key: tuple  # _layer_key when laid out
     state: object  # the layer's patching.LayerState it was checked against (a new one: the key is checked again)
     views: tuple = ()  # each parameter's gradient piece (params' order)
-    expected: tuple = ()  # each parameter's ``.grad`` while it trains (its view), ``None`` while frozen
+    expected: tuple = ()  # each parameter's ``.grad`` as the store last left it: its view, or ``None``
+    held_idx: tuple = ()  # each parameter's index in ``AdapterStore.held`` (params' order)
 
     def b_cat(self, b_leaf: torch.Tensor) -> torch.Tensor:
         """``B_cat[N, total_rank]`` from the packed block (the torch backend's and a compiled graph's layout)."""
@@ -202,12 +203,14 @@ class AdapterStore:
         self.slots: dict = {}  # id(layer) -> LayerSlots
         self.held: list = []  # every held parameter, in layout order (class _HeldParameter while held)
         self.views: list = []  # held[i]'s gradient piece: re-attached when a caller dropped it
+        self.adapter_of: list = []  # held[i]'s adapter name
+        self.pending: set = set()  # adapters of the gradient-recording calls whose backward has not started yet
         self.flags_read = None  # plan.CHANGES when the held parameters' requires_grad were last read
         self.owner = None  # the fast_multilora.AdamW whose states the arenas hold (the latest one built)
         self.seen: Optional[torch.Tensor] = None  # bool [n_slots + 1]: index 0 base, 1 + slot an adapter (mark_seen)
         self.seen_names: tuple = ()
         self.pattern: Optional[list] = None  # requires_grad of every held parameter (sync_requires_grad)
-        self.expected: list = []  # per held parameter: its gradient view, or None when frozen
+        self.expected: list = []  # per held parameter: its ``.grad`` as prepare_grads left it (its view or None)
         self.layout()
 
     def __getstate__(self):  # a copy (deepcopy, pickle) of the model: its store has no optimizer yet
@@ -244,6 +247,7 @@ class AdapterStore:
         if training:
             if self.flags_read != CHANGES[0] or not SWAP_CLASS:  # a held flag may have changed (_HeldParameter)
                 self.sync_requires_grad()
+            self.pending.update(routing.names)  # (packed rows: every adapter the call names)
             self.mark_seen(routing)
 
     def mark_seen(self, routing) -> None:
@@ -319,7 +323,7 @@ class AdapterStore:
                                             torch.zeros(numel, dtype=dtype, device=device),
                                             {s: torch.zeros(numel, dtype=dtype, device=device) for s in state_names})
         cursor = dict.fromkeys(arenas, 0)
-        slots, held, views = {}, [], []
+        slots, held, views, adapter_of = {}, [], [], []
         with torch.no_grad():
             for lid, (layer, key) in wanted.items():
                 present, ranks, dtype, device, K, N, _ = key
@@ -331,26 +335,30 @@ class AdapterStore:
                 a_params = tuple(layer.lora_A[n].weight for n in present)
                 b_params = tuple(layer.lora_B[n].weight for n in present)
                 off = 0
+                first = len(held)
                 a_views, b_views = [], []
-                for r, pa, pb in zip(ranks, a_params, b_params, strict=True):
+                for name, r, pa, pb in zip(present, ranks, a_params, b_params, strict=True):
                     for p, start, shape in ((pa, a0 + off * K, (r, K)), (pb, b0 + off * N, (N, r))):
                         numel = shape[0] * shape[1]
                         _piece(arena.data, start, shape).copy_(p.data)
                         prev = old_pieces.get(id(p))
+                        had_grad = p.grad is not None
                         if prev is not None and prev[2] == numel:  # carried over: its gradient and states
                             old, old_start, _ = prev
                             pairs = [(arena.grad, old.grad)]
                             pairs += [(arena.states[s], old.states[s]) for s in arena.states if s in old.states]
                             for buf, src in pairs:
                                 buf[start : start + numel].copy_(src[old_start : old_start + numel])
-                        elif p.grad is not None and p.grad.shape == p.shape:
+                        elif had_grad and p.grad.shape == p.shape:
                             _piece(arena.grad, start, shape).copy_(p.grad)
                         p.data = _piece(arena.data, start, shape)
                         gview = _piece(arena.grad, start, shape)
-                        if p.requires_grad:
-                            p.grad = gview
+                        # a gradient it had lives on in its view; none stays none (as under stock PEFT, a
+                        # parameter gets a ``.grad`` from the first backward that reaches its adapter)
+                        p.grad = gview if p.requires_grad and had_grad else None
                         held.append(p)
                         views.append(gview)
+                        adapter_of.append(name)
                         (a_views if p is pa else b_views).append(gview)
                         arena.blocks.append((start, numel, p))
                     off += r
@@ -358,11 +366,16 @@ class AdapterStore:
                 b_leaf = _piece(arena.data, b0, (R * N,))
                 a_leaf.grad = _piece(arena.grad, a0, (R, K))
                 b_leaf.grad = _piece(arena.grad, b0, (R * N,))
+                n_present = len(present)
                 slots[lid] = LayerSlots(present, ranks, K, N, a_leaf, b_leaf, a_params + b_params,
                                         tuple(map(_DATA_PTR, a_params + b_params)), key,
-                                        layer.__dict__.get(_STATE_ATTR), views=tuple(a_views + b_views))
+                                        layer.__dict__.get(_STATE_ATTR), views=tuple(a_views + b_views),
+                                        held_idx=tuple(first + 2 * i for i in range(n_present))
+                                        + tuple(first + 2 * i + 1 for i in range(n_present)))
 
         self.arenas, self.slots, self.held, self.views = arenas, slots, held, views
+        self.adapter_of = adapter_of
+        self.expected = [p.grad for p in held]
         for p in held:
             _hold(p)
         kept = {id(p) for p in held}
@@ -382,10 +395,8 @@ class AdapterStore:
         if pattern == self.pattern:
             return False
         self.pattern = pattern
-        self.expected = [g if r else None for g, r in zip(self.views, pattern, strict=True)]
         for s in self.slots.values():
             n = len(s.names)
-            s.expected = tuple(v if p.requires_grad else None for p, v in zip(s.params, s.views, strict=True))
             a_req = any(p.requires_grad for p in s.params[:n])
             b_req = any(p.requires_grad for p in s.params[n:])
             for leaf, req, part in ((s.a_leaf, a_req, slice(0, n)), (s.b_leaf, b_req, slice(n, 2 * n))):
@@ -393,51 +404,61 @@ class AdapterStore:
                     leaf.requires_grad_(req)
                     if req and not leaf._backward_hooks:  # once per leaf (a frozen tensor takes no hook)
                         leaf.register_hook(self._hook(s, part))
-        self.prepare_grads()  # a parameter that now trains gets its view (zero), one that no longer does loses it
+        self.prepare_grads(force=True)  # one that no longer trains loses its view
         return True
 
-    def prepare_grads(self) -> None:
-        """Make every trained held parameter's ``.grad`` its view of the gradient arena again, keeping what it holds.
+    def prepare_grads(self, force: bool = False) -> None:
+        """Give each held parameter the ``.grad`` stock PEFT would leave it, with the gradient in the arena.
 
         Any optimizer may own the parameters: ``torch.optim``'s ``zero_grad()`` drops each ``.grad`` (``None``: the
         gradient is zero from then on), DDP's reducer or a caller may put another tensor there (it holds the whole
-        gradient), while the layer calls' gradients land in the arena through the two leaves. So a dropped view's
-        piece is zeroed (one fill per arena when every trained parameter's was dropped, the common case), another
-        tensor is copied into the piece, and the views are re-attached. One identity check per parameter when
-        everything is in place. Runs before the leaves' gradients accumulate (a hook on each leaf, see
-        :meth:`_hook`), before an optimizer step of ours, and after ``model.zero_grad()``."""
+        gradient), while the layer calls' gradients land in the arena through the two leaves. So, per trained
+        parameter: a view in place stays; another tensor is copied into its piece and the view attached; a dropped
+        one gets its view (the piece zeroed; one fill per arena when no parameter kept its view, the common case)
+        when its adapter is in a call whose backward is starting (``pending``), else keeps ``None`` -- an adapter
+        with no rows since its gradient was dropped has no gradient, as under stock PEFT, so ``torch.optim`` skips it
+        (no weight decay, no momentum step). A frozen parameter has no ``.grad``. One identity check per parameter
+        when nothing changed. Runs before the leaves' gradients accumulate (a hook on each leaf, see :meth:`_hook`),
+        before an optimizer step of ours, after ``model.zero_grad()`` and when a ``requires_grad`` changed."""
         grads = [p.grad for p in self.held]
-        if all(map(operator.is_, grads, self.expected)):
+        pending = self.pending
+        if not force and not pending and all(map(operator.is_, grads, self.expected)):
             return
+        self.pending = set()
+        expected = []
         with torch.no_grad():
-            if not any(g is not None and g is e for g, e in zip(grads, self.expected, strict=True)):
-                # no trained parameter kept its view: a whole optimizer's zero_grad()
-                others = [(p, g) for p, g, e in zip(self.held, grads, self.expected, strict=True)
-                          if g is not None and e is not None]
+            kept = any(g is not None and g is e for g, e in zip(grads, self.expected, strict=True))
+            if not kept:  # no parameter kept its view: a whole optimizer's zero_grad(), or the first backward
                 for arena in self.arenas.values():
                     arena.grad.zero_()
-                for p, e in zip(self.held, self.expected, strict=True):
-                    p.grad = e
-                for p, g in others:  # a tensor put in place of the view: the whole gradient
-                    p.grad.copy_(g)
-                return
-            for p, g, want in zip(self.held, grads, self.expected, strict=True):
-                if g is want:
-                    continue
-                if want is not None:
-                    if g is None:
-                        want.zero_()
-                    else:
-                        want.copy_(g)
-                p.grad = want
+            for p, g, v, trained, name in zip(self.held, grads, self.views, self.pattern or (), self.adapter_of,
+                                              strict=True):
+                if not trained:
+                    want = None
+                elif g is v:
+                    want = v
+                elif g is not None:  # a tensor put in place of the view: the whole gradient
+                    want = v.copy_(g)
+                elif name in pending:
+                    want = v.zero_() if kept else v
+                else:
+                    want = None
+                if g is not want:
+                    p.grad = want
+                expected.append(want)
+        self.expected = expected
+        for s in self.slots.values():
+            s.expected = tuple(expected[i] for i in s.held_idx)
 
     def _hook(self, slots: LayerSlots, part: slice):
-        """A hook on one of a layer's leaves, run before its gradient accumulates into the arena: when one of the
-        layer's trained parameters lost its view since (an optimizer's ``zero_grad`` between the forward and the
-        backward), :meth:`prepare_grads` first. A few identity checks per leaf and backward otherwise."""
+        """A hook on one of a layer's leaves, run before its gradient accumulates into the arena: at a backward's
+        first leaf (adapters are pending), or when one of the layer's parameters lost its view since (an optimizer's
+        ``zero_grad`` between the forward and the backward), :meth:`prepare_grads` first. A few identity checks per
+        leaf and backward otherwise."""
 
         def hook(grad):
-            if not all(map(operator.is_, [p.grad for p in slots.params[part]], slots.expected[part])):
+            if self.pending or not all(map(operator.is_, [p.grad for p in slots.params[part]],
+                                           slots.expected[part])):
                 self.prepare_grads()
             return None
 

@@ -140,3 +140,39 @@ def test_torch_optimizers_take_their_foreach_and_fused_paths_on_held_parameters(
     monkeypatch.setattr(torch_optimizer, "_get_fused_kernels_supported_devices", lambda: ["cpu"])
     assert torch_optimizer._default_to_fused_or_foreach(params, False, False) == (False, True)
     assert torch_optimizer._default_to_fused_or_foreach(params, False, True) == (True, False)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd_momentum"])
+@pytest.mark.parametrize("pattern", ["zero_first", "zero_last", "model_zero_grad"])
+def test_an_adapter_absent_from_a_batch_is_left_alone(kind, pattern):
+    """As under stock PEFT (training each adapter alone, or PEFT's own mixed batch): an adapter with no rows since
+    its gradient was dropped has ``.grad`` ``None``, so torch's optimizers skip it -- no weight decay, no momentum
+    step. Its trajectory over batches ``[all, without it, without it, all]`` equals that over ``[all, all]``."""
+    g = torch.Generator().manual_seed(11)
+    full = [(torch.randint(0, 97, (4, 7), generator=g), ["a0", "a1", "a2", "__base__"]) for _ in range(2)]
+    without = [(torch.randint(0, 97, (3, 7), generator=g), ["a2", "a0", "__base__"]) for _ in range(2)]
+
+    def run(batches):
+        model = _model(store=True)
+        params = [p for _, p in _lora(model)]
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1) if kind == "adamw" else \
+            torch.optim.SGD(params, lr=1e-1, momentum=0.9)
+        seen_grads = []
+        for b in batches:
+            if pattern == "zero_first":
+                opt.zero_grad()
+            _loss(model, b).backward()
+            seen_grads.append({n for n, p in _lora(model) if p.grad is not None})
+            opt.step()
+            if pattern == "zero_last":
+                opt.zero_grad()
+            elif pattern == "model_zero_grad":
+                model.zero_grad()
+        return {n: p.detach().clone() for n, p in _lora(model) if ".a1." in n}, seen_grads
+
+    got, grads = run([full[0], *without, full[1]])
+    want, _ = run(full)
+    assert got and all(not any(".a1." in n for n in s) for s in grads[1:3]), "a1 got a gradient while absent"
+    assert all(any(".a1." in n for n in s) for s in (grads[0], grads[3]))
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
