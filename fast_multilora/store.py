@@ -205,6 +205,7 @@ class AdapterStore:
         self.views: list = []  # held[i]'s gradient piece: re-attached when a caller dropped it
         self.adapter_of: list = []  # held[i]'s adapter name
         self.pending: set = set()  # adapters of the gradient-recording calls whose backward has not started yet
+        self.hooked: set = set()  # ids of the leaves that carry a hook (leaves live as long as their layout)
         self.flags_read = None  # plan.CHANGES when the held parameters' requires_grad were last read
         self.owner = None  # the fast_multilora.AdamW whose states the arenas hold (the latest one built)
         self.seen: Optional[torch.Tensor] = None  # bool [n_slots + 1]: index 0 base, 1 + slot an adapter (mark_seen)
@@ -376,6 +377,7 @@ class AdapterStore:
         self.arenas, self.slots, self.held, self.views = arenas, slots, held, views
         self.adapter_of = adapter_of
         self.expected = [p.grad for p in held]
+        self.hooked = set()  # the new layout's leaves have none yet
         for p in held:
             _hold(p)
         kept = {id(p) for p in held}
@@ -402,8 +404,9 @@ class AdapterStore:
             for leaf, req, part in ((s.a_leaf, a_req, slice(0, n)), (s.b_leaf, b_req, slice(n, 2 * n))):
                 if leaf.requires_grad != req:
                     leaf.requires_grad_(req)
-                    if req and not leaf._backward_hooks:  # once per leaf (a frozen tensor takes no hook)
+                    if req and id(leaf) not in self.hooked:  # once per leaf (a frozen tensor takes no hook)
                         leaf.register_hook(self._hook(s, part))
+                        self.hooked.add(id(leaf))
         self.prepare_grads(force=True)  # one that no longer trains loses its view
         return True
 
