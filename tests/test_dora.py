@@ -324,3 +324,29 @@ def test_compiled_equals_eager(dropout):
     assert bool(counters["graph_break"]) == (dropout > 0)
     _assert_matches((got[0], got[1], {n.removeprefix("_orig_mod."): g for n, g in got[2].items()}), want, model,
                     NAMES)
+
+
+def test_qlora_nf4_base_matches_peft(tmp_path):
+    """A bitsandbytes 4-bit base (the added-base path): the norms from PEFT's dequantized weight, as PEFT's DoRA."""
+    pytest.importorskip("bitsandbytes")
+    from test_quantized import quantized_base
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)  # bitsandbytes' CPU 4-bit layers need in_features >= 64
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=97)).save_pretrained(tmp_path)
+    common = dict(init_lora_weights=False, target_modules=["q_proj", "v_proj", "down_proj"])
+    torch.manual_seed(1)
+    adapters = {"d0": LoraConfig(r=4, lora_alpha=8, use_dora=True, **common), "l0": LoraConfig(r=2, **common)}
+    model = with_adapters(quantized_base(tmp_path, "nf4"), adapters)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_magnitude_vector" in n:
+                p.mul_(1 + 0.3 * torch.randn_like(p))
+    ref = twin(model)
+    _patch(model, "torch")
+    model.train()
+    ref.train()
+    names = ["d0", "l0", "__base__", "d0"]
+    ids, w = _inputs(len(names))
+    _assert_matches(_step(model, ids, w, adapter_names=names), _peft_by_adapter(ref, ids, w, names), model, names)
