@@ -277,6 +277,9 @@ class LayerCall:
     # few rows with autograd off (decode steps): shrink and expand in one launch, no ``h`` (``kernels.decode``); no
     # dropout, no ``lora_bias``
     decode: bool = False
+    # a list the forward appends ``(keep, seed)`` of its dropout draw to (``keep``: the shrink's mask, or ``None``
+    # where the backward redraws it from ``seed``): DoRA's base term reads the same dropped input
+    keep_out: Optional[list] = None
 
     @property
     def n_adapters(self) -> int:
@@ -372,6 +375,8 @@ class LoraLinear(torch.autograd.Function):
             return out
         A = _a_weight(call, weights[:n_a])
         h, keep = be.shrink(x, A, segs, table, 1, call.seed, call.store_mask, record=rec)
+        if call.keep_out is not None:
+            call.keep_out.append((keep, call.seed))
         B = _b_weight(call, weights[n_a : n_a + n])
         if call.fused:
             rows = linear_with_delta(

@@ -16,8 +16,11 @@ touched, so ``state_dict``, optimizers, ``save_pretrained`` and ``PeftModel.from
 * Every other LoRA layer (Embedding, Conv, other quantized layers, ...) and PEFT's auxiliary wrappers
   (``modules_to_save``, trainable tokens): PEFT's own per-sample mixed-batch loop, which we call in training too.
   Listed in the report's ``fallback``.
-* Adapters with a LoRA variant (DoRA, aLoRA, ...): a mixed batch that names them raises (PEFT does not mix DoRA
-  adapters in a batch either); without ``adapter_names`` PEFT's forward runs as usual.
+* DoRA adapters (``use_dora=True``) on the layers we run: the same op computes their LoRA part, then
+  ``fast_multilora.dora`` turns base + delta into DoRA's output per row's adapter (magnitude over the detached weight
+  norm, computed once per layer call per DoRA adapter in the batch).
+* Adapters with another LoRA variant (aLoRA, ...): a mixed batch that names them raises (PEFT does not mix them in a
+  batch either); without ``adapter_names`` PEFT's forward runs as usual.
 
 A routed layer call, top-down (:meth:`_FastLinearMixin.forward`): the routing (set at the model's entry), the
 layer's adapter table (refreshed there too), the layout of ``x``'s tokens, the base (fused into the Function or run
@@ -39,6 +42,7 @@ from peft.tuners.lora import Linear as LoraLinearLayer
 from peft.tuners.lora import LoraLayer
 from torch.nn.modules import module as _nn_module  # its global forward hooks are read per call
 
+from . import dora as dora_mod
 from . import moe
 from .config import PatchConfig
 from .function import LayerCall, get_backend, lora_dropout_rate, run_layer
@@ -95,12 +99,13 @@ class LayerState:
     a_dtypes: tuple
     device: torch.device
     has_bias: bool  # lora_bias
-    variants: tuple  # adapters of the layer with a LoRA variant (not in the table)
+    variants: tuple  # adapters of the layer with a LoRA variant other than DoRA (not in the table)
     bias_map: Optional[torch.Tensor]  # lora_bias: int64 [n_slots + 1], slot -> row among present (n = none)
     clone_base_output: bool = False  # a bitsandbytes 4-bit base: the delta goes into a copy of its output, as PEFT's
     plans: dict = field(default_factory=dict)  # function.LaunchPlan s of eager no-grad calls, by run_layer's key
     a_modules: tuple = ()  # the present adapters' lora_A / lora_B modules (part of the state's signature)
     b_modules: tuple = ()
+    dora: Optional[dora_mod.DoraLayer] = None  # the layer's DoRA adapters (in the table too: their LoRA part)
     lora_dtype: Optional[torch.dtype] = field(init=False)  # the adapters' one A dtype, else None
 
     def __post_init__(self):
@@ -198,11 +203,11 @@ def _table_key(host: tuple, slots: tuple, device) -> tuple:
 def _build_state(layer, slot_names, tables: dict) -> Optional[LayerState]:
     """The layer's :class:`LayerState`; its adapter table is taken from ``tables`` where an equal one is there (and
     entered there otherwise)."""
-    variants = tuple(sorted(layer.lora_variant))
+    variants = tuple(sorted(n for n, v in layer.lora_variant.items() if not dora_mod.is_dora(v)))
     ranks, offsets, scales, ps, present, slots = [], [], [], [], [], []
     acc = 0
     for slot, name in enumerate(slot_names):
-        if name in layer.lora_A and name not in layer.lora_variant:
+        if name in layer.lora_A and name not in variants:
             slots.append(slot)
             present.append(name)
             ranks.append(layer.r[name])
@@ -238,12 +243,24 @@ def _build_state(layer, slot_names, tables: dict) -> Optional[LayerState]:
         row = {n: i for i, n in enumerate(present)}
         bias_map = torch.tensor([row.get(n, len(present)) for n in slot_names] + [len(present)],
                                 dtype=torch.int64).to(device)
+    dora_names = [n for n in present if n in layer.lora_variant]
+    dora = None
+    if dora_names:
+        row = {n: i for i, n in enumerate(dora_names)}
+        dora = dora_mod.DoraLayer(
+            names=tuple(dora_names),
+            rows=torch.tensor([row.get(n, len(dora_names)) for n in slot_names] + [len(dora_names)],
+                              dtype=torch.int64).to(device),
+            scales=tuple(float(layer.scaling[n]) for n in dora_names),
+            dropout=any(ps[slot_names.index(n)] > 0 for n in dora_names),
+        )
     return LayerState(
         table=table, present=tuple(present), ranks=tuple(layer.r[n] for n in present),
         rates=tuple(ps[s] for s in slots), a_dtypes=tuple(w.dtype for w in a_weights), device=device,
         has_bias=has_bias, variants=variants, bias_map=bias_map,
         clone_base_output=type(layer.get_base_layer()).__name__ == "Linear4bit",
         a_modules=tuple(layer.lora_A[n] for n in present), b_modules=tuple(layer.lora_B[n] for n in present),
+        dora=dora,
     )
 
 
@@ -273,7 +290,8 @@ def refresh_layers(router: Router, routing) -> None:
         router.variants = {}  # adapter name -> (variant kind, base layer type) of its first layer with a variant
         for layer in router.fast_layers:
             for name, variant in layer.lora_variant.items():
-                router.variants.setdefault(name, (type(variant).__name__, type(layer.base_layer).__name__))
+                if not dora_mod.is_dora(variant):  # DoRA runs (fast_multilora.dora)
+                    router.variants.setdefault(name, (type(variant).__name__, type(layer.base_layer).__name__))
     for wrapper in router.expert_layers:
         moe.refresh(wrapper.__dict__[_MOE_ATTR], wrapper, slot_names)
     if router.store is None and router.config.adapter_store and routing.names:
@@ -283,10 +301,9 @@ def refresh_layers(router: Router, routing) -> None:
     for name in routing.names:
         if name in router.variants:
             kind, module = router.variants[name]
-            peft_msg = "Cannot pass `adapter_names` when DoRA is enabled. " if "Dora" in kind else ""  # PEFT's words
             raise ValueError(
-                f"{peft_msg}adapter {name!r} uses a LoRA variant ({kind}) in module {module}; mixed batches run "
-                "vanilla LoRA adapters only (PEFT does not mix DoRA adapters in a batch either)"
+                f"adapter {name!r} uses a LoRA variant ({kind}) in module {module}; mixed batches run vanilla LoRA "
+                "and DoRA adapters only (PEFT does not mix such adapters in a batch either)"
             )
 
 
@@ -351,6 +368,11 @@ class _FastLinearMixin(_TrackedMixin):
             b_ws = [m._parameters["weight"] for m in state.b_modules]
             biases = [m._parameters["bias"] for m in state.b_modules] if has_bias else ()
 
+        dora = state.dora
+        # DoRA in training under dropout: its base term reads the dropped input, the mask the op's forward reports
+        keep_out = [] if dora is not None and dora.dropout and self.training and state.table.has_dropout and \
+            not decode else None
+
         def call(record):  # the LayerCall of this call (built only when no launch plan replays it)
             return LayerCall(
                 backend=backend, segs=segs, table=state.table, ranks=state.ranks, fused=base is not None,
@@ -358,11 +380,29 @@ class _FastLinearMixin(_TrackedMixin):
                 bias_rows=state.bias_map[segs.token_slots.long()] if has_bias else None,
                 seed=backend.draw_seed(x) if state.table.has_dropout and not decode else None,
                 store_mask=config.store_dropout_mask and torch.is_grad_enabled(), stored=slots, record=record,
-                decode=decode,
+                decode=decode, keep_out=keep_out,
             )
 
-        return run_layer(plans, ("stored" if slots is not None else "params", decode), segs, slots, call,
-                         x_d, y, W, b, a_ws, b_ws, biases)
+        args = (plans, ("stored" if slots is not None else "params", decode), segs, slots, call,
+                x_d, y, W, b, a_ws, b_ws, biases)
+        if dora is None:
+            return run_layer(*args)
+        if keep_out is not None and torch.compiler.is_compiling():
+            # the op's forward hands its dropout mask out, which a traced Function cannot: eager, a graph break
+            return _eager(_dora_call, self, dora, state, routing, args, keep_out)
+        return _dora_call(self, dora, state, routing, args, keep_out)
+
+
+def _dora_call(layer, dora, state: LayerState, routing, args: tuple, keep_out) -> torch.Tensor:
+    """The layer op's ``base + delta``, then DoRA's output per row's adapter (``fast_multilora.dora``)."""
+    out = run_layer(*args)
+    in_batch = None if torch.compiler.is_compiling() else routing.names  # traced: every DoRA adapter of the layer
+    return dora_mod.apply(layer, dora, out, args[5], args[2], state.table, in_batch, keep_out)
+
+
+@torch.compiler.disable
+def _eager(fn, *args):
+    return fn(*args)
 
 
 def _in_ddp_forward() -> bool:
@@ -588,7 +628,7 @@ def patch(model: torch.nn.Module, config: Optional[PatchConfig] = None, **settin
                 _swap(module, _FastLinearMixin, router)
                 report.patched.append(name)
                 router.fast_layers.append(module)
-                variants = sorted(module.lora_variant)
+                variants = sorted(n for n, v in module.lora_variant.items() if not dora_mod.is_dora(v))
                 if variants:
                     variant_warned.append(f"{name}: {variants}")
             else:
@@ -616,8 +656,8 @@ def patch(model: torch.nn.Module, config: Optional[PatchConfig] = None, **settin
         )
     if variant_warned:
         warnings.warn(
-            "fast_multilora.patch: adapters with LoRA variants (e.g. DoRA) cannot be mixed in a batch; naming them "
-            f"in adapter_names raises: {variant_warned[:3]}",
+            "fast_multilora.patch: adapters with LoRA variants other than DoRA (e.g. aLoRA) cannot be mixed in a "
+            f"batch; naming them in adapter_names raises: {variant_warned[:3]}",
             stacklevel=2,
         )
     if config.adapter_store:

@@ -1,0 +1,118 @@
+"""DoRA adapters (``use_dora=True``) in a mixed batch: PEFT's ``DoraLinearLayer`` math, per row's adapter.
+
+For a token ``t`` of a DoRA adapter ``a`` (scale ``s``, magnitude ``m_a``, base weight ``W[N, K]``, base bias ``b``)
+PEFT computes, adapter alone::
+
+    g_a   = m_a / ||W + s B_a A_a||_row         (the norm detached: no gradient flows through it)
+    out   = base(x) + (g_a - 1) * (x~ W^T) + g_a * s * (x~ A_a^T B_a^T)
+
+with ``x~ = x`` in eval or without dropout, else ``x~ = dropout(x)``, the mask the LoRA part drew (PEFT recomputes
+the base term on the dropped input then). The layer op computes ``y = base(x) + s * x~ A^T B^T`` for every row, as
+for plain LoRA; this module turns ``y`` into DoRA's output with plain torch ops, which autograd differentiates (the
+magnitudes get their gradients, the LoRA weights and the input theirs through ``y``)::
+
+    out = y + (g - 1) * (y - b + (x~ - x) W^T)         (the last term only with dropout, in training)
+
+``g - 1`` is gathered per row from a ``[n_dora, N]`` table by a one-hot matmul (zero for ``__base__`` rows and plain
+LoRA adapters' rows), so the magnitudes' gradient is a matmul too (deterministic, no atomics). The weight norms are
+computed once per layer call for each DoRA adapter the batch names (not per row): ``||W_i + s (B A)_i||^2 =
+||W_i||^2 + 2 s (W A^T)_i . B_i + s^2 B_i (A A^T) B_i^T``, one GEMM ``W A_D^T`` for all of the layer's DoRA adapters
+and no ``[N, K]`` temporary per adapter. Layers without DoRA adapters never reach this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .reference import token_slots
+
+
+@dataclass(eq=False)
+class DoraLayer:
+    """A patched layer's DoRA adapters (part of its ``LayerState``), in slot order."""
+
+    names: tuple  # the DoRA adapters of the layer
+    rows: torch.Tensor  # int64 [n_slots + 1]: slot -> row among ``names`` (``len(names)``: none; last entry: base)
+    scales: tuple  # host floats, PEFT's ``scaling``
+    dropout: bool  # some DoRA adapter has an active dropout rate in this mode
+
+
+def is_dora(variant) -> bool:
+    """Whether a PEFT ``lora_variant`` entry is DoRA on a Linear layer (the one variant mixed batches run)."""
+    return type(variant).__name__ == "DoraLinearVariant"
+
+
+def base_weight(layer) -> torch.Tensor:
+    """The base layer's weight as ``[N, K]`` (a view for Conv1D's ``[K, N]``), dequantized where it is quantized
+    (PEFT's ``dequantize_module_weight``, as its DoRA layer reads it)."""
+    from peft.utils.integrations import dequantize_module_weight
+
+    base = layer.get_base_layer()
+    W = base._parameters.get("weight") if type(base) is torch.nn.Linear else dequantize_module_weight(base)
+    return W.t() if getattr(layer, "fan_in_fan_out", False) else W
+
+
+@torch.no_grad()
+def weight_norms(W: torch.Tensor, As: list, Bs: list, scales: tuple) -> torch.Tensor:
+    """float32 ``[n, N]``: row ``a`` is ``||W + scales[a] B_a A_a||`` over each output row, for ``W[N, K]``,
+    ``A_a[r_a, K]``, ``B_a[N, r_a]``; no gradient."""
+    w_sq = torch.linalg.vector_norm(W, dim=1, dtype=torch.float32).square()  # [N]
+    A_all = torch.cat(As, 0)
+    P = (W @ A_all.to(W.dtype).t()).float()  # [N, sum r]: W A_a^T of every adapter in one GEMM
+    out, off = [], 0
+    for A, B, s in zip(As, Bs, scales, strict=True):
+        r = A.shape[0]
+        A32, B32 = A.float(), B.float()
+        cross = (P[:, off : off + r] * B32).sum(1)
+        quad = ((B32 @ (A32 @ A32.t())) * B32).sum(1)
+        out.append(w_sq + (2 * s) * cross + (s * s) * quad)
+        off += r
+    return torch.stack(out).clamp_min_(0).sqrt_()
+
+
+def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, table, names_in_batch,
+          keep_out: Optional[list]) -> torch.Tensor:
+    """DoRA's output from the layer op's ``out = base(x) + LoRA delta`` (module docstring). ``x``: the input the LoRA
+    part read; ``names_in_batch``: the adapters the batch names (``None``: all of the layer's, while tracing);
+    ``keep_out``: what the op's forward reported of its dropout draw (``[(keep, seed)]``), ``None`` without dropout
+    in this call."""
+    N = out.shape[-1]
+    a_mods, b_mods = layer.lora_A._modules, layer.lora_B._modules
+    mags = layer.lora_magnitude_vector._modules
+    live = [n for n in dora.names if names_in_batch is None or n in names_in_batch]
+    W = base_weight(layer)
+    norms = iter(weight_norms(W, [a_mods[n].weight for n in live], [b_mods[n].weight for n in live],
+                              tuple(s for n, s in zip(dora.names, dora.scales, strict=True) if n in live))
+                 if live else ())
+    # g - 1 per DoRA adapter; an adapter the batch does not name gets a row no token reads (its magnitude then gets
+    # an exact zero gradient, as the LoRA weights of absent adapters do)
+    gm1 = torch.stack([mags[n].weight.float() / next(norms) - 1 if n in live else mags[n].weight.float() * 0
+                       for n in dora.names])  # [n_dora, N]
+    ts = token_slots(segs)
+    row = dora.rows[ts]  # [S]
+    onehot = (row[:, None] == torch.arange(len(dora.names), device=row.device)).to(gm1.dtype)  # [S, n_dora]
+    y = out.reshape(-1, N)
+    bias = layer.get_base_layer().bias
+    z = y if bias is None else y - bias
+    if keep_out is not None:  # training under dropout: PEFT's base term reads the dropped input
+        xr = x.reshape(-1, x.shape[-1])
+        keep = _keep_mask(keep_out, segs, table, xr)
+        p = torch.where(ts >= 0, table.dropout[ts.clamp(min=0)], 0.0)
+        factor = keep.to(xr.dtype) / (1 - p).to(xr.dtype)[:, None] - 1  # x~ - x = x * factor
+        z = z + torch.nn.functional.linear(xr * factor, W.to(xr.dtype))
+    res = torch.addcmul(y, onehot @ gm1, z)
+    return res.to(out.dtype).view(out.shape)
+
+
+def _keep_mask(keep_out: list, segs, table, x: torch.Tensor) -> torch.Tensor:
+    """The boolean ``[S, K]`` keep-mask the layer op's LoRA part used: the torch backend's mask, the Triton
+    kernels' stored bits unpacked, or their draw for the call's seed redrawn (``kernels.dropout``)."""
+    from .kernels.dropout import dropout_keep_mask, unpack_keep_bits
+
+    keep, seed = keep_out[-1]  # the layer call's forward ran (a call under dropout never replays a launch plan)
+    if keep is not None:
+        return keep if keep.dtype == torch.bool else unpack_keep_bits(keep, x.shape[1])
+    return dropout_keep_mask(seed, segs, table, x.shape[1])  # a host seed: such calls run eagerly (patching)
