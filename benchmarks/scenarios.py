@@ -39,6 +39,7 @@ class Scenario:
     needs: str | None = None  # a module the scenario needs (bitsandbytes)
     dropout: float = 0.05
     default: bool = True  # in run.py's default list
+    lora: tuple = ()  # more LoraConfig settings, (name, value) pairs
 
 
 _LLAMA = "Llama-shaped model (full: 8 layers, hidden 2048, intermediate 5632, 32/4 heads, vocab 32000, ~0.5 B), bf16"
@@ -81,8 +82,11 @@ SCENARIOS = {s.name: s for s in (
     Scenario("train_step_paged", "declared", "llama", "train_step_8 with adapters paged between host and GPU",
              ("fast_multilora",),
              not_implemented="fast_multilora has no paged adapter storage yet"),
-    Scenario("dora_step_8", "declared", "llama", "train_step_8 with DoRA adapters", ("fast_multilora",),
-             not_implemented="fast_multilora does not patch DoRA layers yet (they stay on PEFT's path)"),
+    Scenario("dora_step_8", "train", "llama",
+             "train_step_8 with DoRA adapters (use_dora=True): stock PEFT trains one, fast_multilora 8 in one mixed "
+             "batch", ("frozen", "peft_single", "peft_single_fused_adamw", "fast_multilora",
+                       "fast_multilora_fused_adamw"), ("", "per_adapter_loss"), lora=(("use_dora", True),),
+             default=False),
     Scenario("step_8b_fused_loss", "declared", "llama", "an 8 B model's train step with a fused linear + loss",
              ("fast_multilora",),
              not_implemented="fast_multilora has no fused linear-cross-entropy loss yet"),
@@ -149,6 +153,7 @@ class Context:
                     lora.update(targets=["0"])
                 if self.kind == "generate":
                     lora.update(init_lora_weights=False)
+                lora.update(dict(self.sc.lora))
                 self._pm = M.peft_model(self.base(), n_adapters or 8, self.device, self.dtype, **lora)
                 if self.kind == "eval" and self.device != "meta":
                     M.lora_b_off_zero(self._pm)

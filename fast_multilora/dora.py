@@ -74,11 +74,13 @@ def weight_norms(W: torch.Tensor, As: list, Bs: list, scales: tuple) -> torch.Te
 
 
 def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, table, names_in_batch,
-          keep_out: Optional[list]) -> torch.Tensor:
+          keep_out: Optional[list], absent_grads: bool = False) -> torch.Tensor:
     """DoRA's output from the layer op's ``out = base(x) + LoRA delta`` (module docstring). ``x``: the input the LoRA
     part read; ``names_in_batch``: the adapters the batch names (``None``: all of the layer's, while tracing);
     ``keep_out``: what the op's forward reported of its dropout draw (``[(keep, seed)]``), ``None`` without dropout
-    in this call."""
+    in this call; ``absent_grads``: the magnitudes of adapters the batch does not name get zero gradients (the
+    per-parameter path, where DDP needs one for every parameter) instead of none (the adapter store's path, as
+    stock PEFT: an adapter without rows gets no gradient)."""
     N = out.shape[-1]
     a_mods, b_mods = layer.lora_A._modules, layer.lora_B._modules
     mags = layer.lora_magnitude_vector._modules
@@ -87,9 +89,14 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
     norms = iter(weight_norms(W, [a_mods[n].weight for n in live], [b_mods[n].weight for n in live],
                               tuple(s for n, s in zip(dora.names, dora.scales, strict=True) if n in live))
                  if live else ())
-    # g - 1 per DoRA adapter; an adapter the batch does not name gets a row no token reads (its magnitude then gets
-    # an exact zero gradient, as the LoRA weights of absent adapters do)
-    gm1 = torch.stack([mags[n].weight.float() / next(norms) - 1 if n in live else mags[n].weight.float() * 0
+    # g - 1 per DoRA adapter; an adapter the batch does not name gets a row no token reads: a constant (its magnitude
+    # gets no gradient, as its LoRA weights on the store's path), or its magnitude times 0 (an exact zero gradient,
+    # as its LoRA weights on the per-parameter path)
+    def absent(n):
+        m = mags[n].weight
+        return m.float() * 0 if absent_grads else torch.zeros(m.shape, dtype=torch.float32, device=m.device)
+
+    gm1 = torch.stack([mags[n].weight.float() / next(norms) - 1 if n in live else absent(n)
                        for n in dora.names])  # [n_dora, N]
     ts = token_slots(segs)
     row = dora.rows[ts]  # [S]

@@ -397,7 +397,8 @@ def _dora_call(layer, dora, state: LayerState, routing, args: tuple, keep_out) -
     """The layer op's ``base + delta``, then DoRA's output per row's adapter (``fast_multilora.dora``)."""
     out = run_layer(*args)
     in_batch = None if torch.compiler.is_compiling() else routing.names  # traced: every DoRA adapter of the layer
-    return dora_mod.apply(layer, dora, out, args[5], args[2], state.table, in_batch, keep_out)
+    return dora_mod.apply(layer, dora, out, args[5], args[2], state.table, in_batch, keep_out,
+                          absent_grads=args[3] is None)
 
 
 @torch.compiler.disable
