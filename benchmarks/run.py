@@ -162,7 +162,8 @@ def dry_run(scs, provs, st) -> int:
             shapes = {k: tuple(t.shape) for k, t in b.items() if hasattr(t, "shape")}
             print(f"   inputs[{v}]: {shapes}, {len(set(b.get('names', [])) - {'__base__'})} adapters in the batch, "
                   f"{b.get('adapters', 3 if sc.model == 'readme' else 8)} resident")
-        if sc.model in ("llama", "moe", "layer", "readme"):
+        if sc.model in ("llama", "moe", "layer", "readme") and not dict(sc.lora).get("use_dora"):
+            # (DoRA's init reads the base weight: no meta build)
             ctx.device = "meta"  # structure and parameter counts without allocating
             pm = ctx.peft()  # 8 adapters (the scale scenario's counts grow the same model at run time)
             total = sum(p.numel() for p in pm.parameters())

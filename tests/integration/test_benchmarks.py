@@ -89,8 +89,8 @@ def test_eval_and_layer_match_peft_and_merge_keeps_other_scenarios(tmp_path):
 
 def test_declared_scenarios_record_not_implemented(tmp_path):
     out = tmp_path / "d.json"
-    _, res = run(out, "--device", "cpu", "--scenarios", "dora_step_8,step_8b_fused_loss")
-    for sc in ("dora_step_8", "step_8b_fused_loss"):
+    _, res = run(out, "--device", "cpu", "--scenarios", "train_step_paged,step_8b_fused_loss")
+    for sc in ("train_step_paged", "step_8b_fused_loss"):
         rows = res["scenarios"][sc]["rows"]
         assert rows and all(r["status"] == "not_implemented" and r["wall_ms"] is None and r["reason"]
                             for r in rows.values()), rows
