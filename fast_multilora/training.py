@@ -196,6 +196,9 @@ class PerAdapterLoss(TrainerCallback):
             return None
         if kwargs.get(self._head.keep_arg) not in (None, 0):  # the caller chose the positions it wants
             return None
+        if kwargs.get("labels") is not None:
+            self._fallback("the call passes `labels` to the model, whose own loss needs every position's logits")
+            return None
         self._armed = True
         return args, {**kwargs, self._head.keep_arg: 1}
 

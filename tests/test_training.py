@@ -251,6 +251,20 @@ def test_fallback_warns_once_and_takes_the_logits(build, reason):
         _step(model, fused, batch)
 
 
+def test_labels_given_to_the_model_keep_the_logits():
+    """A call that hands ``labels`` to the model (its own loss needs every position's logits) is not fused: a
+    warning, the model's loss computed as usual, and the per-adapter loss from the logits."""
+    model = patched_llama()
+    model.train()
+    batch = _padded()
+    loss = PerAdapterLoss(model, fused=True)
+    with pytest.warns(UserWarning, match=r"PerAdapterLoss\(fused=True\): the call passes `labels` to the model"):
+        out = model(**batch)
+    assert out.loss is not None and tuple(out.logits.shape) == (*batch["input_ids"].shape, VOCAB)
+    want = fast_multilora.per_adapter_loss(out.logits, batch["labels"], batch["adapter_names"])
+    torch.testing.assert_close(loss(out, batch["labels"]), want)
+
+
 # ---- errors ---------------------------------------------------------------------------------------------------------
 
 

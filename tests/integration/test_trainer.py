@@ -287,7 +287,7 @@ def test_trainer_kwargs_equals_the_hand_wired_trainer(tmp_path, fused):
         else:
             trainer = _hand_wired(model, data, tmp_path / "w", adapter_lr, 0.05)
         lengths = []  # positions of the logits each training forward built
-        model.register_forward_hook(lambda m, a, out: lengths.append(out.logits.shape[1]))
+        model.register_forward_hook(lambda m, a, out, seen=lengths: seen.append(out.logits.shape[1]))
         trainer.train()
         assert len(lengths) == 3 and (set(lengths) == {1}) == (helper and fused), lengths
         runs.append((lora_weights(model), [h for h in trainer.state.log_history if "loss" in h]))
@@ -350,7 +350,8 @@ def test_trainer_kwargs_refuses_what_cannot_work(tmp_path):
     model = patched_llama()
     with pytest.raises(TypeError, match=r"trainer_kwargs: args is TRL's SFTConfig; with TRL use "
                                         r"fast_multilora\.trl\.MultiAdapterSFTTrainer"):
-        fast_multilora.trainer_kwargs(model, None, SFTConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False))
+        fast_multilora.trainer_kwargs(model, None, SFTConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True,
+                                                             bf16=False))
     with pytest.raises(TypeError, match=r"trainer_kwargs: args must be a transformers\.TrainingArguments, got dict"):
         fast_multilora.trainer_kwargs(model, None, {"output_dir": "x"})
     with pytest.raises(ValueError, match=r"trainer_kwargs: max_grad_norm must be a number >= 0 .* got -1"):
