@@ -381,3 +381,40 @@ def test_trainer_kwargs_warns_about_adapters_that_cannot_train(tmp_path):
     fast_multilora.patch(single, backend="torch")
     with pytest.warns(UserWarning, match=r"trainer_kwargs: the model has one adapter \('a0'\)"):
         fast_multilora.trainer_kwargs(single, None, _args(tmp_path))
+
+
+@pytest.mark.slow
+def test_trainer_kwargs_under_ddp_matches_one_process(tmp_path):
+    """``trainer_kwargs`` with the fused loss under DDP (torchrun, 2 CPU ranks over gloo; the Trainer wraps a
+    PeftModel with ``find_unused_parameters=True``): the ranks' halves of each global batch, per-adapter token counts
+    all-reduced, end with the weights and logged per-adapter losses of one process on the global batches; the training
+    forwards built the logits of one position per row."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
+    env.pop("TRITON_INTERPRET", None)
+    results = {}
+    for world in (1, 2):
+        out = tmp_path / f"w{world}"
+        out.mkdir()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+               str(root / "tests" / "trainer_ddp_worker.py"), str(out), "fused", "12"]
+        res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, f"{' '.join(cmd)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
+        results[world] = torch.load(out / "result.pt")
+    one, two = results[1], results[2]
+    assert one["world"] == 1 and two["world"] == 2
+    assert set(one["positions"]) == set(two["positions"]) == {1} and len(two["positions"]) == 3
+    start = lora_weights(patched_llama())
+    for n, w in one["weights"].items():
+        assert not torch.equal(w, start[n]), f"{n} did not move"
+        torch.testing.assert_close(two["weights"][n], w, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+    assert len(one["logs"]) == len(two["logs"]) == 3
+    for a, b in zip(one["logs"], two["logs"], strict=True):
+        assert a.keys() == b.keys() == {f"loss/{x}" for x in ADAPTERS}
+        for k in a:
+            assert abs(a[k] - b[k]) <= 1e-3, (k, a, b)  # logs are rounded to 4 digits
