@@ -12,6 +12,10 @@ the cross-entropy run together, a block at a time:
   atomics and no accumulation into ``dW``: each row block of ``dW`` is one matmul over all tokens, as in the
   unfused path, so the result does not depend on the chunking.
 
+In ``transformers.Trainer``, :class:`fast_multilora.training.PerAdapterLoss` with ``fused=True`` (the default of
+:func:`fast_multilora.trainer_kwargs`) takes this path through the model's own forward: :func:`logits_free_head`
+says how (``logits_to_keep=1``, the backbone's last hidden state, the head and its post-head transform) or why not.
+
 The per-adapter weighting (``1 / N_a`` per token of adapter ``a``, 0 for ``__base__`` and ignored tokens) is not part
 of the fused op: it returns per-token losses and :func:`~fast_multilora.loss.per_adapter_mean` reduces them, so
 autograd hands the op exactly those weights as its upstream gradient. Everything stays on the device: no host read.

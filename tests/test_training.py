@@ -63,12 +63,16 @@ def _assert_same(got, want):
         torch.testing.assert_close(gg[n], gw[n], rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_fused_equals_the_logits_path(layout):
+@pytest.mark.parametrize("arch, layout", [("llama", "padded"), ("llama", "packed"), ("gpt2", "padded")])
+def test_fused_equals_the_logits_path(arch, layout):
     """Loss value, the logged per-adapter means and every LoRA parameter's gradient equal the logits path's; the
     model's forward returned the logits of one position per row only."""
     batch = _padded() if layout == "padded" else _packed()
-    model = patched_llama()
+    if arch == "llama":
+        model = patched_llama()
+    else:
+        model = peft_model("gpt2")
+        fast_multilora.patch(model, backend="torch")
     model.train()
     plain = PerAdapterLoss(model)
     want = _step(model, plain, batch)

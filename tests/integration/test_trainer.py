@@ -250,6 +250,9 @@ def test_trainer_kwargs_trains_logs_and_clips_every_adapter(tmp_path):
         assert {f"loss/{a}" for a in ADAPTERS} <= set(h) and all(0 < h[f"loss/{a}"] < 20 for a in ADAPTERS), h
     clip = next(c for c in kw["callbacks"] if isinstance(c, PerAdapterGradClip))
     assert set(clip.last_norms) == set(ADAPTERS) and min(clip.last_norms.values()) > 1e-2  # it had to clip
+    # evaluation: the same collator and loss, with the logits (eval forwards are not fused)
+    trainer.evaluate(eval_dataset=samples(["a2", "a0", "a1", "__base__"] * 2, seed=9))
+    assert {f"eval_loss/{a}" for a in ADAPTERS} <= set(trainer.state.log_history[-1]), trainer.state.log_history[-1]
     assert len(norms.norms) == 3
     for step in norms.norms:
         assert step.keys() == set(ADAPTERS)
