@@ -3,16 +3,18 @@
     python examples/trainer_multi_adapter.py --model tiny --max-steps 20
     python examples/trainer_multi_adapter.py                     # SmolLM2-135M-Instruct (see multi_adapter_tasks.py)
 
-Everything plugs into documented Trainer arguments -- no subclass:
+``fast_multilora.trainer_kwargs(model, tokenizer, args, ...)`` returns the Trainer's keyword arguments -- no
+subclass, only documented Trainer arguments:
 
-* ``data_collator=MultiAdapterCollator(tokenizer)``: pads and emits ``adapter_names`` (one per row); the Trainer
-  passes them to ``model(**batch)``, where the forward pre-hook of ``fast_multilora.patch`` routes the rows.
-  ``remove_unused_columns=False`` keeps the samples' ``adapter_name`` field (the model's forward does not name it).
-* ``compute_loss_func=loss, callbacks=[loss]`` with ``loss = PerAdapterLoss(model)``: the per-adapter loss (sum over
-  adapters of each adapter's mean token loss), with the Trainer's scaling conventions for data parallelism, and
-  ``loss/<adapter>`` entries in the logs.
-* ``optimizers=(AdamW(adapter_param_groups(model, {...})), None)``: one param group per adapter (own lr here), and
-  ``PerAdapterGradClip`` clips each adapter on its own (``max_grad_norm=0`` turns the Trainer's global clip off).
+* ``data_collator``: ``MultiAdapterCollator`` pads and emits ``adapter_names`` (one per row); the Trainer passes them
+  to ``model(**batch)``, where the forward pre-hook of ``fast_multilora.patch`` routes the rows.
+* ``compute_loss_func`` and a callback: ``PerAdapterLoss``, the sum over adapters of each adapter's mean token loss,
+  computed from the last hidden states without full-vocabulary logits where the model allows, with the Trainer's
+  scaling conventions for data parallelism, and ``loss/<adapter>`` entries in the logs.
+* ``PerAdapterGradClip`` clips each adapter on its own (``--max-grad-norm``), and ``adapter_lr`` gives adapters their
+  own learning rate (an optimizer with one param group per adapter).
+* ``args``: a copy with ``remove_unused_columns=False`` (keeps the samples' ``adapter_name``) and ``max_grad_norm=0``
+  (the Trainer's global clip would couple the adapters); set here already, so no warning.
 """
 
 from __future__ import annotations
@@ -49,8 +51,6 @@ def main(argv=None):
     from transformers import Trainer, TrainingArguments
 
     import fast_multilora
-    from fast_multilora.data import MultiAdapterCollator, adapter_param_groups
-    from fast_multilora.training import PerAdapterGradClip, PerAdapterLoss
 
     base, tok = T.load_base(args.model)
     if tok.pad_token_id is None:
@@ -58,10 +58,6 @@ def main(argv=None):
     model = T.add_adapters(base, adapters, rank=args.rank, targets=args.targets.split(","))
     print(fast_multilora.patch(model))
 
-    train = T.training_examples(tok, adapters, 400)
-    loss = PerAdapterLoss(model)
-    optimizer = torch.optim.AdamW(adapter_param_groups(model, {a: {"lr": lr} for a, lr in adapter_lr.items()}),
-                                  lr=args.lr, weight_decay=0.0)
     targs = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=max(1, args.max_steps // 10),
@@ -69,12 +65,9 @@ def main(argv=None):
         use_cpu=args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()),
         dataloader_drop_last=True, seed=0,
     )
-    trainer = Trainer(
-        model=model, args=targs, train_dataset=train,
-        data_collator=MultiAdapterCollator(tok, group_by_adapter=True),
-        compute_loss_func=loss, callbacks=[loss, PerAdapterGradClip(args.max_grad_norm)],
-        optimizers=(optimizer, None),
-    )
+    kwargs = fast_multilora.trainer_kwargs(model, tok, targs, adapter_lr=adapter_lr or None,
+                                           max_grad_norm=args.max_grad_norm)
+    trainer = Trainer(**kwargs, train_dataset=T.training_examples(tok, adapters, 400))
     trainer.train()
     model.save_pretrained(os.path.join(args.output_dir, "adapters"), selected_adapters=adapters)
     print("per-adapter losses logged:")

@@ -41,9 +41,10 @@ from .loss import per_adapter_loss, per_adapter_mean  # noqa: E402
 from .optim import AdamW  # noqa: E402
 from .patching import PatchReport, patch, route, unpatch  # noqa: E402
 from .plan import BASE, mark_changed  # noqa: E402
+from .training import trainer_kwargs  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = ["AdamW", "BASE", "PatchConfig", "PatchReport", "add_adapters", "fused_causal_lm_loss", "load_adapters",
            "mark_changed", "patch", "per_adapter_loss", "per_adapter_loss_from_hidden", "per_adapter_mean", "route",
-           "save_adapters", "unpatch"]
+           "save_adapters", "trainer_kwargs", "unpatch"]

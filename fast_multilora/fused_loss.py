@@ -12,6 +12,10 @@ the cross-entropy run together, a block at a time:
   atomics and no accumulation into ``dW``: each row block of ``dW`` is one matmul over all tokens, as in the
   unfused path, so the result does not depend on the chunking.
 
+In ``transformers.Trainer``, :class:`fast_multilora.training.PerAdapterLoss` with ``fused=True`` (the default of
+:func:`fast_multilora.trainer_kwargs`) takes this path through the model's own forward: :func:`logits_free_head`
+says how (``logits_to_keep=1``, the backbone's last hidden state, the head and its post-head transform) or why not.
+
 The per-adapter weighting (``1 / N_a`` per token of adapter ``a``, 0 for ``__base__`` and ignored tokens) is not part
 of the fused op: it returns per-token losses and :func:`~fast_multilora.loss.per_adapter_mean` reduces them, so
 autograd hands the op exactly those weights as its upstream gradient. Everything stays on the device: no host read.
@@ -24,7 +28,7 @@ Kernel's cross-entropy kernel does), which removes the fp32 copy and the tempora
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +38,8 @@ from torch.autograd.function import once_differentiable
 from .loss import AdapterLosses, per_adapter_mean, shifted_targets
 from .plan import BASE
 
-__all__ = ["LinearCrossEntropy", "chunk_tokens", "fused_causal_lm_loss", "linear_cross_entropy",
+__all__ = ["LinearCrossEntropy", "LogitsFreeHead", "adapter_token_means_from_hidden", "chunk_tokens",
+           "fused_causal_lm_loss", "head_weight_problem", "linear_cross_entropy", "logits_free_head",
            "per_adapter_loss_from_hidden"]
 
 # a chunk of at least this many tokens: below it the Python loop's per-chunk overhead dominates on small models
@@ -188,23 +193,8 @@ def _head(lm_head, bias):
     return weight, bias
 
 
-def per_adapter_loss_from_hidden(hidden: torch.Tensor, lm_head: Union[torch.nn.Linear, torch.Tensor],
-                                 labels: torch.Tensor, adapter_names: Sequence[str], *,
-                                 bias: Optional[torch.Tensor] = None, adapter_ids: Optional[torch.Tensor] = None,
-                                 ignore_index: int = -100, shift: bool = True, return_dict: bool = False,
-                                 chunk_size: Optional[int] = None, logit_scale: float = 1.0,
-                                 softcap: Optional[float] = None):
-    """:func:`~fast_multilora.per_adapter_loss` of the logits ``lm_head(hidden)``, computed without them.
-
-    ``hidden[B, T, H]``: the model's last hidden states (after its final norm); ``lm_head``: an ``nn.Linear`` or its
-    weight ``[V, H]`` (with ``bias=`` its bias). ``labels``, ``adapter_names``, ``adapter_ids``, ``ignore_index``,
-    ``shift`` and ``return_dict`` as in ``per_adapter_loss``: the sum over adapters of each adapter's mean token
-    cross-entropy, ``__base__`` rows and ``ignore_index`` labels left out. ``chunk_size``: tokens per chunk (memory
-    ``~ chunk_size x V`` fp32 elements at a time; default :func:`chunk_tokens`). ``logit_scale`` / ``softcap``: the
-    model's post-head transform, ``logits = softcap * tanh(logit_scale * z / softcap)`` (Cohere's ``logit_scale``,
-    Granite's ``1 / logits_scaling``, Gemma's ``final_logit_softcapping``). A label outside ``[0, V)`` other than
-    ``ignore_index`` makes its adapter's loss NaN (``per_adapter_loss`` raises instead: that needs a host read).
-    """
+def _checked_head(hidden, lm_head, labels, bias, chunk_size, softcap):
+    """The head's ``(weight, bias)``, with every input of :func:`per_adapter_loss_from_hidden` checked."""
     weight, bias = _head(lm_head, bias)
     if hidden.dim() != 3 or not hidden.is_floating_point():
         raise ValueError(f"per_adapter_loss_from_hidden: `hidden` must be the floating-point hidden states "
@@ -227,13 +217,47 @@ def per_adapter_loss_from_hidden(hidden: torch.Tensor, lm_head: Union[torch.nn.L
         raise TypeError(f"per_adapter_loss_from_hidden: `hidden` is {hidden.dtype} but the LM head's weight "
                         f"{weight.dtype}; cast one to the other (as the model's own head call would need) or run "
                         "under torch.autocast")
-    vocab = sorted({n for n in adapter_names if n != BASE})
+    return weight, bias
+
+
+def adapter_token_means_from_hidden(hidden: torch.Tensor, lm_head: Union[torch.nn.Linear, torch.Tensor],
+                                    labels: torch.Tensor, adapter_names: Sequence[str], vocab: Sequence[str], *,
+                                    bias: Optional[torch.Tensor] = None, adapter_ids: Optional[torch.Tensor] = None,
+                                    ignore_index: int = -100, shift: bool = True, chunk_size: Optional[int] = None,
+                                    logit_scale: float = 1.0, softcap: Optional[float] = None):
+    """:func:`~fast_multilora.loss.adapter_token_means` of the logits ``lm_head(hidden)``, computed without them:
+    ``(means[len(vocab)], counts[len(vocab)])`` over a fixed adapter ``vocab`` (``means`` carries the graph).
+    Arguments as in :func:`per_adapter_loss_from_hidden`."""
+    weight, bias = _checked_head(hidden, lm_head, labels, bias, chunk_size, softcap)
     targets, tok = shifted_targets(labels, adapter_names, vocab, hidden.device, adapter_ids=adapter_ids,
                                    ignore_index=ignore_index, shift=shift)
     ce = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1).long(),
                               ignore_index=ignore_index, chunk_size=chunk_size, logit_scale=logit_scale,
                               softcap=softcap)
-    means, counts = per_adapter_mean(ce, tok, len(vocab), valid=targets.reshape(-1) != ignore_index)
+    return per_adapter_mean(ce, tok, len(vocab), valid=targets.reshape(-1) != ignore_index)
+
+
+def per_adapter_loss_from_hidden(hidden: torch.Tensor, lm_head: Union[torch.nn.Linear, torch.Tensor],
+                                 labels: torch.Tensor, adapter_names: Sequence[str], *,
+                                 bias: Optional[torch.Tensor] = None, adapter_ids: Optional[torch.Tensor] = None,
+                                 ignore_index: int = -100, shift: bool = True, return_dict: bool = False,
+                                 chunk_size: Optional[int] = None, logit_scale: float = 1.0,
+                                 softcap: Optional[float] = None):
+    """:func:`~fast_multilora.per_adapter_loss` of the logits ``lm_head(hidden)``, computed without them.
+
+    ``hidden[B, T, H]``: the model's last hidden states (after its final norm); ``lm_head``: an ``nn.Linear`` or its
+    weight ``[V, H]`` (with ``bias=`` its bias). ``labels``, ``adapter_names``, ``adapter_ids``, ``ignore_index``,
+    ``shift`` and ``return_dict`` as in ``per_adapter_loss``: the sum over adapters of each adapter's mean token
+    cross-entropy, ``__base__`` rows and ``ignore_index`` labels left out. ``chunk_size``: tokens per chunk (memory
+    ``~ chunk_size x V`` fp32 elements at a time; default :func:`chunk_tokens`). ``logit_scale`` / ``softcap``: the
+    model's post-head transform, ``logits = softcap * tanh(logit_scale * z / softcap)`` (Cohere's ``logit_scale``,
+    Granite's ``1 / logits_scaling``, Gemma's ``final_logit_softcapping``). A label outside ``[0, V)`` other than
+    ``ignore_index`` makes its adapter's loss NaN (``per_adapter_loss`` raises instead: that needs a host read).
+    """
+    vocab = sorted({n for n in adapter_names if n != BASE})
+    means, counts = adapter_token_means_from_hidden(
+        hidden, lm_head, labels, adapter_names, vocab, bias=bias, adapter_ids=adapter_ids, ignore_index=ignore_index,
+        shift=shift, chunk_size=chunk_size, logit_scale=logit_scale, softcap=softcap)
     loss = means.sum()
     if return_dict:
         return loss, AdapterLosses(vocab, means.detach(), counts)
@@ -328,3 +352,63 @@ def fused_causal_lm_loss(model, batch, *, adapter_names: Optional[Sequence[str]]
     return per_adapter_loss_from_hidden(hidden, lm_head, labels, names, adapter_ids=ids, ignore_index=ignore_index,
                                         shift=shift, return_dict=return_dict, chunk_size=chunk_size,
                                         logit_scale=scale, softcap=softcap)
+
+
+# ---- the model's own forward without its logits (PerAdapterLoss(fused=True), fast_multilora.trainer_kwargs) --------
+
+_KEEP_ARGS = ("logits_to_keep", "num_logits_to_keep")  # transformers >= 4.50 / 4.45-4.49
+
+
+class LogitsFreeHead(NamedTuple):
+    """How a PEFT causal LM's own forward runs without its full logits: call it with ``{keep_arg: 1}`` (the logits
+    of the last position only, as ``generate`` asks), read ``backbone``'s ``last_hidden_state`` (a forward hook) and
+    compute the loss from it on ``lm_head`` with the post-head transform ``logit_scale`` / ``softcap``."""
+
+    backbone: torch.nn.Module
+    lm_head: torch.nn.Linear
+    keep_arg: str
+    logit_scale: float
+    softcap: Optional[float]
+
+
+def logits_free_head(model) -> Union[LogitsFreeHead, str]:
+    """The :class:`LogitsFreeHead` of a (patched) PEFT model of a transformers causal LM, or why there is none (a
+    sentence): not a ``*ForCausalLM`` / ``*LMHeadModel`` with a backbone, a head that is no plain ``nn.Linear`` (LoRA
+    on ``lm_head``, ``modules_to_save``, quantized), a forward without ``logits_to_keep``, a learned (tensor)
+    ``logit_scale``. The head's weight itself (quantized, or a DTensor under FSDP2) is checked per call by
+    :func:`head_weight_problem`."""
+    import inspect
+
+    causal = _causal_lm(model)
+    kind = type(causal).__name__
+    backbone = getattr(causal, "base_model", causal)
+    lm_head = causal.get_output_embeddings() if hasattr(causal, "get_output_embeddings") else None
+    if not kind.endswith(_HEAD_NAMES) or backbone is causal or lm_head is None:
+        return (f"{kind} is not a standard transformers causal LM (a *ForCausalLM / *LMHeadModel with a backbone "
+                "`base_model` and an `lm_head`)")
+    if not isinstance(lm_head, torch.nn.Linear):
+        return (f"the LM head of {kind} is a {_qualname(lm_head)}, not a plain nn.Linear (LoRA on lm_head, "
+                "modules_to_save=['lm_head'], or a quantized head)")
+    params = inspect.signature(causal.forward).parameters
+    keep = next((k for k in _KEEP_ARGS if k in params), None)
+    if keep is None:
+        return f"{kind}.forward takes no `logits_to_keep`: it builds the logits of every position"
+    try:
+        scale, softcap = _post_head_transform(causal)
+    except ValueError:
+        return f"{kind}.logit_scale is a tensor (a learned scale); the fused loss takes a fixed scale"
+    return LogitsFreeHead(backbone, lm_head, keep, scale, softcap)
+
+
+def head_weight_problem(lm_head: torch.nn.Linear) -> Optional[str]:
+    """Why the fused loss cannot take ``lm_head``'s weight as it is now (None if it can): quantized, or sharded (a
+    DTensor: FSDP2 outside the forward)."""
+    for name in ("weight", "bias"):
+        t = getattr(lm_head, name, None)
+        if t is None:
+            continue
+        plain = type(t) in (torch.Tensor, torch.nn.Parameter) or isinstance(t, FakeTensor)
+        if not plain or not t.is_floating_point():
+            return (f"the LM head's {name} is a {type(t).__name__} of dtype {t.dtype} (a quantized or sharded head, "
+                    "e.g. bitsandbytes, torchao or a DTensor under FSDP2)")
+    return None

@@ -67,3 +67,25 @@ def test_readme_demo_table_is_what_the_demo_prints():
     table = "\n".join(printed).splitlines()
     start = table.index(header)  # the header as the demo prints it
     assert table[start + 1 : start + 1 + len(rows)] == lines[1 : 1 + len(rows)]
+
+
+def test_trainer_example_trains_logs_and_saves_every_adapter(tmp_path, capsys):
+    """``examples/trainer_multi_adapter.py`` (an unmodified Trainer built by ``fast_multilora.trainer_kwargs``) on the
+    tiny model: per-adapter losses in the logs, every adapter saved in PEFT format, and neither a warning of the
+    helper (its TrainingArguments already say what the helper needs) nor a fallback of the fused loss."""
+    import warnings
+
+    import multi_adapter_tasks as T
+    import trainer_multi_adapter
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer_multi_adapter.main(["--model", "tiny", "--max-steps", "5", "--batch-size", "6", "--device", "cpu",
+                                    "--output-dir", str(tmp_path), "--adapter-lr", f"{T.DEFAULT_ADAPTERS[0]}=4e-3"])
+    ours = [str(w.message) for w in caught if str(w.message).startswith(("trainer_kwargs", "PerAdapterLoss"))]
+    assert not ours, ours
+    out = capsys.readouterr().out
+    logged = out.split("per-adapter losses logged:", 1)[1].split("accuracy after training", 1)[0]
+    assert "step    5" in logged and all(f"{a}=" in logged for a in T.DEFAULT_ADAPTERS), logged
+    saved = {p.parent.name for p in (tmp_path / "adapters").glob("*/adapter_config.json")}
+    assert saved == set(T.DEFAULT_ADAPTERS)
