@@ -40,6 +40,7 @@ class Scenario:
     dropout: float = 0.05
     default: bool = True  # in run.py's default list
     lora: tuple = ()  # more LoraConfig settings, (name, value) pairs
+    liger: bool = False  # Liger Kernel's patches (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy) on the base
 
 
 _LLAMA = "Llama-shaped model (full: 8 layers, hidden 2048, intermediate 5632, 32/4 heads, vocab 32000, ~0.5 B), bf16"
@@ -79,6 +80,12 @@ SCENARIOS = {s.name: s for s in (
                                "fast_multilora_store_adamw"), ("", "per_adapter_loss"), default=False),
     Scenario("create_adapters", "declared", "llama", "time to add N adapters to a model", ("fast_multilora",),
              not_implemented="the library has no adapter-creation path of its own yet (PEFT's add_adapter is used)"),
+    Scenario("train_step_8_liger", "train", "llama",
+             "train_step_8 with Liger Kernel's patches on the base (apply_liger_kernel_to_llama: RMSNorm, SwiGLU, "
+             "RoPE, fused linear cross-entropy for the HF labels= loss) for every provider: Liger + stock PEFT (one "
+             "adapter) beside Liger + fast_multilora (8 mixed)", ("frozen", "peft_single", "fast_multilora",
+                                                                   "fast_multilora_fused_adamw"),
+             ("", "per_adapter_loss"), needs="liger_kernel", liger=True, default=False),
     Scenario("train_step_paged", "declared", "llama", "train_step_8 with adapters paged between host and GPU",
              ("fast_multilora",),
              not_implemented="fast_multilora has no paged adapter storage yet"),
@@ -138,6 +145,10 @@ class Context:
             self._base = {"llama": lambda: M.llama(s, dev, dt), "moe": lambda: M.moe(s, dev, dt),
                           "qlora": lambda: M.qlora_base(s, dev, dt), "layer": lambda: M.layer_base(s, dev, dt),
                           "readme": lambda: M.llama(s, dev, dt, M.README_MODEL)}[self.sc.model]()
+            if self.sc.liger and dev != "meta":
+                from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+                apply_liger_kernel_to_llama(model=self._base)
         return self._base
 
     def peft(self, n_adapters=None):
