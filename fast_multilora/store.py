@@ -147,7 +147,6 @@ class LayerSlots:
     a_leaf: torch.Tensor  # [total_rank, K]
     b_leaf: torch.Tensor  # [total_rank * N]
     params: tuple  # (A params..., B params...) slot order
-    ptrs: tuple  # every parameter's address when laid out (a parameter whose ``.data`` was replaced moved)
     key: tuple  # _layer_key when laid out
     state: object  # the layer's patching.LayerState it was checked against (a new one: the key is checked again)
     views: tuple = ()  # each parameter's gradient piece (params' order)
@@ -204,6 +203,8 @@ class AdapterStore:
         self.held: list = []  # every held parameter, in layout order (class _HeldParameter while held)
         self.views: list = []  # held[i]'s gradient piece: re-attached when a caller dropped it
         self.adapter_of: list = []  # held[i]'s adapter name
+        self.adapter_params: dict = {}  # adapter -> (its held parameters, their addresses when laid out)
+        self.ids_read = None  # plan.CHANGES when every held parameter's identity was last checked (stale)
         self.pending: set = set()  # adapters of the gradient-recording calls whose backward has not started yet
         self.hooked: set = set()  # ids of the leaves that carry a hook (leaves live as long as their layout)
         self.flags_read = None  # plan.CHANGES when the held parameters' requires_grad were last read
@@ -243,7 +244,7 @@ class AdapterStore:
     def follow(self, routing, training: bool) -> None:
         """At a forward call's entry (``patching.refresh_layers``): re-lay out when the layers' adapters changed; in
         a call that records gradients, the leaves' ``requires_grad`` and the adapters the call trains (``seen``)."""
-        if self.stale():
+        if self.stale(set(routing.names)):
             self.layout()
         if training:
             if self.flags_read != CHANGES[0] or not SWAP_CLASS:  # a held flag may have changed (_HeldParameter)
@@ -273,8 +274,12 @@ class AdapterStore:
                 wanted[id(layer)] = (layer, key)
         return wanted
 
-    def stale(self) -> bool:
-        """Whether the layers' adapters no longer match the layout (cheap: one address per layer)."""
+    def stale(self, names=None) -> bool:
+        """Whether the layers' adapters no longer match the layout: per layer its state and first parameter, and the
+        address of every parameter of the adapters ``names`` (default: all) -- a parameter whose ``.data`` was
+        replaced left its arena. A forward checks the adapters it names only: the kernels read no other adapter's
+        rows, and an adapter whose parameter moved is caught by the first forward that names it (or by
+        ``fast_multilora.AdamW``'s step, which checks all), its values then read from the parameters."""
         from .patching import _STATE_ATTR
 
         for layer in self.router.fast_layers:
@@ -288,10 +293,25 @@ class AdapterStore:
                 if _layer_key(layer, st) != slots.key:
                     return True
                 slots.state = st
-            p = layer.lora_A[slots.names[0]].weight
-            if p is not slots.params[0] or tuple(map(_DATA_PTR, slots.params)) != slots.ptrs:
+            if layer.lora_A[slots.names[0]].weight is not slots.params[0]:
                 return True
-        return not set(self.slots) <= {id(layer) for layer in self.router.fast_layers}
+        if not set(self.slots) <= {id(layer) for layer in self.router.fast_layers}:
+            return True
+        if self.ids_read != CHANGES[0]:  # after a reported change (mark_changed): every weight still the one held?
+            for layer in self.router.fast_layers:
+                slots = self.slots.get(id(layer))
+                if slots is None:
+                    continue
+                mods = [layer.lora_A._modules.get(n) for n in slots.names]
+                mods += [layer.lora_B._modules.get(n) for n in slots.names]
+                if any(m is None or m.weight is not p for m, p in zip(mods, slots.params, strict=True)):
+                    return True
+            self.ids_read = CHANGES[0]
+        for name in (self.adapter_params if names is None else names):
+            entry = self.adapter_params.get(name)
+            if entry is not None and tuple(map(_DATA_PTR, entry[0])) != entry[1]:
+                return True
+        return False
 
     def layout(self) -> None:
         """(Re-)lay the arenas out for the layers' current adapters; weights are read from the parameters, and the
@@ -368,14 +388,17 @@ class AdapterStore:
                 a_leaf.grad = _piece(arena.grad, a0, (R, K))
                 b_leaf.grad = _piece(arena.grad, b0, (R * N,))
                 n_present = len(present)
-                slots[lid] = LayerSlots(present, ranks, K, N, a_leaf, b_leaf, a_params + b_params,
-                                        tuple(map(_DATA_PTR, a_params + b_params)), key,
+                slots[lid] = LayerSlots(present, ranks, K, N, a_leaf, b_leaf, a_params + b_params, key,
                                         layer.__dict__.get(_STATE_ATTR), views=tuple(a_views + b_views),
                                         held_idx=tuple(first + 2 * i for i in range(n_present))
                                         + tuple(first + 2 * i + 1 for i in range(n_present)))
 
         self.arenas, self.slots, self.held, self.views = arenas, slots, held, views
         self.adapter_of = adapter_of
+        by_adapter: dict = {}
+        for p, name in zip(held, adapter_of, strict=True):
+            by_adapter.setdefault(name, []).append(p)
+        self.adapter_params = {n: (tuple(ps), tuple(map(_DATA_PTR, ps))) for n, ps in by_adapter.items()}
         self.expected = [p.grad for p in held]
         self.hooked = set()  # the new layout's leaves have none yet
         for p in held:

@@ -682,3 +682,32 @@ def test_eval_on_the_store_replays_and_matches_peft(T):
     assert torch.equal(first, _eval(model, ids, adapter_names=rows))
     want = torch.cat([_eval_peft(ref, ids[i : i + 1], n) for i, n in enumerate(rows)])
     _close(first, want, "logits")
+
+
+@pytest.mark.parametrize("data", ["replaced", "assigned_parameter"])
+def test_a_moved_parameter_of_an_adapter_outside_the_batch_is_read_when_it_returns(data):
+    """A forward checks the addresses of the adapters it names only: an absent adapter whose parameter's ``.data``
+    was replaced (or whose weight became a new ``Parameter``, with ``mark_changed``) goes unnoticed while absent --
+    the kernels read none of its rows -- and is re-laid out, its new values read, by the first forward that names it.
+    Oracle: the same model and edit on the per-parameter path."""
+    def run(store):
+        model = many_model(3)
+        fast_multilora.patch(model, backend="torch", adapter_store=store)
+        model.eval()
+        names = sorted(model.peft_config)
+        ids = torch.randint(0, 97, (3, 5), generator=torch.Generator().manual_seed(31))
+        model(input_ids=ids, adapter_names=names)
+        layer = next(m for m in model.modules() if names[2] in getattr(m, "lora_B", {}))
+        w = layer.lora_B[names[2]].weight
+        new = torch.randn(w.shape, generator=torch.Generator().manual_seed(32))
+        if data == "replaced":
+            w.data = new
+        else:  # a new Parameter object: announced, as docs/usage.md asks
+            layer.lora_B[names[2]].weight = torch.nn.Parameter(new)
+            fast_multilora.mark_changed()
+        before = model(input_ids=ids[:2], adapter_names=names[:2]).logits  # the moved adapter absent
+        return before, model(input_ids=ids, adapter_names=names).logits
+
+    got, want = run(True), run(False)
+    for g, w, what in zip(got, want, ("absent", "back"), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m, what=what: f"{what}: {m}")
