@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from .kernels.segments import AdapterTable, Segments, slot_grouping
-from .reference import _acc_dtype, _slots, token_slots
+from .reference import _acc_dtype, token_slots
 
 _KEY = "cpu_rows_by_slot"
 
@@ -26,33 +26,38 @@ def applies(x: torch.Tensor, stack_num: int = 1) -> bool:
     return x.device.type == "cpu" and stack_num == 1 and not torch.compiler.is_compiling()
 
 
-def _rows(segs: Segments, n_slots: int) -> list:
-    """``rows[a]``: int64 indices of slot ``a``'s rows (ascending), cached on ``segs`` for the forward's layers."""
+def _rows(segs: Segments) -> list:
+    """``[(slot, rows)]`` of every slot with rows, ascending (``rows``: a ``slice`` when they are contiguous, else an
+    int64 index tensor), cached on ``segs`` for the forward's layers: the work grows with the slots in the batch, not
+    with the adapters a model holds."""
     got = segs.cache.get(_KEY)
-    if got is not None and len(got) >= n_slots:
+    if got is not None:
         return got
     ts = token_slots(segs)
-    order, bounds = slot_grouping(ts, max(n_slots, int(ts.max()) + 1 if ts.numel() else 0))
+    order, bounds = slot_grouping(ts, int(ts.max()) + 1 if ts.numel() else 0)
     order, b = order.long(), bounds.tolist()  # CPU tensors: no device wait
-    rows = []
+    live = []
     for a in range(len(b) - 2):
+        if b[a + 2] == b[a + 1]:
+            continue
         idx = order[b[a + 1] : b[a + 2]]
         n = idx.numel()
-        first = int(idx[0]) if n else 0
+        first = int(idx[0])
         # ascending and distinct: contiguous exactly when the span equals the count (a row's tokens, grouped rows)
-        rows.append(slice(first, first + n) if n and int(idx[-1]) - first + 1 == n else idx)
-    segs.cache[_KEY] = rows
-    return rows
+        live.append((a, slice(first, first + n) if int(idx[-1]) - first + 1 == n else idx))
+    segs.cache[_KEY] = live
+    return live
 
 
 def _slot_rows(segs: Segments, table: AdapterTable):
-    """``(slot, rank, offset, scale, p, rows)`` of every slot of rank > 0 that has rows (``rows``: a ``slice`` when
-    they are contiguous, else an index tensor)."""
-    n = len(table.host[0]) if table.host is not None else table.ranks.numel()
-    rows = _rows(segs, n)
-    for a, r, off, c, p in _slots(table):
-        if a < len(rows) and (type(rows[a]) is slice or rows[a].numel()):
-            yield a, r, off, c, p, rows[a]
+    """``(slot, rank, offset, scale, p, rows)`` of every slot of rank > 0 that has rows."""
+    host = table.host
+    if host is None:
+        host = (table.ranks.tolist(), table.offsets.tolist(), table.scales.tolist(), table.dropout.tolist())
+    ranks, offsets, scales, ps = host
+    for a, rows in _rows(segs):
+        if a < len(ranks) and ranks[a] > 0:
+            yield a, ranks[a], offsets[a], scales[a], ps[a], rows
 
 
 def _take(t: torch.Tensor, rows) -> torch.Tensor:

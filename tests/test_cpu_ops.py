@@ -105,10 +105,13 @@ def test_non_finite_rows_and_weights_stay_in_their_adapter():
 def test_rows_grouping_is_cached_per_forward_and_slices_contiguous_rows():
     ts = torch.tensor([2, 2, 2, -1, 0, 1, 0, 1, 1])
     segs = make_segments(ts, False)
-    rows = cpu_ops._rows(segs, 3)
+    live = cpu_ops._rows(segs)
+    assert [a for a, _ in live] == [0, 1, 2]  # slots with rows only, ascending
+    rows = dict(live)
     assert rows[2] == slice(0, 3)  # one contiguous run: a view
     assert torch.equal(rows[0], torch.tensor([4, 6])) and torch.equal(rows[1], torch.tensor([5, 7, 8]))
-    assert cpu_ops._rows(segs, 3) is rows
+    assert cpu_ops._rows(segs) is live
+    assert cpu_ops._rows(make_segments(torch.tensor([-1, 5, 5]), False)) == [(5, slice(1, 3))]
 
 
 def test_the_torch_backend_takes_them_on_a_cpu_in_eager_mode_only(monkeypatch):
