@@ -141,3 +141,43 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, keep=N
         if need_dx:
             _put(g_x, rows, _dropped(g @ _as(A_cat[off : off + r], acc), keep, rows, p))
     return (g_x.to(x.dtype) if need_dx else None), dA
+
+
+# -- fast_multilora.AdamW's step on a CPU arena -----------------------------------------------------------------------
+
+_OWNERS: dict = {}  # id(table) -> (table, int64 [numel] owner of each arena element, -1 in the alignment gaps)
+
+
+def _owner(table, numel: int) -> torch.Tensor:
+    hit = _OWNERS.get(id(table))
+    if hit is not None and hit[0] is table:
+        return hit[1]
+    lens = table.length.long()
+    chunk_of = torch.repeat_interleave(torch.arange(lens.numel()), lens, output_size=table.covered)
+    first = torch.cumsum(lens, 0) - lens
+    pos = table.start[chunk_of] + torch.arange(table.covered) - first[chunk_of]
+    owner = torch.full((numel,), -1, dtype=torch.int64)
+    owner[pos] = table.adapter.long()[chunk_of]
+    if len(_OWNERS) > 16:  # tables of past layouts
+        _OWNERS.clear()
+    _OWNERS[id(table)] = (table, owner)
+    return owner
+
+
+def adamw_step(param, grad, exp_avg, exp_avg_sq, table, scalars, active) -> None:
+    """:func:`reference.adamw_step_reference` on CPU arenas: the same float32 math in the same order on the whole
+    buffers (each element with its adapter's scalars; an element of an inactive adapter or an alignment gap keeps its
+    values), without the reference's per-step element tables and gathers."""
+    owner = _owner(table, param.numel())
+    ad = owner.clamp(min=0)
+    live = (active[ad] != 0) & (owner >= 0)
+    decay, w1, w2, b2, neg_step, bc2_sqrt, eps, _ = scalars[ad].unbind(1)
+    p, g, m, v = (x.float() for x in (param, grad, exp_avg, exp_avg_sq))
+    p = p * decay
+    m = torch.lerp(m, g, w1)
+    v = torch.addcmul(v * b2, w2 * g, g)
+    denom = v.double().sqrt().float() / bc2_sqrt + eps  # correctly rounded, as the reference
+    p = p + neg_step * m / denom
+    everything = bool(live.all())
+    for buf, x in ((param, p), (exp_avg, m), (exp_avg_sq, v)):
+        buf.copy_(x if everything else torch.where(live, x.to(buf.dtype), buf))

@@ -22,7 +22,7 @@ from typing import Callable, Mapping, NamedTuple, Optional
 import torch
 from torch.optim.adamw import adamw as _adamw
 
-from . import reference
+from . import cpu_ops, reference
 from .kernels.segments import to_device
 from .store import AdapterStore
 
@@ -200,8 +200,9 @@ class AdamW(torch.optim.Optimizer):
             from .kernels import adamw as K
 
             return _Ops(K.adamw_scalars_, K.adamw_step_, K.grad_sq_norms, K.scale_grads_)
-        return _Ops(reference.adamw_scalars_reference, reference.adamw_step_reference,
-                    reference.grad_sq_norms_reference, reference.scale_grads_reference)
+        step = cpu_ops.adamw_step if device.type == "cpu" else reference.adamw_step_reference
+        return _Ops(reference.adamw_scalars_reference, step, reference.grad_sq_norms_reference,
+                    reference.scale_grads_reference)
 
     def _check_owner(self, what: str) -> None:
         if self.store.owner is not self:
