@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu_run.sh --out "$OUT" --tests tests/test_compile_gpu.py --scenarios eval_8 --kernels
 #
 # Options: --out DIR (default $OUT, else benchmarks/results/gpu_run); --tests "PATHS" (default tests/) or --no-tests;
-# --test-timeout S (default 180); --scenarios LIST and --providers LIST (run.py's; default: its defaults);
+# --test-timeout S (default 420: 123 GPU tests; at 170 s only 5 had run, 2026-12-05); --scenarios LIST and
+# --providers LIST (run.py's; default: its defaults);
 # --variants LIST; --fresh-process; --budget-s S (the harness starts no row past it; default 360); --kernels (also
 # bench_kernels.py, 120 s budget); --fresh (a new results file instead of merging into a copy of
 # benchmarks/results/h200.json). Wheels in an ignored wheels/ folder (e.g. bitsandbytes, for the machine has no
@@ -22,7 +23,7 @@ unset TRITON_INTERPRET  # compiled kernels
 
 OUT=${OUT:-benchmarks/results/gpu_run}
 TESTS=tests/
-TEST_TIMEOUT=180
+TEST_TIMEOUT=420
 BUDGET=360
 HARNESS=()
 KERNELS=0
