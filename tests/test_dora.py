@@ -18,6 +18,7 @@ import torch
 from helpers import assert_close_max
 from models import LLAMA_TARGETS, tiny_gpt2, twin, with_adapters
 from peft import LoraConfig
+from test_paths import _step  # (logits, input gradient, LoRA gradients) of one weighted-sum step
 
 import fast_multilora
 from fast_multilora import dora as dora_mod
@@ -81,15 +82,6 @@ def _inputs(rows=None, t=T):
     rows = len(NAMES) if rows is None else rows
     g = torch.Generator().manual_seed(3)
     return torch.randint(0, 97, (rows, t), generator=g), torch.randn(rows, t, 97, generator=g)
-
-
-def _step(model, ids, w, **route):
-    model.zero_grad(set_to_none=True)
-    emb = model.get_input_embeddings()(ids).detach().requires_grad_()
-    out = model(inputs_embeds=emb, **route).logits
-    (out * w).sum().backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if "lora_" in n and p.grad is not None}
-    return out.detach(), emb.grad, grads
 
 
 class _FixedMask(torch.nn.Module):

@@ -61,14 +61,18 @@ def test_every_adapter_moves_and_logs_its_loss(tmp_path):
     data = samples(["a0", "a1", "a2", "__base__"] * 6)
     trainer = trainer_for(model, data, tmp_path, steps=3)
     trainer.train()
+    _assert_moved_and_logged(model, before, trainer, steps=3)
+
+
+def _assert_moved_and_logged(model, before, trainer, steps):
+    """Every LoRA weight moved; ``steps`` training logs, each with a plausible ``loss/<adapter>`` of every adapter."""
     after = lora_weights(model)
     for n in before:
         assert not torch.equal(before[n], after[n]), f"{n} did not move"
     logged = [h for h in trainer.state.log_history if "loss" in h]
-    assert len(logged) == 3
+    assert len(logged) == steps
     for h in logged:
-        assert {f"loss/{a}" for a in ADAPTERS} <= set(h), h
-        assert all(0 < h[f"loss/{a}"] < 20 for a in ADAPTERS)
+        assert {f"loss/{a}" for a in ADAPTERS} <= set(h) and all(0 < h[f"loss/{a}"] < 20 for a in ADAPTERS), h
 
 
 def test_base_rows_leave_adapters_untouched(tmp_path):
@@ -241,13 +245,7 @@ def test_trainer_kwargs_trains_logs_and_clips_every_adapter(tmp_path):
     assert kw["args"].max_grad_norm == 0.0 and not kw["args"].remove_unused_columns
     trainer = Trainer(**kw, train_dataset=samples(["a0", "a1", "a2", "__base__"] * 6))
     trainer.train()
-    after = lora_weights(model)
-    for n in before:
-        assert not torch.equal(before[n], after[n]), f"{n} did not move"
-    logged = [h for h in trainer.state.log_history if "loss" in h]
-    assert len(logged) == 3
-    for h in logged:
-        assert {f"loss/{a}" for a in ADAPTERS} <= set(h) and all(0 < h[f"loss/{a}"] < 20 for a in ADAPTERS), h
+    _assert_moved_and_logged(model, before, trainer, steps=3)
     clip = next(c for c in kw["callbacks"] if isinstance(c, PerAdapterGradClip))
     assert set(clip.last_norms) == set(ADAPTERS) and min(clip.last_norms.values()) > 1e-2  # it had to clip
     # evaluation: the same collator and loss, with the logits (eval forwards are not fused)
