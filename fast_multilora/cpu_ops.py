@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from .kernels.segments import AdapterTable, Segments, slot_grouping
-from .reference import _acc_dtype, token_slots
+from .reference import _acc_dtype, _arena_elements, token_slots
 
 _KEY = "cpu_rows_by_slot"
 
@@ -152,12 +152,9 @@ def _owner(table, numel: int) -> torch.Tensor:
     hit = _OWNERS.get(id(table))
     if hit is not None and hit[0] is table:
         return hit[1]
-    lens = table.length.long()
-    chunk_of = torch.repeat_interleave(torch.arange(lens.numel()), lens, output_size=table.covered)
-    first = torch.cumsum(lens, 0) - lens
-    pos = table.start[chunk_of] + torch.arange(table.covered) - first[chunk_of]
+    pos, adapter = _arena_elements(table)
     owner = torch.full((numel,), -1, dtype=torch.int64)
-    owner[pos] = table.adapter.long()[chunk_of]
+    owner[pos] = adapter
     if len(_OWNERS) > 16:  # tables of past layouts
         _OWNERS.clear()
     _OWNERS[id(table)] = (table, owner)

@@ -149,7 +149,6 @@ class LayerSlots:
     params: tuple  # (A params..., B params...) slot order
     key: tuple  # _layer_key when laid out
     state: object  # the layer's patching.LayerState it was checked against (a new one: the key is checked again)
-    views: tuple = ()  # each parameter's gradient piece (params' order)
     expected: tuple = ()  # each parameter's ``.grad`` as the store last left it: its view, or ``None``
     held_idx: tuple = ()  # each parameter's index in ``AdapterStore.held`` (params' order)
 
@@ -357,7 +356,6 @@ class AdapterStore:
                 b_params = tuple(layer.lora_B[n].weight for n in present)
                 off = 0
                 first = len(held)
-                a_views, b_views = [], []
                 for name, r, pa, pb in zip(present, ranks, a_params, b_params, strict=True):
                     for p, start, shape in ((pa, a0 + off * K, (r, K)), (pb, b0 + off * N, (N, r))):
                         numel = shape[0] * shape[1]
@@ -380,18 +378,16 @@ class AdapterStore:
                         held.append(p)
                         views.append(gview)
                         adapter_of.append(name)
-                        (a_views if p is pa else b_views).append(gview)
                         arena.blocks.append((start, numel, p))
                     off += r
                 a_leaf = _piece(arena.data, a0, (R, K))
                 b_leaf = _piece(arena.data, b0, (R * N,))
                 a_leaf.grad = _piece(arena.grad, a0, (R, K))
                 b_leaf.grad = _piece(arena.grad, b0, (R * N,))
-                n_present = len(present)
+                pairs = range(first, first + 2 * len(present), 2)  # held order: each adapter's A, then its B
                 slots[lid] = LayerSlots(present, ranks, K, N, a_leaf, b_leaf, a_params + b_params, key,
-                                        layer.__dict__.get(_STATE_ATTR), views=tuple(a_views + b_views),
-                                        held_idx=tuple(first + 2 * i for i in range(n_present))
-                                        + tuple(first + 2 * i + 1 for i in range(n_present)))
+                                        layer.__dict__.get(_STATE_ATTR),
+                                        held_idx=tuple(pairs) + tuple(i + 1 for i in pairs))
 
         self.arenas, self.slots, self.held, self.views = arenas, slots, held, views
         self.adapter_of = adapter_of

@@ -13,12 +13,14 @@ on the dropped input are both checked against the mask the kernels used.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from helpers import assert_close_max
 from models import LLAMA_TARGETS, tiny_gpt2, twin, with_adapters
 from peft import LoraConfig
-from test_paths import _step  # (logits, input gradient, LoRA gradients) of one weighted-sum step
+from test_paths import _peft_per_sample, _step  # (logits, input gradient, LoRA gradients) of a weighted sum
 
 import fast_multilora
 from fast_multilora import dora as dora_mod
@@ -98,34 +100,24 @@ class _FixedMask(torch.nn.Module):
 def _peft_by_adapter(ref, ids, w, names, masks=None):
     """Stock PEFT, each adapter alone on its rows (adapters disabled for ``__base__``); ``masks``: module name ->
     the ``[rows * T, K]`` keep-mask our run drew there, applied by every adapter's dropout module of that layer."""
-    outs, dxs = [None] * len(names), [None] * len(names)
-    ref.zero_grad(set_to_none=True)
-    for name in dict.fromkeys(names):
-        rows = [i for i, n in enumerate(names) if n == name]
-        emb = ref.get_input_embeddings()(ids[rows]).detach().requires_grad_()
-        if name == "__base__":
-            with ref.disable_adapter():
-                out = ref(inputs_embeds=emb).logits
-                (out * w[rows]).sum().backward()
-        else:
-            ref.set_adapter(name)
-            for n, p in ref.named_parameters():
-                p.requires_grad_("lora_" in n)
-            saved = {}
-            for mod_name, keep in (masks or {}).items():
-                layer = ref.get_submodule(mod_name)
-                if name in layer.lora_dropout:
-                    saved[mod_name] = layer.lora_dropout[name]
-                    K = keep.shape[1]
-                    layer.lora_dropout[name] = _FixedMask(keep.view(len(names), -1, K)[rows], P)
-            out = ref(inputs_embeds=emb).logits
-            (out * w[rows]).sum().backward()
+
+    @contextlib.contextmanager
+    def fixed_masks(name, rows):
+        saved = {}
+        for mod_name, keep in (masks or {}).items():
+            layer = ref.get_submodule(mod_name)
+            if name in layer.lora_dropout:
+                saved[mod_name] = layer.lora_dropout[name]
+                K = keep.shape[1]
+                layer.lora_dropout[name] = _FixedMask(keep.view(len(names), -1, K)[rows], P)
+        try:
+            yield
+        finally:
             for mod_name, drop in saved.items():
                 ref.get_submodule(mod_name).lora_dropout[name] = drop
-        for j, i in enumerate(rows):
-            outs[i], dxs[i] = out[j : j + 1].detach(), emb.grad[j : j + 1]
-    grads = {n: p.grad for n, p in ref.named_parameters() if "lora_" in n and p.grad is not None}
-    return torch.cat(outs), torch.cat(dxs), grads
+
+    ref.zero_grad(set_to_none=True)
+    return _peft_per_sample(ref, ids, w, names, by_adapter=True, around=fixed_masks)
 
 
 def _assert_matches(got, want, model, names):

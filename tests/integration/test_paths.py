@@ -8,6 +8,8 @@ take the chunked family. Under dropout, where PEFT draws other masks, the stored
 the same results. A one-row or one-slot mistake on any path fails here.
 """
 
+import contextlib
+
 import pytest
 import torch
 from models import LLAMA_TARGETS, peft_model, twin
@@ -35,8 +37,9 @@ def _step(model, ids, w, **kw):
     return out.detach(), emb.grad, grads
 
 
-def _peft_per_sample(ref, ids, w, row_names, by_adapter=False):
-    """Stock PEFT, one row at a time with its adapter alone (``by_adapter``: all rows of one adapter at once)."""
+def _peft_per_sample(ref, ids, w, row_names, by_adapter=False, around=None):
+    """Stock PEFT, one row at a time with its adapter alone (``by_adapter``: all rows of one adapter at once);
+    ``around(name, rows)``: a context manager entered around an adapter's forward and backward."""
     outs, dxs = [None] * len(row_names), [None] * len(row_names)
     for n, p in ref.named_parameters():
         p.requires_grad_("lora_" in n)
@@ -53,8 +56,9 @@ def _peft_per_sample(ref, ids, w, row_names, by_adapter=False):
             ref.set_adapter(name)
             for n, p in ref.named_parameters():
                 p.requires_grad_("lora_" in n)
-            out = ref(inputs_embeds=emb).logits
-            (out * w[rows]).sum().backward()
+            with around(name, rows) if around is not None else contextlib.nullcontext():
+                out = ref(inputs_embeds=emb).logits
+                (out * w[rows]).sum().backward()
         for j, i in enumerate(rows):
             outs[i], dxs[i] = out[j : j + 1].detach(), emb.grad[j : j + 1]
     grads = {n: p.grad for n, p in ref.named_parameters() if "lora_" in n and p.grad is not None}
