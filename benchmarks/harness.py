@@ -17,7 +17,8 @@ A row key is the provider's name, with ``[variant]`` appended for a scenario's o
      "wall_ms": median wall time of one call (CUDA events on a GPU), "gpu_ms": summed kernel time of one call
      (profiler; null on a CPU), "host_ms": time until the call returns after a synchronize (median),
      "peak_mib": max_memory_allocated over the timed calls (null on a CPU), "iters", "fresh_process",
-     "ratios": {"frozen": wall_ms / frozen's, "peft_single": ..., "first_variant": ...}, "extra": {...}}
+     "ratios": {"frozen": wall_ms / frozen's, "peft_single": ..., "peft_add_adapter": ..., "first_variant": ...},
+     "extra": {...}}
 
 Every row of one scenario comes from one run (``--merge`` replaces scenarios whole), so its ratios compare
 measurements of the same machine and moment.
@@ -26,6 +27,7 @@ measurements of the same machine and moment.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import platform
@@ -180,6 +182,29 @@ def time_step(fn, device: str, *, warm: int, iters: int, split: bool = True) -> 
     return out
 
 
+def time_fresh(fn, setup, device: str, *, iters: int) -> dict:
+    """Timings of ``fn(state)`` where each call needs fresh state (creating adapters changes the model): ``iters``
+    calls, each on ``setup()``'s result (untimed), timed by the wall clock between synchronizes. ``wall_ms``: the
+    median; ``peak_mib``: ``max_memory_allocated`` over the timed calls (setup's memory included, e.g. the model);
+    no warm-up, no kernel/host split (the calls are host-bound and seconds long)."""
+    import torch
+
+    ts = []
+    peak = 0.0
+    for _ in range(iters):
+        call = functools.partial(fn, setup())
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        ts.append(wall_s(call, device) * 1e3)
+        if device == "cuda":
+            peak = max(peak, torch.cuda.max_memory_allocated() / 2**20)
+        del call  # the next setup builds its state with this one freed
+    wall = statistics.median(ts)
+    return {"wall_ms": wall, "gpu_ms": None, "host_ms": None if device == "cuda" else wall,
+            "peak_mib": peak if device == "cuda" else None, "iters": iters}
+
+
 def bench_op(fn, device: str, *, warmup_ms: int = 10, rep_ms: int = 40, cpu_reps: int = 3) -> dict:
     """Median and 20/80 % quantiles in ms of one op (``bench_kernels.py``). CUDA: ``triton.testing.do_bench`` (L2
     flushed before every timed call); CPU (dry runs): wall clock after one warm-up call."""
@@ -233,7 +258,7 @@ def make_row(provider: str, variant: str = "", status: str = "ok", reason: str |
     return row
 
 
-def add_ratios(rows: dict, refs=("frozen", "frozen_compiled", "peft_single")) -> dict:
+def add_ratios(rows: dict, refs=("frozen", "frozen_compiled", "peft_single", "peft_add_adapter")) -> dict:
     """Each ok row's wall time over the reference providers' (same variant if that row exists, else their default
     variant) and over the same provider's first variant (variant sweeps such as adapter counts); in place."""
     first = {}

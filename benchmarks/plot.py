@@ -37,7 +37,7 @@ def tables(res: dict, scenarios=None) -> str:
             ratios = r["ratios"]
             note = r["reason"] or ""
             if r["status"] == "ok":
-                note = _note(r["extra"])
+                note = _note(r["extra"], ratios)
             elif r["status"] != "ok":
                 note = f"**{r['status']}**: {note}"
             out.append(f"| {key} | {_f(r['wall_ms'])} | {_f(r['gpu_ms'])} | {_f(r['host_ms'])} | "
@@ -48,8 +48,14 @@ def tables(res: dict, scenarios=None) -> str:
     return "\n".join(out)
 
 
-def _note(e: dict) -> str:
+def _note(e: dict, ratios=None) -> str:
     parts = []
+    if (ratios or {}).get("peft_add_adapter"):
+        parts.append(f"{ratios['peft_add_adapter']:.3f} x PEFT's add_adapter loop")
+    if "save_s" in e:
+        parts.append(f"save_adapters {e['save_s']:.2f} s, load_adapters {e['load_s']:.2f} s")
+    if "eval_loss_fused_minus_logits" in e:
+        parts.append(f"fused - logits loss (eval) {e['eval_loss_fused_minus_logits']:.1e}")
     if "adapters_with_grads" in e:
         parts.append(f"{e['adapters_with_grads']}/{e.get('adapters_in_batch', e.get('adapters'))} adapters got "
                      "gradients")

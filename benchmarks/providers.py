@@ -18,7 +18,7 @@ import workloads as M
 @dataclass(frozen=True)
 class Provider:
     name: str
-    family: str  # frozen | peft_single | peft_sequential | peft_mixed_loop | fast
+    family: str  # frozen | peft_single | peft_sequential | peft_mixed_loop | peft_add_adapter | fast
     doc: str
     optimizer: str = "adamw"  # adamw | adamw_fused | paged_adamw8bit | store
     compiled: bool = False
@@ -47,8 +47,11 @@ PROVIDERS = {p.name: p for p in (
     Provider("peft_mixed_loop", "peft_mixed_loop", "PEFT's own per-sample mixed batch (adapter_names: a loop over "
                                                    "adapters in every LoRA layer); in training injected by a "
                                                    "pre-hook, as PEFT allows it only at inference"),
+    Provider("peft_add_adapter", "peft_add_adapter", "create_adapters' reference: PEFT's own loop, "
+                                                     "PeftModel.add_adapter(name, LoraConfig) per adapter"),
     Provider("fast_multilora", "fast", "fast_multilora.patch(model), one mixed batch of every adapter, the user's "
-                                       "own torch.optim.AdamW(model.parameters(), lr)"),
+                                       "own torch.optim.AdamW(model.parameters(), lr); create_adapters: "
+                                       "fast_multilora.add_adapters(model, {name: LoraConfig})"),
     Provider("fast_multilora_fused_adamw", "fast", "fast_multilora with AdamW(fused=True)", optimizer="adamw_fused"),
     Provider("fast_multilora_paged_adamw8bit", "fast", "fast_multilora with bitsandbytes' PagedAdamW8bit",
              optimizer="paged_adamw8bit", needs="bitsandbytes"),
@@ -64,12 +67,15 @@ PROVIDERS = {p.name: p for p in (
 
 class Step(NamedTuple):
     """What a row times: ``fn()`` (one call); ``check()`` after the timing returns fields to record; ``teardown()``
-    always runs; ``first`` is set when the first call compiles (its wall time is recorded as ``compile_s``)."""
+    always runs; ``first`` is set when the first call compiles (its wall time is recorded as ``compile_s``). With
+    ``setup``, every call is ``fn(setup())`` on fresh state, ``iters`` times (``harness.time_fresh``)."""
     fn: Callable
     teardown: Callable
     check: Callable
     info: dict
     first: bool = False
+    setup: Callable | None = None
+    iters: int = 1
 
 
 def _nothing():
@@ -122,7 +128,8 @@ def _model(ctx, pm, p: Provider):
 def prepare(ctx, p: Provider, variant: str) -> Step:
     """The timed call of provider ``p`` in ``ctx``'s scenario (``ctx.kind``: train, scale, eval, generate, layer)."""
     kind = "train" if ctx.kind == "scale" else ctx.kind
-    return {"train": _train, "eval": _eval, "generate": _generate, "layer": _layer}[kind](ctx, p, variant)
+    return {"train": _train, "eval": _eval, "generate": _generate, "layer": _layer,
+            "create": _create}[kind](ctx, p, variant)
 
 
 # -- training steps ----------------------------------------------------------------------------------------------------
@@ -185,16 +192,28 @@ def _train(ctx, p: Provider, variant: str) -> Step:
     opt = optimizer(p.optimizer, pm)
     model = _model(ctx, pm, p)
     route = {k: b[k] for k in ("adapter_ids", "position_ids") if k in b}
-    if variant == "per_adapter_loss":
+    if variant in ("per_adapter_loss", "logits"):
         import fast_multilora
 
-        info["loss"] = "fast_multilora.per_adapter_loss, rows grouped by adapter"
+        info["loss_call"] = "fast_multilora.per_adapter_loss(model(...).logits, ...)" + (
+            ", packed rows (adapter_ids)" if route else ", rows grouped by adapter")
+        # logits: no KV cache, as fused_causal_lm_loss (a cache also turns off transformers' packed-row masks)
+        kw = {**route, "use_cache": False} if variant == "logits" else route
 
         def loss():
-            return fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=names, **route).logits, ids,
+            return fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=names, **kw).logits, ids,
                                                    names, adapter_ids=route.get("adapter_ids"))
+    elif variant == "fused":
+        import fast_multilora
+
+        info["loss_call"] = "fast_multilora.fused_causal_lm_loss(model, batch): no logits built" + (
+            ", packed rows (adapter_ids)" if route else "")
+        batch = {"input_ids": ids, "labels": ids, "adapter_names": names, **route}
+
+        def loss():
+            return fast_multilora.fused_causal_lm_loss(model, batch)
     else:
-        info["loss"] = "HF labels= loss" + (", packed rows (adapter_ids)" if route else ", rows interleaved")
+        info["loss_call"] = "HF labels= loss" + (", packed rows (adapter_ids)" if route else ", rows interleaved")
 
         def loss():
             return model(input_ids=ids, labels=ids, adapter_names=names, **route).loss
@@ -205,15 +224,40 @@ def _train(ctx, p: Provider, variant: str) -> Step:
         opt.zero_grad(set_to_none=True)
 
     trained = [n for n in dict.fromkeys(names) if n != "__base__"]
+    if variant in ("logits", "fused"):  # what the fused loss saves: the fp32 logits of the batch
+        info["logits_fp32_mib"] = round(ids.numel() * pm.get_output_embeddings().weight.shape[0] * 4 / 2**20, 1)
 
     def check():  # the timed steps trained every adapter of the batch (B moved off zero: A gets gradients too)
         value = loss()
         value.backward()
         got = M.adapters_with_grads(pm, trained)
         opt.zero_grad(set_to_none=True)
-        return {"loss": float(value.detach()), "adapters_in_batch": len(trained), "adapters_with_grads": got}
+        out = {"loss": float(value.detach()), "adapters_in_batch": len(trained), "adapters_with_grads": got}
+        if variant == "fused":
+            out.update(_fused_vs_logits(pm, model, batch))
+        return out
 
     return Step(fast, lambda: _unpatch(pm), check, info, first=p.compiled)
+
+
+def _fused_vs_logits(pm, model, batch) -> dict:
+    """The fused loss against ``per_adapter_loss`` of the model's logits, on the same weights, dropout off."""
+    import torch
+
+    import fast_multilora
+
+    route = {k: batch[k] for k in ("adapter_ids", "position_ids") if k in batch}
+    pm.eval()
+    try:
+        with torch.no_grad():
+            fused = fast_multilora.fused_causal_lm_loss(model, batch)
+            logits = model(input_ids=batch["input_ids"], adapter_names=batch["adapter_names"], use_cache=False,
+                           **route).logits
+            ref = fast_multilora.per_adapter_loss(logits, batch["labels"], batch["adapter_names"],
+                                                  adapter_ids=route.get("adapter_ids"))
+    finally:
+        pm.train()
+    return {"eval_loss_logits": float(ref), "eval_loss_fused_minus_logits": float(fused - ref)}
 
 
 # -- inference ---------------------------------------------------------------------------------------------------------
@@ -330,3 +374,79 @@ def _layer(ctx, p: Provider, variant: str) -> Step:
         return Step(call(pm), lambda: [h.remove() for h in hooks], _nothing, {})
     info = {"patch": _patch(ctx, pm, p)}
     return Step(call(pm, adapter_names=names), lambda: _unpatch(pm), _nothing, info)
+
+
+# -- creating adapters -------------------------------------------------------------------------------------------------
+
+def _create(ctx, p: Provider, variant: str) -> Step:
+    """Create ``n`` adapters (``b0 ..``) on a fresh PeftModel holding ``a0``: ``fast_multilora.add_adapters`` or PEFT's
+    ``add_adapter`` loop. The fast row's check times ``save_adapters`` of them and ``load_adapters`` into a fresh
+    model, and compares the loaded weights with the created ones."""
+    from peft import get_peft_model
+
+    import fast_multilora
+
+    n = ctx.batch(variant)["adapters"]
+    names = [f"b{i}" for i in range(n)]
+    hold = {}
+
+    def fresh():  # the base with a0, and the configs to add (untimed)
+        hold.clear()
+        ctx.free()
+        cfg = dict(rank=ctx.sizes.rank, dropout=ctx.sc.dropout)
+        hold["pm"] = get_peft_model(M.llama(ctx.sizes, ctx.device, ctx.dtype), M.lora_config(**cfg), adapter_name="a0")
+        return hold["pm"], {a: M.lora_config(**cfg) for a in names}
+
+    def fast(state):
+        hold["fallback"] = fast_multilora.add_adapters(*state)
+
+    def peft_loop(state):
+        pm, cfgs = state
+        for a, cfg in cfgs.items():
+            pm.add_adapter(a, cfg)
+
+    small = n <= 32 or (p.family == "fast" and n <= 128)
+    info = {"adapters_created": n, "call": "fast_multilora.add_adapters(model, configs)" if p.family == "fast"
+            else "for name, cfg in configs.items(): model.add_adapter(name, cfg)"}
+
+    def check():
+        pm = hold["pm"]
+        got = {"adapters_in_model": len(pm.peft_config),
+               "lora_mib": round(sum(q.numel() * q.element_size() for q in M.lora_params(pm)) / 2**20)}
+        if p.family == "fast":
+            got["fallback"] = len(hold["fallback"])
+            got.update(_save_load(ctx, pm, names, fresh))
+        return got
+
+    return Step(fast if p.family == "fast" else peft_loop, hold.clear, check, info,
+                setup=fresh, iters=3 if small else 1)
+
+
+def _save_load(ctx, pm, names, fresh) -> dict:
+    """Seconds of ``fast_multilora.save_adapters(pm, folder, names)`` and of ``load_adapters`` of the saved folders
+    into a fresh model, and whether the loaded weights equal the saved ones (every LoRA tensor of the first and last
+    adapter); skipped when the temporary disk lacks twice the adapters' size."""
+    import shutil
+    import tempfile
+
+    import harness
+    import torch
+
+    import fast_multilora
+
+    size = sum(q.numel() * q.element_size() for q in M.lora_params(pm)) * len(names) // (len(names) + 1)
+    with tempfile.TemporaryDirectory() as folder:
+        free = shutil.disk_usage(folder).free
+        if free < 2 * size:
+            return {"save_load": f"skipped: {free / 2**30:.1f} GiB free in {folder}, the adapters take "
+                                 f"{size / 2**30:.1f} GiB"}
+        want = {k: v.detach().cpu() for k, v in pm.state_dict().items()
+                if "lora_" in k and any(f".{a}." in k for a in (names[0], names[-1]))}
+        save_s = harness.wall_s(lambda: fast_multilora.save_adapters(pm, folder, names), ctx.device)
+        pm2, _ = fresh()
+        load_s = harness.wall_s(lambda: fast_multilora.load_adapters(pm2, {a: f"{folder}/{a}" for a in names}),
+                                ctx.device)
+        state = pm2.state_dict()
+        equal = bool(want) and all(torch.equal(state[k].cpu(), v) for k, v in want.items())
+    return {"save_s": round(save_s, 3), "load_s": round(load_s, 3), "saved_mib": round(size / 2**20),
+            "loaded_equal_created": equal}

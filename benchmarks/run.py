@@ -160,15 +160,23 @@ def dry_run(scs, provs, st) -> int:
         for v in dict.fromkeys(v for _, v in pairs):
             b = ctx.batch(v)
             shapes = {k: tuple(t.shape) for k, t in b.items() if hasattr(t, "shape")}
+            if sc.kind == "create":
+                print(f"   inputs[{v}]: {b['adapters']} LoraConfigs to add")
+                continue
             print(f"   inputs[{v}]: {shapes}, {len(set(b.get('names', [])) - {'__base__'})} adapters in the batch, "
                   f"{b.get('adapters', 3 if sc.model == 'readme' else 8)} resident")
-        if sc.model in ("llama", "moe", "layer", "readme") and not dict(sc.lora).get("use_dora"):
+        if sc.model in ("llama", "llama8b", "moe", "layer", "readme") and not dict(sc.lora).get("use_dora"):
             # (DoRA's init reads the base weight: no meta build)
             ctx.device = "meta"  # structure and parameter counts without allocating
-            pm = ctx.peft()  # 8 adapters (the scale scenario's counts grow the same model at run time)
+            # 8 adapters (the scale scenario's counts grow the same model at run time); create_adapters' one
+            pm = ctx.peft(1 if sc.kind == "create" else None)
             total = sum(p.numel() for p in pm.parameters())
             lora = sum(p.numel() for p in M.lora_params(pm))
             print(f"   model (meta): {total / 1e6:.1f} M parameters, {lora / 1e6:.2f} M of them LoRA")
+            if sc.kind == "create":
+                n = max(M.Sizes(st["size"]).create)
+                print(f"   {n} more adapters: {n * lora / 1e6:.0f} M LoRA parameters, {n * lora * 4 / 2**30:.1f} GiB "
+                      "in fp32 (PEFT's autocast_adapter_dtype)")
         for name, v in pairs:
             print(f"   row {harness.row_key(name, v)}")
     return 0
@@ -218,7 +226,8 @@ def main(argv=None) -> int:
                                 dtype="bfloat16" if st["device"] == "cuda" else "float32",
                                 timing=f"median of CUDA-event timings (CPU: wall clock); warm-up/iterations "
                                        f"{M.Sizes(st['size']).warm}/{M.Sizes(st['size']).iters}, PEFT's loops and "
-                                       f"generation {M.Sizes(st['size']).slow_warm}/{M.Sizes(st['size']).slow_iters}")
+                                       f"generation {M.Sizes(st['size']).slow_warm}/{M.Sizes(st['size']).slow_iters}"
+                                       + (f"; {sc.name}: {sc.timing}" if sc.timing else ""))
         pairs = rows_of(sc, provs, M.Sizes(st["size"]), variants)
         if sc.not_implemented:
             rows = {harness.row_key(n, v): harness.make_row(n, v, "not_implemented", sc.not_implemented)

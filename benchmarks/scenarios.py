@@ -4,6 +4,7 @@ batches per variant) and the in-process measurement of one provider's rows (``me
 A scenario runs its providers in table order (``frozen`` first, on the base model before PEFT wraps it). Variants:
 ``""`` (every provider) and others (the ``fast`` family only, e.g. ``per_adapter_loss``); a scenario whose variants are
 all non-empty (``train_step_scale``'s adapter counts) runs ``frozen`` once and its other providers per variant.
+``create_adapters``' counts run PEFT's quadratic loop only at the small ones (``shared_variants``).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ LAYER = ("frozen", "peft_single", "peft_mixed_loop", "fast_multilora")
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    kind: str  # train | scale | eval | generate | layer | declared
-    model: str  # llama | qlora | moe | readme | layer
+    kind: str  # train | scale | eval | generate | layer | create | declared
+    model: str  # llama | llama8b | qlora | moe | readme | layer
     description: str
     providers: tuple = ()
     variants: tuple = ("",)
@@ -41,6 +42,7 @@ class Scenario:
     default: bool = True  # in run.py's default list
     lora: tuple = ()  # more LoraConfig settings, (name, value) pairs
     liger: bool = False  # Liger Kernel's patches (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy) on the base
+    timing: str = ""  # how the rows are timed, where it differs from run.py's default note
 
 
 _LLAMA = "Llama-shaped model (full: 8 layers, hidden 2048, intermediate 5632, 32/4 heads, vocab 32000, ~0.5 B), bf16"
@@ -78,8 +80,16 @@ SCENARIOS = {s.name: s for s in (
              "all 7), chat (r 4, attention), code (r 16, MLP, dropout 0.1), 4 x 32 tokens, rows chat/sql/base/code; "
              "torch backend", ("frozen", "peft_single", "peft_mixed_loop", "fast_multilora",
                                "fast_multilora_store_adamw"), ("", "per_adapter_loss"), default=False),
-    Scenario("create_adapters", "declared", "llama", "time to add N adapters to a model", ("fast_multilora",),
-             not_implemented="the library has no adapter-creation path of its own yet (PEFT's add_adapter is used)"),
+    Scenario("create_adapters", "create", "llama",
+             f"{_LLAMA}, as a PeftModel holding one adapter; seconds to create n more (r=16 "
+             "alpha 32 dropout 0.05 on all 7 projections, PEFT's default init, weights fp32 as PEFT's "
+             "autocast_adapter_dtype makes them): fast_multilora.add_adapters(model, {name: LoraConfig}) at every n, "
+             "PEFT's own loop (PeftModel.add_adapter per adapter, quadratic in n) at the small n; fast rows also "
+             "time save_adapters of the n adapters and load_adapters of them into a fresh model (extra save_s, "
+             "load_s). Variants n=<count> (full: 32, 128, 256, 512, 1024; tiny: 8, 32). Target: n=1024 created in "
+             "<= 30 s on the H200", ("fast_multilora", "peft_add_adapter"), ("create",), default=False,
+             timing="wall clock between synchronizes, one creation per repetition on a fresh model (setup untimed), "
+                    "no warm-up; 3 repetitions up to n=128 (PEFT's loop: n=32), 1 above"),
     Scenario("train_step_8_liger", "train", "llama",
              "train_step_8 with Liger Kernel's patches on the base (apply_liger_kernel_to_llama: RMSNorm, SwiGLU, "
              "RoPE, fused linear cross-entropy for the HF labels= loss) for every provider: Liger + stock PEFT (one "
@@ -94,16 +104,29 @@ SCENARIOS = {s.name: s for s in (
              "batch", ("frozen", "peft_single", "peft_single_fused_adamw", "fast_multilora",
                        "fast_multilora_fused_adamw"), ("", "per_adapter_loss"), lora=(("use_dora", True),),
              default=False),
-    Scenario("step_8b_fused_loss", "declared", "llama", "an 8 B model's train step with a fused linear + loss",
-             ("fast_multilora",),
-             not_implemented="fast_multilora has no fused linear-cross-entropy loss yet"),
+    Scenario("step_8b_fused_loss", "train", "llama8b",
+             "Llama-3-8B-shaped model (full: 32 layers, hidden 4096, intermediate 14336, 32/8 heads, vocab 128256, "
+             "rope theta 500000, ~8.0 B; tiny: 2 layers, hidden 64, vocab 512), bf16, random init on the device; 4 x "
+             "2048 tokens (tiny: 4 x 32) as packed rows of 2 samples (adapter_ids, position_ids), 8 adapters r=16 "
+             "alpha 32 dropout 0.05 on all 7 projections in one mixed batch, one step with torch.optim.AdamW; "
+             "variant logits: fast_multilora.per_adapter_loss(model(...).logits, ...); fused: "
+             "fast_multilora.fused_causal_lm_loss(model, batch) (no logits built). Target: fused peak below logits' "
+             "by at least the fp32 logits (extra logits_fp32_mib: 4008 MiB full), step time no worse",
+             ("fast_multilora",), ("logits", "fused"), default=False),
 )}
 
 
 def variants_of(sc: Scenario, sizes: M.Sizes) -> list:
     if sc.variants == ("scale",):
         return [f"n={n}/batch={m}" for n, m in sizes.scale]
+    if sc.variants == ("create",):
+        return [f"n={n}" for n in sizes.create]
     return list(sc.variants)
+
+
+def shared_variants(sc: Scenario, sizes: M.Sizes) -> list:
+    """The variants every provider runs (the others: the ``fast`` family only)."""
+    return [f"n={n}" for n in sizes.create_peft] if sc.variants == ("create",) else [""]
 
 
 def rows_of(sc: Scenario, providers, sizes: M.Sizes, variants=None) -> list:
@@ -118,7 +141,7 @@ def rows_of(sc: Scenario, providers, sizes: M.Sizes, variants=None) -> list:
             if fam == "frozen":
                 if v == vs[0]:
                     out.append((name, ""))
-            elif v == "" or fam == "fast":
+            elif fam == "fast" or v in shared_variants(sc, sizes):
                 out.append((name, v))
     return out
 
@@ -142,7 +165,8 @@ class Context:
             raise RuntimeError(f"{self.sc.name}: frozen must run before the PEFT model wraps the base")
         if self._base is None:
             s, dev, dt = self.sizes, self.device, self.dtype
-            self._base = {"llama": lambda: M.llama(s, dev, dt), "moe": lambda: M.moe(s, dev, dt),
+            self._base = {"llama": lambda: M.llama(s, dev, dt), "llama8b": lambda: M.llama8b(s, dev, dt),
+                          "moe": lambda: M.moe(s, dev, dt),
                           "qlora": lambda: M.qlora_base(s, dev, dt), "layer": lambda: M.layer_base(s, dev, dt),
                           "readme": lambda: M.llama(s, dev, dt, M.README_MODEL)}[self.sc.model]()
             if self.sc.liger and dev != "meta":
@@ -212,6 +236,13 @@ class Context:
             x = self.torch.randn(rows, T, K, generator=g).to(dev, self.dtype).requires_grad_(True)
             gy = self.torch.randn(rows, T, N, generator=g).to(dev, self.dtype)
             return {"x": x, "gy": gy, "names": M.interleaved(8, rows)}
+        if self.kind == "create":
+            return {"adapters": int(variant.split("=")[1])}
+        if self.sc.model == "llama8b":  # 8 adapters over 4 rows: packed rows of 2 samples
+            ids = M.token_ids(s.rows_8b, s.T_8b, s.llama8b["vocab_size"], dev)
+            pick = M.interleaved(8, 8)
+            adapter_ids, pos = M.packed_rows(pick, s.rows_8b, s.T_8b, dev)
+            return {"ids": ids, "names": pick, "adapter_ids": adapter_ids, "position_ids": pos}
         vocab = (s.moe if self.sc.model == "moe" else s.llama)["vocab_size"]
         if self.kind == "generate":
             rows, T = s.rows, s.gen_prompt
@@ -276,7 +307,10 @@ def measure(ctx: Context, name: str, variant: str) -> dict:
         if step.first:  # compile + first call, timed alone
             extra["compile_s"] = round(harness.wall_s(step.fn, ctx.device), 2)
             extra["compile_backend"] = ctx.compile_backend
-        t = harness.time_step(step.fn, ctx.device, warm=warm, iters=iters)
+        if step.setup is not None:  # each call on fresh state
+            t = harness.time_fresh(step.fn, step.setup, ctx.device, iters=step.iters)
+        else:
+            t = harness.time_step(step.fn, ctx.device, warm=warm, iters=iters)
         if p.compiled:
             from torch._dynamo.utils import counters
 

@@ -47,7 +47,18 @@ class Sizes:
         self.layer = (4096, 4096, 8, 1024) if full else (64, 64, 8, 16)  # K, N, rows, tokens per row
         self.rows, self.T = (16, 1024) if full else (16, 16)
         self.gen_prompt, self.gen_new = (128, 64) if full else (8, 4)
+        # step_8b_fused_loss: Llama-3-8B's shapes (tiny: the same structure), rows x tokens, 2 packed samples per row
+        self.llama8b = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                            num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                            rope_theta=500000.0, rms_norm_eps=1e-5) if full else \
+            dict(hidden_size=64, intermediate_size=224, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=1, vocab_size=512, max_position_embeddings=128, rope_theta=500000.0,
+                 rms_norm_eps=1e-5)
+        self.rows_8b, self.T_8b = (4, 2048) if full else (4, 32)
         self.rank = 16
+        # create_adapters: adapter counts created by fast_multilora.add_adapters, and the (fewer) by PEFT's own loop
+        self.create = (32, 128, 256, 512, 1024) if full else (8, 32)
+        self.create_peft = (32, 128) if full else (8,)
         # train_step_scale: (adapters resident, adapters in the batch), equal tokens
         self.scale = ((8, 8), (64, 8), (64, 64), (256, 8), (256, 64), (1024, 8), (1024, 64)) if full else \
             ((8, 8), (32, 8), (32, 32))
@@ -107,6 +118,15 @@ def llama(sizes: Sizes, device, dtype, config=None):
 
     cfg = LlamaConfig(**(config or sizes.llama))
     return _init_on(device, lambda: LlamaForCausalLM(cfg)).to(dtype)
+
+
+def llama8b(sizes: Sizes, device, dtype):
+    """Llama-3-8B-shaped model (random init), built in ``dtype`` directly on ``device`` (an fp32 build then a cast
+    would hold 32 GB + 16 GB at once; on the GPU the init takes seconds, on a few host cores minutes)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**sizes.llama8b)
+    return _init_on(device, lambda: LlamaForCausalLM._from_config(cfg, dtype=dtype))
 
 
 def moe(sizes: Sizes, device, dtype):
