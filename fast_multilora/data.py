@@ -242,7 +242,8 @@ def pack_samples(samples: Sequence[Mapping], max_length: int, *, pad_token_id: i
     (the vocabulary ``adapter_ids`` index; -1 marks base samples and padding). ``position_ids`` restart at 0 for every
     sample (padding counts as one more sample); labels are ``label_pad_token_id`` at every sample's first token and
     on padding. ``attention="position_ids"`` (default) emits no attention mask: transformers derives the
-    block-diagonal mask from ``position_ids`` (call the model with ``use_cache=False``, the training default);
+    block-diagonal mask from ``position_ids`` (call the model with ``use_cache=False``: transformers 5 builds a KV cache
+    in training forwards too, and a cache turns that mask off; :class:`PackedCollator`'s batch says so itself);
     ``attention="4d"`` adds ``attention_mask`` = :func:`packed_attention_mask`. Samples longer than ``max_length``
     are truncated. ``strategy``: ``"first_fit"`` (fewest rows) or ``"in_order"`` (keeps sample order). The result
     also holds ``sample_spans``: per sample ``(row, start, length)``.
@@ -316,8 +317,10 @@ class PackedCollator:
     """Collator that packs each incoming list of samples into rows of at most ``max_length`` tokens.
 
     Emits ``input_ids``, ``labels``, ``position_ids``, ``adapter_ids``, ``adapter_names`` (and ``attention_mask`` with
-    ``attention="4d"``), ready for ``model(**batch)``. ``adapter_names`` fixes the id vocabulary (default: the names
-    of the batch, in order of appearance).
+    ``attention="4d"``) and ``use_cache=False``, ready for ``model(**batch)``. ``adapter_names`` fixes the id
+    vocabulary (default: the names of the batch, in order of appearance). ``use_cache=False``: transformers 5 builds
+    a KV cache in a training forward unless told not to (HF ``Trainer`` turns it off in the model's config), and
+    with a cache it derives no block-diagonal mask from ``position_ids``: packed samples would attend to each other.
     """
 
     max_length: int
@@ -341,6 +344,7 @@ class PackedCollator:
             mask_dtype=self.mask_dtype,
         )
         out.pop("sample_spans")
+        out["use_cache"] = False
         return out
 
 

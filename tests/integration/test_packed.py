@@ -75,6 +75,26 @@ def test_packed_rows_match_unpacked(attn, attention, family):
         torch.testing.assert_close(got[n], gw, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("attention", ["position_ids", "4d"])
+def test_packed_collator_batch_as_it_is_matches_unpacked(attention):
+    """``model(**PackedCollator(...)(samples))`` in a training loop of one's own (no Trainer, which turns the model's
+    KV cache off itself): transformers 5 builds a cache in a training forward unless told not to, and with a cache it
+    derives no block-diagonal mask from ``position_ids``, so the batch itself says ``use_cache=False``."""
+    from fast_multilora.data import PackedCollator
+
+    samples = make_samples(seed=3)
+    model = build("sdpa")
+    batch = PackedCollator(max_length=24, pad_token_id=0, attention=attention)(samples)
+    packed = pack_samples(samples, max_length=24, attention=attention)
+    out = model(**batch).logits
+    ref = MultiAdapterCollator(pad_token_id=0)(samples)
+    want = model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"],
+                 adapter_names=ref["adapter_names"]).logits
+    for i, (r, t, n) in enumerate(packed["sample_spans"]):
+        torch.testing.assert_close(out[r, t : t + n], want[i, :n], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, i=i: f"sample {i}: {m}")
+
+
 def test_packing_without_boundaries_leaks_attention():
     """Negative control: the same packed row with plain ``arange`` positions and no mask attends across samples,
     so the comparison above would fail if the packed-sequence masking were not in effect."""
