@@ -192,13 +192,14 @@ def _train(ctx, p: Provider, variant: str) -> Step:
     opt = optimizer(p.optimizer, pm)
     model = _model(ctx, pm, p)
     route = {k: b[k] for k in ("adapter_ids", "position_ids") if k in b}
+    if "position_ids" in route:  # packed rows: no KV cache, as PackedCollator's batch (a cache turns off the packed mask)
+        route["use_cache"] = False
     if variant in ("per_adapter_loss", "logits"):
         import fast_multilora
 
         info["loss_call"] = "fast_multilora.per_adapter_loss(model(...).logits, ...)" + (
             ", packed rows (adapter_ids)" if route else ", rows grouped by adapter")
-        # logits: no KV cache, as fused_causal_lm_loss (a cache also turns off transformers' packed-row masks)
-        kw = {**route, "use_cache": False} if variant == "logits" else route
+        kw = {**route, "use_cache": False} if variant == "logits" else route  # logits: as fused_causal_lm_loss
 
         def loss():
             return fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=names, **kw).logits, ids,
