@@ -24,7 +24,11 @@ import random
 import tempfile
 import time
 
-import fast_multilora  # first: with a checkout's root on sys.path it keeps the top-level name ``kernels`` PyPI's
+# OpenMP threads sleep instead of spinning at barriers: on a busy CPU spinning made this loop's small ops 20-40x slower
+# (as in train_multi_adapter.py). Must be set before torch loads OpenMP; an explicit setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import fast_multilora  # noqa: E402  (first: with a checkout root on sys.path it keeps the name `kernels` PyPI's)
 
 # isort: split
 import torch
