@@ -102,6 +102,8 @@ class AdamW(torch.optim.Optimizer):
         """After a re-layout: groups for adapters that came, none for those that went, states on the new pieces."""
         if not hasattr(self, "param_groups") or store.owner is not self:
             return
+        if store.delta is not None and self._follow_delta(store, *store.delta):
+            return
         by = self._params_of()
         old_steps = {}
         if self.steps is not None:
@@ -129,13 +131,15 @@ class AdamW(torch.optim.Optimizer):
             for s in _STATES:
                 arena.states.setdefault(s, torch.zeros_like(arena.data))
         group_of = {p: i for i, g in enumerate(keep) for p in g["params"]}
-        held = {p for arena in store.arenas.values() for _, _, p in arena.blocks}
+        held = {p for arena in store.arenas.values() for _, _, p in arena.blocks.values()}
+        # every adapter's parameters are held: an adapter added or deleted later changes only its own group
+        self._all_held = not any(p not in held for g in keep if g["adapter"] is not None for p in g["params"])
         for p in live - held:  # a parameter that left the store keeps its states, now its own tensors (its dtype)
             st = self.state.get(p)
             if st and any(isinstance(v, torch.Tensor) and v._base is not None for v in st.values()):
                 self.state[p] = {k: (v.clone() if k == "step" else v.to(p.dtype, copy=True)) for k, v in st.items()}
         for arena in store.arenas.values():
-            for start, numel, p in arena.blocks:
+            for start, numel, p in arena.blocks.values():
                 i = group_of.get(p)
                 if i is None:
                     continue
@@ -145,9 +149,58 @@ class AdamW(torch.optim.Optimizer):
                     st[s] = arena.states[s][start : start + numel].view(p.shape)
         self._tables, self._pattern, self._group_slots, self._others = {}, None, None, None
 
+    def _follow_delta(self, store: AdapterStore, placed: list, released: list) -> bool:
+        """:meth:`_follow` for a re-layout that placed and released the parameters listed (``(param, adapter)``),
+        touching only those adapters' groups and those parameters' states, when every adapter's parameters are held
+        by the store (else ``False``: the model-wide walk of :meth:`_follow` finds the others)."""
+        router = store.router
+        if not getattr(self, "_all_held", False) or router.expert_layers or len(store.slots) != len(router.layers):
+            return False
+        configs = getattr(router.tuner, "peft_config", {})
+        affected = {name for _, name in placed} | {name for _, name in released}
+        index = {g["adapter"]: i for i, g in enumerate(self.param_groups)}
+        for name in affected:
+            cfg = configs.get(name)
+            if name not in index and (cfg is None or getattr(cfg, "use_dora", False) or any(
+                    getattr(cfg, a, None) is not None for a in ("modules_to_save", "trainable_token_indices"))):
+                return False  # a new adapter that may have parameters outside the store
+        groups, old_index = [], []
+        for i, g in enumerate(self.param_groups):
+            if g["adapter"] in affected:
+                g["params"] = list(store.adapter_params.get(g["adapter"], ((),))[0])
+                if not g["params"]:
+                    continue
+            groups.append(g)
+            old_index.append(i)
+        for name in sorted(affected - set(index)):
+            params = list(store.adapter_params.get(name, ((),))[0])
+            if params:
+                groups.append({"params": params, "adapter": name, **self.defaults, **self.settings.get(name, {})})
+        for p, _ in released:
+            self.state.pop(p, None)
+        device = self.steps.device
+        steps = torch.zeros(len(groups), dtype=self.steps.dtype, device=device)
+        steps[: len(old_index)] = self.steps[torch.tensor(old_index, dtype=torch.int64).to(device)]
+        self.param_groups, self.steps = groups, steps
+        for arena in store.arenas.values():
+            for s in _STATES:
+                arena.states.setdefault(s, torch.zeros_like(arena.data))
+        placed_ids = {id(p) for p, _ in placed}
+        for i, g in enumerate(groups):  # each parameter's step count is a 0-d view of its group's
+            step = steps[i]
+            for p in g["params"]:
+                st = self.state[p]
+                st["step"] = step
+                if id(p) in placed_ids:  # its states' views on its new pieces
+                    start, numel, _ = store.arenas[(p.dtype, p.device)].blocks[p]
+                    for s in _STATES:
+                        st[s] = store.arenas[(p.dtype, p.device)].states[s][start : start + numel].view(p.shape)
+        self._tables, self._pattern, self._group_slots, self._others = {}, None, None, None
+        return True
+
     # -- tables ---------------------------------------------------------------------------------------------------
     def _store_params(self) -> list:
-        return [p for arena in self.store.arenas.values() for _, _, p in arena.blocks]
+        return [p for arena in self.store.arenas.values() for _, _, p in arena.blocks.values()]
 
     def _build_tables(self) -> None:
         from .kernels.adamw import chunk_table
@@ -155,9 +208,9 @@ class AdamW(torch.optim.Optimizer):
         group_of = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
         tables, trained = {}, set()
         for key, arena in self.store.arenas.items():
-            blocks = [(start, numel, group_of[p]) for start, numel, p in arena.blocks
+            blocks = [(start, numel, group_of[p]) for start, numel, p in arena.blocks.values()
                       if p.requires_grad and p in group_of]
-            tables[key] = chunk_table(blocks, len(self.param_groups), arena.data.numel(), arena.device)
+            tables[key] = chunk_table(blocks, len(self.param_groups), arena.used, arena.device)
             trained.update(i for _, _, i in blocks)
         self._tables = tables
         self._pattern = self.store.pattern
@@ -232,8 +285,9 @@ class AdamW(torch.optim.Optimizer):
             scalars = self._ops(self.steps.device).scalars(self._hyper(self.steps.device), self.steps, active)
             for (dtype, device), table in self._tables.items():
                 arena = self.store.arenas[(dtype, device)]
-                self._ops(device).step(arena.data, arena.grad, arena.states["exp_avg"], arena.states["exp_avg_sq"],
-                                       table, scalars, active)
+                used = arena.used  # (the buffers' spare tail past it holds no piece)
+                self._ops(device).step(arena.data[:used], arena.grad[:used], arena.states["exp_avg"][:used],
+                                       arena.states["exp_avg_sq"][:used], table, scalars, active)
         self._step_others()
         return loss
 
@@ -288,7 +342,8 @@ class AdamW(torch.optim.Optimizer):
         device = self.steps.device
         sq = torch.zeros(G, dtype=torch.float32, device=device)
         for (dtype, dev), table in self._tables.items():
-            sq = sq + self._ops(dev).norms(self.store.arenas[(dtype, dev)].grad, table).to(device)
+            arena = self.store.arenas[(dtype, dev)]
+            sq = sq + self._ops(dev).norms(arena.grad[: arena.used], table).to(device)
         trained_outside = self._outside_trained()
         for i, _, params in trained_outside:
             sq[i] += sum(p.grad.float().pow(2).sum().to(device) for p in params)
@@ -299,7 +354,8 @@ class AdamW(torch.optim.Optimizer):
         else:
             factors = (max_norm / (total + 1e-6)).clamp(max=1.0).expand(G).contiguous()
         for (dtype, dev), table in self._tables.items():
-            self._ops(dev).scale(self.store.arenas[(dtype, dev)].grad, table, factors.to(dev))
+            arena = self.store.arenas[(dtype, dev)]
+            self._ops(dev).scale(arena.grad[: arena.used], table, factors.to(dev))
         for i, _, params in trained_outside:
             for p in params:
                 p.grad.mul_(factors[i].to(p.grad.device, p.grad.dtype))
