@@ -53,11 +53,24 @@ def timed(fn, prof=None):
     return (time.perf_counter() - t) * 1e3
 
 
-def main():
+def churn_round(model, opt, cfg, batch, ids, new, prof) -> dict:
+    """One step, one adapter added, the step that lays it out, the adapter deleted, the next step (ms each)."""
     from peft import LoraConfig
 
     import fast_multilora
 
+    out = {"step": timed(lambda: step(model, opt, batch, ids), prof["step"])}
+    out["add"] = timed(lambda: fast_multilora.add_adapters(model, {new: LoraConfig(**cfg)}), prof["add"])
+    for name, p in model.named_parameters():
+        if f".{new}." in name:
+            p.requires_grad_(True)
+    out["addstep"] = timed(lambda: step(model, opt, batch[:7] + [new], ids), prof["addstep"])
+    out["delete"] = timed(lambda: model.delete_adapter(new), prof["delete"])
+    out["delstep"] = timed(lambda: step(model, opt, batch, ids), prof["delstep"])
+    return out
+
+
+def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, nargs="+", default=[128, 512, 1024])
     ap.add_argument("--profile", choices=["add", "delete", "step", "addstep", "delstep"], default=None)
@@ -74,17 +87,9 @@ def main():
         rows = {k: [] for k in ("step", "add", "addstep", "delete", "delstep")}
         for rep in range(args.reps):
             prof = {k: (cProfile.Profile() if args.profile == k and rep == args.reps - 1 else None) for k in rows}
-            rows["step"].append(timed(lambda: step(model, opt, batch, ids), prof["step"]))
-            new = f"z{rep:03d}"
-            rows["add"].append(timed(lambda: fast_multilora.add_adapters(model, {new: LoraConfig(**cfg)}),
-                                     prof["add"]))
-            for name, p in model.named_parameters():
-                if f".{new}." in name:
-                    p.requires_grad_(True)
-            rows["addstep"].append(timed(lambda: step(model, opt, batch[:7] + [new], ids), prof["addstep"]))
-            rows["delete"].append(timed(lambda: model.delete_adapter(new), prof["delete"]))
-            rows["delstep"].append(timed(lambda: step(model, opt, batch, ids), prof["delstep"]))
-            for k, p in prof.items():
+            for k, ms in churn_round(model, opt, cfg, batch, ids, f"z{rep:03d}", prof).items():
+                rows[k].append(ms)
+            for p in prof.values():
                 if p is not None:
                     pstats.Stats(p).sort_stats("cumulative").print_stats(35)
         med = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}

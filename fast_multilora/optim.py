@@ -203,17 +203,31 @@ class AdamW(torch.optim.Optimizer):
         return [p for arena in self.store.arenas.values() for _, _, p in arena.blocks.values()]
 
     def _build_tables(self) -> None:
+        """Each arena's chunk table of the trained pieces (``requires_grad``) by group, read from the layers' slots
+        (no per-parameter lookups)."""
         from .kernels.adamw import chunk_table
 
-        group_of = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        store = self.store
+        group = {g["adapter"]: i for i, g in enumerate(self.param_groups) if g["adapter"] is not None}
+        pattern = store.pattern
+        blocks: dict = {key: [] for key in store.arenas}
+        for s in store.slots.values():
+            out = blocks[(s.arena.dtype, s.arena.device)]
+            n = len(s.names)
+            for i, (name, off, r) in enumerate(zip(s.names, s.offsets, s.ranks, strict=True)):
+                gi = group.get(name)
+                if gi is None:
+                    continue
+                if pattern[s.held_idx[i]]:
+                    out.append((s.a0 + off * s.K, r * s.K, gi))
+                if pattern[s.held_idx[n + i]]:
+                    out.append((s.b0 + off * s.N, r * s.N, gi))
         tables, trained = {}, set()
-        for key, arena in self.store.arenas.items():
-            blocks = [(start, numel, group_of[p]) for start, numel, p in arena.blocks.values()
-                      if p.requires_grad and p in group_of]
-            tables[key] = chunk_table(blocks, len(self.param_groups), arena.used, arena.device)
-            trained.update(i for _, _, i in blocks)
+        for key, arena in store.arenas.items():
+            tables[key] = chunk_table(blocks[key], len(self.param_groups), arena.used, arena.device)
+            trained.update(i for _, _, i in blocks[key])
         self._tables = tables
-        self._pattern = self.store.pattern
+        self._pattern = store.pattern
         device = self.steps.device
         self._trained = torch.tensor([i in trained for i in range(len(self.param_groups))], device=device)
         self._group_slots = None  # its steppable flags follow _trained

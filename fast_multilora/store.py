@@ -4,10 +4,12 @@ With many resident adapters the cost of a step is host work per adapter tensor: 
 LoRA layer (112 on a Llama-shaped model of 8 layers), and each of them went through autograd's per-input
 bookkeeping, a gradient split and the optimizer's per-tensor work. An :class:`AdapterStore` removes that:
 
-* **Storage.** Per ``(dtype, device)`` one flat :class:`Arena`. Per patched layer (in the model's slot order, the
-  layer's adapters as its ``AdapterTable`` lists them) one block ``A[total_rank, K]`` -- adapter ``a``'s ``[r_a, K]``
-  rows at ``offsets[a]``, the kernels' ``A_cat`` -- and one block ``B[total_rank * N]`` -- adapter ``a``'s ``[N, r_a]``
-  weight contiguous at ``N * offsets[a]``, the layout the expand backward writes ``dB`` in. PEFT's own parameters
+* **Storage.** Per ``(dtype, device)`` one flat :class:`Arena`. Per patched layer one region with room for ``cap``
+  rank-rows: a block ``A[cap, K]`` -- adapter ``a``'s ``[r_a, K]`` rows at its offset, the kernels' ``A_cat`` -- and a
+  block ``B[cap * N]`` -- adapter ``a``'s ``[N, r_a]`` weight contiguous at ``N * offset``, the layout the expand
+  backward writes ``dB`` in. The offsets are the store's (:class:`LayerSlots`: a layer call takes the layer state's
+  adapter table with them, ``total_rank = cap``); rows no slot points at (holes an adapter left, free rows) are
+  never read. PEFT's own parameters
   stay the model's parameters (names, ``state_dict``, ``save_pretrained``) and share the arena's memory: their
   ``.data`` is their piece of it, so an update of either is an update of both.
 * **Autograd.** A layer call takes the layer's two blocks as two leaf tensors (:class:`LayerSlots`), whatever the
@@ -18,10 +20,13 @@ bookkeeping, a gradient split and the optimizer's per-tensor work. An :class:`Ad
   its param groups); adapters that were in no batch since the last ``zero_grad`` are not stepped (``seen``), as an
   adapter without gradients is not stepped by ``torch.optim``.
 
-The store is built by that optimizer (``AdapterStore.of(model)``). It follows the model: a layer whose adapters,
-ranks, dtypes or devices change, an adapter added or deleted (``add_adapter``, ``delete_adapter``, ``load_adapter``)
-re-lays the arenas out at the next forward call, moving the weights, the gradients and the optimizer states of the
-adapters that stay (``Arena.states``) and freeing what went. Layers it cannot hold (``lora_bias``, mixed adapter
+The store is built by that optimizer (``AdapterStore.of(model)``). It follows the model at the next forward call,
+by the layers that changed (:meth:`AdapterStore.layout`): an adapter added (``add_adapter``, ``load_adapter``,
+``fast_multilora.add_adapters``) takes a hole of its rank or the free rows of each of its layers' regions (a full
+region moves, as one block, to one half as large again; the arena grows in place), one deleted leaves holes, and the
+gradients and optimizer states of the adapters that stay (``Arena.states``) stay where they are -- so adding or
+deleting one adapter writes its own pieces, whatever the registry. A compact re-layout of everything runs when
+given-up regions make a third of an arena. Layers it cannot hold (``lora_bias``, mixed adapter
 dtypes or devices within a layer, MoE experts, PEFT's fallback layers, FSDP2's sharded parameters) keep their own
 parameters and take the per-parameter path (the optimizer steps them with torch's AdamW math). Every call under
 ``DistributedDataParallel`` (whose gradient hooks sit on the parameters) takes the per-parameter path too, on which
@@ -237,25 +242,30 @@ class LayerSlots:
         return torch.cat([g.reshape(-1) for g in dB_cat.split(list(self.split), dim=1)])
 
 
-def _layer_key(layer, state) -> Optional[tuple]:
-    """What a layer's slots depend on, or ``None`` when the store cannot hold the layer."""
+def _layer_key(layer, state, known=()) -> Optional[tuple]:
+    """What a layer's slots depend on, or ``None`` when the store cannot hold the layer. ``known``: ids of parameters
+    the store holds in this layer already (their class and tensor type were checked when they came)."""
     if state is None or state.has_bias or len(set(state.a_dtypes)) != 1:
         return None
     a_mods, b_mods = layer.lora_A._modules, layer.lora_B._modules
-    params = [a_mods[n]._parameters["weight"] for n in state.present]
-    params += [b_mods[n]._parameters["weight"] for n in state.present]
+    a_params = [a_mods[n]._parameters["weight"] for n in state.present]
+    b_params = [b_mods[n]._parameters["weight"] for n in state.present]
+    params = a_params + b_params
     p0 = params[0]
+    dtype, device = p0.dtype, p0.device
+    if any(p.dtype != dtype or p.device != device for p in params):
+        return None
     for p in params:
-        if p.dtype != p0.dtype or p.device != p0.device or type(p) not in _PARAMETER_TYPES or p.dim() != 2:
-            return None
-        if type(p.data) is not torch.Tensor:  # e.g. an FSDP2 DTensor
+        if id(p) in known:
+            continue
+        if type(p) not in _PARAMETER_TYPES or p.dim() != 2 or type(p.data) is not torch.Tensor:  # e.g. FSDP2's DTensor
             return None
     K, N = layer.in_features, layer.out_features
-    n = len(state.present)
-    if any(a.shape != (r, K) or b.shape != (N, r)
-           for a, b, r in zip(params[:n], params[n:], state.ranks, strict=True)):
+    ranks = state.ranks
+    if [tuple(p.shape) for p in a_params] != [(r, K) for r in ranks] or \
+            [tuple(p.shape) for p in b_params] != [(N, r) for r in ranks]:
         return None
-    return (state.present, state.ranks, p0.dtype, p0.device, K, N, tuple(map(id, params)))
+    return (state.present, ranks, dtype, device, K, N, tuple(map(id, params)))
 
 
 def _store_table(state, offsets: tuple, cap: int, tables: dict):
@@ -353,7 +363,8 @@ class AdapterStore:
         wanted = {}
         for layer in self.router.fast_layers:
             st = layer.__dict__.get(_STATE_ATTR)
-            key = _layer_key(layer, st)
+            old = self.slots.get(id(layer))
+            key = _layer_key(layer, st, set(map(id, old.params)) if old is not None else ())
             if key is not None:
                 wanted[id(layer)] = (layer, key, st)
         return wanted
@@ -374,7 +385,7 @@ class AdapterStore:
                     return True
                 continue
             if st is not slots.state:  # the layer's adapters, modes, dtypes or devices changed since the check
-                if _layer_key(layer, st) != slots.key:
+                if _layer_key(layer, st, set(map(id, slots.params))) != slots.key:
                     return True
                 slots.state = st
                 if st.table.host != slots.table_of:  # the slot order moved: the store's table follows
@@ -498,15 +509,16 @@ class AdapterStore:
             a0 = arena.region(_aligned(cap * K) + _aligned(cap * N))
             views = {}
         else:
-            cells, end, cap, a0 = [list(c) for c in old.cells], old.end, old.cap, old.a0
+            cells, end, cap, a0 = old.cells, old.end, old.cap, old.a0  # (old is given up: its cells are edited)
             for c in cells:  # adapters that left (or whose weights or rank changed) leave holes
                 w = want.get(c[0]) if c[0] is not None else None
                 if c[0] is not None and (w is None or w[0] != c[1] or w[1] is not c[3] or w[2] is not c[4]):
                     c[0] = c[3] = c[4] = None
             views = dict(zip(map(id, old.params), old.views, strict=True))
             ptrs = dict(zip(map(id, old.params), old.ptrs, strict=True))
+            moved = tuple(map(_DATA_PTR, old.params)) != old.ptrs
             with torch.no_grad():  # a parameter whose ``.data`` was replaced: its new values into its piece
-                for c in (c for c in cells if c[0] is not None):
+                for c in (c for c in cells if moved and c[0] is not None):
                     for p, start, shape in ((c[3], a0 + c[2] * K, (c[1], K)),
                                             (c[4], a0 + _aligned(cap * K) + c[2] * N, (N, c[1]))):
                         if p.data_ptr() != ptrs[id(p)]:
