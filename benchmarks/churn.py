@@ -53,8 +53,27 @@ def timed(fn, prof=None):
     return (time.perf_counter() - t) * 1e3
 
 
+LAYOUT_MS = [0.0]  # time inside AdapterStore.layout (the store's re-layout and the optimizer's _follow)
+
+
+def _time_layouts() -> None:
+    from fast_multilora.store import AdapterStore
+
+    layout = AdapterStore.layout
+
+    def timed_layout(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return layout(self, *args, **kwargs)
+        finally:
+            LAYOUT_MS[0] += (time.perf_counter() - t) * 1e3
+
+    AdapterStore.layout = timed_layout
+
+
 def churn_round(model, opt, cfg, batch, ids, new, prof) -> dict:
-    """One step, one adapter added, the step that lays it out, the adapter deleted, the next step (ms each)."""
+    """One step, one adapter added, the step that lays it out, the adapter deleted, the next step (ms each; and of
+    the two steps after a change, the time in the store's re-layout)."""
     from peft import LoraConfig
 
     import fast_multilora
@@ -64,9 +83,13 @@ def churn_round(model, opt, cfg, batch, ids, new, prof) -> dict:
     for name, p in model.named_parameters():
         if f".{new}." in name:
             p.requires_grad_(True)
+    LAYOUT_MS[0] = 0.0
     out["addstep"] = timed(lambda: step(model, opt, batch[:7] + [new], ids), prof["addstep"])
+    out["add-layout"] = LAYOUT_MS[0]
     out["delete"] = timed(lambda: model.delete_adapter(new), prof["delete"])
+    LAYOUT_MS[0] = 0.0
     out["delstep"] = timed(lambda: step(model, opt, batch, ids), prof["delstep"])
+    out["del-layout"] = LAYOUT_MS[0]
     return out
 
 
@@ -77,6 +100,7 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    _time_layouts()
     torch.manual_seed(0)
     for n in args.n:
         model, opt, cfg = build(n)
@@ -84,9 +108,10 @@ def main():
         ids = torch.randint(0, 97, (8, 16))
         for _ in range(2):
             step(model, opt, batch, ids)
-        rows = {k: [] for k in ("step", "add", "addstep", "delete", "delstep")}
+        rows = {k: [] for k in ("step", "add", "addstep", "add-layout", "delete", "delstep", "del-layout")}
         for rep in range(args.reps):
-            prof = {k: (cProfile.Profile() if args.profile == k and rep == args.reps - 1 else None) for k in rows}
+            prof = {k: (cProfile.Profile() if args.profile == k and rep == args.reps - 1 else None)
+                    for k in ("step", "add", "addstep", "delete", "delstep")}
             for k, ms in churn_round(model, opt, cfg, batch, ids, f"z{rep:03d}", prof).items():
                 rows[k].append(ms)
             for p in prof.values():

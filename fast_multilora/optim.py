@@ -24,7 +24,7 @@ from torch.optim.adamw import adamw as _adamw
 
 from . import cpu_ops, reference
 from .kernels.segments import to_device
-from .store import AdapterStore
+from .store import AdapterStore, _grow
 
 _STATES = ("exp_avg", "exp_avg_sq")
 
@@ -68,6 +68,7 @@ class AdamW(torch.optim.Optimizer):
         self._tables: dict = {}  # (dtype, device) -> (ChunkTable, group index per chunk's block) for trained blocks
         self._pattern = None  # requires_grad of every store parameter when the tables were built
         self.steps: Optional[torch.Tensor] = None  # float32 [groups] on the store's device: each group's step count
+        self._steps_buf = None  # the buffer ``steps`` is the head of (room for groups to come)
         self._group_slots = None  # (seen_names, int64 [groups] index into store.seen, bool [groups] steppable)
         self._hyper_cache = None  # (host rows, their device tensor) of the last step
         self._others = None  # _outside()'s cache
@@ -125,8 +126,8 @@ class AdamW(torch.optim.Optimizer):
             if p not in live:
                 del self.state[p]
         device = next(iter(store.arenas.values())).device if store.arenas else torch.device("cpu")
-        self.steps = torch.tensor([float(old_steps.get(g["adapter"], 0.0)) for g in keep], dtype=torch.float32,
-                                  device=device)
+        self.steps = self._steps_buf = torch.tensor([float(old_steps.get(g["adapter"], 0.0)) for g in keep],
+                                                    dtype=torch.float32, device=device)
         for arena in store.arenas.values():
             for s in _STATES:
                 arena.states.setdefault(s, torch.zeros_like(arena.data))
@@ -156,6 +157,9 @@ class AdamW(torch.optim.Optimizer):
         router = store.router
         if not getattr(self, "_all_held", False) or router.expert_layers or len(store.slots) != len(router.layers):
             return False
+        if self._steps_buf is None or self._steps_buf.untyped_storage().data_ptr() != \
+                self.steps.untyped_storage().data_ptr():
+            return False
         configs = getattr(router.tuner, "peft_config", {})
         affected = {name for _, name in placed} | {name for _, name in released}
         index = {g["adapter"]: i for i, g in enumerate(self.param_groups)}
@@ -178,23 +182,34 @@ class AdamW(torch.optim.Optimizer):
                 groups.append({"params": params, "adapter": name, **self.defaults, **self.settings.get(name, {})})
         for p, _ in released:
             self.state.pop(p, None)
-        device = self.steps.device
-        steps = torch.zeros(len(groups), dtype=self.steps.dtype, device=device)
-        steps[: len(old_index)] = self.steps[torch.tensor(old_index, dtype=torch.int64).to(device)]
-        self.param_groups, self.steps = groups, steps
+        # the step counts live in a buffer with spare room (grown in place: the parameters' 0-d views of it follow);
+        # groups that keep their index keep their views
+        buf = self._steps_buf
+        first = next((i for i, j in enumerate(old_index) if i != j), len(old_index))  # the first group that moved
+        if first < len(old_index):
+            buf[first : len(old_index)] = buf[torch.tensor(old_index[first:], dtype=torch.int64).to(buf.device)]
+        if len(groups) > buf.numel():
+            _grow(buf, max(len(groups), buf.numel() * 3 // 2))
+        buf[len(old_index) : len(groups)] = 0
+        self.param_groups, self.steps = groups, buf[: len(groups)]
         for arena in store.arenas.values():
             for s in _STATES:
                 arena.states.setdefault(s, torch.zeros_like(arena.data))
-        placed_ids = {id(p) for p, _ in placed}
         for i, g in enumerate(groups):  # each parameter's step count is a 0-d view of its group's
-            step = steps[i]
+            if i < first and g["adapter"] not in affected:
+                continue
+            step = buf[i]
             for p in g["params"]:
                 st = self.state[p]
                 st["step"] = step
-                if id(p) in placed_ids:  # its states' views on its new pieces
-                    start, numel, _ = store.arenas[(p.dtype, p.device)].blocks[p]
-                    for s in _STATES:
-                        st[s] = store.arenas[(p.dtype, p.device)].states[s][start : start + numel].view(p.shape)
+        for p, _ in placed:  # their states' views on their new pieces
+            st = self.state.get(p)
+            if st is None:
+                continue
+            arena = store.arenas[(p.dtype, p.device)]
+            start, numel, _ = arena.blocks[p]
+            for s in _STATES:
+                st[s] = arena.states[s][start : start + numel].view(p.shape)
         self._tables, self._pattern, self._group_slots, self._others = {}, None, None, None
         return True
 

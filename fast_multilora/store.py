@@ -242,30 +242,34 @@ class LayerSlots:
         return torch.cat([g.reshape(-1) for g in dB_cat.split(list(self.split), dim=1)])
 
 
-def _layer_key(layer, state, known=()) -> Optional[tuple]:
-    """What a layer's slots depend on, or ``None`` when the store cannot hold the layer. ``known``: ids of parameters
-    the store holds in this layer already (their class and tensor type were checked when they came)."""
+def _layer_key(layer, state, old: Optional["LayerSlots"] = None) -> Optional[tuple]:
+    """What a layer's slots depend on, or ``None`` when the store cannot hold the layer. ``old``: the layer's slots;
+    their parameters still at their pieces' addresses were checked when they came (only the others are read)."""
     if state is None or state.has_bias or len(set(state.a_dtypes)) != 1:
         return None
     a_mods, b_mods = layer.lora_A._modules, layer.lora_B._modules
-    a_params = [a_mods[n]._parameters["weight"] for n in state.present]
-    b_params = [b_mods[n]._parameters["weight"] for n in state.present]
-    params = a_params + b_params
-    p0 = params[0]
+    present, ranks = state.present, state.ranks
+    params = [a_mods[n]._parameters["weight"] for n in present] + [b_mods[n]._parameters["weight"] for n in present]
+    ids = tuple(map(id, params))
+    ptrs = tuple(map(_DATA_PTR, params))
+    if old is not None:
+        if ids == tuple(map(id, old.params)) and ptrs == old.ptrs:  # the same weights where the store put them
+            return (present, ranks, *old.key[2:6], ids)
+        checked = dict(zip(map(id, old.params), old.ptrs, strict=True))
+        suspects = [i for i, (pid, ptr) in enumerate(zip(ids, ptrs, strict=True)) if checked.get(pid) != ptr]
+        p0 = old.params[0] if old.params else params[0]
+    else:
+        suspects, p0 = range(len(params)), params[0]
     dtype, device = p0.dtype, p0.device
-    if any(p.dtype != dtype or p.device != device for p in params):
-        return None
-    for p in params:
-        if id(p) in known:
-            continue
-        if type(p) not in _PARAMETER_TYPES or p.dim() != 2 or type(p.data) is not torch.Tensor:  # e.g. FSDP2's DTensor
+    K, N, n = layer.in_features, layer.out_features, len(present)
+    for i in suspects:
+        p = params[i]
+        if p.dtype != dtype or p.device != device or type(p) not in _PARAMETER_TYPES or \
+                type(p.data) is not torch.Tensor:  # e.g. an FSDP2 DTensor
             return None
-    K, N = layer.in_features, layer.out_features
-    ranks = state.ranks
-    if [tuple(p.shape) for p in a_params] != [(r, K) for r in ranks] or \
-            [tuple(p.shape) for p in b_params] != [(N, r) for r in ranks]:
-        return None
-    return (state.present, ranks, dtype, device, K, N, tuple(map(id, params)))
+        if tuple(p.shape) != ((ranks[i], K) if i < n else (N, ranks[i - n])):
+            return None
+    return (present, ranks, dtype, device, K, N, ids)
 
 
 def _store_table(state, offsets: tuple, cap: int, tables: dict):
@@ -364,7 +368,7 @@ class AdapterStore:
         for layer in self.router.fast_layers:
             st = layer.__dict__.get(_STATE_ATTR)
             old = self.slots.get(id(layer))
-            key = _layer_key(layer, st, set(map(id, old.params)) if old is not None else ())
+            key = _layer_key(layer, st, old)
             if key is not None:
                 wanted[id(layer)] = (layer, key, st)
         return wanted
@@ -385,7 +389,7 @@ class AdapterStore:
                     return True
                 continue
             if st is not slots.state:  # the layer's adapters, modes, dtypes or devices changed since the check
-                if _layer_key(layer, st, set(map(id, slots.params))) != slots.key:
+                if _layer_key(layer, st, slots) != slots.key:
                     return True
                 slots.state = st
                 if st.table.host != slots.table_of:  # the slot order moved: the store's table follows
