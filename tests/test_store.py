@@ -848,3 +848,29 @@ def test_one_adapter_of_churn_costs_the_same_whatever_the_registry(what):
     small, large = _store_work(64, change), _store_work(128, change)
     assert small == large, (small, large)
     assert small["pieces"] <= 4 * 8 + 2 * 2 * 2, small  # leaves and views of the changed layers, its own pieces
+
+
+def test_holes_and_spare_rows_train_alike_on_both_backends():
+    """After a delete (its rows a hole) and adds (into free rows, a region grown), the Triton kernels (interpreted
+    on CPU) read every slot at the store's offsets, past holes and spare rows, as the torch backend does."""
+    out = {}
+    for backend in ("torch", "triton"):
+        model = many_model(6)
+        fast_multilora.patch(model, backend=backend)
+        opt = fast_multilora.AdamW(model, lr=1e-2)
+        model.train()
+        _train(model, opt, _batches(sorted(model.peft_config), steps=1, seed=1))
+        model.delete_adapter("m002")
+        torch.manual_seed(4)
+        fast_multilora.add_adapters(model, {
+            "m002b": LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+            "zz": LoraConfig(r=3, target_modules=["q_proj", "k_proj"], init_lora_weights=False)})
+        for n, p in model.named_parameters():
+            if ".m002b." in n or ".zz." in n:
+                p.requires_grad_(True)
+        _train(model, opt, _batches(sorted(model.peft_config), steps=2, seed=2))
+        assert any(s.end > sum(s.ranks) for s in opt.store.slots.values())  # a hole is laid out
+        assert any(s.cap > s.end for s in opt.store.slots.values())  # and spare rows
+        out[backend] = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    for n, want in out["torch"].items():
+        _close(out["triton"][n], want, n)
