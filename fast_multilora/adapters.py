@@ -172,32 +172,23 @@ class _Segment:
     """One run of configs on the one-walk route: state shared by its configs."""
 
     def __init__(self, peft_model, tuner, autocast):
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
         self.peft_model, self.tuner, self.model, self.autocast = peft_model, tuner, tuner.model, autocast
-        self.keys = []  # the model's module names at the start (named_modules order)
+        self.keys = []  # the model's module names at the start (named_modules order), LoRA layers' insides left out
         self.skip = set()  # names of LoRA layers present at the start (their subtrees are adapter internals)
-        for key, module in self.model.named_modules():
-            self.keys.append(key)
-            if isinstance(module, BaseTunerLayer):
-                self.skip.add(key)
+        self.layers = []  # those LoRA layers
+        self.aux = False  # the model holds auxiliary wrappers (modules_to_save, trainable tokens)
         self.wrapped_at: dict = {}  # module name -> index (in this segment) of the config whose call wrapped it
         self.wrapped_children = False  # a module wrapped here had submodules (their names move under base_layer)
         self.structure = 0  # bumped whenever a new LoRA layer replaces a module
         self.new_names: set = set()
-        self.params = []  # (parameter, requires_grad) before the segment: PEFT's restore list
-        self.components = set()  # name components (after the first) of every parameter of the model
+        self.params = None  # (parameter, requires_grad) before the segment, PEFT's restore list: taken when needed
+        self.components = set()  # name components (after the first) of the model's parameter names
         self.meta = False
         # a new adapter's tensors take its base layer's (float) dtype, else the default dtype: with none of the
         # dtypes cast_adapter_dtype upcasts among those, there is nothing to cast
-        upcast = _upcast_dtypes()
-        self.may_cast = autocast and torch.get_default_dtype() in upcast
-        for n, p in self.model.named_parameters():
-            self.params.append((p, p.requires_grad))
-            self.components.update(n.split(".")[1:])
-            self.meta = self.meta or p.device.type == "meta"
-            self.may_cast = self.may_cast or (autocast and p.dtype in upcast)
-        self.may_cast = self.may_cast or (autocast and any(b.dtype in upcast for b in self.model.buffers()))
+        self.may_cast = autocast and torch.get_default_dtype() in _upcast_dtypes()
+        self._walk()
+        self._all_keys = None
         self.matches: dict = {}
         self.parents: dict = {}
         self.casts: list = []  # (LoRA layer, adapter name) made, in order
@@ -212,6 +203,87 @@ class _Segment:
         self.last_config = None
         self.configs: list = []  # names added in this segment, in order
         self._tied = None
+
+    def _walk(self) -> None:
+        """One walk of the model that does not enter the present adapters: the module names (``named_modules``
+        order) outside the LoRA layers, and from the parameters' names, devices and dtypes (the base model's, and
+        per adapter container of a LoRA layer its name, its adapters' names and its first entry's) the components,
+        ``meta`` and ``may_cast``. The other adapters' entries are of the same kind; their count does not matter."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        try:
+            from peft.utils.other import AuxiliaryTrainingWrapper
+        except ImportError:  # pragma: no cover - older PEFT
+            AuxiliaryTrainingWrapper = ()  # noqa: N806
+        upcast, autocast = _upcast_dtypes(), self.autocast
+
+        def note(name, t, parameter=True):
+            if parameter:
+                self.components.update(name.split(".")[1:])
+                self.meta = self.meta or t.device.type == "meta"
+            self.may_cast = self.may_cast or (autocast and t.dtype in upcast)
+
+        def whole(module, prefix):
+            for n, p in module.named_parameters(prefix=prefix):
+                note(n, p)
+            for n, b in module.named_buffers(prefix=prefix):
+                note(n, b, parameter=False)
+
+        seen, stack, shape = set(), [("", self.model)], []
+        while stack:
+            key, module = stack.pop()
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            self.keys.append(key)
+            shape.append((key, type(module)))
+            pre = key + "." if key else ""
+            self.aux = self.aux or isinstance(module, AuxiliaryTrainingWrapper)
+            for n, p in module._parameters.items():
+                if p is not None:
+                    note(pre + n, p)
+            for n, b in module._buffers.items():
+                if b is not None:
+                    note(pre + n, b, parameter=False)
+            if not isinstance(module, BaseTunerLayer):
+                stack.extend((pre + n, c) for n, c in reversed(module._modules.items()) if c is not None)
+                continue
+            self.skip.add(key)
+            self.layers.append(module)
+            for attr, c in module._modules.items():
+                if c is None:
+                    continue
+                if not isinstance(c, (nn.ModuleDict, nn.ParameterDict)) and type(c).__name__ != "BufferDict":
+                    whole(c, pre + attr)  # the base layer, or another module shared by the adapters
+                    continue
+                first = next(iter(c._modules.items()), None)
+                if first is not None:
+                    whole(first[1], f"{pre}{attr}.{first[0]}")
+                    if any(True for _ in first[1].parameters()):
+                        self.components.update((attr, *c._modules))
+                for n, p in list(c._parameters.items())[:1]:
+                    note(f"{pre}{attr}.{n}", p)
+                    self.components.update((attr, *c._parameters))
+                for n, b in list(c._buffers.items())[:1]:
+                    note(f"{pre}{attr}.{n}", b, parameter=False)
+        self.structure_key = tuple(shape)
+
+    def _of_structure(self, what: str, compute):
+        """``compute()``, a function of the model's modules outside the adapters (walks of the whole model:
+        transformers' weight-conversion mapping, the tied-embedding names), kept on the tuner for the next call while
+        those modules (names and classes, :attr:`structure_key`) stay."""
+        cache = self.tuner.__dict__.setdefault("_fml_structure_cache", {})
+        hit = cache.get(what)
+        if hit is None or hit[0] != self.structure_key:
+            hit = cache[what] = (self.structure_key, compute())
+        return hit[1]
+
+    def snapshot(self) -> None:
+        """PEFT's restore list: the ``requires_grad`` of every parameter present at the segment's start (those of the
+        adapters made since are left out), taken before the model changes shape."""
+        if self.params is None:
+            made = {id(t) for layer, name in self.casts for t in _adapter_tensors(layer, name)}
+            self.params = [(p, p.requires_grad) for p in self.model.parameters() if id(p) not in made]
 
     def fallback_reason(self, name) -> Optional[str]:
         if not self.skip:
@@ -290,12 +362,12 @@ class _Segment:
             )
 
             if not hasattr(self, "_conversions"):
-                self._conversions = get_model_conversion_mapping(model)
+                self._conversions = self._of_structure("conversions", lambda: get_model_conversion_mapping(model))
             convert_peft_config_for_transformers(cfg, model=model, conversions=self._conversions)
         # _check_tied_modules reads the model's tied-embedding names, a walk over the whole model; they do not change
         # while LoRA layers are added (PEFT maps base_layer names back), so they are read once per segment.
         if self._tied is None:
-            self._tied = tuner._get_module_names_tied_with_embedding()
+            self._tied = self._of_structure("tied", tuner._get_module_names_tied_with_embedding)
         tuner.__dict__["_get_module_names_tied_with_embedding"] = lambda: list(self._tied)
         try:
             tuner._check_tied_modules(model, cfg)
@@ -319,8 +391,10 @@ class _Segment:
         internal = _INTERNAL | self.new_names
         if self.wrapped_children or any(t.rsplit(".", 1)[-1] in internal for t in tm):
             key_list = [k for k, _ in self.model.named_modules()]
-        else:
-            key_list = self.keys
+        else:  # the names PEFT sees at this segment's start, the adapters' insides included
+            if self._all_keys is None:
+                self._all_keys = [k for k, _ in self.model.named_modules()]
+            key_list = self._all_keys
         suffixes = tuple("." + s for s in tm)
         names_no_target = [n for n in key_list if (n not in tm) and not n.endswith(suffixes)]
         new = _find_minimal_target_modules(tm, names_no_target)
@@ -369,6 +443,7 @@ class _Segment:
                     tuner._create_and_replace(cfg, name, target, target_name, parent, current_key=key)
             self.casts.append((target, name))
             return
+        self.snapshot()  # a new LoRA layer freezes its base layer's parameters: PEFT's bookkeeping restores them
         tuner._create_and_replace(cfg, name, target, target_name, parent, current_key=key)
         new = parent._modules[target_name]
         self.casts.append((new, name))
@@ -385,10 +460,14 @@ class _Segment:
             return
         tuner = self.tuner
         _extend_unique(tuner.targeted_module_names, self.targeted)
-        tuner.set_adapter(tuner.active_adapters, inference_mode=self.last_config.inference_mode)
-        tuner._mark_only_adapters_as_trainable(self.model)
-        for p, flag in self.params:  # adding an adapter does not change the trainability of present parameters
-            p.requires_grad = flag
+        if self.params is None and self._settled():
+            self._set_adapter_on_new()
+        else:
+            self.snapshot()
+            tuner.set_adapter(tuner.active_adapters, inference_mode=self.last_config.inference_mode)
+            tuner._mark_only_adapters_as_trainable(self.model)
+            for p, flag in self.params:  # adding an adapter does not change the trainability of present parameters
+                p.requires_grad = flag
         # PeftModel.add_adapter's cast_adapter_dtype, after the bookkeeping as there (a cast ParameterDict entry is a
         # new Parameter, trainable), on each layer with its containers holding only the adapter cast; skipped where
         # there is nothing to cast
@@ -401,6 +480,36 @@ class _Segment:
                     continue
                 with _only_adapter(layer, name):
                     cast_adapter_dtype(layer, adapter_name=name, autocast_adapter_dtype=True)
+
+
+    def _settled(self) -> bool:
+        """Whether PEFT's model-wide bookkeeping (``set_adapter`` of the active adapters on every LoRA layer,
+        ``_mark_only_adapters_as_trainable``, then every present parameter's flag restored) would change only the new
+        adapters' flags and the layers' active-adapter lists: no LoRA layer was created or is merged, no auxiliary
+        wrapper, no active adapter trains biases (``bias="all"`` would make a new ``lora_B`` bias trainable)."""
+        tuner = self.tuner
+        if self.structure or self.aux or any(getattr(m, "merged", False) for m in self.layers):
+            return False
+        return all(getattr(tuner.peft_config.get(a), "bias", "none") == "none" for a in tuner.active_adapters)
+
+    def _set_adapter_on_new(self) -> None:
+        """What that bookkeeping leaves, done on the new adapters only: their parameters frozen (they are not active:
+        ``set_adapter`` freezes every inactive adapter), every LoRA layer's and the tuner's active adapters set to the
+        tuner's list (``set_adapter``'s assignment)."""
+        from peft.utils.other import _set_layer_requires_grad
+
+        tuner = self.tuner
+        for layer, name in self.casts:
+            for attr in layer.adapter_layer_names:
+                container = getattr(layer, attr, None)
+                if container is not None and name in container:
+                    _set_layer_requires_grad(container[name], False)
+        active = tuner.active_adapters
+        names = [active] if isinstance(active, str) else active
+        for layer in self.layers:
+            if isinstance(layer, tuner.tuner_layer_cls):
+                layer._active_adapter = names
+        tuner.active_adapter = active
 
 
 def _upcast_dtypes() -> frozenset:
@@ -549,7 +658,7 @@ def add_adapters(model, configs: Mapping, *, autocast_adapter_dtype: bool = True
         if segment is not None:
             segment.finish()
     except BaseException:
-        if segment is not None:  # new LoRA layers froze their base layers' parameters
+        if segment is not None and segment.params is not None:  # new LoRA layers froze their base layers' parameters
             for p, flag in segment.params:
                 p.requires_grad = flag
         _roll_back(model, tuner, added)

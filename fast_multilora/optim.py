@@ -24,7 +24,7 @@ from torch.optim.adamw import adamw as _adamw
 
 from . import cpu_ops, reference
 from .kernels.segments import to_device
-from .store import AdapterStore
+from .store import AdapterStore, _grow
 
 _STATES = ("exp_avg", "exp_avg_sq")
 
@@ -68,6 +68,7 @@ class AdamW(torch.optim.Optimizer):
         self._tables: dict = {}  # (dtype, device) -> (ChunkTable, group index per chunk's block) for trained blocks
         self._pattern = None  # requires_grad of every store parameter when the tables were built
         self.steps: Optional[torch.Tensor] = None  # float32 [groups] on the store's device: each group's step count
+        self._steps_buf = None  # the buffer ``steps`` is the head of (room for groups to come)
         self._group_slots = None  # (seen_names, int64 [groups] index into store.seen, bool [groups] steppable)
         self._hyper_cache = None  # (host rows, their device tensor) of the last step
         self._others = None  # _outside()'s cache
@@ -102,6 +103,8 @@ class AdamW(torch.optim.Optimizer):
         """After a re-layout: groups for adapters that came, none for those that went, states on the new pieces."""
         if not hasattr(self, "param_groups") or store.owner is not self:
             return
+        if store.delta is not None and self._follow_delta(store, *store.delta):
+            return
         by = self._params_of()
         old_steps = {}
         if self.steps is not None:
@@ -123,19 +126,21 @@ class AdamW(torch.optim.Optimizer):
             if p not in live:
                 del self.state[p]
         device = next(iter(store.arenas.values())).device if store.arenas else torch.device("cpu")
-        self.steps = torch.tensor([float(old_steps.get(g["adapter"], 0.0)) for g in keep], dtype=torch.float32,
-                                  device=device)
+        self.steps = self._steps_buf = torch.tensor([float(old_steps.get(g["adapter"], 0.0)) for g in keep],
+                                                    dtype=torch.float32, device=device)
         for arena in store.arenas.values():
             for s in _STATES:
                 arena.states.setdefault(s, torch.zeros_like(arena.data))
         group_of = {p: i for i, g in enumerate(keep) for p in g["params"]}
-        held = {p for arena in store.arenas.values() for _, _, p in arena.blocks}
+        held = {p for arena in store.arenas.values() for _, _, p in arena.blocks.values()}
+        # every adapter's parameters are held: an adapter added or deleted later changes only its own group
+        self._all_held = not any(p not in held for g in keep if g["adapter"] is not None for p in g["params"])
         for p in live - held:  # a parameter that left the store keeps its states, now its own tensors (its dtype)
             st = self.state.get(p)
             if st and any(isinstance(v, torch.Tensor) and v._base is not None for v in st.values()):
                 self.state[p] = {k: (v.clone() if k == "step" else v.to(p.dtype, copy=True)) for k, v in st.items()}
         for arena in store.arenas.values():
-            for start, numel, p in arena.blocks:
+            for start, numel, p in arena.blocks.values():
                 i = group_of.get(p)
                 if i is None:
                     continue
@@ -145,22 +150,99 @@ class AdamW(torch.optim.Optimizer):
                     st[s] = arena.states[s][start : start + numel].view(p.shape)
         self._tables, self._pattern, self._group_slots, self._others = {}, None, None, None
 
+    def _follow_delta(self, store: AdapterStore, placed: list, released: list) -> bool:
+        """:meth:`_follow` for a re-layout that placed and released the parameters listed (``(param, adapter)``),
+        touching only those adapters' groups and those parameters' states, when every adapter's parameters are held
+        by the store (else ``False``: the model-wide walk of :meth:`_follow` finds the others)."""
+        router = store.router
+        if not getattr(self, "_all_held", False) or router.expert_layers or len(store.slots) != len(router.layers):
+            return False
+        if self._steps_buf is None or self._steps_buf.untyped_storage().data_ptr() != \
+                self.steps.untyped_storage().data_ptr():
+            return False
+        configs = getattr(router.tuner, "peft_config", {})
+        affected = {name for _, name in placed} | {name for _, name in released}
+        index = {g["adapter"]: i for i, g in enumerate(self.param_groups)}
+        for name in affected:
+            cfg = configs.get(name)
+            if name not in index and (cfg is None or getattr(cfg, "use_dora", False) or any(
+                    getattr(cfg, a, None) is not None for a in ("modules_to_save", "trainable_token_indices"))):
+                return False  # a new adapter that may have parameters outside the store
+        groups, old_index = [], []
+        for i, g in enumerate(self.param_groups):
+            if g["adapter"] in affected:
+                g["params"] = list(store.adapter_params.get(g["adapter"], ((),))[0])
+                if not g["params"]:
+                    continue
+            groups.append(g)
+            old_index.append(i)
+        for name in sorted(affected - set(index)):
+            params = list(store.adapter_params.get(name, ((),))[0])
+            if params:
+                groups.append({"params": params, "adapter": name, **self.defaults, **self.settings.get(name, {})})
+        for p, _ in released:
+            self.state.pop(p, None)
+        # the step counts live in a buffer with spare room (grown in place: the parameters' 0-d views of it follow);
+        # groups that keep their index keep their views
+        buf = self._steps_buf
+        first = next((i for i, j in enumerate(old_index) if i != j), len(old_index))  # the first group that moved
+        if first < len(old_index):
+            buf[first : len(old_index)] = buf[torch.tensor(old_index[first:], dtype=torch.int64).to(buf.device)]
+        if len(groups) > buf.numel():
+            _grow(buf, max(len(groups), buf.numel() * 3 // 2))
+        buf[len(old_index) : len(groups)] = 0
+        self.param_groups, self.steps = groups, buf[: len(groups)]
+        for arena in store.arenas.values():
+            for s in _STATES:
+                arena.states.setdefault(s, torch.zeros_like(arena.data))
+        for i, g in enumerate(groups):  # each parameter's step count is a 0-d view of its group's
+            if i < first and g["adapter"] not in affected:
+                continue
+            step = buf[i]
+            for p in g["params"]:
+                st = self.state[p]
+                st["step"] = step
+        for p, _ in placed:  # their states' views on their new pieces
+            st = self.state.get(p)
+            if st is None:
+                continue
+            arena = store.arenas[(p.dtype, p.device)]
+            start, numel, _ = arena.blocks[p]
+            for s in _STATES:
+                st[s] = arena.states[s][start : start + numel].view(p.shape)
+        self._tables, self._pattern, self._group_slots, self._others = {}, None, None, None
+        return True
+
     # -- tables ---------------------------------------------------------------------------------------------------
     def _store_params(self) -> list:
-        return [p for arena in self.store.arenas.values() for _, _, p in arena.blocks]
+        return [p for arena in self.store.arenas.values() for _, _, p in arena.blocks.values()]
 
     def _build_tables(self) -> None:
+        """Each arena's chunk table of the trained pieces (``requires_grad``) by group, read from the layers' slots
+        (no per-parameter lookups)."""
         from .kernels.adamw import chunk_table
 
-        group_of = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        store = self.store
+        group = {g["adapter"]: i for i, g in enumerate(self.param_groups) if g["adapter"] is not None}
+        pattern = store.pattern
+        blocks: dict = {key: [] for key in store.arenas}
+        for s in store.slots.values():
+            out = blocks[(s.arena.dtype, s.arena.device)]
+            n = len(s.names)
+            for i, (name, off, r) in enumerate(zip(s.names, s.offsets, s.ranks, strict=True)):
+                gi = group.get(name)
+                if gi is None:
+                    continue
+                if pattern[s.held_idx[i]]:
+                    out.append((s.a0 + off * s.K, r * s.K, gi))
+                if pattern[s.held_idx[n + i]]:
+                    out.append((s.b0 + off * s.N, r * s.N, gi))
         tables, trained = {}, set()
-        for key, arena in self.store.arenas.items():
-            blocks = [(start, numel, group_of[p]) for start, numel, p in arena.blocks
-                      if p.requires_grad and p in group_of]
-            tables[key] = chunk_table(blocks, len(self.param_groups), arena.data.numel(), arena.device)
-            trained.update(i for _, _, i in blocks)
+        for key, arena in store.arenas.items():
+            tables[key] = chunk_table(blocks[key], len(self.param_groups), arena.used, arena.device)
+            trained.update(i for _, _, i in blocks[key])
         self._tables = tables
-        self._pattern = self.store.pattern
+        self._pattern = store.pattern
         device = self.steps.device
         self._trained = torch.tensor([i in trained for i in range(len(self.param_groups))], device=device)
         self._group_slots = None  # its steppable flags follow _trained
@@ -232,8 +314,9 @@ class AdamW(torch.optim.Optimizer):
             scalars = self._ops(self.steps.device).scalars(self._hyper(self.steps.device), self.steps, active)
             for (dtype, device), table in self._tables.items():
                 arena = self.store.arenas[(dtype, device)]
-                self._ops(device).step(arena.data, arena.grad, arena.states["exp_avg"], arena.states["exp_avg_sq"],
-                                       table, scalars, active)
+                used = arena.used  # (the buffers' spare tail past it holds no piece)
+                self._ops(device).step(arena.data[:used], arena.grad[:used], arena.states["exp_avg"][:used],
+                                       arena.states["exp_avg_sq"][:used], table, scalars, active)
         self._step_others()
         return loss
 
@@ -288,7 +371,8 @@ class AdamW(torch.optim.Optimizer):
         device = self.steps.device
         sq = torch.zeros(G, dtype=torch.float32, device=device)
         for (dtype, dev), table in self._tables.items():
-            sq = sq + self._ops(dev).norms(self.store.arenas[(dtype, dev)].grad, table).to(device)
+            arena = self.store.arenas[(dtype, dev)]
+            sq = sq + self._ops(dev).norms(arena.grad[: arena.used], table).to(device)
         trained_outside = self._outside_trained()
         for i, _, params in trained_outside:
             sq[i] += sum(p.grad.float().pow(2).sum().to(device) for p in params)
@@ -299,7 +383,8 @@ class AdamW(torch.optim.Optimizer):
         else:
             factors = (max_norm / (total + 1e-6)).clamp(max=1.0).expand(G).contiguous()
         for (dtype, dev), table in self._tables.items():
-            self._ops(dev).scale(self.store.arenas[(dtype, dev)].grad, table, factors.to(dev))
+            arena = self.store.arenas[(dtype, dev)]
+            self._ops(dev).scale(arena.grad[: arena.used], table, factors.to(dev))
         for i, _, params in trained_outside:
             for p in params:
                 p.grad.mul_(factors[i].to(p.grad.device, p.grad.dtype))

@@ -375,7 +375,8 @@ class _FastLinearMixin(_TrackedMixin):
 
         def call(record):  # the LayerCall of this call (built only when no launch plan replays it)
             return LayerCall(
-                backend=backend, segs=segs, table=state.table, ranks=state.ranks, fused=base is not None,
+                backend=backend, segs=segs, table=state.table if slots is None else slots.table, ranks=state.ranks,
+                fused=base is not None,
                 in_place=config.weights_in_place and backend.name == "triton", has_bias=has_bias,
                 bias_rows=state.bias_map[segs.token_slots.long()] if has_bias else None,
                 seed=backend.draw_seed(x) if state.table.has_dropout and not decode else None,

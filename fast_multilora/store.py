@@ -4,10 +4,12 @@ With many resident adapters the cost of a step is host work per adapter tensor: 
 LoRA layer (112 on a Llama-shaped model of 8 layers), and each of them went through autograd's per-input
 bookkeeping, a gradient split and the optimizer's per-tensor work. An :class:`AdapterStore` removes that:
 
-* **Storage.** Per ``(dtype, device)`` one flat :class:`Arena`. Per patched layer (in the model's slot order, the
-  layer's adapters as its ``AdapterTable`` lists them) one block ``A[total_rank, K]`` -- adapter ``a``'s ``[r_a, K]``
-  rows at ``offsets[a]``, the kernels' ``A_cat`` -- and one block ``B[total_rank * N]`` -- adapter ``a``'s ``[N, r_a]``
-  weight contiguous at ``N * offsets[a]``, the layout the expand backward writes ``dB`` in. PEFT's own parameters
+* **Storage.** Per ``(dtype, device)`` one flat :class:`Arena`. Per patched layer one region with room for ``cap``
+  rank-rows: a block ``A[cap, K]`` -- adapter ``a``'s ``[r_a, K]`` rows at its offset, the kernels' ``A_cat`` -- and a
+  block ``B[cap * N]`` -- adapter ``a``'s ``[N, r_a]`` weight contiguous at ``N * offset``, the layout the expand
+  backward writes ``dB`` in. The offsets are the store's (:class:`LayerSlots`: a layer call takes the layer state's
+  adapter table with them, ``total_rank = cap``); rows no slot points at (holes an adapter left, free rows) are
+  never read. PEFT's own parameters
   stay the model's parameters (names, ``state_dict``, ``save_pretrained``) and share the arena's memory: their
   ``.data`` is their piece of it, so an update of either is an update of both.
 * **Autograd.** A layer call takes the layer's two blocks as two leaf tensors (:class:`LayerSlots`), whatever the
@@ -18,10 +20,13 @@ bookkeeping, a gradient split and the optimizer's per-tensor work. An :class:`Ad
   its param groups); adapters that were in no batch since the last ``zero_grad`` are not stepped (``seen``), as an
   adapter without gradients is not stepped by ``torch.optim``.
 
-The store is built by that optimizer (``AdapterStore.of(model)``). It follows the model: a layer whose adapters,
-ranks, dtypes or devices change, an adapter added or deleted (``add_adapter``, ``delete_adapter``, ``load_adapter``)
-re-lays the arenas out at the next forward call, moving the weights, the gradients and the optimizer states of the
-adapters that stay (``Arena.states``) and freeing what went. Layers it cannot hold (``lora_bias``, mixed adapter
+The store is built by that optimizer (``AdapterStore.of(model)``). It follows the model at the next forward call,
+by the layers that changed (:meth:`AdapterStore.layout`): an adapter added (``add_adapter``, ``load_adapter``,
+``fast_multilora.add_adapters``) takes a hole of its rank or the free rows of each of its layers' regions (a full
+region moves, as one block, to one half as large again; the arena grows in place), one deleted leaves holes, and the
+gradients and optimizer states of the adapters that stay (``Arena.states``) stay where they are -- so adding or
+deleting one adapter writes its own pieces, whatever the registry. A compact re-layout of everything runs when
+given-up regions make a third of an arena. Layers it cannot hold (``lora_bias``, mixed adapter
 dtypes or devices within a layer, MoE experts, PEFT's fallback layers, FSDP2's sharded parameters) keep their own
 parameters and take the per-parameter path (the optimizer steps them with torch's AdamW math). Every call under
 ``DistributedDataParallel`` (whose gradient hooks sit on the parameters) takes the per-parameter path too, on which
@@ -31,6 +36,7 @@ after its store was built takes its layers out of the store with a warning (thei
 
 from __future__ import annotations
 
+import functools
 import operator
 import types
 import warnings
@@ -124,72 +130,162 @@ def _piece(buf: torch.Tensor, start: int, shape: tuple) -> torch.Tensor:
     return t.set_(buf.untyped_storage(), buf.storage_offset() + start, tuple(shape), tuple(reversed(strides)))
 
 
+def _room(ranks) -> int:
+    """The rank-rows of a new layer region: its adapters' and an eighth more, so that the next adapters join without
+    moving it."""
+    total = sum(ranks)
+    return total + -(-total // 8)
+
+
+def _grow(t: torch.Tensor, numel: int) -> None:
+    """Grow the flat tensor ``t`` (storage offset 0) to ``numel`` elements in place: its storage is resized, so every
+    tensor on it (parameters' ``.data``, ``.grad`` views, leaves, optimizer states) follows; the new tail is zero."""
+    old = t.numel()
+    storage = t.untyped_storage()
+    storage.resize_(numel * t.element_size())
+    t.set_(storage, 0, (numel,), (1,))
+    t[old:].zero_()
+
+
 @dataclass(eq=False)
 class Arena:
-    """One flat buffer of weights per ``(dtype, device)``, its gradient, and optimizer states of the same layout."""
+    """One flat buffer of weights per ``(dtype, device)``, its gradient, and optimizer states of the same layout.
+
+    Each held layer owns one region ``[A rows | B block]`` with room for ``cap`` rank-rows; regions are handed out at
+    ``used`` and the buffers grow by doubling (:func:`_grow`), so adding a region costs its own size amortised. A
+    region a layer gave up (it moved to a larger one) is ``dropped`` until a compaction (:meth:`AdapterStore.layout`
+    with ``full``) lays everything out afresh."""
 
     dtype: torch.dtype
     device: torch.device
     data: torch.Tensor
     grad: torch.Tensor
-    states: dict = field(default_factory=dict)  # name -> flat tensor (e.g. AdamW's exp_avg), migrated on re-layout
-    blocks: list = field(default_factory=list)  # (start, numel, param) of every parameter held
+    states: dict = field(default_factory=dict)  # name -> flat tensor (e.g. AdamW's exp_avg), carried on re-layout
+    blocks: dict = field(default_factory=dict)  # param -> (start, numel, param) of every parameter held
+    used: int = 0  # elements handed out to regions
+    dropped: int = 0  # elements of regions no layer uses any more
+
+    def region(self, numel: int) -> int:
+        """Start of a new region of ``numel`` elements; the buffers double when they are full."""
+        start, need = self.used, self.used + numel
+        if need > self.data.numel():
+            cap = max(need, self.data.numel() * 3 // 2)
+            for t in (self.data, self.grad, *self.states.values()):
+                _grow(t, cap)
+        self.used = need
+        return start
 
 
 @dataclass(eq=False)
 class LayerSlots:
-    """One layer's adapters in the store: the two leaf tensors its calls take, and where their pieces are."""
+    """One layer's adapters in the store: the two leaf tensors its calls take, and where their pieces are.
+
+    The layer's region holds ``cap`` rank-rows: ``A[cap, K]`` at ``a0`` and the packed ``B`` block (``[N, r]`` per
+    adapter, at ``b0 + N * offset``) after it. ``cells`` lists the region's rank-rows in row order: an adapter's
+    ``[name, rank, offset, A param, B param]`` or a hole ``[None, rank, offset, None, None]`` an adapter left, reused
+    by the next adapter of the same rank; rows from ``end`` to ``cap`` are free. The layer's :attr:`table` is its
+    ``LayerState``'s adapter table with the offsets of the cells and ``total_rank = cap``: the kernels read each
+    slot's rows at its offset, and no slot points at a hole."""
 
     names: tuple  # adapters, slot order (the layer table's)
     ranks: tuple
     K: int
     N: int
-    a_leaf: torch.Tensor  # [total_rank, K]
-    b_leaf: torch.Tensor  # [total_rank * N]
+    a_leaf: torch.Tensor  # [cap, K]
+    b_leaf: torch.Tensor  # [cap * N]
     params: tuple  # (A params..., B params...) slot order
     key: tuple  # _layer_key when laid out
     state: object  # the layer's patching.LayerState it was checked against (a new one: the key is checked again)
     expected: tuple = ()  # each parameter's ``.grad`` as the store last left it: its view, or ``None``
     held_idx: tuple = ()  # each parameter's index in ``AdapterStore.held`` (params' order)
+    table: object = None  # kernels.segments.AdapterTable: the state's, with the cells' offsets
+    arena: Optional[Arena] = None
+    a0: int = 0
+    b0: int = 0
+    cap: int = 0
+    end: int = 0
+    cells: list = field(default_factory=list)
+    views: tuple = ()  # (A grad pieces..., B grad pieces...) slot order
+    offsets: tuple = ()  # the present adapters' first rows in the region, slot order
+    table_of: tuple = ()  # the host tuples of the state table ``table`` was made from
+    ptrs: tuple = ()  # the parameters' addresses when laid out
+
+    @property
+    def split(self) -> tuple:
+        """The ranks of the cells, then the free rows: the column blocks of ``B_cat[N, cap]``."""
+        out = tuple(c[1] for c in self.cells)
+        return out + (self.cap - self.end,) if self.cap > self.end else out
+
+    def _uniform(self) -> int:
+        """The one rank of every cell when there is one and the free rows are a multiple of it (else 0)."""
+        r = self.cells[0][1] if self.cells else 0
+        return r if r and all(c[1] == r for c in self.cells) and (self.cap - self.end) % r == 0 else 0
 
     def b_cat(self, b_leaf: torch.Tensor) -> torch.Tensor:
-        """``B_cat[N, total_rank]`` from the packed block (the torch backend's and a compiled graph's layout)."""
+        """``B_cat[N, cap]`` from the packed block (the torch backend's and a compiled graph's layout)."""
         N = self.N
-        if len(set(self.ranks)) == 1:
-            r = self.ranks[0]
-            return b_leaf.view(len(self.ranks), N, r).permute(1, 0, 2).reshape(N, -1)
+        r = self._uniform()
+        if r:
+            return b_leaf.view(self.cap // r, N, r).permute(1, 0, 2).reshape(N, -1)
         pieces, off = [], 0
-        for r in self.ranks:
+        for r in self.split:
             pieces.append(b_leaf[off * N : (off + r) * N].view(N, r))
             off += r
         return torch.cat(pieces, 1)
 
     def packed_grad(self, dB_cat: torch.Tensor) -> torch.Tensor:
-        """``dB_cat[N, total_rank]`` as the packed block's gradient (flat, adapter ``a``'s ``[N, r_a]`` contiguous)."""
+        """``dB_cat[N, cap]`` as the packed block's gradient (flat, adapter ``a``'s ``[N, r_a]`` contiguous)."""
         N = self.N
-        if len(set(self.ranks)) == 1:
-            r = self.ranks[0]
-            return dB_cat.view(N, len(self.ranks), r).permute(1, 0, 2).reshape(-1)
-        return torch.cat([g.reshape(-1) for g in dB_cat.split(list(self.ranks), dim=1)])
+        r = self._uniform()
+        if r:
+            return dB_cat.view(N, self.cap // r, r).permute(1, 0, 2).reshape(-1)
+        return torch.cat([g.reshape(-1) for g in dB_cat.split(list(self.split), dim=1)])
 
 
-def _layer_key(layer, state) -> Optional[tuple]:
-    """What a layer's slots depend on, or ``None`` when the store cannot hold the layer."""
+def _layer_key(layer, state, old: Optional["LayerSlots"] = None) -> Optional[tuple]:
+    """What a layer's slots depend on, or ``None`` when the store cannot hold the layer. ``old``: the layer's slots;
+    their parameters still at their pieces' addresses were checked when they came (only the others are read)."""
     if state is None or state.has_bias or len(set(state.a_dtypes)) != 1:
         return None
-    a_mods, b_mods = layer.lora_A, layer.lora_B
-    params = [a_mods[n].weight for n in state.present] + [b_mods[n].weight for n in state.present]
-    p0 = params[0]
-    for p in params:
-        if p.dtype != p0.dtype or p.device != p0.device or type(p) not in _PARAMETER_TYPES or p.dim() != 2:
+    a_mods, b_mods = layer.lora_A._modules, layer.lora_B._modules
+    present, ranks = state.present, state.ranks
+    params = [a_mods[n]._parameters["weight"] for n in present] + [b_mods[n]._parameters["weight"] for n in present]
+    ids = tuple(map(id, params))
+    ptrs = tuple(map(_DATA_PTR, params))
+    if old is not None:
+        if ids == tuple(map(id, old.params)) and ptrs == old.ptrs:  # the same weights where the store put them
+            return (present, ranks, *old.key[2:6], ids)
+        checked = dict(zip(map(id, old.params), old.ptrs, strict=True))
+        suspects = [i for i, (pid, ptr) in enumerate(zip(ids, ptrs, strict=True)) if checked.get(pid) != ptr]
+        p0 = old.params[0] if old.params else params[0]
+    else:
+        suspects, p0 = range(len(params)), params[0]
+    dtype, device = p0.dtype, p0.device
+    K, N, n = layer.in_features, layer.out_features, len(present)
+    for i in suspects:
+        p = params[i]
+        if p.dtype != dtype or p.device != device or type(p) not in _PARAMETER_TYPES or \
+                type(p.data) is not torch.Tensor:  # e.g. an FSDP2 DTensor
             return None
-        if type(p.data) is not torch.Tensor:  # e.g. an FSDP2 DTensor
+        if tuple(p.shape) != ((ranks[i], K) if i < n else (N, ranks[i - n])):
             return None
-    K, N = layer.in_features, layer.out_features
-    if any(a_mods[n].weight.shape != (r, K) or b_mods[n].weight.shape != (N, r)
-           for n, r in zip(state.present, state.ranks, strict=True)):
-        return None
-    return (state.present, state.ranks, p0.dtype, p0.device, K, N, tuple(id(p) for p in params))
+    return (present, ranks, dtype, device, K, N, ids)
+
+
+def _store_table(state, offsets: tuple, cap: int, tables: dict):
+    """``state.table`` with the adapters' offsets in the store (``offsets``: the present adapters', slot order) and
+    ``total_rank = cap``; layers whose tables are equal share one (``tables``), as their states' tables do."""
+    t = state.table
+    host_offsets = [0] * len(t.host[0])
+    for slot, off in zip(t.slots, offsets, strict=True):
+        host_offsets[slot] = off
+    host = (t.host[0], tuple(host_offsets), t.host[2], t.host[3])
+    key = (host, t.slots, cap, t.offsets.device)
+    out = tables.get(key)
+    if out is None:
+        out = tables[key] = t._replace(offsets=torch.tensor(host_offsets, dtype=torch.int32).to(t.offsets.device),
+                                       total_rank=cap, host=host)
+    return out
 
 
 class AdapterStore:
@@ -212,7 +308,9 @@ class AdapterStore:
         self.seen_names: tuple = ()
         self.pattern: Optional[list] = None  # requires_grad of every held parameter (sync_requires_grad)
         self.expected: list = []  # per held parameter: its ``.grad`` as prepare_grads left it (its view or None)
-        self.layout()
+        self.tables: dict = {}  # the layers' store tables (_store_table), shared among equal ones
+        self.delta = None  # during a layout's owner._follow: (parameters on new pieces, parameters that left)
+        self.layout(full=True)
 
     def __getstate__(self):  # a copy (deepcopy, pickle) of the model: its store has no optimizer yet
         state = dict(self.__dict__)
@@ -268,9 +366,11 @@ class AdapterStore:
 
         wanted = {}
         for layer in self.router.fast_layers:
-            key = _layer_key(layer, layer.__dict__.get(_STATE_ATTR))
+            st = layer.__dict__.get(_STATE_ATTR)
+            old = self.slots.get(id(layer))
+            key = _layer_key(layer, st, old)
             if key is not None:
-                wanted[id(layer)] = (layer, key)
+                wanted[id(layer)] = (layer, key, st)
         return wanted
 
     def stale(self, names=None) -> bool:
@@ -289,9 +389,11 @@ class AdapterStore:
                     return True
                 continue
             if st is not slots.state:  # the layer's adapters, modes, dtypes or devices changed since the check
-                if _layer_key(layer, st) != slots.key:
+                if _layer_key(layer, st, slots) != slots.key:
                     return True
                 slots.state = st
+                if st.table.host != slots.table_of:  # the slot order moved: the store's table follows
+                    self._retable(slots)
             if layer.lora_A[slots.names[0]].weight is not slots.params[0]:
                 return True
         if not set(self.slots) <= {id(layer) for layer in self.router.fast_layers}:
@@ -312,99 +414,215 @@ class AdapterStore:
                 return True
         return False
 
-    def layout(self) -> None:
-        """(Re-)lay the arenas out for the layers' current adapters; weights are read from the parameters, and the
-        gradients and optimizer states of parameters that stay are carried over."""
-        from .patching import _STATE_ATTR
+    def _retable(self, slots: LayerSlots) -> None:
+        slots.table = _store_table(slots.state, slots.offsets, slots.cap, self.tables)
+        slots.table_of = slots.state.table.host
 
+    def _arena(self, dtype, device) -> Arena:
+        arena = self.arenas.get((dtype, device))
+        if arena is None:
+            names = {s for a in self.arenas.values() for s in a.states}
+            z = functools.partial(torch.zeros, ALIGN, dtype=dtype, device=device)
+            arena = self.arenas[(dtype, device)] = Arena(dtype, device, z(), z(), {s: z() for s in names})
+        return arena
+
+    def layout(self, full: bool = False) -> None:
+        """Bring the arenas up to the layers' current adapters, by the layers that changed: a layer whose adapters
+        did not change keeps its region as it is; in one that changed the adapters that stay keep their pieces (and
+        gradients and optimizer states), one that left leaves a hole, and a new one takes a hole of its rank or the
+        region's free rows (a full region moves to one twice as large), its weights read from the parameter. So the
+        work of one adapter added or deleted is its own pieces, amortised, in every layer it has. ``full`` (done
+        also when regions given up make more than half an arena): every layer laid out afresh and compact, the
+        gradients and optimizer states of the parameters that stay carried over."""
         wanted = self._wanted()
-        left = {id(layer) for layer in self.router.fast_layers if id(layer) in self.slots and id(layer) not in wanted}
-        if any(type(p.data) is not torch.Tensor for layer in self.router.fast_layers if id(layer) in left
-               for p in layer.parameters()):
+        left = [lid for lid in self.slots if lid not in wanted]
+        if left and any(type(p.data) is not torch.Tensor for layer in self.router.fast_layers if id(layer) in left
+                        for p in layer.parameters()):
             warnings.warn("fast_multilora: parameters held by the adapter store were replaced by other tensor types "
                           "(FSDP2's shards?): they leave the store and their optimizer states start over",
                           stacklevel=3)
-        old_arenas = self.arenas
-        old_pieces = {}  # param id -> (arena, start, numel)
-        for arena in old_arenas.values():
-            for start, numel, p in arena.blocks:
-                old_pieces[id(p)] = (arena, start, numel)
-        sizes: dict = {}
-        for _, key in wanted.values():
-            _, ranks, dtype, device, K, N, _ = key
-            R = sum(ranks)
-            sizes[(dtype, device)] = sizes.get((dtype, device), 0) + _aligned(R * K) + _aligned(R * N)
-        arenas = {}
-        state_names = set()
-        for arena in old_arenas.values():
-            state_names.update(arena.states)
-        for (dtype, device), numel in sizes.items():
-            arenas[(dtype, device)] = Arena(dtype, device, torch.zeros(numel, dtype=dtype, device=device),
-                                            torch.zeros(numel, dtype=dtype, device=device),
-                                            {s: torch.zeros(numel, dtype=dtype, device=device) for s in state_names})
-        cursor = dict.fromkeys(arenas, 0)
-        slots, held, views, adapter_of = {}, [], [], []
+        full = full or any(a.dropped * 3 > a.used for a in self.arenas.values())
+        old_slots, old_arenas = self.slots, self.arenas
+        released, placed = [], []  # parameters that left the store; parameters on new pieces (new or moved)
+        if full:
+            self.arenas, self.tables = {}, {}
+            state_names = {s for a in old_arenas.values() for s in a.states}
+            for (dtype, device), _ in {(k[2], k[3]): 0 for _, k, _ in wanted.values()}.items():
+                numel = sum(_aligned(_room(k[1]) * k[4]) + _aligned(_room(k[1]) * k[5]) for _, k, _ in wanted.values()
+                            if (k[2], k[3]) == (dtype, device))
+                z = functools.partial(torch.zeros, max(numel, ALIGN), dtype=dtype, device=device)
+                self.arenas[(dtype, device)] = Arena(dtype, device, z(), z(), {s: z() for s in state_names})
+        slots = {}
         with torch.no_grad():
-            for lid, (layer, key) in wanted.items():
-                present, ranks, dtype, device, K, N, _ = key
-                arena = arenas[(dtype, device)]
-                R = sum(ranks)
-                a0 = cursor[(dtype, device)]
-                b0 = a0 + _aligned(R * K)
-                cursor[(dtype, device)] = b0 + _aligned(R * N)
-                a_params = tuple(layer.lora_A[n].weight for n in present)
-                b_params = tuple(layer.lora_B[n].weight for n in present)
-                off = 0
-                first = len(held)
-                for name, r, pa, pb in zip(present, ranks, a_params, b_params, strict=True):
-                    for p, start, shape in ((pa, a0 + off * K, (r, K)), (pb, b0 + off * N, (N, r))):
-                        numel = shape[0] * shape[1]
-                        _piece(arena.data, start, shape).copy_(p.data)
-                        prev = old_pieces.get(id(p))
-                        had_grad = p.grad is not None
-                        if prev is not None and prev[2] == numel:  # carried over: its gradient and states
-                            old, old_start, _ = prev
-                            pairs = [(arena.grad, old.grad)]
-                            pairs += [(arena.states[s], old.states[s]) for s in arena.states if s in old.states]
-                            for buf, src in pairs:
-                                buf[start : start + numel].copy_(src[old_start : old_start + numel])
-                        elif had_grad and p.grad.shape == p.shape:
-                            _piece(arena.grad, start, shape).copy_(p.grad)
-                        p.data = _piece(arena.data, start, shape)
-                        gview = _piece(arena.grad, start, shape)
-                        # a gradient it had lives on in its view; none stays none (as under stock PEFT, a
-                        # parameter gets a ``.grad`` from the first backward that reaches its adapter)
-                        p.grad = gview if p.requires_grad and had_grad else None
-                        held.append(p)
-                        views.append(gview)
-                        adapter_of.append(name)
-                        arena.blocks.append((start, numel, p))
-                    off += r
-                a_leaf = _piece(arena.data, a0, (R, K))
-                b_leaf = _piece(arena.data, b0, (R * N,))
-                a_leaf.grad = _piece(arena.grad, a0, (R, K))
-                b_leaf.grad = _piece(arena.grad, b0, (R * N,))
-                pairs = range(first, first + 2 * len(present), 2)  # held order: each adapter's A, then its B
-                slots[lid] = LayerSlots(present, ranks, K, N, a_leaf, b_leaf, a_params + b_params, key,
-                                        layer.__dict__.get(_STATE_ATTR),
-                                        held_idx=tuple(pairs) + tuple(i + 1 for i in pairs))
+            for lid, (layer, key, st) in wanted.items():
+                old = old_slots.get(lid)
+                if not full and old is not None and old.key == key and tuple(map(_DATA_PTR, old.params)) == old.ptrs:
+                    old.state = st
+                    if st.table.host != old.table_of:
+                        self._retable(old)
+                    slots[lid] = old
+                    continue
+                arena = self._arena(key[2], key[3])
+                reuse = not full and old is not None and old.arena is arena and (old.K, old.N) == key[4:6]
+                slots[lid] = self._place(layer, key, st, arena, old if reuse else None, old, placed)
+            for lid, old in old_slots.items():  # what left: a layer's region, the adapters of a changed layer
+                new = slots.get(lid)
+                if new is old:
+                    continue
+                if not full and (new is None or new.arena is not old.arena):  # its region is given up
+                    old.arena.dropped += _aligned(old.cap * old.K) + _aligned(old.cap * old.N)
+                kept = set(map(id, new.params)) if new is not None else set()
+                for p, name in zip(old.params, old.names + old.names, strict=True):
+                    if id(p) not in kept:
+                        released.append((p, name))
+                        if old.arena.blocks.get(p, (0, 0, None))[2] is p:
+                            del old.arena.blocks[p]
+                self.hooked.discard(id(old.a_leaf))
+                self.hooked.discard(id(old.b_leaf))
+        if full:
+            for arena in old_arenas.values():
+                arena.blocks.clear()
+        self.slots = slots
+        for s in slots.values():  # (an arena that grew moved every piece of it)
+            s.ptrs = tuple(map(_DATA_PTR, s.params))
+        self._index()
+        for p, _ in placed:
+            _hold(p)
+        kept = {id(p) for p, _ in placed}
+        released = [(p, name) for p, name in released if id(p) not in kept]
+        release(p for p, _ in released)
+        self.delta = None if full else (placed, released)
+        self.pattern = None
+        self.sync_requires_grad()
+        if self.owner is not None:
+            self.owner._follow(self)
+        self.delta = None
 
-        self.arenas, self.slots, self.held, self.views = arenas, slots, held, views
-        self.adapter_of = adapter_of
+    def _place(self, layer, key, st, arena: Arena, old: Optional[LayerSlots], prev: Optional[LayerSlots],
+               placed: list) -> LayerSlots:
+        """The layer's new :class:`LayerSlots` in ``arena``: ``old``'s region and cells updated, or (``old`` None) a
+        new region for all its adapters, whose gradients and optimizer states are carried over from ``prev`` (the
+        layer's slots before, in another arena or before a full re-layout). Appends to ``placed`` the parameters now
+        on new pieces."""
+        present, ranks, _, _, K, N, _ = key
+        a_mods, b_mods = layer.lora_A._modules, layer.lora_B._modules
+        want = {name: (r, a_mods[name]._parameters["weight"], b_mods[name]._parameters["weight"])
+                for name, r in zip(present, ranks, strict=True)}
+        if old is None:  # room for an eighth more rank-rows: the next adapters join without moving the region
+            cells, end, cap = [], 0, _room(ranks)
+            a0 = arena.region(_aligned(cap * K) + _aligned(cap * N))
+            views = {}
+        else:
+            cells, end, cap, a0 = old.cells, old.end, old.cap, old.a0  # (old is given up: its cells are edited)
+            for c in cells:  # adapters that left (or whose weights or rank changed) leave holes
+                w = want.get(c[0]) if c[0] is not None else None
+                if c[0] is not None and (w is None or w[0] != c[1] or w[1] is not c[3] or w[2] is not c[4]):
+                    c[0] = c[3] = c[4] = None
+            views = dict(zip(map(id, old.params), old.views, strict=True))
+            ptrs = dict(zip(map(id, old.params), old.ptrs, strict=True))
+            moved = tuple(map(_DATA_PTR, old.params)) != old.ptrs
+            with torch.no_grad():  # a parameter whose ``.data`` was replaced: its new values into its piece
+                for c in (c for c in cells if moved and c[0] is not None):
+                    for p, start, shape in ((c[3], a0 + c[2] * K, (c[1], K)),
+                                            (c[4], a0 + _aligned(cap * K) + c[2] * N, (N, c[1]))):
+                        if p.data_ptr() != ptrs[id(p)]:
+                            piece = _piece(arena.data, start, shape)
+                            piece.copy_(p.data)
+                            p.data = piece
+        live = {c[0] for c in cells if c[0] is not None}
+        holes: dict = {}
+        for i, c in enumerate(cells):
+            if c[0] is None:
+                holes.setdefault(c[1], []).append(i)
+        fill = []  # cells whose pieces are written: new adapters (then moved ones)
+        for name in present:
+            if name in live:
+                continue
+            r, pa, pb = want[name]
+            spot = holes.get(r)
+            if spot:
+                c = cells[spot.pop()]
+                c[0], c[3], c[4] = name, pa, pb
+            else:
+                c = [name, r, end, pa, pb]
+                cells.append(c)
+                end += r
+            fill.append(c)
+        n_new = len(fill)
+        b0 = a0 + _aligned(cap * K)
+        if end > cap:  # the region is full: the layer moves to one half as large again (its rows copied as a block)
+            new_cap = max(cap + cap // 2, end)
+            na0 = arena.region(_aligned(new_cap * K) + _aligned(new_cap * N))
+            nb0 = na0 + _aligned(new_cap * K)
+            rows = old.end if old is not None else 0
+            for buf in (arena.data, arena.grad, *arena.states.values()):
+                buf[na0 : na0 + rows * K].copy_(buf[a0 : a0 + rows * K])
+                buf[nb0 : nb0 + rows * N].copy_(buf[b0 : b0 + rows * N])
+            arena.dropped += _aligned(cap * K) + _aligned(cap * N)
+            fresh = set(map(id, fill))
+            fill += [c for c in cells if c[0] is not None and id(c) not in fresh]
+            cap, a0, b0 = new_cap, na0, nb0
+        carried = {}  # id(param) -> (arena, start) of its piece before (prev's)
+        if prev is not None and old is None:
+            for p in prev.params:
+                blk = prev.arena.blocks.get(p)
+                if blk is not None:
+                    carried[id(p)] = (prev.arena, blk[0])
+        for i, (c_name, r, off, pa, pb) in enumerate(fill):
+            for p, start, shape in ((pa, a0 + off * K, (r, K)), (pb, b0 + off * N, (N, r))):
+                numel = shape[0] * shape[1]
+                had_grad = p.grad is not None
+                if i < n_new:  # a new adapter's piece (perhaps a hole): its weights, gradient, states
+                    src = carried.get(id(p))
+                    _piece(arena.data, start, shape).copy_(p.data)
+                    g = arena.grad[start : start + numel]
+                    if src is not None:
+                        g.copy_(src[0].grad[src[1] : src[1] + numel])
+                    elif had_grad and p.grad.shape == p.shape:
+                        g.view(shape).copy_(p.grad)
+                    else:
+                        g.zero_()
+                    for s, buf in arena.states.items():
+                        if src is not None and s in src[0].states:
+                            buf[start : start + numel].copy_(src[0].states[s][src[1] : src[1] + numel])
+                        else:
+                            buf[start : start + numel].zero_()
+                p.data = _piece(arena.data, start, shape)
+                v = views[id(p)] = _piece(arena.grad, start, shape)
+                # a gradient it had lives on in its view; none stays none (as under stock PEFT, a parameter gets a
+                # ``.grad`` from the first backward that reaches its adapter)
+                p.grad = v if p.requires_grad and had_grad else None
+                arena.blocks[p] = (start, numel, p)
+                placed.append((p, c_name))
+        by_name = {c[0]: c for c in cells if c[0] is not None}
+        ordered = [by_name[name] for name in present]
+        params = tuple(c[3] for c in ordered) + tuple(c[4] for c in ordered)
+        a_leaf = _piece(arena.data, a0, (cap, K))
+        b_leaf = _piece(arena.data, b0, (cap * N,))
+        a_leaf.grad = _piece(arena.grad, a0, (cap, K))
+        b_leaf.grad = _piece(arena.grad, b0, (cap * N,))
+        out = LayerSlots(present, ranks, K, N, a_leaf, b_leaf, params, key, st, arena=arena, a0=a0, b0=b0, cap=cap,
+                         end=end, cells=cells, views=tuple(views[id(p)] for p in params),
+                         offsets=tuple(c[2] for c in ordered))
+        self._retable(out)
+        return out
+
+    def _index(self) -> None:
+        """The store-wide lists (``held``, ``views``, ``adapter_of``, ``adapter_params``) from the layers' slots."""
+        held, views, adapter_of = [], [], []
+        for s in self.slots.values():
+            n, base = len(s.names), len(held)
+            for i, name in enumerate(s.names):
+                held += (s.params[i], s.params[n + i])
+                views += (s.views[i], s.views[n + i])
+                adapter_of += (name, name)
+            s.held_idx = tuple(range(base, base + 2 * n, 2)) + tuple(range(base + 1, base + 2 * n, 2))
+        self.held, self.views, self.adapter_of = held, views, adapter_of
         by_adapter: dict = {}
         for p, name in zip(held, adapter_of, strict=True):
             by_adapter.setdefault(name, []).append(p)
         self.adapter_params = {n: (tuple(ps), tuple(map(_DATA_PTR, ps))) for n, ps in by_adapter.items()}
         self.expected = [p.grad for p in held]
-        self.hooked = set()  # the new layout's leaves have none yet
-        for p in held:
-            _hold(p)
-        kept = {id(p) for p in held}
-        release(p for arena in old_arenas.values() for _, _, p in arena.blocks if id(p) not in kept)
-        self.pattern = None
-        self.sync_requires_grad()
-        if self.owner is not None:
-            self.owner._follow(self)
 
     # -- per step -------------------------------------------------------------------------------------------------
     def sync_requires_grad(self) -> bool:

@@ -143,6 +143,38 @@ def test_add_adapters_work_is_linear():
     assert fast_24 * 10 < loop_24, (fast_24, loop_24)
 
 
+def test_adding_beside_present_adapters_equals_peft_and_walks_none_of_them():
+    """Adapters added to layers that hold LoRA adapters already (churn in a trained model): the model ends as PEFT's
+    ``add_adapter`` loop leaves it (the flags the user set kept, the new adapters frozen, DoRA's magnitudes, the
+    active adapters), and the walks visit none of the present adapters' modules: as many module visits with 8 as
+    with 32 adapters present."""
+    def build(n):
+        torch.manual_seed(2)
+        model = base_model()
+        fast_multilora.add_adapters(model, {f"t{i}": LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
+                                            for i in range(n)})
+        for name, p in model.named_parameters():  # trainability the user set
+            if ".t1." in name or "embed_tokens" in name:
+                p.requires_grad_(True)
+        return model
+
+    def configs():
+        return {"new": LoraConfig(r=3, target_modules=["q_proj"], init_lora_weights=False),
+                "t1b": LoraConfig(r=2, lora_alpha=5, target_modules=["v_proj", "q_proj"], use_dora=True)}
+
+    visits = {}
+    for n in (8, 32):
+        want, got = build(n), build(n)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.manual_seed(3)
+            peft_loop(want, configs())
+            torch.manual_seed(3)
+            visits[n] = _count_module_visits(lambda got=got: fast_multilora.add_adapters(got, configs()))
+        assert_same_state(model_state(got), model_state(want))
+    assert visits[8] == visits[32], visits
+
+
 N_ROUTED = 64
 
 

@@ -301,9 +301,11 @@ def test_adapters_join_and_leave_while_training():
     model.delete_adapter(names[0])
     _train(model, opt, _batches(names[1:] + ["late"], steps=1, seed=4))
     assert all(g["adapter"] != names[0] for g in opt.param_groups)
-    assert sum(a.data.numel() for a in opt.store.arenas.values()) < grown  # its rows are gone
-    held = {id(p) for a in store.arenas.values() for _, _, p in a.blocks}
-    assert len(held) == sum(1 for n, p in model.named_parameters() if "lora_" in n)
+    held = {id(p) for a in store.arenas.values() for _, _, p in a.blocks.values()}
+    assert len(held) == sum(1 for n, p in model.named_parameters() if "lora_" in n)  # its pieces were let go
+    store.layout(full=True)  # a compaction: its rows (holes now) are gone
+    assert sum(a.data.numel() for a in opt.store.arenas.values()) < grown
+    _train(model, opt, _batches(names[1:] + ["late"], steps=1, seed=5))
 
 
 def test_save_pretrained_files_match_stock(tmp_path):
@@ -437,7 +439,7 @@ def test_a_saved_adapter_loads_into_the_store(tmp_path):
         if ".m002." in n:
             assert torch.equal(p.detach(), saved[n]), n
     _train(model, opt, _batches(names, steps=2, seed=11))
-    held = {id(p) for a in opt.store.arenas.values() for _, _, p in a.blocks}
+    held = {id(p) for a in opt.store.arenas.values() for _, _, p in a.blocks.values()}
     loaded = [p for n, p in model.named_parameters() if ".m002." in n]
     assert loaded and all(id(p) in held for p in loaded)
     assert any(not torch.equal(p.detach(), saved[n]) for n, p in model.named_parameters() if ".m002." in n)
@@ -457,7 +459,7 @@ def test_parameters_outside_the_store_step_as_torch():
     fast_multilora.patch(model, backend="torch")
     twin = copy.deepcopy(model)
     ours = fast_multilora.AdamW(model, lr=1e-2, weight_decay=0.1)
-    held = {id(p) for a in ours.store.arenas.values() for _, _, p in a.blocks}
+    held = {id(p) for a in ours.store.arenas.values() for _, _, p in a.blocks.values()}
     outside = [n for n, p in model.named_parameters() if ".biased." in n and id(p) not in held]
     assert outside and len(ours.store.slots) < len(model.__dict__["_fml_router"].fast_layers)
     names = sorted(model.peft_config)
@@ -711,3 +713,164 @@ def test_a_moved_parameter_of_an_adapter_outside_the_batch_is_read_when_it_retur
     got, want = run(True), run(False)
     for g, w, what in zip(got, want, ("absent", "back"), strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m, what=what: f"{what}: {m}")
+
+
+CHURN = [  # between steps: (adapters added: name -> (rank, targets)), (adapters deleted)
+    ({"m010a": (4, ["q_proj", "v_proj"]), "m000a": (3, LLAMA_TARGETS), "zz0": (2, ["o_proj", "k_proj"])}, ()),
+    ({f"m03{i}c": (4, ["q_proj", "gate_proj"]) for i in range(10)}, ()),  # more than the layers' spare rows
+    ({}, ("m010a", "m005", "m032c")),
+    # m005's and m032c's rows reused (both trained: they hold moments)
+    ({"m010a": (5, ["q_proj", "down_proj"]), "m020b": (1, ["q_proj", "v_proj"]), "m033d": (4, ["q_proj"])}, ()),
+    ({}, ("zz0",)),
+]
+
+
+@pytest.mark.parametrize("optimizer", ["fast", "torch"])
+def test_churn_while_training_leaves_the_others_untouched(optimizer):
+    """64 adapters training while adapters are added (``fast_multilora.add_adapters``; names sorting among and after
+    the others; ranks equal to a deleted one's, so its rows are reused) and deleted (``delete_adapter``, a churned
+    one and one of the 64) between steps: the adapters that stay follow exactly the trajectory of a run without the
+    churn -- weights, gradients (``None`` where the run without churn has none) and optimizer states (the store's
+    AdamW arena states, or ``torch.optim.AdamW``'s per-parameter states), bit for bit. The churned adapters' rows
+    in a batch are base rows in the run without churn (same shapes: same arithmetic for the other rows)."""
+    runs = {}
+    for churn in (False, True):
+        model = many_model(64)
+        fast_multilora.patch(model, backend="torch")
+        lora = [p for n, p in model.named_parameters() if "lora_" in n]
+        opt = (fast_multilora.AdamW(model, lr=1e-2) if optimizer == "fast"
+               else torch.optim.AdamW(lora, lr=1e-2))
+        model.train()
+        stay = sorted(model.peft_config)
+        extra: list = []
+        g = torch.Generator().manual_seed(40)
+        for step in range(len(CHURN) + 1):
+            pool = stay + extra
+            rows = [pool[i] for i in torch.randint(0, len(pool), (6,), generator=g).tolist()]
+            if step <= 2:
+                rows[:2] = ["m005", "m032c" if step == 2 else rows[1]]
+            ids = torch.randint(0, 97, (6, 7), generator=g)
+            if not churn:
+                rows = [r if r in model.peft_config else "__base__" for r in rows]
+            _train(model, opt, [(ids, rows)])
+            if step == len(CHURN):
+                break
+            added, deleted = CHURN[step]
+            for name in deleted:
+                if churn:
+                    model.delete_adapter(name)
+                extra = [e for e in extra if e != name]
+                stay = [s for s in stay if s != name]
+            if added and churn:
+                torch.manual_seed(step)
+                fast_multilora.add_adapters(model, {n: LoraConfig(r=r, lora_alpha=2 * r, target_modules=t,
+                                                                  init_lora_weights=False)
+                                                    for n, (r, t) in added.items()})
+                new = [p for n, p in model.named_parameters() if any(f".{a}." in n for a in added)]
+                for p in new:
+                    p.requires_grad_(True)
+                if optimizer == "torch":
+                    opt.add_param_group({"params": new})
+                else:  # laid out now (a forward without gradients): the new ones start from zero moments, no grad
+                    with torch.no_grad():
+                        model(input_ids=ids[:1], adapter_names=[next(iter(added))])
+                    for p in new:
+                        assert p.grad is None and not opt.state[p]["exp_avg"].any()
+                        assert not opt.state[p]["exp_avg_sq"].any() and float(opt.state[p]["step"]) == 0
+            extra += list(added)
+        runs[churn] = (model, opt, stay)
+    (calm, calm_opt, stay), (churned, churned_opt, _) = runs[False], runs[True]
+    churn_names = {"m010a", "m000a", "m020b", "m033d"} | {f"m03{i}c" for i in range(10) if i != 2}
+    assert set(churned.peft_config) - set(stay) == churn_names
+    assert "m005" not in churned.peft_config
+    want = {n: p for n, p in calm.named_parameters() if "lora_" in n and n.split(".")[-2] in stay}
+    got = {n: p for n, p in churned.named_parameters() if n in want}
+    assert got.keys() == want.keys()
+    for n, w in want.items():
+        p = got[n]
+        assert torch.equal(p.detach(), w.detach()), n
+        assert (p.grad is None) == (w.grad is None), n
+        if w.grad is not None:
+            assert torch.equal(p.grad, w.grad), n
+        a, b = churned_opt.state[p], calm_opt.state[w]
+        assert a.keys() == b.keys(), n
+        for k in b:
+            assert torch.equal(a[k], b[k]), (n, k)
+    if optimizer == "fast":
+        assert all(g["adapter"] not in ("m005", "zz0") for g in churned_opt.param_groups)
+        held = {id(p) for a in churned_opt.store.arenas.values() for _, _, p in a.blocks.values()}
+        assert held == {id(p) for n, p in churned.named_parameters() if "lora_" in n}
+
+
+def _store_work(n, change):
+    """The pieces (``store._piece`` calls) and elements copied by the store when ``change`` runs on a patched, training
+    ``many_model(n)`` and the next training step re-lays the store out."""
+    import fast_multilora.store as store_mod
+
+    model, opt, names = _trained(n, seed=21)
+    counts = {"pieces": 0, "copied": 0}
+    piece, copy_ = store_mod._piece, torch.Tensor.copy_
+
+    def counting_piece(*args):
+        counts["pieces"] += 1
+        return piece(*args)
+
+    def counting_copy(self, src, *args, **kwargs):
+        counts["copied"] += self.numel()
+        return copy_(self, src, *args, **kwargs)
+
+    change(model)
+    store_mod._piece = counting_piece
+    torch.Tensor.copy_ = counting_copy
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 3, dtype=torch.long), adapter_names=[names[0]])
+    finally:
+        store_mod._piece = piece
+        torch.Tensor.copy_ = copy_
+    return counts
+
+
+@pytest.mark.parametrize("what", ["add", "delete", "add_beside"])
+def test_one_adapter_of_churn_costs_the_same_whatever_the_registry(what):
+    """Adding one adapter to (or deleting one from) 64 or 128 adapters: the store writes the same pieces and copies
+    the same elements for it (its own pieces, the changed layers' leaves) whatever the registry -- no re-layout of
+    the others. Counted, not timed."""
+    def change(model):
+        if what == "delete":
+            model.delete_adapter("m003")
+        else:
+            torch.manual_seed(0)
+            name = "zz" if what == "add" else "m002b"  # after the others' names, or among them (slot order)
+            fast_multilora.add_adapters(model, {name: LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                                 init_lora_weights=False)})
+
+    small, large = _store_work(64, change), _store_work(128, change)
+    assert small == large, (small, large)
+    assert small["pieces"] <= 4 * 8 + 2 * 2 * 2, small  # leaves and views of the changed layers, its own pieces
+
+
+def test_holes_and_spare_rows_train_alike_on_both_backends():
+    """After a delete (its rows a hole) and adds (into free rows, a region grown), the Triton kernels (interpreted
+    on CPU) read every slot at the store's offsets, past holes and spare rows, as the torch backend does."""
+    out = {}
+    for backend in ("torch", "triton"):
+        model = many_model(6)
+        fast_multilora.patch(model, backend=backend)
+        opt = fast_multilora.AdamW(model, lr=1e-2)
+        model.train()
+        _train(model, opt, _batches(sorted(model.peft_config), steps=1, seed=1))
+        model.delete_adapter("m002")
+        torch.manual_seed(4)
+        fast_multilora.add_adapters(model, {
+            "m002b": LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+            "zz": LoraConfig(r=3, target_modules=["q_proj", "k_proj"], init_lora_weights=False)})
+        for n, p in model.named_parameters():
+            if ".m002b." in n or ".zz." in n:
+                p.requires_grad_(True)
+        _train(model, opt, _batches(sorted(model.peft_config), steps=2, seed=2))
+        assert any(s.end > sum(s.ranks) for s in opt.store.slots.values())  # a hole is laid out
+        assert any(s.cap > s.end for s in opt.store.slots.values())  # and spare rows
+        out[backend] = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    for n, want in out["torch"].items():
+        _close(out["triton"][n], want, n)
