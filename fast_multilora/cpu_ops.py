@@ -145,36 +145,65 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, keep=N
 
 # -- fast_multilora.AdamW's step on a CPU arena -----------------------------------------------------------------------
 
-_OWNERS: dict = {}  # id(table) -> (table, int64 [numel] owner of each arena element, -1 in the alignment gaps)
+_OWNERS: dict = {}  # id(table) -> (table, _Elements)
 
 
-def _owner(table, numel: int) -> torch.Tensor:
+class _Elements:
+    """An arena's elements as a chunk table lays them out: ``owner[i]`` (int64, ``-1`` in gaps and holes), and every
+    covered element's position grouped by adapter (``pos[bounds[a]:bounds[a + 1]]``: adapter ``a``'s)."""
+
+    def __init__(self, table, numel: int):
+        pos, adapter = _arena_elements(table)  # in the table's chunk order: by adapter, then position
+        self.owner = torch.full((numel,), -1, dtype=torch.int64)
+        self.owner[pos] = adapter
+        self.pos = pos
+        counts = torch.bincount(adapter, minlength=table.n_adapters)
+        self.bounds = [0] + torch.cumsum(counts, 0).tolist()
+
+
+def _elements(table, numel: int) -> _Elements:
     hit = _OWNERS.get(id(table))
     if hit is not None and hit[0] is table:
         return hit[1]
-    pos, adapter = _arena_elements(table)
-    owner = torch.full((numel,), -1, dtype=torch.int64)
-    owner[pos] = adapter
+    el = _Elements(table, numel)
     if len(_OWNERS) > 16:  # tables of past layouts
         _OWNERS.clear()
-    _OWNERS[id(table)] = (table, owner)
-    return owner
+    _OWNERS[id(table)] = (table, el)
+    return el
 
 
-def adamw_step(param, grad, exp_avg, exp_avg_sq, table, scalars, active) -> None:
-    """:func:`reference.adamw_step_reference` on CPU arenas: the same float32 math in the same order on the whole
-    buffers (each element with its adapter's scalars; an element of an inactive adapter or an alignment gap keeps its
-    values), without the reference's per-step element tables and gathers."""
-    owner = _owner(table, param.numel())
-    ad = owner.clamp(min=0)
-    live = (active[ad] != 0) & (owner >= 0)
-    decay, w1, w2, b2, neg_step, bc2_sqrt, eps, _ = scalars[ad].unbind(1)
-    p, g, m, v = (x.float() for x in (param, grad, exp_avg, exp_avg_sq))
+def adamw_step(param, grad, exp_avg, exp_avg_sq, table, scalars, active, gather: Optional[bool] = None) -> None:
+    """:func:`reference.adamw_step_reference` on CPU arenas: the same float32 math in the same order, element by
+    element (each with its adapter's scalars; an element of an inactive adapter, a gap or a hole keeps its values).
+    Two ways, equal bit for bit: on the active adapters' elements only, gathered (when they are under half of the
+    arena: a step of a few adapters of a large registry costs what those few hold), or on the whole buffers without
+    per-element tables (``gather``: force one, for the tests)."""
+    el = _elements(table, param.numel())
+    act = torch.nonzero(active).reshape(-1).tolist()
+    n_live = sum(el.bounds[a + 1] - el.bounds[a] for a in act)
+    if gather is None:
+        gather = 2 * n_live < param.numel()
+    if gather:
+        if not n_live:
+            return
+        idx = torch.cat([el.pos[el.bounds[a] : el.bounds[a + 1]] for a in act])
+        ad = el.owner[idx]
+        decay, w1, w2, b2, neg_step, bc2_sqrt, eps, _ = scalars[ad].unbind(1)
+        p, g, m, v = (x[idx].float() for x in (param, grad, exp_avg, exp_avg_sq))
+    else:
+        ad = el.owner.clamp(min=0)
+        live = (active[ad] != 0) & (el.owner >= 0)
+        decay, w1, w2, b2, neg_step, bc2_sqrt, eps, _ = scalars[ad].unbind(1)
+        p, g, m, v = (x.float() for x in (param, grad, exp_avg, exp_avg_sq))
     p = p * decay
     m = torch.lerp(m, g, w1)
     v = torch.addcmul(v * b2, w2 * g, g)
     denom = v.double().sqrt().float() / bc2_sqrt + eps  # correctly rounded, as the reference
     p = p + neg_step * m / denom
+    if gather:
+        for buf, x in ((param, p), (exp_avg, m), (exp_avg_sq, v)):
+            buf.index_copy_(0, idx, x.to(buf.dtype))
+        return
     everything = bool(live.all())
     for buf, x in ((param, p), (exp_avg, m), (exp_avg_sq, v)):
         buf.copy_(x if everything else torch.where(live, x.to(buf.dtype), buf))
