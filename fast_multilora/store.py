@@ -196,7 +196,6 @@ class LayerSlots:
     params: tuple  # (A params..., B params...) slot order
     key: tuple  # _layer_key when laid out
     state: object  # the layer's patching.LayerState it was checked against (a new one: the key is checked again)
-    expected: tuple = ()  # each parameter's ``.grad`` as the store last left it: its view, or ``None``
     held_idx: tuple = ()  # each parameter's index in ``AdapterStore.held`` (params' order)
     table: object = None  # kernels.segments.AdapterTable: the state's, with the cells' offsets
     arena: Optional[Arena] = None
@@ -307,7 +306,10 @@ class AdapterStore:
         self.seen: Optional[torch.Tensor] = None  # bool [n_slots + 1]: index 0 base, 1 + slot an adapter (mark_seen)
         self.seen_names: tuple = ()
         self.pattern: Optional[list] = None  # requires_grad of every held parameter (sync_requires_grad)
-        self.expected: list = []  # per held parameter: its ``.grad`` as prepare_grads left it (its view or None)
+        self.attached: set = set()  # indices in ``held`` of the parameters whose ``.grad`` prepare_grads left a view
+        self.watch: dict = {}  # (id(slots), 0: A / 1: B leaf) -> (its attached parameters, their views): the hooks'
+        self.adapter_idx: dict = {}  # adapter -> its parameters' indices in ``held``
+        self.leaf_of: list = []  # held[i]'s leaf key (as ``watch``)
         self.tables: dict = {}  # the layers' store tables (_store_table), shared among equal ones
         self.delta = None  # during a layout's owner._follow: (parameters on new pieces, parameters that left)
         self.layout(full=True)
@@ -609,7 +611,7 @@ class AdapterStore:
 
     def _index(self) -> None:
         """The store-wide lists (``held``, ``views``, ``adapter_of``, ``adapter_params``) from the layers' slots."""
-        held, views, adapter_of = [], [], []
+        held, views, adapter_of, leaf_of = [], [], [], []
         for s in self.slots.values():
             n, base = len(s.names), len(held)
             for i, name in enumerate(s.names):
@@ -617,12 +619,17 @@ class AdapterStore:
                 views += (s.views[i], s.views[n + i])
                 adapter_of += (name, name)
             s.held_idx = tuple(range(base, base + 2 * n, 2)) + tuple(range(base + 1, base + 2 * n, 2))
-        self.held, self.views, self.adapter_of = held, views, adapter_of
+            leaf_of += [(id(s), 0), (id(s), 1)] * n  # each adapter's A, then B: its leaves' keys (as ``watch``)
+        self.held, self.views, self.adapter_of, self.leaf_of = held, views, adapter_of, leaf_of
         by_adapter: dict = {}
-        for p, name in zip(held, adapter_of, strict=True):
+        idx: dict = {}
+        for i, (p, name) in enumerate(zip(held, adapter_of, strict=True)):
             by_adapter.setdefault(name, []).append(p)
+            idx.setdefault(name, []).append(i)
         self.adapter_params = {n: (tuple(ps), tuple(map(_DATA_PTR, ps))) for n, ps in by_adapter.items()}
-        self.expected = [p.grad for p in held]
+        self.adapter_idx = {n: tuple(ix) for n, ix in idx.items()}
+        self.attached = {i for i, (p, v) in enumerate(zip(held, views, strict=True)) if p.grad is v}
+        self._watch()
 
     # -- per step -------------------------------------------------------------------------------------------------
     def sync_requires_grad(self) -> bool:
@@ -654,51 +661,76 @@ class AdapterStore:
         gradient is zero from then on), DDP's reducer or a caller may put another tensor there (it holds the whole
         gradient), while the layer calls' gradients land in the arena through the two leaves. So, per trained
         parameter: a view in place stays; another tensor is copied into its piece and the view attached; a dropped
-        one gets its view (the piece zeroed; one fill per arena when no parameter kept its view, the common case)
-        when its adapter is in a call whose backward is starting (``pending``), else keeps ``None`` -- an adapter
-        with no rows since its gradient was dropped has no gradient, as under stock PEFT, so ``torch.optim`` skips it
-        (no weight decay, no momentum step). A frozen parameter has no ``.grad``. One identity check per parameter
-        when nothing changed. Runs before the leaves' gradients accumulate (a hook on each leaf, see :meth:`_hook`),
-        before an optimizer step of ours, after ``model.zero_grad()`` and when a ``requires_grad`` changed."""
-        grads = [p.grad for p in self.held]
+        one gets its view back, its piece zeroed, when its adapter is in a call whose backward is starting
+        (``pending``), else keeps ``None`` -- an adapter with no rows since its gradient was dropped has no gradient,
+        as under stock PEFT, so ``torch.optim`` skips it (no weight decay, no momentum step). A frozen parameter has
+        no ``.grad``. Runs before the leaves' gradients accumulate (a hook on each leaf, see :meth:`_hook`), before
+        an optimizer step of ours, after ``model.zero_grad()`` and when a ``requires_grad`` changed.
+
+        Its work grows with the batch, not with the registry: it reads the parameters whose view it left attached
+        (``attached``) and those of the pending adapters, nothing else (``force``: every parameter); the pieces it
+        zeroes go in one ``torch._foreach_zero_``. A parameter outside both sets has ``None`` as the store left it
+        (its piece may hold an old sum: zeroed when its view is attached again); one whose ``.grad`` a caller set to
+        a tensor of its own meanwhile is read when its adapter is next pending or the flags change."""
         pending = self.pending
-        if not force and not pending and all(map(operator.is_, grads, self.expected)):
+        attached = self.attached
+        held, views = self.held, self.views
+        if not force and not pending and all(held[i].grad is views[i] for i in attached):
             return
         self.pending = set()
-        expected = []
+        if force:
+            check = range(len(held))
+        else:
+            check = set(attached)
+            for name in pending:
+                check.update(self.adapter_idx.get(name, ()))
+        pattern = self.pattern
+        now, zero = set(), []
         with torch.no_grad():
-            kept = any(g is not None and g is e for g, e in zip(grads, self.expected, strict=True))
-            if not kept:  # no parameter kept its view: a whole optimizer's zero_grad(), or the first backward
-                for arena in self.arenas.values():
-                    arena.grad.zero_()
-            for p, g, v, trained, name in zip(self.held, grads, self.views, self.pattern or (), self.adapter_of,
-                                              strict=True):
-                if not trained:
+            for i in check:
+                p, v = held[i], views[i]
+                g = p.grad
+                if not (pattern and pattern[i]):
                     want = None
                 elif g is v:
                     want = v
                 elif g is not None:  # a tensor put in place of the view: the whole gradient
                     want = v.copy_(g)
-                elif name in pending:
-                    want = v.zero_() if kept else v
+                elif self.adapter_of[i] in pending:
+                    want = v
+                    zero.append(v)
                 else:
                     want = None
                 if g is not want:
                     p.grad = want
-                expected.append(want)
-        self.expected = expected
-        for s in self.slots.values():
-            s.expected = tuple(expected[i] for i in s.held_idx)
+                if want is not None:
+                    now.add(i)
+            if zero:
+                torch._foreach_zero_(zero)
+        self.attached = now
+        self._watch()
+
+    def _watch(self) -> None:
+        """``watch`` from ``attached``: per leaf, what its hook checks."""
+        by_leaf: dict = {}
+        for i in self.attached:
+            by_leaf.setdefault(self.leaf_of[i], []).append(i)
+        held, views = self.held, self.views
+        self.watch = {key: (tuple(held[i] for i in ix), tuple(views[i] for i in ix)) for key, ix in by_leaf.items()}
 
     def _hook(self, slots: LayerSlots, part: slice):
         """A hook on one of a layer's leaves, run before its gradient accumulates into the arena: at a backward's
-        first leaf (adapters are pending), or when one of the layer's parameters lost its view since (an optimizer's
-        ``zero_grad`` between the forward and the backward), :meth:`prepare_grads` first. A few identity checks per
-        leaf and backward otherwise."""
+        first leaf (adapters are pending), or when one of the leaf's attached parameters lost its view since (an
+        optimizer's ``zero_grad`` between the forward and the backward), :meth:`prepare_grads` first. A few identity
+        checks per leaf and backward otherwise (the leaf's parameters whose view is attached)."""
+        key = (id(slots), 0 if part.start == 0 else 1)
 
         def hook(grad):
-            if self.pending or not all(map(operator.is_, [p.grad for p in slots.params[part]],
-                                           slots.expected[part])):
+            if self.pending:
+                self.prepare_grads()
+                return None
+            params, views = self.watch.get(key, ((), ()))
+            if not all(map(operator.is_, [p.grad for p in params], views)):
                 self.prepare_grads()
             return None
 

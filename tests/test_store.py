@@ -874,3 +874,40 @@ def test_holes_and_spare_rows_train_alike_on_both_backends():
         out[backend] = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
     for n, want in out["torch"].items():
         _close(out["triton"][n], want, n)
+
+
+class _CountingList(list):
+    """A list that counts its item reads (the store's ``held`` / ``views``: what a step reads of them)."""
+
+    reads = 0
+
+    def __getitem__(self, i):
+        _CountingList.reads += 1
+        return super().__getitem__(i)
+
+
+def _per_step_reads(n):
+    model = many_model(n)
+    fast_multilora.patch(model, backend="torch")
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    names = sorted(model.peft_config)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 97, (4, 5), generator=g), [names[i % 3], names[3], names[(i + 1) % 3], names[3]])
+               for i in range(4)]
+    _train(model, opt, batches[:2])  # store built, flags read, hooks on
+    store = fast_multilora.store.AdapterStore.of(model)
+    store.held, store.views = _CountingList(store.held), _CountingList(store.views)
+    _CountingList.reads = 0
+    _train(model, opt, batches[2:])
+    return _CountingList.reads, store
+
+
+def test_a_steps_gradient_bookkeeping_reads_the_batchs_adapters_only():
+    """The store's per-step gradient bookkeeping (``prepare_grads`` before each backward, the leaves' hooks) reads
+    the parameters of the batch's adapters and of those whose views it left attached, not the registry: the same
+    reads with 16 and 48 adapters registered (4 in each batch), and every trained adapter got its gradient."""
+    small, _ = _per_step_reads(16)
+    large, store = _per_step_reads(48)
+    assert 0 < small == large, (small, large)
+    assert store.attached and all(store.held[i].grad is store.views[i] for i in store.attached)

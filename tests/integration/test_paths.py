@@ -190,9 +190,11 @@ def test_eval_replays_launch_plans(family, fuse, weights, T, monkeypatch):
     assert set(ran) == ({"lora_shrink_expand"} if decode else {"lora_shrink", "lora_expand"}), set(ran)
     states = _fast_states(model)
     assert states and all(s.plans for s in states)
-    for s in states:  # a plan holds no activation or weight: only the layout's and the table's small tensors
+    store = model.__dict__[fast_multilora.patching._ROUTER_ATTR].store
+    store_tables = [t for s in store.slots.values() for t in (s.table.scales, s.table.dropout)] if store else []
+    for s in states:  # a plan holds no activation or weight: only the layout's and the tables' small tensors
         for plan in s.plans.values():
-            small = (s.table.scales, s.table.dropout)
+            small = (s.table.scales, s.table.dropout, *store_tables)  # the store's tables: its layers' offsets
             bounds = [plan.decode] if decode else [r.bound for r in (plan.shrink, plan.expand) if r is not None]
             for bound in bounds:
                 held = [a for a in (bound.args if bound is not None else ()) if isinstance(a, torch.Tensor)]
