@@ -69,7 +69,9 @@ def _check_residency(model, opt, rows, k, device):
     resident, paged = set(pager.recent), set(pager.paged)
     assert resident | paged == names and not resident & paged
     assert batch <= resident
-    assert len(resident - batch) <= k, (sorted(resident), sorted(batch))
+    with_grads = {n for n in names if any(p.grad is not None for p in pager.params_of(n))}
+    assert not with_grads & paged  # gradients are never paged: an adapter holding one stays
+    assert len(resident - batch - with_grads) <= k, (sorted(resident), sorted(batch))
     assert pager.absent == paged
     for name in names:
         params = pager.params_of(name)
@@ -96,7 +98,7 @@ def _assert_equal_runs(model, opt, ref, ref_opt):
             assert torch.equal(torch.as_tensor(s[key]).cpu(), torch.as_tensor(r[key]).cpu()), (n, key)
 
 
-def _train(model, batches, device, k=None, prefetch=False, accumulate=1, stock_grads=False):
+def _train(model, batches, device, k=None, prefetch=False, accumulate=1, stock_grads=False, set_to_none=True):
     """``accumulate`` micro-batches per optimizer step. ``stock_grads``: gradients of adapters outside the batch
     dropped after each backward (what the per-parameter path leaves a paged-out adapter: none, as stock PEFT; a
     resident one gets zeros there, for DDP)."""
@@ -120,7 +122,7 @@ def _train(model, batches, device, k=None, prefetch=False, accumulate=1, stock_g
             assert set(batches[i + 1][1]) - {fast_multilora.BASE} <= set(pager.recent)
         if (i + 1) % accumulate == 0:
             opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
     return opt, returned
 
 
@@ -138,6 +140,29 @@ def test_paged_training_equals_resident_training(backend, store, k, device):
     ref_opt, _ = _train(ref, batches, device, stock_grads=not store)
     assert returned >= 1  # an adapter with optimizer states came back from the host
     _assert_equal_runs(model, opt, ref, ref_opt)
+
+
+def test_zero_grad_keeping_zeros_keeps_those_adapters_resident(device):
+    """``zero_grad(set_to_none=False)``: adapters that trained keep (zero) gradients, so the optimizer steps them each
+    step (weight decay, momentum); they stay resident, and the run equals the resident one."""
+    model, ref = _model(device, 1), _model(device, None)
+    batches = _schedule(sorted(model.peft_config), 5, seed=4)
+    opt, _ = _train(model, batches, device, 1, set_to_none=False)
+    ref_opt, _ = _train(ref, batches, device, set_to_none=False)
+    _assert_equal_runs(model, opt, ref, ref_opt)
+
+
+def test_paged_eval_equals_resident_eval(device):
+    model, ref = _model(device, 1), _model(device, None)
+    for m in (model, ref):
+        m.eval()
+    for ids, rows in _schedule(sorted(model.peft_config), 6, seed=5):
+        with torch.no_grad():
+            got = model(input_ids=ids.to(device), adapter_names=rows).logits
+            want = ref(input_ids=ids.to(device), adapter_names=rows).logits
+        assert torch.equal(got, want), rows
+        batch = set(rows) - {fast_multilora.BASE}
+        assert batch <= set(_pager(model).recent) and len(set(_pager(model).recent) - batch) <= 1
 
 
 def test_prefetch_then_forward_equals_no_prefetch(device):
