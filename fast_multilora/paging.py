@@ -24,9 +24,9 @@ Where things happen:
   outside the batch takes an optimizer step (weight decay, momentum) that a paged-out one, without a gradient as
   under stock PEFT, does not.
 * **Prefetch** (:func:`prefetch`, called while the current step runs, e.g. by a data loader's hook): the next
-  batch's adapters are copied in on a side CUDA stream; the compute stream waits on their event at the forward that
-  names them (or when they are touched otherwise: page-out, an optimizer step, ``state_dict``). Without prefetch
-  the copies happen at the forward's entry, on the compute stream's order.
+  batch's adapters are copied in on a side CUDA stream; the compute stream waits on their events at the next
+  forward's entry (or when they are touched otherwise: page-out, ``state_dict``, :func:`synchronize`). Without
+  prefetch the copies happen at the forward's entry, on the compute stream's order.
 * **Gradients.** An adapter is paged out only when none of its parameters holds a gradient (``.grad is None``:
   after the optimizer's ``zero_grad()``) and no gradient-recording forward named it since the last optimizer step
   (its backward may be pending). Such an adapter stays resident beyond ``k`` until then: gradient accumulation
@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from typing import Optional
 
 import torch
 from torch.optim import optimizer as _optimizer
@@ -66,6 +65,27 @@ from .plan import BASE, CHANGES, mark_changed
 # tests: after a synchronous (CPU) page-in, the host copies are filled with NaN -- they are stale from then on -- so a
 # value read from a host copy of an adapter that should be resident shows in the results
 _POISON = False
+
+# The CUDA calls paging makes, in one place: tests put a recording stand-in here to run the stream logic on the CPU.
+class _Cuda:
+    Stream = staticmethod(torch.cuda.Stream)
+    Event = staticmethod(torch.cuda.Event)
+    current_stream = staticmethod(torch.cuda.current_stream)
+    stream = staticmethod(torch.cuda.stream)
+
+    @staticmethod
+    def used(device: torch.device) -> bool:
+        """Whether ``device``'s copies go through streams, events and pinned host memory."""
+        return device.type == "cuda"
+
+    @staticmethod
+    def record_stream(t: torch.Tensor, stream) -> None:
+        t.record_stream(stream)
+
+    @staticmethod
+    def host_empty(shape, dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
 
 _OPTIMIZERS: "weakref.WeakSet" = weakref.WeakSet()  # optimizers seen stepping or attached
 _PAGERS: "weakref.WeakSet" = weakref.WeakSet()
@@ -127,8 +147,7 @@ def attach(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 def _step_pre_hook(optimizer, args, kwargs) -> None:
     if optimizer not in _OPTIMIZERS:
         attach(optimizer)
-    for pager in list(_PAGERS):
-        pager.wait_inflight()  # a prefetched parameter is read by no step (no gradient), but its states may be
+    for pager in list(_PAGERS):  # (a prefetched adapter has no gradient: the step reads none of its tensors)
         pager.awaiting.clear()  # the backwards of the forwards so far have run
 
 
@@ -168,7 +187,7 @@ class Pager:
         self.entered: frozenset = frozenset()  # ``absent`` when the last forward entered
         self.inflight: dict = {}  # adapter -> CUDA event: its page-in on the side stream
         self.outgoing: dict = {}  # adapter -> CUDA event: its page-out's copies into host memory
-        self.side: Optional[torch.cuda.Stream] = None
+        self.side = None  # the side stream of prefetches (CUDA)
         self.changes = None  # plan.CHANGES after this pager's own last change (another one: check the host copies)
         self.hook = router.root.register_state_dict_pre_hook(lambda *args: self.synchronize())
         _PAGERS.add(self)
@@ -207,7 +226,8 @@ class Pager:
         bufs = self.buffers.setdefault(name, {})
         b = bufs.get(key)
         if b is None or b.shape != like.shape or b.dtype != like.dtype:
-            b = bufs[key] = torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
+            cuda = _Cuda.used(self.device)
+            b = bufs[key] = _Cuda.host_empty(like.shape, like.dtype) if cuda else torch.empty_like(like, device="cpu")
         return b
 
     def adopt(self, optimizer) -> None:
@@ -237,7 +257,7 @@ class Pager:
         with torch.no_grad():
             for p in self.params_of(name):
                 dev = p.device
-                cuda |= dev.type == "cuda"
+                cuda |= _Cuda.used(dev)
                 host = self._buffer(name, ("w", id(p)), p)
                 host.copy_(p.data, non_blocking=True)
                 for st, key in self._states(p):
@@ -248,8 +268,8 @@ class Pager:
                 p.data = host
                 homes[id(p)] = dev
         if cuda:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
+            ev = _Cuda.Event()
+            ev.record(_Cuda.current_stream(self.device))
             self.outgoing[name] = ev
         self.paged[name] = homes
         self.recent.pop(name, None)
@@ -260,13 +280,13 @@ class Pager:
         host copies then poisoned under test."""
         homes = self.paged.pop(name)
         params = self.params_of(name)
-        cuda = self.device.type == "cuda" or any(d.type == "cuda" for d in homes.values())
+        cuda = _Cuda.used(self.device) or any(_Cuda.used(d) for d in homes.values())
         moved = []
         if cuda:
-            compute = torch.cuda.current_stream(self.device)
+            compute = _Cuda.current_stream(self.device)
             stream = self._side() if side else compute
             out = self.outgoing.pop(name, None)
-            with torch.no_grad(), torch.cuda.stream(stream):
+            with torch.no_grad(), _Cuda.stream(stream):
                 if out is not None:
                     stream.wait_event(out)
                 for p in params:
@@ -276,15 +296,15 @@ class Pager:
                         t = torch.empty_like(v, device=dev)
                         t.copy_(v, non_blocking=True)
                         if stream is not compute:
-                            t.record_stream(compute)
+                            _Cuda.record_stream(t, compute)
                         if sk is None:
                             p.data = t
                         else:
                             sk[0][sk[1][1]] = t
-                ev = torch.cuda.Event()
-                ev.record(stream)
-            if stream is compute:
                 ev = None
+                if stream is not compute:
+                    ev = _Cuda.Event()
+                    ev.record(stream)
         else:
             with torch.no_grad():
                 for p in params:
@@ -306,16 +326,16 @@ class Pager:
             self.inflight[name] = ev
         self.recent[name] = None
 
-    def _side(self) -> torch.cuda.Stream:
+    def _side(self):
         if self.side is None:
-            self.side = torch.cuda.Stream(device=self.device)
+            self.side = _Cuda.Stream(device=self.device)
         return self.side
 
     def _wait(self, name: str) -> None:
         """The current stream waits for ``name``'s page-in, if one is in flight."""
         ev = self.inflight.pop(name, None)
         if ev is not None:
-            torch.cuda.current_stream(self.device).wait_event(ev)
+            _Cuda.current_stream(self.device).wait_event(ev)
 
     def wait_inflight(self) -> None:
         for name in list(self.inflight):
@@ -360,12 +380,13 @@ class Pager:
                 "forwards that share a backward resident before the first of them: fast_multilora.prefetch(model, "
                 "all their names)")
         self.reserved -= want
+        # every prefetch in flight, not only this batch's: the store's re-layout reads every resident adapter
+        self.wait_inflight()
         moved = False
         for name in sorted(want):
             if name in self.paged:
                 self._page_in(name, side=False)
                 moved = True
-            self._wait(name)
             self.recent[name] = None
             self.recent.move_to_end(name)
         if torch.is_grad_enabled():

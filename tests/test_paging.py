@@ -8,6 +8,8 @@ are filled with NaN after each page-in (``paging._POISON``), so a value read fro
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from test_store import many_model
@@ -273,3 +275,86 @@ def test_a_stock_forward_pages_the_active_adapter_in():
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
     assert name not in _pager(model).paged
+
+
+class _Recorder:
+    """A stand-in for ``paging._Cuda`` on the CPU: streams and events that log what paging asks of them (copies
+    stay synchronous), so the CUDA branch's ordering runs here: every side-stream page-in is waited on by the compute
+    stream, a page-in after a page-out waits on the page-out's event, side-stream tensors are ``record_stream``ed."""
+
+    def __init__(self):
+        self.log, self.events = [], 0
+        self.compute = self._stream("compute")
+        self.current = self.compute
+
+    def _stream(self, name):
+        rec = self
+
+        class Stream:
+            def wait_event(self, ev):
+                rec.log.append(("wait", name, ev.id))
+
+        s = Stream()
+        s.name = name
+        return s
+
+    def install(self, monkeypatch):
+        rec = self
+
+        class Event:
+            def __init__(self):
+                rec.events += 1
+                self.id = rec.events
+
+            def record(self, stream):
+                rec.log.append(("record", stream.name, self.id))
+
+            def synchronize(self):
+                rec.log.append(("sync", "host", self.id))
+
+        @contextlib.contextmanager
+        def stream(s):
+            prev, rec.current = rec.current, s
+            try:
+                yield
+            finally:
+                rec.current = prev
+
+        fake = paging._Cuda
+        monkeypatch.setattr(fake, "Stream", staticmethod(lambda device=None: rec._stream("side")))
+        monkeypatch.setattr(fake, "Event", staticmethod(Event))
+        monkeypatch.setattr(fake, "current_stream", staticmethod(lambda device=None: rec.current))
+        monkeypatch.setattr(fake, "stream", staticmethod(stream))
+        monkeypatch.setattr(fake, "used", staticmethod(lambda device: True))
+        monkeypatch.setattr(fake, "record_stream", staticmethod(lambda t, s: rec.log.append(("record_stream", s.name,
+                                                                                              0))))
+        monkeypatch.setattr(fake, "host_empty", staticmethod(lambda shape, dtype: torch.empty(shape, dtype=dtype)))
+
+
+def test_the_cuda_stream_logic_with_recorded_streams(monkeypatch):
+    rec = _Recorder()
+    rec.install(monkeypatch)
+    model, ref = _model("cpu", 1), _model("cpu", None)
+    first = model.__dict__[_ROUTER_ATTR].fast_layers[0]  # its calls come after the forward's entry
+    first.register_forward_pre_hook(lambda *args: rec.log.append(("layer", "compute", 0)))
+    batches = _schedule(sorted(model.peft_config), 7, seed=6)
+    opt, _ = _train(model, batches, "cpu", 1, prefetch=True)
+    ref_opt, _ = _train(ref, batches, "cpu")
+    _assert_equal_runs(model, opt, ref, ref_opt)
+    where = {i: s for kind, s, i in rec.log if kind == "record"}
+    side = [i for i, s in where.items() if s == "side"]
+    assert side, "no page-in ran on the side stream"
+    for i in side:  # the compute stream waited on every side-stream page-in before the next layer call
+        at = rec.log.index(("record", "side", i))
+        nxt = rec.log.index(("layer", "compute", 0), at)
+        assert ("wait", "compute", i) in rec.log[at:nxt], i
+    outs = {i for i, s in where.items() if s == "compute"}  # page-outs' events (recorded on the compute stream)
+    assert any(("wait", "side", i) in rec.log for i in outs)  # a prefetch of an adapter paged out before: waited
+    for kind, s, i in rec.log:
+        if kind == "wait" and s == "side":
+            assert i in outs
+    assert {s for kind, s, _ in rec.log if kind == "record_stream"} == {"compute"}
+    model.state_dict()  # host reads wait for the page-outs still in flight
+    waited = {j for k, _, j in rec.log if k == "wait"}
+    missing = [i for i in outs if i not in waited and ("sync", "host", i) not in rec.log]
+    assert not missing, (missing, [e for e in rec.log if e[0] != "record_stream"])
