@@ -9,6 +9,7 @@ are filled with NaN after each page-in (``paging._POISON``), so a value read fro
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -90,6 +91,7 @@ def _check_residency(model, opt, rows, k, device):
 
 
 def _assert_equal_runs(model, opt, ref, ref_opt):
+    fast_multilora.paging.synchronize(model)  # (CUDA: page-outs still in flight)
     got, want = dict(model.named_parameters()), dict(ref.named_parameters())
     assert got.keys() == want.keys()
     for n in want:
@@ -263,6 +265,43 @@ def test_paging_settings_and_refusals():
     assert _pager(model) is None
     fast_multilora.patch(model, backend="torch", resident_adapters=4)
     assert len(_pager(model).paged) == N_ADAPTERS - 4
+
+
+def test_adapters_added_and_deleted_while_paged(device):
+    from peft import LoraConfig
+
+    model, ref = _model(device, 1), _model(device, None)
+    names = sorted(model.peft_config)
+    batches = _schedule(names, 3, seed=7)
+    opt, ref_opt = _train(model, batches, device, 1)[0], _train(ref, batches, device)[0]
+    gone = next(n for n in names if n in _pager(model).paged)
+    cfg = LoraConfig(r=3, lora_alpha=5, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m.delete_adapter(gone)
+        torch.manual_seed(9)
+        m.add_adapter("late", cfg)
+        m.to(device)
+        for n, p in m.named_parameters():  # PEFT's delete_adapter left one adapter trainable: all again
+            p.requires_grad_("lora_" in n)
+            if ".late." in n:
+                o.add_param_group({"params": [p]})
+    later = _schedule([n for n in names if n != gone] + ["late"], 4, seed=8)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        for ids, rows in later:
+            _step(m, o, ids.to(device), rows)
+            o.step()
+            o.zero_grad()
+        if m is model:
+            _check_residency(model, opt, later[-1][1], 1, device)
+    pager = _pager(model)
+    assert gone not in pager.paged and gone not in pager.recent and gone not in pager.buffers
+    _assert_equal_runs(model, opt, ref, ref_opt)
+
+
+def test_a_paged_model_refuses_copies():
+    model = _model("cpu", 1)
+    with pytest.raises(TypeError, match="cannot be copied"):
+        copy.deepcopy(model)
 
 
 def test_a_stock_forward_pages_the_active_adapter_in():
