@@ -478,6 +478,11 @@ class Pager:
                 del self.buffers[name]
                 self.outgoing.pop(name, None)
                 self.inflight.pop(name, None)
+        for name in self.recent:  # the resident adapters' device (the model may have moved)
+            params = self.params_of(name)
+            if params:
+                self.device = params[0].device
+                break
         if self.absent != frozenset(self.paged):
             self._changed()
         self.changes = CHANGES[0]
