@@ -378,7 +378,8 @@ class Pager:
                 f"of an earlier forward (adapters {sorted(store.pending)}) has not run yet; re-laying the adapter "
                 "store out now would lose its gradients. Run that backward first, or make every adapter of the "
                 "forwards that share a backward resident before the first of them: fast_multilora.prefetch(model, "
-                "all their names)")
+                "all their names). A forward whose output is never backpropagated: run it under torch.no_grad(), or "
+                "call model.zero_grad() after it")
         self.reserved -= want
         # every prefetch in flight, not only this batch's: the store's re-layout reads every resident adapter
         self.wait_inflight()
