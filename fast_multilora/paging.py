@@ -151,6 +151,21 @@ def _step_pre_hook(optimizer, args, kwargs) -> None:
         pager.awaiting.clear()  # the backwards of the forwards so far have run
 
 
+def check_model(model) -> None:
+    """At ``patch`` with ``resident_adapters`` set, before anything is swapped: refuse what paging does not support
+    (so a refused model is left as it was)."""
+    try:
+        from peft.tuners.lora import ParamWrapper
+    except ImportError:  # pragma: no cover - older PEFT: no expert LoRA
+        return
+    if any(isinstance(m, ParamWrapper) for m in model.modules()):
+        raise ValueError(_NO_MOE)
+
+
+_NO_MOE = ("fast_multilora: paging (PatchConfig.resident_adapters) does not support MoE expert LoRA "
+           "(target_parameters) yet; patch this model without resident_adapters")
+
+
 def configure(router, config) -> None:
     """At ``patch``: start, update or stop paging for ``router``'s model as ``config.resident_adapters`` says."""
     k = config.resident_adapters
@@ -161,8 +176,7 @@ def configure(router, config) -> None:
             router.pager = None
         return
     if router.expert_layers:
-        raise ValueError("fast_multilora: paging (PatchConfig.resident_adapters) does not support MoE expert LoRA "
-                         "(target_parameters) yet; patch this model without resident_adapters")
+        raise ValueError(_NO_MOE)
     if router.store is not None and router.store.owner is not None:
         raise ValueError(_NO_FML_ADAMW)
     if pager is None:

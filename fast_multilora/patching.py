@@ -588,6 +588,10 @@ def patch(model: torch.nn.Module, config: Optional[PatchConfig] = None, **settin
     """
     config = (config or PatchConfig()).with_overrides(**settings)
     router = model.__dict__.get(_ROUTER_ATTR)
+    if config.resident_adapters is not None:
+        from .paging import check_model
+
+        check_model(model)  # before anything is swapped: a refused model stays as it was
     if router is None and not any(isinstance(m, LoraLayer) for m in model.modules()):
         # e.g. a PeftModel of another tuner (RoAd, IA3, ...): routing would take its adapter_names away from PEFT
         warnings.warn(

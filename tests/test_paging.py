@@ -267,6 +267,20 @@ def test_paging_settings_and_refusals():
     assert len(_pager(model).paged) == N_ADAPTERS - 4
 
 
+def test_paging_refuses_expert_lora_before_patching_anything():
+    """MoE expert LoRA is not paged: ``patch(..., resident_adapters=k)`` raises saying so, and leaves the model
+    unpatched (no layer swapped), so it can be patched without paging."""
+    from test_moe import moe_model
+
+    model = moe_model("qwen3_moe", "grouped_mm")
+    classes = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match="does not support MoE expert LoRA"):
+        fast_multilora.patch(model, backend="torch", resident_adapters=2)
+    assert [type(m) for m in model.modules()] == classes
+    assert fast_multilora.patching._ROUTER_ATTR not in model.__dict__
+    fast_multilora.patch(model, backend="torch")  # without paging: as usual
+
+
 def test_adapters_added_and_deleted_while_paged(device):
     from peft import LoraConfig
 
