@@ -16,13 +16,15 @@ arena leaves instead (``fast_multilora.store``), whose gradients never pass thro
 * **Start.** DDP broadcasts rank 0's parameters when it is built, but not ignored ones: at the first forward under a
   DDP module the store broadcasts its arenas from the process group's first rank.
 * **Reduce.** A backward of a forward under DDP with gradient sync on (not inside ``ddp.no_sync()``, so gradient
-  accumulation works as with DDP): the first leaf hook queues a callback that runs when the backward ends (autograd's
-  ``queue_callback``, as DDP's own finalization). It gives every trained held parameter its ``.grad`` view (pieces
-  whose ``.grad`` was ``None`` zeroed first), then, issued together and waited on together, per gradient arena one
-  all-reduce (divided by the world size, summed: DDP's average) over DDP's process group, one all-reduce (max) of the
-  adapters ``seen`` since ``zero_grad`` (``fast_multilora.AdamW`` steps the union, on every rank alike), and one of
-  each parameter DDP ignores for the store but the store no longer holds. The anchor's pieces are reduced by both:
-  the average of equal values is the value.
+  accumulation works as with DDP): the forward notes the leaves its layer calls take; a leaf's gradient hook queues a
+  callback on the backward running it (autograd's ``queue_callback``, as DDP's own finalization), which reduces once
+  every noted leaf's gradient arrived -- at the end of the backward, or of the last nested one under reentrant
+  gradient checkpointing (a recomputation takes the path its forward took). It gives every trained held parameter
+  its ``.grad`` view (pieces whose ``.grad`` was ``None`` zeroed first), then, issued together and waited on
+  together, per gradient arena one all-reduce (divided by the world size, summed: DDP's average) over DDP's process
+  group, one all-reduce (max) of the adapters ``seen`` since ``zero_grad`` (``fast_multilora.AdamW`` steps the
+  union, on every rank alike), and one of each parameter DDP ignores for the store but the store no longer holds.
+  The anchor's pieces are reduced by both: the average of equal values is the value.
 * **Adapters absent from a rank's batch** have zero pieces there, so the average is right; after the reduce every
   trained held parameter has a gradient (its view) on every rank, as DDP gives every parameter it reduces one: an
   adapter in the batch of any rank, or of none, gets one everywhere (zeros for none), so ``torch.optim`` steps the
@@ -30,8 +32,9 @@ arena leaves instead (``fast_multilora.store``), whose gradients never pass thro
 
 The store's gradients are reduced once per backward, after it ends, not bucket by bucket during it as DDP's are: one
 all-reduce per arena. DDP's communication hooks (``register_comm_hook``) do not apply to them. A backward that
-continues after the reduce (reentrant gradient checkpointing, a second backward through one forward) raises.
-FSDP2 is left as it is: its parameters are ``DTensor`` shards, which the store does not hold.
+continues after the reduce (a second backward through one forward) raises, as does the next forward after a backward
+that ended with a noted leaf still waiting (a layer output that never reached the loss). FSDP2 is left as it is:
+its parameters are ``DTensor`` shards, which the store does not hold.
 """
 
 from __future__ import annotations
@@ -210,9 +213,9 @@ class StoreSync:
         if self.done:
             raise RuntimeError(
                 "fast_multilora: under DistributedDataParallel the adapter store all-reduces its gradients when the "
-                "backward ends, and this backward continued after that (reentrant gradient checkpointing, or a "
-                "second backward through one forward); use gradient_checkpointing_kwargs={'use_reentrant': False}, "
-                "or fast_multilora.patch(model, adapter_store=False)")
+                "backward ends, and this backward continued after that (a second backward through one forward, or a "
+                "layer used in two reentrant checkpointed blocks); run one backward per forward, or "
+                "fast_multilora.patch(model, adapter_store=False)")
         if self.sync is None:
             return
         self.expect.discard(id(leaf))

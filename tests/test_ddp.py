@@ -164,6 +164,35 @@ def test_ddp_store_with_gradient_checkpointing(one_rank, calls, monkeypatch, ree
                                        msg=lambda m, n=n: f"{n}: {m}")
 
 
+def test_ddp_store_with_dora_adapters_absent_from_the_batch(one_rank):
+    """DoRA under DDP: its magnitudes are not held by the store, so DDP reduces them (and no anchor layer is needed:
+    every held layer takes the leaves); a DoRA adapter the batch does not name gets zero magnitude gradients (DDP's
+    reducer needs one for every parameter it reduces, or the next forward raises), and two steps equal the
+    per-parameter path."""
+    from test_dora import build
+
+    names = ["d0", "l1", "__base__", "d1", "d1", "l0", "d0", "l1"]  # d2 absent
+    ids = torch.randint(0, 97, (len(names), 5), generator=torch.Generator().manual_seed(3))
+    runs = []
+    for store in (True, False):
+        model, _ = build("llama")
+        fast_multilora.patch(model, backend="torch", adapter_store=store)
+        ddp = DDP(model)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        model.train()
+        for _ in range(2):
+            _step(ddp, ids, ids, names)
+            opt.step()
+            opt.zero_grad()
+        if store:
+            held = AdapterStore.of(model).slots
+            assert len(AdapterStore.of(model).ddp.layers) == len(held) > 0  # no anchor: the magnitudes train
+        runs.append(lora_weights(model) | {n: p.detach().clone() for n, p in model.named_parameters()
+                                           if "magnitude" in n})
+    for n, w in runs[1].items():
+        torch.testing.assert_close(runs[0][n], w, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
