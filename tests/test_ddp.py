@@ -193,6 +193,29 @@ def test_ddp_store_with_dora_adapters_absent_from_the_batch(one_rank):
         torch.testing.assert_close(runs[0][n], w, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
 
 
+def test_ddp_parameters_leaving_the_store_after_the_wrap_are_reduced_by_it(one_rank, monkeypatch):
+    """A layer that leaves the store after DDP was built (its adapters now mix dtypes) keeps parameters DDP was told
+    to ignore: the store all-reduces their gradients itself, once per backward."""
+    ids, labels, names = ddp_worker.batches()[0]
+    model = peft_model("llama")
+    fast_multilora.patch(model, backend="torch")
+    store = AdapterStore.of(model)
+    ddp = DDP(model)
+    layer = model.base_model.model.model.layers[1].self_attn.q_proj
+    layer.lora_A["a0"].to(torch.bfloat16)
+    layer.lora_B["a0"].to(torch.bfloat16)
+    fast_multilora.mark_changed()
+    model.train()
+    reduced = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: (reduced.append(t), real(t, *a, **k))[1])
+    _step(ddp, ids, labels, names)
+    left = [p for p in layer.parameters() if p.requires_grad]
+    assert left and all(p.grad is not None for p in left)
+    assert not any(any(p is q for q in store.held) for p in left)
+    assert all(sum(t is p.grad for t in reduced) == 1 for p in left)
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
