@@ -368,9 +368,11 @@ class _FastLinearMixin(_TrackedMixin):
         plans = state.plans if plain and not torch.compiler.is_compiling() else None
         decode = plain and segs.num_tokens <= DECODE_MAX_ROWS and segs.token_slots is not None
         store = router.store
-        # the adapter store's two leaves (fast_multilora.store); PEFT's parameters for a layer it does not hold and
-        # under DDP, whose gradient hooks sit on the parameters
-        slots = store.layer_slots(self) if store is not None and not _in_ddp_forward() else None
+        # the adapter store's two leaves (fast_multilora.store); PEFT's parameters for a layer it does not hold, and
+        # under DDP for a layer whose parameters DDP's reducer holds (its hooks sit on them; fast_multilora.ddp)
+        slots = store.layer_slots(self) if store is not None else None
+        if slots is not None and store.ddp.active:  # the routed call ran under DDP (so does its recomputation)
+            slots = store.ddp.take(self, slots)
         if slots is not None:
             a_ws, b_ws, biases = (slots.a_leaf,), (slots.b_leaf,), ()
         else:
@@ -409,7 +411,7 @@ def _dora_call(layer, dora, state: LayerState, routing, args: tuple, keep_out) -
     out = run_layer(*args)
     in_batch = None if torch.compiler.is_compiling() else routing.names  # traced: every DoRA adapter of the layer
     return dora_mod.apply(layer, dora, out, args[5], args[2], state.table, in_batch, keep_out,
-                          absent_grads=args[3] is None)
+                          absent_grads=args[3] is None or _in_ddp_forward(layer))
 
 
 @torch.compiler.disable
@@ -417,9 +419,14 @@ def _eager(fn, *args):
     return fn(*args)
 
 
-def _in_ddp_forward() -> bool:
-    """Inside ``DistributedDataParallel``'s forward: its gradient hooks sit on the parameters, so the adapter store's
-    leaves must not stand in for them."""
+def _in_ddp_forward(layer) -> bool:
+    """The routed call ran inside ``DistributedDataParallel``'s forward (a gradient-checkpointing recomputation, run
+    in the backward, counts as its forward's): DDP's gradient hooks sit on the parameters it reduces, so the adapter
+    store's leaves stand in only for parameters DDP ignores (``fast_multilora.ddp``), and every parameter it reduces
+    needs a gradient (DoRA's magnitudes of adapters without rows get zeros)."""
+    store = layer.__dict__[_ROUTER_ATTR].store
+    if store is not None:
+        return store.ddp.active
     return torch.nn.parallel.DistributedDataParallel._active_ddp_module is not None
 
 

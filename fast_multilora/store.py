@@ -28,10 +28,12 @@ gradients and optimizer states of the adapters that stay (``Arena.states``) stay
 deleting one adapter writes its own pieces, whatever the registry. A compact re-layout of everything runs when
 given-up regions make a third of an arena. Layers it cannot hold (``lora_bias``, mixed adapter
 dtypes or devices within a layer, MoE experts, PEFT's fallback layers, FSDP2's sharded parameters) keep their own
-parameters and take the per-parameter path (the optimizer steps them with torch's AdamW math). Every call under
-``DistributedDataParallel`` (whose gradient hooks sit on the parameters) takes the per-parameter path too, on which
-the held parameters' gradients still land in the gradient arena (their ``.grad`` are views of it). Sharding a model
-after its store was built takes its layers out of the store with a warning (their optimizer states start over).
+parameters and take the per-parameter path (the optimizer steps them with torch's AdamW math). Under
+``DistributedDataParallel`` the store's parameters are left out of DDP's reducer (all but one anchor layer's) and the
+store all-reduces its gradient arenas once per synchronised backward (``fast_multilora.ddp``); a layer whose
+parameters DDP does reduce takes the per-parameter path, on which their gradients still land in the gradient arena
+(their ``.grad`` are views of it). Sharding a model after its store was built (FSDP2) takes its layers out of the
+store with a warning (their optimizer states start over).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import Optional
 
 import torch
 
+from .ddp import StoreSync, mark_model
 from .plan import CHANGES
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -312,11 +315,13 @@ class AdapterStore:
         self.leaf_of: list = []  # held[i]'s leaf key (as ``watch``)
         self.tables: dict = {}  # the layers' store tables (_store_table), shared among equal ones
         self.delta = None  # during a layout's owner._follow: (parameters on new pieces, parameters that left)
+        self.ddp = StoreSync()  # under DistributedDataParallel (fast_multilora.ddp)
         self.layout(full=True)
 
     def __getstate__(self):  # a copy (deepcopy, pickle) of the model: its store has no optimizer yet
         state = dict(self.__dict__)
         state["owner"] = None
+        state["ddp"] = StoreSync()
         return state
 
     # -- attaching ------------------------------------------------------------------------------------------------
@@ -339,12 +344,14 @@ class AdapterStore:
         """Build the store of ``router``'s model (its layers' states are current)."""
         router.store = AdapterStore(router)
         _shadow_zero_grad(router.root, router.store)
+        mark_model(router.root, router.store)  # DDP built on the model leaves the held parameters to the store
 
     def follow(self, routing, training: bool) -> None:
         """At a forward call's entry (``patching.refresh_layers``): re-lay out when the layers' adapters changed; in
         a call that records gradients, the leaves' ``requires_grad`` and the adapters the call trains (``seen``)."""
         if self.stale(set(routing.names)):
             self.layout()
+        self.ddp.follow(self, training)
         if training:
             if self.flags_read != CHANGES[0] or not SWAP_CLASS:  # a held flag may have changed (_HeldParameter)
                 self.sync_requires_grad()
@@ -726,6 +733,8 @@ class AdapterStore:
         key = (id(slots), 0 if part.start == 0 else 1)
 
         def hook(grad):
+            if self.ddp.sync is not None or self.ddp.done:  # under DDP: the arenas' all-reduce, when the backward ends
+                self.ddp.leaf_hook(self, slots.a_leaf if part.start == 0 else slots.b_leaf)
             if self.pending:
                 self.prepare_grads()
                 return None

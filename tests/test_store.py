@@ -369,10 +369,20 @@ def test_clip_grad_norm(per_adapter):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-8, msg=lambda m, n=n: f"{n}: {m}")
 
 
+class _ReducesEverything:
+    """Stands in for a ``DistributedDataParallel`` whose reducer holds every parameter of ``model``."""
+
+    require_backward_grad_sync = True
+
+    def __init__(self, model):
+        self._module_parameters = list(model.parameters())
+
+
+@pytest.mark.filterwarnings("ignore:fast_multilora. DistributedDataParallel reduces every parameter")
 def test_parameter_path_gradients_fold_into_the_store(monkeypatch):
-    """Under DDP's forward (simulated: ``_active_ddp_module`` set) the held layers take the per-parameter path; with
-    the parameters' ``.grad`` dropped first (a wrapper's own ``zero_grad``), autograd puts the gradients outside the
-    arena and the step folds them in: the result equals the leaves' path."""
+    """Under the forward of a DDP that reduces every parameter itself (simulated: ``_active_ddp_module`` set) the held
+    layers take the per-parameter path; with the parameters' ``.grad`` dropped first (a wrapper's own ``zero_grad``),
+    autograd puts the gradients outside the arena and the step folds them in: the result equals the leaves' path."""
     names = [f"m{i:03d}" for i in range(4)]
     batches = _batches(names, steps=2, seed=7)
     runs = []
@@ -386,7 +396,8 @@ def test_parameter_path_gradients_fold_into_the_store(monkeypatch):
             if ddp:
                 for p in model.parameters():
                     p.grad = None
-                monkeypatch.setattr(torch.nn.parallel.DistributedDataParallel, "_active_ddp_module", object())
+                monkeypatch.setattr(torch.nn.parallel.DistributedDataParallel, "_active_ddp_module",
+                                    _ReducesEverything(model))
             out = model(input_ids=ids, adapter_names=rows).logits
             monkeypatch.undo()
             fast_multilora.per_adapter_loss(out, ids, rows).backward()

@@ -1,0 +1,277 @@
+"""The adapter store under ``DistributedDataParallel``: the store, not DDP's reducer, all-reduces the gradients of the
+parameters it holds.
+
+DDP's reducer hooks sit on each parameter's gradient accumulator; a layer call on the store takes the layer's two
+arena leaves instead (``fast_multilora.store``), whose gradients never pass through the parameters' accumulators. So:
+
+* **DDP ignores the store's parameters.** A patched model with a store carries ``_ddp_params_and_buffers_to_ignore``
+  (the attribute ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` sets and DDP's constructor
+  reads), whose names are computed when DDP's constructor reads them: every parameter the store holds, except one
+  layer's when nothing else in the model trains (DDP refuses a model none of whose parameters it reduces trains).
+  That layer, the *anchor*, stays DDP's. Names set there before ``patch`` are kept.
+* **Per layer, at a forward under DDP:** a held layer none of whose parameters DDP reduces takes the store's leaves;
+  any other layer (the anchor, a layer held after DDP was built, every layer when DDP wraps a module around the
+  patched model) takes the per-parameter path, on which DDP's hooks see its parameters. Checked once per DDP module
+  and layout; when DDP reduces every held parameter, a warning names the fix.
+* **Start.** DDP broadcasts rank 0's parameters when it is built, but not ignored ones: at the first forward under a
+  DDP module the store broadcasts its arenas from the process group's first rank.
+* **Reduce.** A backward of a forward under DDP with gradient sync on (not inside ``ddp.no_sync()``, so gradient
+  accumulation works as with DDP): the forward notes the leaves its layer calls take; a leaf's gradient hook queues a
+  callback on the backward running it (autograd's ``queue_callback``, as DDP's own finalization), which reduces once
+  every noted leaf's gradient arrived -- at the end of the backward, or of the last nested one under reentrant
+  gradient checkpointing (a recomputation takes the path its forward took). It gives every trained held parameter
+  its ``.grad`` view (pieces whose ``.grad`` was ``None`` zeroed first), then, issued together and waited on
+  together, per gradient arena one all-reduce (divided by the world size, summed: DDP's average) over DDP's process
+  group, one all-reduce (max) of the adapters ``seen`` since ``zero_grad`` (``fast_multilora.AdamW`` steps the
+  union, on every rank alike), and one of each parameter DDP ignores for the store but the store no longer holds.
+  The anchor's pieces are reduced by both: the average of equal values is the value.
+* **Adapters absent from a rank's batch** have zero pieces there, so the average is right; after the reduce every
+  trained held parameter has a gradient (its view) on every rank, as DDP gives every parameter it reduces one: an
+  adapter in the batch of any rank, or of none, gets one everywhere (zeros for none), so ``torch.optim`` steps the
+  same parameters on every rank. (Without DDP an adapter with no rows keeps ``.grad`` ``None``.)
+
+The store's gradients are reduced once per backward, after it ends, not bucket by bucket during it as DDP's are: one
+all-reduce per arena. DDP's communication hooks (``register_comm_hook``) do not apply to them. A backward that
+continues after the reduce (a second backward through one forward) raises, as does the next forward after a backward
+that ended with a noted leaf still waiting (a layer output that never reached the loss). FSDP2 is left as it is:
+its parameters are ``DTensor`` shards, which the store does not hold.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+
+import torch
+
+
+def _active_ddp():
+    return torch.nn.parallel.DistributedDataParallel._active_ddp_module
+
+
+class IgnoredNames:
+    """``model._ddp_params_and_buffers_to_ignore`` of a patched model with a store: the names are computed when DDP's
+    constructor reads them (``set(module._ddp_params_and_buffers_to_ignore)``), so they follow the adapters and
+    ``requires_grad`` flags of that moment."""
+
+    def __init__(self, store, earlier=()):
+        self.store, self.earlier = store, tuple(earlier)
+
+    def names(self) -> list:
+        return list(self.earlier) + self.store.ddp.ignored_names(self.store, self.earlier)
+
+    def __iter__(self):
+        return iter(self.names())
+
+    def __len__(self):
+        return len(self.names())
+
+    def __contains__(self, name):
+        return name in self.names()
+
+
+class _Restore:
+    """Handle that puts a model's earlier ``_ddp_params_and_buffers_to_ignore`` back (``unpatch``)."""
+
+    def __init__(self, model, earlier):
+        self.model, self.earlier = model, earlier
+
+    def remove(self):
+        if self.earlier is None:
+            self.model.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)
+        else:
+            self.model.__dict__["_ddp_params_and_buffers_to_ignore"] = self.earlier
+
+
+def mark_model(model, store) -> None:
+    """Give ``model`` (the patched one) the names DDP is to ignore (see the module docstring)."""
+    from .patching import _HOOKS_ATTR
+
+    earlier = model.__dict__.get("_ddp_params_and_buffers_to_ignore")
+    if isinstance(earlier, IgnoredNames):
+        earlier = list(earlier.earlier)
+    model.__dict__["_ddp_params_and_buffers_to_ignore"] = IgnoredNames(store, earlier or ())
+    model.__dict__.setdefault(_HOOKS_ATTR, []).append(_Restore(model, earlier))
+
+
+class StoreSync:
+    """The DDP state of one :class:`~fast_multilora.store.AdapterStore` (a copy of the model starts afresh)."""
+
+    def __init__(self):
+        self.active = False  # the last routed call ran under DDP (its recomputation by checkpointing too)
+        self.layers: frozenset = frozenset()  # ids of the layers whose calls take the store's leaves under DDP
+        self.key = None  # (DDP module ref, held list, its length) the layers were computed for
+        self.orphans: tuple = ()  # parameters DDP ignores for the store that the store no longer holds
+        self.given: set = set()  # ids of the parameters whose names DDP was handed
+        self.started = None  # ref to the DDP module whose first forward broadcast the arenas
+        self.sync = None  # ref to the DDP module whose backward is to reduce the arenas
+        self.expect: set = set()  # ids of the leaves taken since the last reduce whose gradient has not arrived yet
+        self.arrived = False  # a leaf's gradient arrived since the last reduce
+        self.queued = False  # the reduce is queued on the running backward
+        self.done = False  # the reduce ran since the last forward
+        self.warned = None
+
+    # -- names ----------------------------------------------------------------------------------------------------
+    def ignored_names(self, store, earlier=()) -> list:
+        """The names (in the patched model) of the held parameters DDP is to ignore, all but the anchor's."""
+        if store.stale():
+            store.layout()
+        root = store.router.root
+        held = {id(p) for p in store.held}
+        names = {id(p): n for n, p in root.named_parameters()}
+        skip = set(earlier)
+        others = any(p.requires_grad for n, p in root.named_parameters() if id(p) not in held and n not in skip)
+        anchor = set()
+        if not others:  # DDP needs a trained parameter of its own: one layer's stay with it
+            for s in store.slots.values():
+                if any(p.requires_grad for p in s.params):
+                    anchor = {id(p) for p in s.params}
+                    break
+        out = []
+        for p in store.held:
+            if id(p) in anchor:
+                if getattr(p, "_ddp_ignored", False):
+                    del p._ddp_ignored
+            elif id(p) in names:
+                p._ddp_ignored = True  # what _set_params_and_buffers_to_ignore_for_model marks (DDP's mixed precision)
+                out.append(names[id(p)])
+        self.given = {id(p) for p in store.held if id(p) not in anchor}
+        return [n for n in out if n not in skip]
+
+    # -- per forward ----------------------------------------------------------------------------------------------
+    def follow(self, store, training: bool) -> None:
+        """At a forward call's entry: which layers take the store's leaves under the active DDP module, and whether
+        the backward of this call reduces the arenas."""
+        if self.arrived and self.expect:
+            self.arrived, self.expect = False, set()
+            raise RuntimeError(
+                "fast_multilora: under DistributedDataParallel a backward ended before every adapter-store leaf "
+                "taken in the forward got its gradient (a LoRA layer's output did not reach the loss, or it ran under "
+                "no_grad), so the store did not all-reduce its gradients; use every patched layer's output, or "
+                "fast_multilora.patch(model, adapter_store=False)")
+        ddp = _active_ddp()
+        self.done = False
+        self.active = ddp is not None
+        if ddp is None:
+            if training:
+                self.sync = None
+            return
+        key = self.key
+        if key is None or key[0]() is not ddp or key[1] is not store.held or key[2] != len(store.held):
+            self._check(store, ddp)
+        if training:
+            self.sync = weakref.ref(ddp) if self.layers and ddp.require_backward_grad_sync else None
+
+    def _check(self, store, ddp) -> None:
+        reduced = getattr(ddp, "_module_parameters", None)  # what DDP's reducer may hold (None: not a torch DDP)
+        ids = {id(p) for p in reduced} if reduced is not None else None
+        if ids is None:
+            layers = frozenset()
+        else:
+            layers = frozenset(lid for lid, s in store.slots.items() if not any(id(p) in ids for p in s.params))
+        held = {id(p) for p in store.held}
+        self.orphans = tuple(p for p in store.router.root.parameters()
+                             if id(p) in self.given and id(p) not in held and ids is not None and id(p) not in ids)
+        self.layers = layers
+        self.key = (weakref.ref(ddp), store.held, len(store.held))
+        if store.slots and not layers and self.warned is not ddp.__class__:
+            self.warned = ddp.__class__
+            warnings.warn(
+                "fast_multilora: DistributedDataParallel reduces every parameter of the adapter store itself, so every "
+                "LoRA layer takes the slower per-parameter path; wrap the patched model itself (DDP(model), "
+                "accelerator.prepare(model)) after fast_multilora.patch, and keep the model's "
+                "_ddp_params_and_buffers_to_ignore (fast_multilora.ddp)", stacklevel=4)
+        if layers and (self.started is None or self.started() is not ddp):
+            self.started = weakref.ref(ddp)
+            self._broadcast(store, ddp.process_group)
+
+    @staticmethod
+    def _broadcast(store, group) -> None:
+        import torch.distributed as dist
+
+        src = dist.get_global_rank(group, 0)
+        with torch.no_grad():
+            for arena in store.arenas.values():
+                dist.broadcast(arena.data, src=src, group=group)
+
+    def take(self, layer, slots):
+        """A layer call under DDP: the layer's slots when it takes the store's leaves (else ``None``: DDP reduces its
+        parameters), its leaves then expected in the backward."""
+        if id(layer) not in self.layers:
+            return None
+        if self.sync is not None:  # (also under no_grad: reentrant checkpointing's first run of a block)
+            for leaf in (slots.a_leaf, slots.b_leaf):
+                if leaf.requires_grad:
+                    self.expect.add(id(leaf))
+        return slots
+
+    # -- per backward ---------------------------------------------------------------------------------------------
+    def leaf_hook(self, store, leaf) -> None:
+        """From a leaf's gradient hook, before its gradient accumulates: queue the reduce on the running backward (the
+        graph task this gradient belongs to)."""
+        if self.done:
+            raise RuntimeError(
+                "fast_multilora: under DistributedDataParallel the adapter store all-reduces its gradients when the "
+                "backward ends, and this backward continued after that (a second backward through one forward, or a "
+                "layer used in two reentrant checkpointed blocks); run one backward per forward, or "
+                "fast_multilora.patch(model, adapter_store=False)")
+        if self.sync is None:
+            return
+        self.expect.discard(id(leaf))
+        self.arrived = True
+        if not self.queued:
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._reduce, store))
+            self.queued = True
+
+    def _reduce(self, store) -> None:
+        import torch.distributed as dist
+
+        self.queued = False
+        if self.expect:  # a nested backward (reentrant checkpointing) ended: the rest come in later ones
+            return
+        ddp = self.sync() if self.sync is not None else None
+        self.sync, self.arrived, self.done = None, False, True
+        if ddp is None:
+            return
+        group = ddp.process_group
+        world = dist.get_world_size(group)
+        with torch.no_grad():
+            attach_views(store)
+            works, grads = [], [a.grad for a in store.arenas.values()]
+            grads += [p.grad for p in self.orphans if p.grad is not None]
+            for g in grads:
+                g.div_(world)
+                works.append(dist.all_reduce(g, group=group, async_op=True))
+            seen = store.seen.to(torch.int32) if store.seen is not None else None
+            if seen is not None:
+                works.append(dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group, async_op=True))
+            for w in works:
+                w.wait()
+            if seen is not None:
+                store.seen.copy_(seen.bool())
+
+
+def attach_views(store) -> None:
+    """Every trained held parameter's ``.grad`` becomes its view of the gradient arena (a tensor put in its place is
+    copied in; a ``None`` one gets its piece zeroed, in one foreach call), a frozen one's ``None``."""
+    zero, attached = [], set()
+    for i, (p, v, trained) in enumerate(zip(store.held, store.views, store.pattern or (), strict=True)):
+        g = p.grad
+        if not trained:
+            want = None
+        elif g is v:
+            want = v
+        elif g is None:
+            zero.append(v)
+            want = v
+        else:
+            want = v.copy_(g)
+        if g is not want:
+            p.grad = want
+        if want is not None:
+            attached.add(i)
+    if zero:
+        torch._foreach_zero_(zero)
+    store.attached = attached
+    store._watch()

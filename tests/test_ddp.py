@@ -1,0 +1,280 @@
+"""The adapter store under ``DistributedDataParallel`` (``fast_multilora/ddp.py``): DDP ignores the store's parameters
+(but one anchor layer's), the layer calls take the store's leaves, and the store all-reduces its gradient arenas once
+per synchronised backward.
+
+One rank in this process (gloo over a file store): what DDP is handed, which layers take the leaves, the gradients
+equal a plain backward, and a DDP built around the patched model warns and takes the per-parameter path. Two ranks
+(torchrun, ``tests/ddp_worker.py``, slow): several ``torch.optim.AdamW`` steps with ``no_sync`` accumulation and
+different adapter mixes per rank equal one process on the global batches and the per-parameter path under DDP.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fast_multilora
+from fast_multilora import patching
+from fast_multilora.store import AdapterStore
+
+sys.path.insert(0, str(Path(__file__).parent))
+import ddp_worker  # noqa: E402
+from models import lora_weights, peft_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How many layer calls took the store's leaves (``stored``) or PEFT's parameters (``params``)."""
+    counts = {}
+    real = patching.run_layer
+
+    def run_layer(*args):
+        counts[args[1][0]] = counts.get(args[1][0], 0) + 1
+        return real(*args)
+
+    monkeypatch.setattr(patching, "run_layer", run_layer)
+    return counts
+
+
+def _step(model, ids, labels, names):
+    out = model(input_ids=ids, adapter_names=names)
+    fast_multilora.per_adapter_loss(out.logits, labels, names).backward()
+
+
+def test_ddp_is_handed_the_store_parameters_but_an_anchor_layer(one_rank, calls, monkeypatch):
+    """DDP's constructor reads the model's ``_ddp_params_and_buffers_to_ignore``: every held parameter but one layer's
+    (nothing else trains); under DDP every other layer call takes the store's leaves, the gradients (reduced over one
+    rank: unchanged) equal a backward without DDP, and the arenas are all-reduced once per backward outside
+    ``no_sync`` only."""
+    ids, labels, names = ddp_worker.batches()[0]
+    ref = peft_model("llama")
+    fast_multilora.patch(ref, backend="torch")
+    ref.train()
+    _step(ref, ids, labels, names)
+
+    model = peft_model("llama")
+    fast_multilora.patch(model, backend="torch")
+    store = AdapterStore.of(model)
+    held = {n for n, p in model.named_parameters() if any(p is q for q in store.held)}
+    ignored = set(model._ddp_params_and_buffers_to_ignore)
+    anchor = next(iter(store.slots.values())).params
+    assert ignored == held - {n for n, p in model.named_parameters() if any(p is q for q in anchor)}
+    assert len(held) - len(ignored) == len(anchor) > 0
+    ddp = DDP(model)
+    reduced = {id(q) for q in ddp._module_parameters}
+    assert not any(id(p) in reduced for p in store.held if all(p is not q for q in anchor))
+    model.train()
+    calls.clear()
+    _step(ddp, ids, labels, names)
+    assert calls == {"stored": len(store.slots) - 1, "params": 1}
+    assert len(store.ddp.layers) == len(store.slots) - 1
+    grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(got) == set(grads)
+    for n, g in grads.items():
+        torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+    # every trained parameter has a gradient after the reduce (an adapter without rows: zeros), as DDP gives one
+    model.zero_grad()
+    calls.clear()
+    _step(ddp, ids[:2], labels[:2], ["a1", "__base__"])
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert all(float(p.grad.abs().sum()) == 0 for n, p in model.named_parameters() if ".a0." in n or ".a2." in n)
+    # the arenas are all-reduced once per synchronised backward, not inside no_sync (gradient accumulation)
+    reduced = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: (reduced.append(t), real(t, *a, **k))[1])
+    arena_grads = [a.grad for a in store.arenas.values()]
+    with ddp.no_sync():
+        _step(ddp, ids, labels, names)
+    assert reduced == []
+    _step(ddp, ids, labels, names)
+    assert [t for t in reduced if any(t is g for g in arena_grads)] == arena_grads
+    fast_multilora.unpatch(model)
+    assert "_ddp_params_and_buffers_to_ignore" not in model.__dict__
+
+
+def test_ddp_around_the_patched_model_warns_and_takes_the_parameter_path(one_rank, calls):
+    """A module around the patched model hides the names from DDP: it reduces every parameter itself, so every layer
+    takes PEFT's parameters (its hooks sit on them), with a warning naming the fix; the gradients stay right."""
+    ids, labels, names = ddp_worker.batches()[0]
+    ref = peft_model("llama")
+    fast_multilora.patch(ref, backend="torch")
+    ref.train()
+    _step(ref, ids, labels, names)
+
+    model = peft_model("llama")
+    fast_multilora.patch(model, backend="torch")
+    store = AdapterStore.of(model)
+    outer = DDP(torch.nn.ModuleDict({"inner": model}))
+    model.train()
+    calls.clear()
+    with pytest.warns(UserWarning, match="wrap the patched model itself"), outer._inside_ddp_forward():
+        _step(model, ids, labels, names)  # the inner model's forward, as the wrapper's would run it
+    assert calls.get("stored", 0) == 0 and calls["params"] == len(store.slots)
+    for n, p in ref.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(dict(model.named_parameters())[n].grad, p.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["checkpoint", "reentrant-checkpoint"])
+def test_ddp_store_with_gradient_checkpointing(one_rank, calls, monkeypatch, reentrant):
+    """Gradient checkpointing under DDP: the store's leaves get their gradients in the recomputation (reentrant: in a
+    nested backward per decoder layer); the arenas are all-reduced once, after the last leaf's gradient arrived, and
+    the gradients equal a backward without checkpointing or DDP."""
+    ids, labels, names = ddp_worker.batches()[0]
+    ref = peft_model("llama")
+    fast_multilora.patch(ref, backend="torch")
+    ref.train()
+    _step(ref, ids, labels, names)
+
+    model = peft_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    fast_multilora.patch(model, backend="torch")
+    store = AdapterStore.of(model)
+    ddp = DDP(model)
+    model.train()
+    reduced = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: (reduced.append(t), real(t, *a, **k))[1])
+    calls.clear()
+    _step(ddp, ids, labels, names)
+    assert calls["stored"] >= len(store.slots) - 1
+    arena_grads = [a.grad for a in store.arenas.values()]
+    assert [t for t in reduced if any(t is g for g in arena_grads)] == arena_grads
+    for n, p in ref.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(dict(model.named_parameters())[n].grad, p.grad, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_ddp_store_with_dora_adapters_absent_from_the_batch(one_rank):
+    """DoRA under DDP: its magnitudes are not held by the store, so DDP reduces them (and no anchor layer is needed:
+    every held layer takes the leaves); a DoRA adapter the batch does not name gets zero magnitude gradients (DDP's
+    reducer needs one for every parameter it reduces, or the next forward raises), and two steps equal the
+    per-parameter path."""
+    from test_dora import build
+
+    names = ["d0", "l1", "__base__", "d1", "d1", "l0", "d0", "l1"]  # d2 absent
+    ids = torch.randint(0, 97, (len(names), 5), generator=torch.Generator().manual_seed(3))
+    runs = []
+    for store in (True, False):
+        model, _ = build("llama")
+        fast_multilora.patch(model, backend="torch", adapter_store=store)
+        ddp = DDP(model)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        model.train()
+        for _ in range(2):
+            _step(ddp, ids, ids, names)
+            opt.step()
+            opt.zero_grad()
+        if store:
+            held = AdapterStore.of(model).slots
+            assert len(AdapterStore.of(model).ddp.layers) == len(held) > 0  # no anchor: the magnitudes train
+        runs.append(lora_weights(model) | {n: p.detach().clone() for n, p in model.named_parameters()
+                                           if "magnitude" in n})
+    for n, w in runs[1].items():
+        torch.testing.assert_close(runs[0][n], w, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_ddp_parameters_leaving_the_store_after_the_wrap_are_reduced_by_it(one_rank, monkeypatch):
+    """A layer that leaves the store after DDP was built (its adapters now mix dtypes) keeps parameters DDP was told
+    to ignore: the store all-reduces their gradients itself, once per backward."""
+    ids, labels, names = ddp_worker.batches()[0]
+    model = peft_model("llama")
+    fast_multilora.patch(model, backend="torch")
+    store = AdapterStore.of(model)
+    ddp = DDP(model)
+    layer = model.base_model.model.model.layers[1].self_attn.q_proj
+    layer.lora_A["a0"].to(torch.bfloat16)
+    layer.lora_B["a0"].to(torch.bfloat16)
+    fast_multilora.mark_changed()
+    model.train()
+    reduced = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: (reduced.append(t), real(t, *a, **k))[1])
+    _step(ddp, ids, labels, names)
+    left = [p for p in layer.parameters() if p.requires_grad]
+    assert left and all(p.grad is not None for p in left)
+    assert not any(any(p is q for q in store.held) for p in left)
+    assert all(sum(t is p.grad for t in reduced) == 1 for p in left)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _reference(kind):
+    """One process on the global batches: the same steps without DDP."""
+    model = peft_model("llama", seed=0)
+    fast_multilora.patch(model, backend="torch")
+    opt = ddp_worker.optimizer(model, kind)
+    model.train()
+    first = None
+    data = ddp_worker.batches()
+    for step in range(ddp_worker.STEPS):
+        for m in range(ddp_worker.MICRO):
+            ids, labels, names = data[step * ddp_worker.MICRO + m]
+            out = model(input_ids=ids, adapter_names=names)
+            (fast_multilora.per_adapter_loss(out.logits, labels, names) / ddp_worker.MICRO).backward()
+        if step == 0:
+            first = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+    return lora_weights(model), first
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_match_one_process_and_the_parameter_path(tmp_path):
+    """2 gloo ranks, ``torch.optim.AdamW`` (and ``fast_multilora.AdamW`` on the store), 3 steps of 2 micro-batches
+    (the first under ``no_sync``), different adapter mixes per rank (one lacks an adapter for a whole step, one has
+    base rows only in a micro-batch), rank-dependent initial adapter weights: the store's run equals one process on
+    the global batches (gradients of the first step, weights after the last) and the per-parameter path under DDP;
+    both ranks end with the same weights, every trained parameter has a gradient on every rank, and all layer calls
+    but the anchor layer's take the leaves."""
+    path = os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, TRITON_INTERPRET="1")
+    out = tmp_path / "ddp.pt"
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(_free_port()), str(ROOT / "tests" / "ddp_worker.py"), str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-5000:]
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    refs = {kind: _reference(kind) for kind in ("torch", "fast")}
+    forwards = ddp_worker.STEPS * ddp_worker.MICRO
+    for got in ranks:
+        assert got["world"] == 2
+        store, params = got["store"], got["params"]
+        assert store["ddp_layers"] == store["held_layers"] - 1  # all but the anchor layer
+        assert store["counts"] == {"stored": forwards * (store["held_layers"] - 1), "params": forwards}
+        assert store["none"] == [] == params["none"]
+        for run, (weights, first) in ((store, refs["torch"]), (params, refs["torch"]), (got["fast"], refs["fast"])):
+            assert set(run["grads"]) == set(first)
+            for n, g in first.items():
+                torch.testing.assert_close(run["grads"][n], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+            assert set(run["weights"]) == set(weights)
+            for n, w in weights.items():
+                torch.testing.assert_close(run["weights"][n], w, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+        for n, w in params["weights"].items():
+            torch.testing.assert_close(store["weights"][n], w, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+    for kind in ("store", "fast"):
+        for n, w in ranks[0][kind]["weights"].items():
+            assert torch.equal(ranks[1][kind]["weights"][n], w), (kind, n)
