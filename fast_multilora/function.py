@@ -10,7 +10,7 @@
   ran outside (it may be quantized or hooked) and the delta is added to its output.
 * ``stored``: the weights are the adapter store's two leaves of the layer (``fast_multilora.store``: every adapter's
   ``A`` rows as ``A_cat``, its ``B`` blocks packed), else PEFT's per-adapter parameters (layers the store does not
-  hold, and calls under DDP, whose hooks sit on the parameters).
+  hold, and layers whose parameters DDP reduces itself: ``fast_multilora.ddp``).
 * ``decode``: few rows with autograd off: shrink and expand in one launch.
 
 A call depends on its inputs and the model's batch context only (``plan.Routing``): no state passes from one layer
