@@ -91,9 +91,17 @@ _OPTIMIZERS: "weakref.WeakSet" = weakref.WeakSet()  # optimizers seen stepping o
 _PAGERS: "weakref.WeakSet" = weakref.WeakSet()
 _STEP_HOOK: list = []  # the global optimizer step pre-hook's handle, once registered
 
-_NO_FML_ADAMW = ("fast_multilora.AdamW keeps its optimizer states in the adapter store's arenas, which paging "
-                 "(PatchConfig.resident_adapters) does not move; use torch.optim.AdamW(model.parameters(), "
-                 "fused=True) with paging, or patch without resident_adapters")
+
+
+def _refuse_fml_adamw() -> None:
+    raise ValueError("fast_multilora.AdamW keeps its optimizer states in the adapter store's arenas, which paging "
+                     "(PatchConfig.resident_adapters) does not move; use torch.optim.AdamW(model.parameters(), "
+                     "fused=True) with paging, or patch without resident_adapters")
+
+
+def _refuse_moe() -> None:
+    raise ValueError("fast_multilora: paging (PatchConfig.resident_adapters) does not support MoE expert LoRA "
+                     "(target_parameters) yet; patch this model without resident_adapters")
 
 
 def _router(model):
@@ -136,7 +144,7 @@ def attach(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer
     store = getattr(optimizer, "store", None)
     if store is not None and getattr(store.router, "pager", None) is not None:
-        raise ValueError(_NO_FML_ADAMW)
+        _refuse_fml_adamw()
     _OPTIMIZERS.add(optimizer)
     optimizer.register_state_dict_pre_hook(lambda opt: [p.synchronize() for p in list(_PAGERS)])
     for pager in list(_PAGERS):
@@ -159,11 +167,7 @@ def check_model(model) -> None:
     except ImportError:  # pragma: no cover - older PEFT: no expert LoRA
         return
     if any(isinstance(m, ParamWrapper) for m in model.modules()):
-        raise ValueError(_NO_MOE)
-
-
-_NO_MOE = ("fast_multilora: paging (PatchConfig.resident_adapters) does not support MoE expert LoRA "
-           "(target_parameters) yet; patch this model without resident_adapters")
+        _refuse_moe()
 
 
 def configure(router, config) -> None:
@@ -176,9 +180,9 @@ def configure(router, config) -> None:
             router.pager = None
         return
     if router.expert_layers:
-        raise ValueError(_NO_MOE)
+        _refuse_moe()
     if router.store is not None and router.store.owner is not None:
-        raise ValueError(_NO_FML_ADAMW)
+        _refuse_fml_adamw()
     if pager is None:
         pager = router.pager = Pager(router, k)
     pager.capacity = k
@@ -379,7 +383,7 @@ class Pager:
                              "DistributedDataParallel, whose buckets hold the parameters' memory; patch without it")
         store = self.router.store
         if store is not None and store.owner is not None:
-            raise ValueError(_NO_FML_ADAMW)
+            _refuse_fml_adamw()
         if self.changes != CHANGES[0]:
             self._check()
         # an earlier forward's backward has not run: its gradients land in the store's current arenas, so the store

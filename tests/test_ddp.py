@@ -278,3 +278,33 @@ def test_ddp_two_ranks_match_one_process_and_the_parameter_path(tmp_path):
     for kind in ("store", "fast"):
         for n, w in ranks[0][kind]["weights"].items():
             assert torch.equal(ranks[1][kind]["weights"][n], w), (kind, n)
+
+
+def test_ddp_store_errors_name_the_way_out(one_rank):
+    """Under DDP the store all-reduces at the end of a backward: a second backward through the same forward, and a
+    forward after a backward that left one of the forward's leaves without its gradient, raise saying why and what
+    to do; paging does not run under DDP."""
+    ids, labels, names = ddp_worker.batches()[0]
+    model = peft_model("llama")
+    fast_multilora.patch(model, backend="torch")
+    ddp = DDP(model)
+    model.train()
+    out = ddp(input_ids=ids, adapter_names=names)
+    loss = fast_multilora.per_adapter_loss(out.logits, labels, names)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="this backward continued after that"):
+        loss.backward()
+    # a forward whose LoRA output does not reach the loss (one layer's leaves get no gradient)
+    model.zero_grad()
+    out = ddp(input_ids=ids, adapter_names=names, output_hidden_states=True)
+    out.hidden_states[1].sum().backward()  # the first decoder layer's output only: later layers' leaves get nothing
+    with pytest.raises(RuntimeError, match="a backward ended before every adapter-store leaf"):
+        ddp(input_ids=ids, adapter_names=names)
+    fast_multilora.unpatch(model)
+
+    paged = peft_model("llama")
+    fast_multilora.patch(paged, backend="torch", resident_adapters=1)
+    ddp = DDP(paged)
+    paged.train()
+    with pytest.raises(ValueError, match="does not run under DistributedDataParallel"):
+        ddp(input_ids=ids, adapter_names=names)
