@@ -39,6 +39,7 @@ from .config import PatchConfig  # noqa: E402
 from .fused_loss import fused_causal_lm_loss, per_adapter_loss_from_hidden  # noqa: E402
 from .loss import per_adapter_loss, per_adapter_mean  # noqa: E402
 from .optim import AdamW  # noqa: E402
+from .paging import prefetch  # noqa: E402
 from .patching import PatchReport, patch, route, unpatch  # noqa: E402
 from .plan import BASE, mark_changed  # noqa: E402
 from .training import trainer_kwargs  # noqa: E402
@@ -46,5 +47,5 @@ from .training import trainer_kwargs  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = ["AdamW", "BASE", "PatchConfig", "PatchReport", "add_adapters", "fused_causal_lm_loss", "load_adapters",
-           "mark_changed", "patch", "per_adapter_loss", "per_adapter_loss_from_hidden", "per_adapter_mean", "route",
-           "save_adapters", "trainer_kwargs", "unpatch"]
+           "mark_changed", "patch", "per_adapter_loss", "per_adapter_loss_from_hidden", "per_adapter_mean", "prefetch",
+           "route", "save_adapters", "trainer_kwargs", "unpatch"]

@@ -7,6 +7,7 @@ traced with one set of them, and two models in one process may use different one
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import Optional
 
 BACKENDS = ("auto", "torch", "triton")
 FAMILIES = ("auto", "sgemm", "chunked")
@@ -43,6 +44,11 @@ class PatchConfig:
     ``fast_launch``: Triton kernels are launched through ``kernels.launch``'s cache of compiled kernels (less host
     time per launch, the same kernels) rather than Triton's own ``kernel[grid](...)``; ``False`` is a debugging
     switch. The cache is the process's, so the last ``patch`` sets it for every patched model.
+
+    ``resident_adapters``: paging (``fast_multilora.paging``). ``None``: off, every adapter stays on its device.
+    ``k``: the adapters of the batch (and those :func:`fast_multilora.prefetch` brought in) and at most ``k`` others,
+    the most recently used, keep their weights and optimizer states on the device; every other adapter's live in
+    (pinned) host memory and come back at the forward that names them. Results equal a fully resident run's exactly.
     """
 
     backend: str = "auto"
@@ -52,12 +58,17 @@ class PatchConfig:
     store_dropout_mask: bool = True
     adapter_store: bool = True
     fast_launch: bool = True
+    resident_adapters: Optional[int] = None
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; expected 'auto', 'torch' or 'triton'")
         if self.family not in FAMILIES:
             raise ValueError(f"unknown family {self.family!r}; expected 'auto', 'sgemm' or 'chunked'")
+        k = self.resident_adapters
+        if k is not None and (type(k) is not int or k < 0):
+            raise ValueError(f"PatchConfig.resident_adapters must be None (no paging) or an int >= 0 (how many "
+                             f"adapters outside the batch stay on the device), got {k!r}")
         for f in fields(self):
             if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
                 raise TypeError(f"PatchConfig.{f.name} must be a bool, got {getattr(self, f.name)!r}")

@@ -72,7 +72,10 @@ def _put(t: torch.Tensor, rows, value: torch.Tensor) -> None:
 
 
 def _as(t: torch.Tensor, dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
+    """``t`` in ``dtype``, contiguous: a slot's column slice of ``B_cat`` / ``h`` / ``dh`` has the row stride of the
+    layer's total or max rank, and a strided operand can change the BLAS kernel's summation order (MKL's gemv on
+    a rank-1 column: last-bit differences), so a slot's results would depend on the layer's other adapters."""
+    return (t if t.dtype == dtype else t.to(dtype)).contiguous()
 
 
 def _dropped(x: torch.Tensor, keep: Optional[torch.Tensor], rows, p: float) -> torch.Tensor:
@@ -102,7 +105,7 @@ def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, accumulate:
         else:
             y.copy_(bias.to(y.dtype).expand_as(y))
     for _, r, off, c, _, rows in _slot_rows(segs, table):
-        delta = c * (_take(h, rows)[:, :r] @ _as(B_cat[:, off : off + r], acc).T)
+        delta = c * (_as(_take(h, rows)[:, :r], acc) @ _as(B_cat[:, off : off + r], acc).T)
         if accumulate:
             out = _as(_take(y, rows), acc) + delta
         else:

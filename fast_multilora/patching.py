@@ -192,7 +192,14 @@ def _state_signature(layer, slot_names) -> tuple:
         w, bw = a._parameters["weight"], b_mods[n]._parameters["weight"]
         items.append((n, a, b_mods[n], r[n], scaling[n], drops[n].__dict__.get("p", 0.0), drops[n].training,
                       lora_bias[n], w.dtype, w.device, bw.dtype, b_mods[n]._parameters.get("bias") is not None))
-    return (slot_names, tuple(sorted(layer.lora_variant)), tuple(items))
+    return (slot_names, tuple(sorted(layer.lora_variant)), tuple(items), _paged_out(layer))
+
+
+def _paged_out(layer) -> frozenset:
+    """The adapters paging keeps on the host (``fast_multilora.paging``): absent from the layer's state."""
+    router = layer.__dict__.get(_ROUTER_ATTR)
+    pager = router.pager if router is not None else None
+    return pager.absent if pager is not None else frozenset()
 
 
 def _table_key(host: tuple, slots: tuple, device) -> tuple:
@@ -204,10 +211,11 @@ def _build_state(layer, slot_names, tables: dict) -> Optional[LayerState]:
     """The layer's :class:`LayerState`; its adapter table is taken from ``tables`` where an equal one is there (and
     entered there otherwise)."""
     variants = tuple(sorted(n for n, v in layer.lora_variant.items() if not dora_mod.is_dora(v)))
+    paged = _paged_out(layer)
     ranks, offsets, scales, ps, present, slots = [], [], [], [], [], []
     acc = 0
     for slot, name in enumerate(slot_names):
-        if name in layer.lora_A and name not in variants:
+        if name in layer.lora_A and name not in variants and name not in paged:
             slots.append(slot)
             present.append(name)
             ranks.append(layer.r[name])
@@ -269,6 +277,8 @@ def refresh_layers(router: Router, routing) -> None:
     order and the layers' adapters and modes; cheap when nothing changed (no layer is read unless a change was
     marked, see ``plan.CHANGES``; then one signature per layer). Raises when the
     routing names an adapter with a LoRA variant."""
+    if router.pager is not None:  # the call's adapters resident first, others paged out (fast_multilora.paging)
+        router.pager.enter(routing.names)
     slot_names = routing.slot_names
     changed = False
     get_backend(router.config.backend, router._weights_device())  # created outside any traced graph
@@ -662,6 +672,9 @@ def patch(model: torch.nn.Module, config: Optional[PatchConfig] = None, **settin
             f"batch; naming them in adapter_names raises: {variant_warned[:3]}",
             stacklevel=2,
         )
+    from .paging import configure as configure_paging
+
+    configure_paging(router, config)  # before the store is built: it holds the resident adapters only
     if config.adapter_store:
         try:
             _build_store(router)
@@ -692,6 +705,9 @@ def _swap(module, mixin, router):
 def unpatch(model: torch.nn.Module) -> None:
     """Restore stock PEFT behaviour: original classes, no hooks, no routing state."""
     router = model.__dict__.get(_ROUTER_ATTR)
+    if router is not None and router.pager is not None:  # every adapter back on the device
+        router.pager.close()
+        router.pager = None
     if router is not None and router.store is not None:  # its parameters keep their memory, not the store's class
         from .store import release
 

@@ -104,6 +104,7 @@ class Router:
         self.store = None  # fast_multilora.store.AdapterStore, once an optimizer of ours built it
         self.checked = None  # (change count, slot names) of the layers' last full check (patching.refresh_layers)
         self._known = None  # (change count, sorted adapter names): known_adapters' last answer
+        self.pager = None  # fast_multilora.paging.Pager: PatchConfig.resident_adapters (set by patch)
 
     # -- adapters known to the model ------------------------------------------------------------------------------
     def known_adapters(self) -> list:
@@ -174,6 +175,8 @@ class Router:
             if adapter_ids is not None:
                 raise ValueError("`adapter_ids` needs `adapter_names` (the names its values index)")
             self.current = None
+            if self.pager is not None:  # stock PEFT's forward reads the active adapters
+                self.pager.enter_active()
             return
         device = torch.device(device) if device is not None else self._weights_device()
         if adapter_ids is None:  # per-row names: reuse the routing (and its layouts) of an identical earlier call
@@ -213,6 +216,8 @@ class Router:
         return r
 
     def _weights_device(self) -> torch.device:
+        if self.pager is not None:  # a paged-out adapter's weights are on the host
+            return self.pager.device
         for layer in (*self.fast_layers, *self.expert_layers):
             for m in layer.lora_A.values():
                 return m.weight.device

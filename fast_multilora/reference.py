@@ -110,7 +110,10 @@ def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: 
         out = torch.zeros_like(y) + (0 if bias is None else bias.to(y.dtype))
     for a, r, off, c, _ in _slots(table):
         m = (ts == a)[:, None]
-        delta = c * (h[:, slice_idx * r : (slice_idx + 1) * r] @ B_cat[:, off : off + r].to(acc).T)
+        # contiguous operands: a strided one (row stride: the layer's max / total rank) can change the BLAS
+        # kernel's summation order, and a slot's results would depend on the layer's other adapters
+        delta = c * (h[:, slice_idx * r : (slice_idx + 1) * r].contiguous() @
+                     B_cat[:, off : off + r].to(acc).contiguous().T)
         out = torch.where(m, (start + delta).to(y.dtype), out)
     y.copy_(out)
     return y
@@ -135,7 +138,7 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
     for a, r, off, c, _ in _slots(table):
         m = (ts == a)[:, None]
         cols = slice(slice_idx * r, (slice_idx + 1) * r)
-        dh[:, cols] = torch.where(m, c * (g @ B_cat[:, off : off + r].to(acc)), dh[:, cols])
+        dh[:, cols] = torch.where(m, c * (g @ B_cat[:, off : off + r].to(acc).contiguous()), dh[:, cols])
         # both operands masked: another adapter's rows (0 here) may hold NaN or Inf, and 0 * NaN is NaN
         dB[:, off : off + r] = c * (torch.where(m, g, 0).T @ torch.where(m, h[:, cols].to(acc), 0))
     return dh, dB

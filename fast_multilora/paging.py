@@ -1,0 +1,511 @@
+"""Paging: adapters outside the batch keep their weights and optimizer states in (pinned) host memory.
+
+With ``PatchConfig(resident_adapters=k)`` a patched model keeps on its device the adapters of the batch it runs, the
+adapters a :func:`prefetch` brought in for a forward to come, adapters holding gradients, and at most ``k`` others
+(the most recently used); every other adapter is *paged out*: each of its parameters' ``.data`` is a host tensor
+(pinned when the model is on CUDA), and so is every optimizer state of its parameters that lives on the parameter's
+device (``exp_avg``, ``exp_avg_sq``, a fused or capturable optimizer's ``step``; a state ``torch.optim`` keeps on the
+CPU stays where it is). So device memory grows with the adapters a batch names, not with the registry; the host
+holds one copy of every adapter. Each change of the resident set re-lays the adapter store out (one device copy of
+the resident adapters' weights, gradients and store states), at the forward's entry.
+
+Where things happen:
+
+* **Forward entry** (``Router.begin`` / ``patching.refresh_layers``, before the layers' tables are read): the
+  adapters the call names are paged in (copies host -> device), then, while more than ``k`` adapters outside the
+  batch are resident, the least recently used are paged out (device -> host, on the current stream, after the work
+  queued there that used them). A paged-out adapter is absent from every layer's ``LayerState`` (rank 0 in its
+  table: no kernel reads it), and the adapter store (``fast_multilora.store``) re-lays its arenas out for the
+  resident adapters, reading the values from the parameters. Nothing is lost: weights and optimizer states go
+  through bitwise copies, and a layer's kernels compute each adapter's rows from its own weights only (the torch
+  backend with contiguous per-slot operands), so a paged run computes what a fully resident run does, bit for bit.
+  One exception: the per-parameter path (``adapter_store=False``, and layers the store cannot hold, e.g.
+  ``lora_bias``) gives every adapter of a layer a zero gradient when it has no rows (for DDP), so a resident adapter
+  outside the batch takes an optimizer step (weight decay, momentum) that a paged-out one, without a gradient as
+  under stock PEFT, does not.
+* **Prefetch** (:func:`prefetch`, called while the current step runs, e.g. by a data loader's hook): the next
+  batch's adapters are copied in on a side CUDA stream; the compute stream waits on their events at the next
+  forward's entry (or when they are touched otherwise: page-out, ``state_dict``, :func:`synchronize`). Without
+  prefetch the copies happen at the forward's entry, on the compute stream's order.
+* **Gradients.** An adapter is paged out only when none of its parameters holds a gradient (``.grad is None``:
+  after the optimizer's ``zero_grad()``) and no gradient-recording forward named it since the last optimizer step
+  (its backward may be pending). Such an adapter stays resident beyond ``k`` until then: gradient accumulation
+  over micro-batches of different adapters keeps all of them resident until the step, and
+  ``zero_grad(set_to_none=False)`` keeps every adapter that ever trained resident. Gradients are never paged.
+  Forwards that share one backward (``(loss_1 + loss_2).backward()``): the store must not re-lay out between them,
+  so a forward that would change residency while an earlier forward's backward is pending raises; prefetch all
+  their adapters before the first of them.
+* **Optimizers.** Any ``torch.optim.Optimizer`` holding the parameters: found by a global step pre-hook
+  (``torch.optim.optimizer.register_optimizer_step_pre_hook``) at its first step, before which it has no states;
+  :func:`attach` names one explicitly (e.g. one whose states were loaded before its first step).
+  ``fast_multilora.AdamW`` keeps its states in the store's arenas, which paging does not move: combining the two
+  raises; use ``torch.optim.AdamW(..., fused=True)``.
+
+CUDA ordering, as torch documents it: a page-out copies into a pinned host buffer with ``non_blocking=True`` on the
+current stream and records an event, which a later page-in of the adapter waits on and a host read (``state_dict``,
+:func:`synchronize`) synchronises; a page-in allocates and copies on the side stream (after waiting on that event),
+``record_stream``s the new tensors on the compute stream (the caching allocator then does not reuse them before
+the compute stream is done with them) and records an event the compute stream waits on before using them.
+
+Not paged: ``modules_to_save`` copies, trainable tokens and other non-LoRA parameters. Refused, with an error: MoE
+expert LoRA (``target_parameters``), a forward under ``DistributedDataParallel``, ``fast_multilora.AdamW``, copying
+or pickling a paged model. Moving a paged model (``.to()``) moves its host copies too: they count as resident then.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+
+import torch
+from torch.optim import optimizer as _optimizer
+
+from .plan import BASE, CHANGES, mark_changed
+
+# tests: after a synchronous (CPU) page-in, the host copies are filled with NaN -- they are stale from then on -- so a
+# value read from a host copy of an adapter that should be resident shows in the results
+_POISON = False
+
+# The CUDA calls paging makes, in one place: tests put a recording stand-in here to run the stream logic on the CPU.
+class _Cuda:
+    Stream = staticmethod(torch.cuda.Stream)
+    Event = staticmethod(torch.cuda.Event)
+    current_stream = staticmethod(torch.cuda.current_stream)
+    stream = staticmethod(torch.cuda.stream)
+
+    @staticmethod
+    def used(device: torch.device) -> bool:
+        """Whether ``device``'s copies go through streams, events and pinned host memory."""
+        return device.type == "cuda"
+
+    @staticmethod
+    def record_stream(t: torch.Tensor, stream) -> None:
+        t.record_stream(stream)
+
+    @staticmethod
+    def host_empty(shape, dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+_OPTIMIZERS: "weakref.WeakSet" = weakref.WeakSet()  # optimizers seen stepping or attached
+_PAGERS: "weakref.WeakSet" = weakref.WeakSet()
+_STEP_HOOK: list = []  # the global optimizer step pre-hook's handle, once registered
+
+_NO_FML_ADAMW = ("fast_multilora.AdamW keeps its optimizer states in the adapter store's arenas, which paging "
+                 "(PatchConfig.resident_adapters) does not move; use torch.optim.AdamW(model.parameters(), "
+                 "fused=True) with paging, or patch without resident_adapters")
+
+
+def _router(model):
+    from .patching import _ROUTER_ATTR
+
+    router = model.__dict__.get(_ROUTER_ATTR)
+    if router is None:
+        raise ValueError("fast_multilora: the model is not patched; call fast_multilora.patch(model) first")
+    return router
+
+
+def prefetch(model: torch.nn.Module, adapter_names) -> None:
+    """Start bringing ``adapter_names``' weights and optimizer states to the device (on CUDA: on a side stream,
+    overlapped with the work queued now), for a later forward that names them. Call it while the current step runs
+    with the next batch's names. Does nothing when the model was patched without paging; unknown names raise.
+
+    Prefetched adapters stay resident, beyond ``resident_adapters``, until a forward names them or the next
+    ``prefetch`` call replaces them; nothing is paged out here (the running step may still need any adapter).
+    Forwards that share one backward (``(loss_1 + loss_2).backward()``) need all their adapters resident before the
+    first of them: prefetch their names together first."""
+    pager = _router(model).pager
+    if pager is not None:
+        pager.prefetch(adapter_names)
+
+
+def synchronize(model: torch.nn.Module) -> None:
+    """Wait for the model's page copies in flight: afterwards a paged-out parameter's host ``.data`` holds its values
+    and a prefetched one's device ``.data`` too. ``state_dict`` (so ``save_pretrained``) and optimizer steps do this
+    themselves; call it before reading an adapter's tensors some other way."""
+    pager = _router(model).pager
+    if pager is not None:
+        pager.synchronize()
+
+
+def attach(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Make ``optimizer``'s states of paged adapters follow them. Optimizers are found at their first step without
+    this; call it for one whose states exist before that (``load_state_dict`` before the first step). Returns
+    ``optimizer``."""
+    if optimizer in _OPTIMIZERS:
+        return optimizer
+    store = getattr(optimizer, "store", None)
+    if store is not None and getattr(store.router, "pager", None) is not None:
+        raise ValueError(_NO_FML_ADAMW)
+    _OPTIMIZERS.add(optimizer)
+    optimizer.register_state_dict_pre_hook(lambda opt: [p.synchronize() for p in list(_PAGERS)])
+    for pager in list(_PAGERS):
+        pager.adopt(optimizer)
+    return optimizer
+
+
+def _step_pre_hook(optimizer, args, kwargs) -> None:
+    if optimizer not in _OPTIMIZERS:
+        attach(optimizer)
+    for pager in list(_PAGERS):  # (a prefetched adapter has no gradient: the step reads none of its tensors)
+        pager.awaiting.clear()  # the backwards of the forwards so far have run
+
+
+def configure(router, config) -> None:
+    """At ``patch``: start, update or stop paging for ``router``'s model as ``config.resident_adapters`` says."""
+    k = config.resident_adapters
+    pager = router.pager
+    if k is None:
+        if pager is not None:
+            pager.close()
+            router.pager = None
+        return
+    if router.expert_layers:
+        raise ValueError("fast_multilora: paging (PatchConfig.resident_adapters) does not support MoE expert LoRA "
+                         "(target_parameters) yet; patch this model without resident_adapters")
+    if router.store is not None and router.store.owner is not None:
+        raise ValueError(_NO_FML_ADAMW)
+    if pager is None:
+        pager = router.pager = Pager(router, k)
+    pager.capacity = k
+    pager.settle()
+
+
+class Pager:
+    """The residency of one patched model's adapters (see the module docstring)."""
+
+    def __init__(self, router, capacity: int):
+        self.router = router
+        self.capacity = capacity
+        self.device: torch.device = router._weights_device()  # where resident adapters live
+        self.recent: OrderedDict = OrderedDict()  # resident adapters, least recently used first
+        self.paged: dict = {}  # paged-out adapter -> {id(param): its device when resident}
+        self.absent: frozenset = frozenset()  # the paged-out adapters (what the layers' states leave out)
+        self.buffers: dict = {}  # adapter -> {key: host tensor}: each parameter's and state's host copy, kept
+        self.awaiting: set = set()  # adapters named by gradient-recording forwards since the last optimizer step
+        self.reserved: set = set()  # prefetched adapters no forward has named since: not paged out
+        self.entered: frozenset = frozenset()  # ``absent`` when the last forward entered
+        self.inflight: dict = {}  # adapter -> CUDA event: its page-in on the side stream
+        self.outgoing: dict = {}  # adapter -> CUDA event: its page-out's copies into host memory
+        self.side = None  # the side stream of prefetches (CUDA)
+        self.changes = None  # plan.CHANGES after this pager's own last change (another one: check the host copies)
+        self.hook = router.root.register_state_dict_pre_hook(lambda *args: self.synchronize())
+        _PAGERS.add(self)
+        if not _STEP_HOOK:
+            _STEP_HOOK.append(_optimizer.register_optimizer_step_pre_hook(_step_pre_hook))
+
+    # -- the adapters' tensors ------------------------------------------------------------------------------------
+    def params_of(self, name: str) -> list:
+        """Every parameter of adapter ``name`` in the model's LoRA layers (``lora_A``, ``lora_B``, embeddings, DoRA
+        magnitudes)."""
+        out = []
+        for layer in self.router.layers:
+            for attr in layer.adapter_layer_names:
+                d = layer._modules.get(attr)
+                if d is None or name not in d:
+                    continue
+                obj = d[name]
+                out.extend([obj] if isinstance(obj, torch.Tensor) else obj.parameters())
+        return out
+
+    @staticmethod
+    def _states(param) -> list:
+        """``(state dict, key)`` of every optimizer state of ``param`` that follows the parameter's device
+        (``Optimizer._process_value_according_to_param_policy``: all but a non-fused, non-capturable ``step``)."""
+        out = []
+        for opt in list(_OPTIMIZERS):
+            st = opt.state.get(param)
+            if not st:
+                continue
+            moves_step = any(g.get("fused") or g.get("capturable") for g in opt.param_groups)
+            out += [(st, (id(opt), k)) for k, v in st.items()
+                    if isinstance(v, torch.Tensor) and (k != "step" or moves_step)]
+        return out
+
+    def _buffer(self, name: str, key, like: torch.Tensor) -> torch.Tensor:
+        bufs = self.buffers.setdefault(name, {})
+        b = bufs.get(key)
+        if b is None or b.shape != like.shape or b.dtype != like.dtype:
+            cuda = _Cuda.used(self.device)
+            b = bufs[key] = _Cuda.host_empty(like.shape, like.dtype) if cuda else torch.empty_like(like, device="cpu")
+        return b
+
+    def adopt(self, optimizer) -> None:
+        """A newly found optimizer's states of paged-out parameters (stepped before paging began, or loaded while
+        paged out) go to their host buffers."""
+        self.synchronize()
+        with torch.no_grad():
+            for name in self.paged:
+                for p in self.params_of(name):
+                    for st, key in self._states(p):
+                        if key[0] == id(optimizer):
+                            v = st[key[1]]
+                            hb = self._buffer(name, ("s", id(p), *key), v)
+                            if hb is not v:
+                                st[key[1]] = hb.copy_(v)
+
+    def _pending_grad(self, name: str) -> bool:
+        return name in self.awaiting or any(p.grad is not None for p in self.params_of(name))
+
+    # -- moves ----------------------------------------------------------------------------------------------------
+    def _page_out(self, name: str) -> None:
+        """Copy ``name``'s weights and device optimizer states into its host buffers (current stream) and point the
+        parameters and states there."""
+        self._wait(name)
+        homes = {}
+        cuda = False
+        with torch.no_grad():
+            for p in self.params_of(name):
+                dev = p.device
+                cuda |= _Cuda.used(dev)
+                host = self._buffer(name, ("w", id(p)), p)
+                host.copy_(p.data, non_blocking=True)
+                for st, key in self._states(p):
+                    v = st[key[1]]
+                    hb = self._buffer(name, ("s", id(p), *key), v)
+                    hb.copy_(v, non_blocking=True)
+                    st[key[1]] = hb
+                p.data = host
+                homes[id(p)] = dev
+        if cuda:
+            ev = _Cuda.Event()
+            ev.record(_Cuda.current_stream(self.device))
+            self.outgoing[name] = ev
+        self.paged[name] = homes
+        self.recent.pop(name, None)
+
+    def _page_in(self, name: str, side: bool) -> None:
+        """Copy ``name``'s weights and optimizer states back to the device: on CUDA on the side stream (``side``) or
+        the current one, the new tensors ``record_stream``ed on the compute stream; on the CPU into new tensors, the
+        host copies then poisoned under test."""
+        homes = self.paged.pop(name)
+        params = self.params_of(name)
+        cuda = _Cuda.used(self.device) or any(_Cuda.used(d) for d in homes.values())
+        moved = []
+        if cuda:
+            compute = _Cuda.current_stream(self.device)
+            stream = self._side() if side else compute
+            out = self.outgoing.pop(name, None)
+            with torch.no_grad(), _Cuda.stream(stream):
+                if out is not None:
+                    stream.wait_event(out)
+                for p in params:
+                    dev = homes.get(id(p), self.device)
+                    pairs = [(None, p.data)] + [(sk, sk[0][sk[1][1]]) for sk in self._states(p)]
+                    for sk, v in pairs:
+                        t = torch.empty_like(v, device=dev)
+                        t.copy_(v, non_blocking=True)
+                        if stream is not compute:
+                            _Cuda.record_stream(t, compute)
+                        if sk is None:
+                            p.data = t
+                        else:
+                            sk[0][sk[1][1]] = t
+                ev = None
+                if stream is not compute:
+                    ev = _Cuda.Event()
+                    ev.record(stream)
+        else:
+            with torch.no_grad():
+                for p in params:
+                    dev = homes.get(id(p), self.device)
+                    for st, key in [(None, None)] + self._states(p):
+                        v = p.data if st is None else st[key[1]]
+                        t = torch.empty_like(v, device=dev).copy_(v)
+                        moved.append(v)
+                        if st is None:
+                            p.data = t
+                        else:
+                            st[key[1]] = t
+            if _POISON:
+                for v in moved:
+                    if v.is_floating_point():
+                        v.fill_(float("nan"))
+            ev = None
+        if ev is not None:
+            self.inflight[name] = ev
+        self.recent[name] = None
+
+    def _side(self):
+        if self.side is None:
+            self.side = _Cuda.Stream(device=self.device)
+        return self.side
+
+    def _wait(self, name: str) -> None:
+        """The current stream waits for ``name``'s page-in, if one is in flight."""
+        ev = self.inflight.pop(name, None)
+        if ev is not None:
+            _Cuda.current_stream(self.device).wait_event(ev)
+
+    def wait_inflight(self) -> None:
+        for name in list(self.inflight):
+            self._wait(name)
+
+    def synchronize(self) -> None:
+        self.wait_inflight()
+        for ev in self.outgoing.values():
+            ev.synchronize()
+        self.outgoing.clear()
+
+    def _changed(self) -> None:
+        self.absent = frozenset(self.paged)
+        mark_changed()
+        self.changes = CHANGES[0]
+
+    # -- entry points ---------------------------------------------------------------------------------------------
+    def enter(self, names) -> None:
+        """At a forward call's entry: ``names``' adapters resident (waited on), the least recently used others paged
+        out beyond the capacity."""
+        want = set(names)
+        want.discard(BASE)
+        if not want:
+            return
+        if torch.nn.parallel.DistributedDataParallel._active_ddp_module is not None:
+            raise ValueError("fast_multilora: paging (PatchConfig.resident_adapters) does not run under "
+                             "DistributedDataParallel, whose buckets hold the parameters' memory; patch without it")
+        store = self.router.store
+        if store is not None and store.owner is not None:
+            raise ValueError(_NO_FML_ADAMW)
+        if self.changes != CHANGES[0]:
+            self._check()
+        # an earlier forward's backward has not run: its gradients land in the store's current arenas, so the store
+        # must not re-lay out (nothing is paged out now, and a page-in cannot wait)
+        pending = store is not None and bool(store.pending)
+        if pending and (self.absent != self.entered or any(n in self.paged for n in want)):
+            late = sorted(n for n in want if n in self.paged) or sorted(self.entered - self.absent)
+            raise ValueError(
+                f"fast_multilora paging: this forward needs adapters {late} brought to the device, but the backward "
+                f"of an earlier forward (adapters {sorted(store.pending)}) has not run yet; re-laying the adapter "
+                "store out now would lose its gradients. Run that backward first, or make every adapter of the "
+                "forwards that share a backward resident before the first of them: fast_multilora.prefetch(model, "
+                "all their names). A forward whose output is never backpropagated: run it under torch.no_grad(), or "
+                "call model.zero_grad() after it")
+        self.reserved -= want
+        # every prefetch in flight, not only this batch's: the store's re-layout reads every resident adapter
+        self.wait_inflight()
+        moved = False
+        for name in sorted(want):
+            if name in self.paged:
+                self._page_in(name, side=False)
+                moved = True
+            self.recent[name] = None
+            self.recent.move_to_end(name)
+        if torch.is_grad_enabled():
+            self.awaiting |= want
+        if not pending:
+            moved |= self._evict(want)
+        if moved:
+            self._changed()
+        self.entered = self.absent
+
+    def enter_active(self) -> None:
+        """A forward without routing (stock PEFT: the active adapters) pages those in."""
+        tuner, layers = self.router.tuner, self.router.layers
+        names = list(getattr(tuner, "active_adapters", ()) or ()) if tuner is not None else []
+        if names and layers and not layers[0].disable_adapters:  # (the tuner's attribute is the HF model's method)
+            self.enter(names)
+
+    def prefetch(self, names) -> None:
+        if isinstance(names, str):
+            raise TypeError("fast_multilora.prefetch takes a list of adapter names, not a single string")
+        want = set(names)
+        want.discard(BASE)
+        known = set(self.router.known_adapters())
+        unknown = sorted(want - known)
+        if unknown:
+            raise ValueError(f"fast_multilora.prefetch: unknown adapter name(s) {unknown}; this model has "
+                             f"{len(known)} adapters")
+        if self.changes != CHANGES[0]:
+            self._check()
+        moved = False
+        for name in sorted(want):
+            if name in self.paged:
+                self._page_in(name, side=True)
+                moved = True
+            self.recent[name] = None
+            self.recent.move_to_end(name)
+        self.reserved = want  # kept resident until a forward names them (or the next prefetch)
+        if moved:  # nothing is paged out here: the running step may still need any resident adapter
+            self._changed()
+
+    def settle(self) -> None:
+        """At ``patch``: adapters the pager does not know yet count as the least recently used ones; then page out
+        down to the capacity."""
+        self._check()
+        fresh = [n for n in self.router.known_adapters() if n not in self.recent and n not in self.paged]
+        for name in reversed(fresh):
+            self.recent[name] = None
+            self.recent.move_to_end(name, last=False)
+        if self._evict(set()):
+            self._changed()
+
+    def _evict(self, keep: set) -> bool:
+        keep = keep | self.reserved
+        over = sum(1 for n in self.recent if n not in keep) - self.capacity
+        if over <= 0:
+            return False
+        out = []
+        for name in self.recent:
+            if len(out) == over:
+                break
+            if name not in keep and not self._pending_grad(name):
+                out.append(name)
+        for name in out:
+            self._page_out(name)
+        return bool(out)
+
+    def _check(self) -> None:
+        """After a change not made here (an adapter added or deleted, ``.to()``, a re-patch): forget deleted adapters,
+        and count as resident a paged-out adapter whose parameters no longer hold their host copies."""
+        known = set(self.router.known_adapters())
+        for name in list(self.recent):
+            if name not in known:
+                del self.recent[name]
+        for name in list(self.paged):
+            if name not in known:
+                del self.paged[name]
+                continue
+            bufs = self.buffers.get(name, {})
+            for p in self.params_of(name):
+                b = bufs.get(("w", id(p)))
+                if b is None or p.data_ptr() != b.data_ptr():  # moved (``.to()``) or replaced: it is where it is
+                    del self.paged[name]
+                    self.recent[name] = None
+                    self.recent.move_to_end(name, last=False)
+                    self.device = p.device
+                    break
+        for name in list(self.buffers):
+            if name not in known:
+                del self.buffers[name]
+                self.outgoing.pop(name, None)
+                self.inflight.pop(name, None)
+        for name in self.recent:  # the resident adapters' device (the model may have moved)
+            params = self.params_of(name)
+            if params:
+                self.device = params[0].device
+                break
+        if self.absent != frozenset(self.paged):
+            self._changed()
+        self.changes = CHANGES[0]
+
+    def __getstate__(self):
+        raise TypeError("fast_multilora: a model with paging (PatchConfig.resident_adapters) cannot be copied or "
+                        "pickled: its paged-out adapters' records point at this model's parameters; "
+                        "fast_multilora.unpatch(model) first (every adapter back on the device), or copy before patch")
+
+    def resident(self) -> list:
+        """The resident adapters, least recently used first."""
+        return list(self.recent)
+
+    def close(self) -> None:
+        """Everything back to the device (``unpatch``, or a re-patch without paging)."""
+        self.synchronize()
+        for name in sorted(self.paged):
+            self._page_in(name, side=False)
+        self.synchronize()
+        self._changed()
+        self.hook.remove()
+        _PAGERS.discard(self)
+
+
+__all__ = ["Pager", "attach", "configure", "prefetch", "synchronize"]

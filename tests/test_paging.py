@@ -1,0 +1,399 @@
+"""Paging (``PatchConfig.resident_adapters``, ``fast_multilora.paging``): adapters outside the batch live on the host.
+
+The oracle is the same run with paging off: after steps whose batches name changing adapters (some return after
+being paged out), every adapter's weights and ``torch.optim.AdamW`` states are bitwise equal. On the CPU "host" and
+"device" are one memory, but every page-out and page-in still copies through separate buffers, and the host copies
+are filled with NaN after each page-in (``paging._POISON``), so a value read from a stale copy shows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from test_store import many_model
+
+import fast_multilora
+from fast_multilora import paging
+from fast_multilora.patching import _ROUTER_ATTR
+
+N_ADAPTERS = 12
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(paging, "_POISON", True)
+
+
+def _pager(model):
+    return model.__dict__[_ROUTER_ATTR].pager
+
+
+def _schedule(names, steps, seed=0):
+    """Batches of 2-4 adapters (plus base rows), a new mix every step; adapters of early steps come back later."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in range(steps):
+        n = 2 + s % 3
+        pick = [names[i] for i in torch.randperm(len(names), generator=g)[:n].tolist()]
+        if s >= 3:
+            pick[0] = out[s - 3][1][0]  # an adapter of three steps ago, paged out since when the capacity is small
+        rows = pick + [pick[-1], fast_multilora.BASE]
+        out.append((torch.randint(0, 97, (len(rows), 6), generator=g), rows))
+    return out
+
+
+def _model(device, k, backend="torch", **settings):
+    model = many_model(N_ADAPTERS).to(device)
+    fast_multilora.patch(model, backend=backend, resident_adapters=k, **settings)
+    model.train()
+    return model
+
+
+def _step(model, opt, ids, rows):
+    out = model(input_ids=ids, adapter_names=rows).logits
+    fast_multilora.per_adapter_loss(out, ids, rows).backward()
+
+
+def _is_host_copy(pager, name, p, t) -> bool:
+    """Whether ``t`` is the host buffer the pager keeps for a tensor of ``p`` (its weight or a state)."""
+    ptrs = {b.data_ptr() for key, b in pager.buffers.get(name, {}).items() if key[1] == id(p)}
+    return t.data_ptr() in ptrs
+
+
+def _check_residency(model, opt, rows, k, device):
+    """Only the batch's adapters and at most ``k`` others are resident; a paged-out adapter's weights and AdamW
+    states are its host copies (pinned on CUDA), a resident one's are not; the store holds resident adapters only."""
+    pager = _pager(model)
+    names = set(model.peft_config)
+    batch = set(rows) - {fast_multilora.BASE}
+    resident, paged = set(pager.recent), set(pager.paged)
+    assert resident | paged == names and not resident & paged
+    assert batch <= resident
+    with_grads = {n for n in names if any(p.grad is not None for p in pager.params_of(n))}
+    assert not with_grads & paged  # gradients are never paged: an adapter holding one stays
+    assert len(resident - batch - with_grads) <= k, (sorted(resident), sorted(batch))
+    assert pager.absent == paged
+    for name in names:
+        params = pager.params_of(name)
+        assert params
+        for p in params:
+            tensors = [p.data] + [v for v in opt.state.get(p, {}).values() if torch.is_tensor(v) and v.dim() > 0]
+            for t in tensors:
+                assert _is_host_copy(pager, name, p, t) == (name in paged), (name, name in paged)
+                if device == "cuda":
+                    assert (t.device.type == "cpu" and t.is_pinned()) == (name in paged)
+    store = model.__dict__[_ROUTER_ATTR].store
+    if store is not None:
+        assert set(store.adapter_params) <= resident
+
+
+def _assert_equal_runs(model, opt, ref, ref_opt):
+    fast_multilora.paging.synchronize(model)  # (CUDA: page-outs still in flight)
+    got, want = dict(model.named_parameters()), dict(ref.named_parameters())
+    assert got.keys() == want.keys()
+    for n in want:
+        assert torch.equal(got[n].detach().cpu(), want[n].detach().cpu()), n
+        s, r = opt.state.get(got[n], {}), ref_opt.state.get(want[n], {})
+        assert s.keys() == r.keys(), n
+        for key in r:
+            assert torch.equal(torch.as_tensor(s[key]).cpu(), torch.as_tensor(r[key]).cpu()), (n, key)
+
+
+def _train(model, batches, device, k=None, prefetch=False, accumulate=1, stock_grads=False, set_to_none=True):
+    """``accumulate`` micro-batches per optimizer step. ``stock_grads``: gradients of adapters outside the batch
+    dropped after each backward (what the per-parameter path leaves a paged-out adapter: none, as stock PEFT; a
+    resident one gets zeros there, for DDP)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    returned = 0
+    for i, (ids, rows) in enumerate(batches):
+        pager = _pager(model)
+        came_back = pager is not None and any(r in pager.paged for r in rows)
+        _step(model, opt, ids.to(device), rows)
+        if stock_grads:
+            for n, p in model.named_parameters():
+                if "lora_" in n and not any(f".{r}." in n for r in rows):
+                    p.grad = None
+        if pager is not None:
+            returned += came_back and any(opt.state.get(p) for r in rows if r in model.peft_config
+                                          for p in pager.params_of(r))
+            if (i + 1) % accumulate == 0 or accumulate == 1:
+                _check_residency(model, opt, rows, k, device) if accumulate == 1 else None
+        if prefetch and i + 1 < len(batches):
+            fast_multilora.prefetch(model, batches[i + 1][1])
+            assert set(batches[i + 1][1]) - {fast_multilora.BASE} <= set(pager.recent)
+        if (i + 1) % accumulate == 0:
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+    return opt, returned
+
+
+@pytest.mark.parametrize("backend,store,k", [("torch", True, 2), ("torch", False, 0), ("triton", True, 1)])
+def test_paged_training_equals_resident_training(backend, store, k, device):
+    """The store path (default): equal to the resident run. The per-parameter path (``adapter_store=False``) gives a
+    resident adapter outside the batch a zero gradient (so DDP sees every parameter), hence a weight-decay and
+    momentum step a paged-out one does not take: with ``k=0`` it equals the resident run under stock PEFT's
+    gradients (none outside the batch)."""
+    steps = 4 if backend == "triton" else 9
+    model = _model(device, k, backend, adapter_store=store)
+    ref = _model(device, None, backend, adapter_store=store)
+    batches = _schedule(sorted(model.peft_config), steps)
+    opt, returned = _train(model, batches, device, k)
+    ref_opt, _ = _train(ref, batches, device, stock_grads=not store)
+    assert returned >= 1  # an adapter with optimizer states came back from the host
+    _assert_equal_runs(model, opt, ref, ref_opt)
+
+
+def test_zero_grad_keeping_zeros_keeps_those_adapters_resident(device):
+    """``zero_grad(set_to_none=False)``: adapters that trained keep (zero) gradients, so the optimizer steps them each
+    step (weight decay, momentum); they stay resident, and the run equals the resident one."""
+    model, ref = _model(device, 1), _model(device, None)
+    batches = _schedule(sorted(model.peft_config), 5, seed=4)
+    opt, _ = _train(model, batches, device, 1, set_to_none=False)
+    ref_opt, _ = _train(ref, batches, device, set_to_none=False)
+    _assert_equal_runs(model, opt, ref, ref_opt)
+
+
+def test_paged_eval_equals_resident_eval(device):
+    model, ref = _model(device, 1), _model(device, None)
+    for m in (model, ref):
+        m.eval()
+    for ids, rows in _schedule(sorted(model.peft_config), 6, seed=5):
+        with torch.no_grad():
+            got = model(input_ids=ids.to(device), adapter_names=rows).logits
+            want = ref(input_ids=ids.to(device), adapter_names=rows).logits
+        assert torch.equal(got, want), rows
+        batch = set(rows) - {fast_multilora.BASE}
+        assert batch <= set(_pager(model).recent) and len(set(_pager(model).recent) - batch) <= 1
+
+
+def test_prefetch_then_forward_equals_no_prefetch(device):
+    model, plain, ref = _model(device, 3), _model(device, 3), _model(device, None)
+    batches = _schedule(sorted(model.peft_config), 7, seed=1)
+    opt, _ = _train(model, batches, device, 3, prefetch=True)
+    plain_opt, _ = _train(plain, batches, device, 3)
+    ref_opt, _ = _train(ref, batches, device)
+    _assert_equal_runs(model, opt, plain, plain_opt)
+    _assert_equal_runs(model, opt, ref, ref_opt)
+
+
+def test_prefetch_pages_nothing_out():
+    model = _model("cpu", 0)
+    pager = _pager(model)
+    names = sorted(model.peft_config)
+    _step(model, torch.optim.SGD(model.parameters()), torch.randint(0, 97, (2, 5)), names[:2])
+    fast_multilora.prefetch(model, names[2:5])
+    assert set(pager.recent) == set(names[:5])  # the running step's adapters stay until the next forward
+    with pytest.raises(ValueError, match="unknown adapter"):
+        fast_multilora.prefetch(model, ["nope"])
+    with pytest.raises(TypeError, match="list of adapter names"):
+        fast_multilora.prefetch(model, names[0])
+
+
+def test_gradient_accumulation_keeps_adapters_with_gradients(device):
+    """Micro-batches of different adapters before one step: an adapter holding a gradient (or named by a forward
+    whose backward has not run) is not paged out, so the step sees every gradient."""
+    model, ref = _model(device, 0), _model(device, None)
+    batches = _schedule(sorted(model.peft_config), 6, seed=2)
+    opt, _ = _train(model, batches, device, 0, accumulate=3)
+    ref_opt, _ = _train(ref, batches, device, accumulate=3)
+    _assert_equal_runs(model, opt, ref, ref_opt)
+    # two forwards, one backward of both: the second forward must not re-lay the store out (the first one's gradients
+    # land in its arenas): without a prefetch of both batches' adapters it raises, with it it equals the resident run
+    (ids0, r0), (ids1, r1) = [(ids.to(device), rows) for ids, rows in batches[:2]]
+    model, ref = _model(device, 0), _model(device, None)
+    fast_multilora.per_adapter_loss(model(input_ids=ids0, adapter_names=r0).logits, ids0, r0)
+    with pytest.raises(ValueError, match="backward of an earlier forward"):
+        model(input_ids=ids1, adapter_names=r1)
+    model = _model(device, 0)
+    opts = []
+    for m in (model, ref):
+        opts.append(torch.optim.AdamW(m.parameters(), lr=1e-2))
+        if m is model:
+            fast_multilora.prefetch(model, r0 + r1)
+        l0 = fast_multilora.per_adapter_loss(m(input_ids=ids0, adapter_names=r0).logits, ids0, r0)
+        l1 = fast_multilora.per_adapter_loss(m(input_ids=ids1, adapter_names=r1).logits, ids1, r1)
+        (l0 + l1).backward()
+        opts[-1].step()
+    _assert_equal_runs(model, opts[0], ref, opts[1])
+    opts[0].zero_grad()
+    _step(model, opts[0], ids0, r0)  # the next forward after the step and zero_grad pages the others out
+    assert set(_pager(model).recent) == set(r0) - {fast_multilora.BASE}
+
+
+def test_save_pretrained_and_unpatch_of_a_paged_model(tmp_path, device):
+    from safetensors.torch import load_file
+
+    model, ref = _model(device, 1), _model(device, None)
+    batches = _schedule(sorted(model.peft_config), 4, seed=3)
+    _train(model, batches, device, 1)
+    _train(ref, batches, device)
+    assert _pager(model).paged  # some adapters are on the host now
+    model.save_pretrained(tmp_path / "paged")
+    ref.save_pretrained(tmp_path / "resident")
+    for a in model.peft_config:
+        sub = "" if a == "default" else a
+        f1 = load_file(str(tmp_path / "paged" / sub / "adapter_model.safetensors"))
+        f2 = load_file(str(tmp_path / "resident" / sub / "adapter_model.safetensors"))
+        assert f1.keys() == f2.keys()
+        for key in f1:
+            assert torch.equal(f1[key], f2[key]), key
+    pager = _pager(model)
+    fast_multilora.unpatch(model)
+    for name in model.peft_config:
+        for p in pager.params_of(name):
+            assert not _is_host_copy(pager, name, p, p.data) and p.device.type == device, name
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.detach(), q.detach()), n
+
+
+def test_paging_settings_and_refusals():
+    with pytest.raises(ValueError, match="resident_adapters"):
+        fast_multilora.PatchConfig(resident_adapters=-1)
+    with pytest.raises(ValueError, match="resident_adapters"):
+        fast_multilora.PatchConfig(resident_adapters=True)
+    model = _model("cpu", 2)
+    assert len(_pager(model).paged) == N_ADAPTERS - 2  # paged out at patch: the registry is on the host
+    opt = fast_multilora.AdamW(model, lr=1e-2)
+    with pytest.raises(ValueError, match="fast_multilora.AdamW"):
+        _step(model, opt, torch.randint(0, 97, (1, 5)), [sorted(model.peft_config)[0]])
+    # patching again without paging brings everything back; with it again pages out again
+    model = _model("cpu", 2)
+    fast_multilora.patch(model, backend="torch")
+    assert _pager(model) is None
+    fast_multilora.patch(model, backend="torch", resident_adapters=4)
+    assert len(_pager(model).paged) == N_ADAPTERS - 4
+
+
+def test_adapters_added_and_deleted_while_paged(device):
+    from peft import LoraConfig
+
+    model, ref = _model(device, 1), _model(device, None)
+    names = sorted(model.peft_config)
+    batches = _schedule(names, 3, seed=7)
+    opt, ref_opt = _train(model, batches, device, 1)[0], _train(ref, batches, device)[0]
+    gone = next(n for n in names if n in _pager(model).paged)
+    cfg = LoraConfig(r=3, lora_alpha=5, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m.delete_adapter(gone)
+        torch.manual_seed(9)
+        m.add_adapter("late", cfg)
+        m.to(device)
+        for n, p in m.named_parameters():  # PEFT's delete_adapter left one adapter trainable: all again
+            p.requires_grad_("lora_" in n)
+            if ".late." in n:
+                o.add_param_group({"params": [p]})
+    later = _schedule([n for n in names if n != gone] + ["late"], 4, seed=8)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        for ids, rows in later:
+            _step(m, o, ids.to(device), rows)
+            o.step()
+            o.zero_grad()
+        if m is model:
+            _check_residency(model, opt, later[-1][1], 1, device)
+    pager = _pager(model)
+    assert gone not in pager.paged and gone not in pager.recent and gone not in pager.buffers
+    _assert_equal_runs(model, opt, ref, ref_opt)
+
+
+def test_a_paged_model_refuses_copies():
+    model = _model("cpu", 1)
+    with pytest.raises(TypeError, match="cannot be copied"):
+        copy.deepcopy(model)
+
+
+def test_a_stock_forward_pages_the_active_adapter_in():
+    model, ref = _model("cpu", 0), many_model(N_ADAPTERS)
+    name = sorted(model.peft_config)[5]
+    model.set_adapter(name)
+    ref.set_adapter(name)
+    ids = torch.randint(0, 97, (2, 5))
+    assert name in _pager(model).paged
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    assert name not in _pager(model).paged
+
+
+class _Recorder:
+    """A stand-in for ``paging._Cuda`` on the CPU: streams and events that log what paging asks of them (copies
+    stay synchronous), so the CUDA branch's ordering runs here: every side-stream page-in is waited on by the compute
+    stream, a page-in after a page-out waits on the page-out's event, side-stream tensors are ``record_stream``ed."""
+
+    def __init__(self):
+        self.log, self.events = [], 0
+        self.compute = self._stream("compute")
+        self.current = self.compute
+
+    def _stream(self, name):
+        rec = self
+
+        class Stream:
+            def wait_event(self, ev):
+                rec.log.append(("wait", name, ev.id))
+
+        s = Stream()
+        s.name = name
+        return s
+
+    def install(self, monkeypatch):
+        rec = self
+
+        class Event:
+            def __init__(self):
+                rec.events += 1
+                self.id = rec.events
+
+            def record(self, stream):
+                rec.log.append(("record", stream.name, self.id))
+
+            def synchronize(self):
+                rec.log.append(("sync", "host", self.id))
+
+        @contextlib.contextmanager
+        def stream(s):
+            prev, rec.current = rec.current, s
+            try:
+                yield
+            finally:
+                rec.current = prev
+
+        fake = paging._Cuda
+        monkeypatch.setattr(fake, "Stream", staticmethod(lambda device=None: rec._stream("side")))
+        monkeypatch.setattr(fake, "Event", staticmethod(Event))
+        monkeypatch.setattr(fake, "current_stream", staticmethod(lambda device=None: rec.current))
+        monkeypatch.setattr(fake, "stream", staticmethod(stream))
+        monkeypatch.setattr(fake, "used", staticmethod(lambda device: True))
+        monkeypatch.setattr(fake, "record_stream", staticmethod(lambda t, s: rec.log.append(("record_stream", s.name,
+                                                                                              0))))
+        monkeypatch.setattr(fake, "host_empty", staticmethod(lambda shape, dtype: torch.empty(shape, dtype=dtype)))
+
+
+def test_the_cuda_stream_logic_with_recorded_streams(monkeypatch):
+    rec = _Recorder()
+    rec.install(monkeypatch)
+    model, ref = _model("cpu", 1), _model("cpu", None)
+    first = model.__dict__[_ROUTER_ATTR].fast_layers[0]  # its calls come after the forward's entry
+    first.register_forward_pre_hook(lambda *args: rec.log.append(("layer", "compute", 0)))
+    batches = _schedule(sorted(model.peft_config), 7, seed=6)
+    opt, _ = _train(model, batches, "cpu", 1, prefetch=True)
+    ref_opt, _ = _train(ref, batches, "cpu")
+    _assert_equal_runs(model, opt, ref, ref_opt)
+    where = {i: s for kind, s, i in rec.log if kind == "record"}
+    side = [i for i, s in where.items() if s == "side"]
+    assert side, "no page-in ran on the side stream"
+    for i in side:  # the compute stream waited on every side-stream page-in before the next layer call
+        at = rec.log.index(("record", "side", i))
+        nxt = rec.log.index(("layer", "compute", 0), at)
+        assert ("wait", "compute", i) in rec.log[at:nxt], i
+    outs = {i for i, s in where.items() if s == "compute"}  # page-outs' events (recorded on the compute stream)
+    assert any(("wait", "side", i) in rec.log for i in outs)  # a prefetch of an adapter paged out before: waited
+    for kind, s, i in rec.log:
+        if kind == "wait" and s == "side":
+            assert i in outs
+    assert {s for kind, s, _ in rec.log if kind == "record_stream"} == {"compute"}
+    model.state_dict()  # host reads wait for the page-outs still in flight
+    waited = {j for k, _, j in rec.log if k == "wait"}
+    missing = [i for i in outs if i not in waited and ("sync", "host", i) not in rec.log]
+    assert not missing, (missing, [e for e in rec.log if e[0] != "record_stream"])
