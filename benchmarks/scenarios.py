@@ -4,7 +4,9 @@ batches per variant) and the in-process measurement of one provider's rows (``me
 A scenario runs its providers in table order (``frozen`` first, on the base model before PEFT wraps it). Variants:
 ``""`` (every provider) and others (the ``fast`` family only, e.g. ``per_adapter_loss``); a scenario whose variants are
 all non-empty (``train_step_scale``'s adapter counts) runs ``frozen`` once and its other providers per variant.
-``create_adapters``' counts run PEFT's quadratic loop only at the small ones (``shared_variants``).
+``create_adapters``' counts run PEFT's quadratic loop only at the small ones (``shared_variants``); ``churn``'s run
+PEFT's add/delete at every count. ``churn`` rows time themselves (several operations per row, ``Step.timed``);
+``train_step_paged`` rows compare paging with the fully resident row (``Scenario.refs``: its ratios).
 """
 
 from __future__ import annotations
