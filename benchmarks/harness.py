@@ -258,7 +258,10 @@ def make_row(provider: str, variant: str = "", status: str = "ok", reason: str |
     return row
 
 
-def add_ratios(rows: dict, refs=("frozen", "frozen_compiled", "peft_single", "peft_add_adapter")) -> dict:
+RATIO_REFS = ("frozen", "frozen_compiled", "peft_single", "peft_add_adapter")  # every scenario's reference providers
+
+
+def add_ratios(rows: dict, refs=RATIO_REFS) -> dict:
     """Each ok row's wall time over the reference providers' (same variant if that row exists, else their default
     variant) and over the same provider's first variant (variant sweeps such as adapter counts); in place."""
     first = {}

@@ -9,6 +9,7 @@ optimizer the user builds, whether the model is ``torch.compile``d, and ``PatchC
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -24,6 +25,7 @@ class Provider:
     compiled: bool = False
     patch: tuple = ()  # PatchConfig overrides, (name, value) pairs
     needs: str | None = None  # a module the provider imports; without it the row is skipped with that reason
+    prefetch: bool = False  # paging: fast_multilora.prefetch of the next step's adapters while a step runs
 
 
 OPTIMIZERS = {
@@ -59,6 +61,15 @@ PROVIDERS = {p.name: p for p in (
              compiled=True),
     Provider("fast_multilora_store_adamw", "fast", "fast_multilora with fast_multilora.AdamW(model, lr)",
              optimizer="store"),
+    Provider("fast_multilora_paged", "fast", "fast_multilora with paging: PatchConfig(resident_adapters=0) (on the "
+                                             "device only the step's adapters and those prefetched; the others' "
+                                             "weights and AdamW states in pinned host memory), "
+                                             "fast_multilora.prefetch(model, next step's names) after each forward, "
+                                             "torch.optim.AdamW(fused=True) (paging refuses fast_multilora.AdamW)",
+             optimizer="adamw_fused", patch=(("resident_adapters", 0),), prefetch=True),
+    Provider("fast_multilora_paged_no_prefetch", "fast", "fast_multilora_paged without prefetch: the step's "
+                                                         "adapters are paged in at the forward's entry",
+             optimizer="adamw_fused", patch=(("resident_adapters", 0),)),
     Provider("fast_multilora_params", "fast", "fast_multilora with PatchConfig(adapter_store=False): every layer call "
                                               "takes PEFT's per-adapter parameters (the path before the store)",
              patch=(("adapter_store", False),)),
@@ -68,7 +79,9 @@ PROVIDERS = {p.name: p for p in (
 class Step(NamedTuple):
     """What a row times: ``fn()`` (one call); ``check()`` after the timing returns fields to record; ``teardown()``
     always runs; ``first`` is set when the first call compiles (its wall time is recorded as ``compile_s``). With
-    ``setup``, every call is ``fn(setup())`` on fresh state, ``iters`` times (``harness.time_fresh``)."""
+    ``setup``, every call is ``fn(setup())`` on fresh state, ``iters`` times (``harness.time_fresh``). With
+    ``timed``, the row times itself: ``timed()`` returns the row's timing fields (``wall_ms`` ...; other keys go to
+    its extra) and ``fn`` is not called."""
     fn: Callable
     teardown: Callable
     check: Callable
@@ -76,6 +89,7 @@ class Step(NamedTuple):
     first: bool = False
     setup: Callable | None = None
     iters: int = 1
+    timed: Callable | None = None
 
 
 def _nothing():
@@ -129,7 +143,7 @@ def prepare(ctx, p: Provider, variant: str) -> Step:
     """The timed call of provider ``p`` in ``ctx``'s scenario (``ctx.kind``: train, scale, eval, generate, layer)."""
     kind = "train" if ctx.kind == "scale" else ctx.kind
     return {"train": _train, "eval": _eval, "generate": _generate, "layer": _layer,
-            "create": _create}[kind](ctx, p, variant)
+            "create": _create, "churn": _churn, "paged": _paged}[kind](ctx, p, variant)
 
 
 # -- training steps ----------------------------------------------------------------------------------------------------
@@ -192,7 +206,7 @@ def _train(ctx, p: Provider, variant: str) -> Step:
     opt = optimizer(p.optimizer, pm)
     model = _model(ctx, pm, p)
     route = {k: b[k] for k in ("adapter_ids", "position_ids") if k in b}
-    if "position_ids" in route:  # packed rows: no KV cache, as PackedCollator's batch (a cache turns off the packed mask)
+    if "position_ids" in route:  # packed rows: no KV cache, as PackedCollator's batch (a cache turns off packing)
         route["use_cache"] = False
     if variant in ("per_adapter_loss", "logits"):
         import fast_multilora
@@ -451,3 +465,149 @@ def _save_load(ctx, pm, names, fresh) -> dict:
         equal = bool(want) and all(torch.equal(state[k].cpu(), v) for k, v in want.items())
     return {"save_s": round(save_s, 3), "load_s": round(load_s, 3), "saved_mib": round(size / 2**20),
             "loaded_equal_created": equal}
+
+
+# -- adapter churn -----------------------------------------------------------------------------------------------------
+
+def _churn(ctx, p: Provider, variant: str) -> Step:
+    """A PeftModel of ``n`` adapters (``M.CHURN_MODEL``, ``M.CHURN_LORA``) on which rounds of: a training step of 8
+    adapters, one adapter added, the step that trains it with 7 of the others, the adapter deleted, the next step.
+    ``fast``: ``fast_multilora.add_adapters`` and PEFT's ``delete_adapter`` on the patched model, steps with
+    ``p.optimizer`` (``fast_multilora.AdamW`` follows adds and deletes by itself); ``peft_add_adapter``: stock PEFT's
+    ``add_adapter`` and ``delete_adapter`` on the unpatched model (no steps: stock PEFT trains no mixed batch).
+    Adapters are created in the base's dtype (``autocast_adapter_dtype=False``), as the registry's others."""
+    import harness
+    from peft import get_peft_model
+
+    import fast_multilora
+
+    n = ctx.batch(variant)["adapters"]
+    ctx.free()
+    cfg = M.CHURN_LORA
+    pm = get_peft_model(M.llama(ctx.sizes, ctx.device, ctx.dtype, M.CHURN_MODEL), M.lora_config(**cfg),
+                        adapter_name="a0", autocast_adapter_dtype=False)
+    fast_multilora.add_adapters(pm, {f"a{i}": M.lora_config(**cfg) for i in range(1, n)}, autocast_adapter_dtype=False)
+    M.all_lora_trainable(pm)
+    pm.train()
+    ids = M.token_ids(*M.CHURN_TOKENS, M.CHURN_MODEL["vocab_size"], ctx.device)
+    batch = [f"a{i}" for i in range(M.CHURN_TOKENS[0])]
+    fast = p.family == "fast"
+    info = {"registered": n, "add": "fast_multilora.add_adapters(model, {name: LoraConfig})" if fast
+            else "model.add_adapter(name, LoraConfig)", "delete": "model.delete_adapter(name)"}
+    hold = {"pm": pm}
+    if fast:
+        info["patch"] = _patch(ctx, pm, p)
+        info["optimizer"] = OPTIMIZERS[p.optimizer]
+        hold["opt"] = opt = optimizer(p.optimizer, pm)
+
+    def step(names):
+        out = pm(input_ids=ids, adapter_names=names).logits
+        fast_multilora.per_adapter_loss(out, ids, names).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def add(name):
+        if fast:
+            fast_multilora.add_adapters(pm, {name: M.lora_config(**cfg)}, autocast_adapter_dtype=False)
+        else:
+            pm.add_adapter(name, M.lora_config(**cfg), autocast_adapter_dtype=False)
+
+    def wall_ms(fn):
+        return harness.wall_s(fn, ctx.device) * 1e3
+
+    def timed():
+        if fast:
+            for _ in range(2):
+                step(batch)
+        got = {k: [] for k in (("step", "add", "add_step", "delete", "delete_step") if fast else ("add", "delete"))}
+        trained = []
+        for rep in range(ctx.sizes.churn_reps):
+            new = f"z{rep}"
+            if fast:
+                got["step"].append(wall_ms(lambda: step(batch)))
+            got["add"].append(wall_ms(lambda new=new: add(new)))
+            if fast:
+                for q in M.lora_params(pm, new):
+                    q.requires_grad_(True)
+                before = [q.detach().clone() for q in M.lora_params(pm, new)]
+                got["add_step"].append(wall_ms(lambda new=new: step(batch[:-1] + [new])))
+                after = M.lora_params(pm, new)
+                trained.append(len(after) == len(before) > 0
+                               and all(not ctx.torch.equal(a, q) for a, q in zip(before, after, strict=True)))
+            got["delete"].append(wall_ms(lambda new=new: pm.delete_adapter(new)))
+            if fast:
+                got["delete_step"].append(wall_ms(lambda: step(batch)))
+        med = {f"{k}_ms": statistics.median(v) for k, v in got.items()}
+        hold["trained"] = trained
+        return {"wall_ms": med["add_ms"], "host_ms": med["add_ms"] if ctx.device != "cuda" else None,
+                "iters": ctx.sizes.churn_reps, **{k: round(v, 3) for k, v in med.items()}}
+
+    def check():
+        out = {"adapters_after": len(pm.peft_config),
+               "churned_left": sorted(a for a in pm.peft_config if a.startswith("z"))}
+        if fast:  # each added adapter trained by the step after its add (its A and B moved)
+            out["added_adapters_trained"] = f"{sum(hold['trained'])}/{len(hold['trained'])}"
+        return out
+
+    def teardown():
+        if fast:
+            _unpatch(pm)
+        hold.clear()
+
+    return Step(lambda: None, teardown, check, info, timed=timed)
+
+
+# -- paging ------------------------------------------------------------------------------------------------------------
+
+def _paged(ctx, p: Provider, variant: str) -> Step:
+    """Training steps on a PEFT model of ``n`` registered adapters, ``m`` of them per step, a different set each step
+    (the registry's consecutive slices of ``m``, in turn), HF ``labels=`` loss. Fully resident
+    (``fast_multilora_fused_adamw``) or paged (``p.patch``'s ``resident_adapters``), both with
+    ``torch.optim.AdamW(fused=True)``. The check runs one more step and records the adapters that got gradients and,
+    paged, how many adapters are paged out after it."""
+    import fast_multilora
+
+    b = ctx.batch(variant)
+    n, m, ids = b["adapters"], b["per_step"], b["ids"]
+    pm = ctx.peft(n)
+    M.all_lora_trainable(pm)
+    pm.train()
+    sets = [[f"a{i}" for i in range(s, s + m)] for s in range(0, n - m + 1, m)]
+    route = {k: b[k] for k in ("adapter_ids", "position_ids") if k in b}
+    if route:
+        route["use_cache"] = False
+    info = {"patch": _patch(ctx, pm, p), "optimizer": OPTIMIZERS[p.optimizer], "registered": n, "per_step": m,
+            "sets": len(sets), "prefetch": p.prefetch,
+            "lora_mib_per_adapter": round(sum(q.numel() * q.element_size() for q in M.lora_params(pm, "a0")) / 2**20,
+                                          2)}
+    hold = {"opt": optimizer(p.optimizer, pm), "i": 0}
+
+    def names_of(i):
+        pick = sets[i % len(sets)]
+        return pick if route else M.interleaved(m, len(ids), pick=pick)
+
+    def step():
+        i = hold["i"]
+        names = names_of(i)
+        loss = pm(input_ids=ids, labels=ids, adapter_names=names, **route).loss
+        if p.prefetch:
+            fast_multilora.prefetch(pm, sets[(i + 1) % len(sets)])
+        loss.backward()
+        hold["grads"] = M.adapters_with_grads(pm, sets[i % len(sets)]) if hold.get("count") else None
+        hold["opt"].step()
+        hold["opt"].zero_grad(set_to_none=True)
+        hold["i"] = i + 1
+
+    def check():
+        hold["count"] = True
+        step()
+        out = {"adapters_in_batch": m, "adapters_with_grads": hold["grads"], "steps": hold["i"]}
+        pager = fast_multilora.paging._router(pm).pager
+        out["paged_out_after_step"] = 0 if pager is None else len(pager.absent)
+        return out
+
+    def teardown():
+        hold.clear()
+        _unpatch(pm)
+
+    return Step(step, teardown, check, info)

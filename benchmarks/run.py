@@ -160,11 +160,13 @@ def dry_run(scs, provs, st) -> int:
         for v in dict.fromkeys(v for _, v in pairs):
             b = ctx.batch(v)
             shapes = {k: tuple(t.shape) for k, t in b.items() if hasattr(t, "shape")}
-            if sc.kind == "create":
-                print(f"   inputs[{v}]: {b['adapters']} LoraConfigs to add")
+            if sc.kind in ("create", "churn"):
+                print(f"   inputs[{v}]: {b['adapters']} " + ("LoraConfigs to add" if sc.kind == "create" else
+                                                           "adapters registered, one added and deleted per round"))
                 continue
             print(f"   inputs[{v}]: {shapes}, {len(set(b.get('names', [])) - {'__base__'})} adapters in the batch, "
-                  f"{b.get('adapters', 3 if sc.model == 'readme' else 8)} resident")
+                  f"{b.get('adapters', 3 if sc.model == 'readme' else 8)} "
+                  + ("registered, a different set per step" if sc.kind == "paged" else "resident"))
         if sc.model in ("llama", "llama8b", "moe", "layer", "readme") and not dict(sc.lora).get("use_dora"):
             # (DoRA's init reads the base weight: no meta build)
             ctx.device = "meta"  # structure and parameter counts without allocating
@@ -237,7 +239,7 @@ def main(argv=None) -> int:
                     for n, v in pairs}
         else:
             rows = measure_rows(args, st, sc, pairs, budget)
-        harness.add_ratios(rows)
+        harness.add_ratios(rows, harness.RATIO_REFS + sc.refs)
         res["scenarios"][sc.name] = {"description": sc.description, "run": meta, "rows": rows}
         harness.write_json(args.out, res)
         statuses = {r["status"] for r in rows.values()}

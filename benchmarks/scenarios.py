@@ -4,7 +4,9 @@ batches per variant) and the in-process measurement of one provider's rows (``me
 A scenario runs its providers in table order (``frozen`` first, on the base model before PEFT wraps it). Variants:
 ``""`` (every provider) and others (the ``fast`` family only, e.g. ``per_adapter_loss``); a scenario whose variants are
 all non-empty (``train_step_scale``'s adapter counts) runs ``frozen`` once and its other providers per variant.
-``create_adapters``' counts run PEFT's quadratic loop only at the small ones (``shared_variants``).
+``create_adapters``' counts run PEFT's quadratic loop only at the small ones (``shared_variants``); ``churn``'s run
+PEFT's add/delete at every count. ``churn`` rows time themselves (several operations per row, ``Step.timed``);
+``train_step_paged`` rows compare paging with the fully resident row (``Scenario.refs``: its ratios).
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ EVAL = ("frozen", "frozen_compiled", "peft_single", "peft_single_compiled", "pef
         "fast_multilora_compiled", "fast_multilora_params")
 GENERATE = ("frozen", "peft_mixed_loop", "fast_multilora", "fast_multilora_params")
 LAYER = ("frozen", "peft_single", "peft_mixed_loop", "fast_multilora")
+PAGED = ("fast_multilora_fused_adamw", "fast_multilora_paged", "fast_multilora_paged_no_prefetch")
 
 
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    kind: str  # train | scale | eval | generate | layer | create | declared
-    model: str  # llama | llama8b | qlora | moe | readme | layer
+    kind: str  # train | scale | eval | generate | layer | create | churn | paged | declared
+    model: str  # llama | llama8b | qlora | moe | readme | layer | churn
     description: str
     providers: tuple = ()
     variants: tuple = ("",)
@@ -43,6 +46,7 @@ class Scenario:
     lora: tuple = ()  # more LoraConfig settings, (name, value) pairs
     liger: bool = False  # Liger Kernel's patches (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy) on the base
     timing: str = ""  # how the rows are timed, where it differs from run.py's default note
+    refs: tuple = ()  # more reference providers for the rows' ratios (harness.add_ratios)
 
 
 _LLAMA = "Llama-shaped model (full: 8 layers, hidden 2048, intermediate 5632, 32/4 heads, vocab 32000, ~0.5 B), bf16"
@@ -96,9 +100,31 @@ SCENARIOS = {s.name: s for s in (
              "adapter) beside Liger + fast_multilora (8 mixed)", ("frozen", "peft_single", "fast_multilora",
                                                                    "fast_multilora_fused_adamw"),
              ("", "per_adapter_loss"), needs="liger_kernel", liger=True, default=False),
-    Scenario("train_step_paged", "declared", "llama", "train_step_8 with adapters paged between host and GPU",
-             ("fast_multilora",),
-             not_implemented="fast_multilora has no paged adapter storage yet"),
+    Scenario("train_step_paged", "paged", "llama",
+             "train_step_8's model and tokens; n adapters registered (r=16 alpha 32 dropout 0.05 on all 7 "
+             "projections), m of them per step, a different set each step (consecutive slices of m in turn; m=64: "
+             "packed rows of 4 samples, adapter_ids), HF labels= loss, torch.optim.AdamW(fused=True); paged "
+             "(PatchConfig(resident_adapters=0): the step's adapters and the prefetched next ones on the device) with "
+             "and without fast_multilora.prefetch, against every adapter resident. Variants n=<registered>/batch=<per "
+             "step> (full: 1024/64; tiny: 32/4). Target: paged step <= 1.15 x fully resident, peak memory that of "
+             "~64 resident adapters", PAGED, ("paged",), refs=("fast_multilora_fused_adamw",), default=False),
+    Scenario("train_step_paged_8b", "paged", "llama8b",
+             "train_step_paged on the Llama-3-8B-shaped model of step_8b_fused_loss (tiny: 2 layers, hidden 64) and "
+             "its 4 x 2048 tokens (tiny: 4 x 32) as packed rows of 2 samples; adapters r=16 alpha 32 dropout 0.05 on "
+             "the attention projections (q/k/v/o); variants n=<registered>/batch=<per step> (full: 128/8; tiny: 32/8)",
+             PAGED, ("paged",), refs=("fast_multilora_fused_adamw",), default=False,
+             lora=(("targets", M.ATTN),)),
+    Scenario("churn", "churn", "churn",
+             "adapter churn in a registry of n adapters: a tiny Llama at every size (hidden 32, intermediate 48, 2 "
+             "layers, 4/2 heads, vocab 97: the cost is the host's bookkeeping, which grows with n), r=4 alpha 8 on "
+             "q/v/gate (B off zero), 8 x 16 tokens of 8 adapters, fast_multilora.per_adapter_loss; each round: a "
+             "step (step_ms), one adapter added (add_ms: fast_multilora.add_adapters on the patched model; "
+             "peft_add_adapter: stock PEFT's add_adapter, unpatched), the step training it with 7 others "
+             "(add_step_ms), it deleted (delete_ms: PeftModel.delete_adapter), the next step (delete_step_ms); "
+             "the fast rows' optimizer is fast_multilora.AdamW(model, lr), which follows adds and deletes by itself "
+             "(no re-creation). wall_ms: add_ms. Variants n=<registered> (full: 128, 512, 1024; tiny: 8, 32)",
+             ("fast_multilora_store_adamw", "peft_add_adapter"), ("churn",), default=False,
+             timing="wall clock between synchronizes per operation, medians of 3 churn rounds after 2 steps"),
     Scenario("dora_step_8", "train", "llama",
              "train_step_8 with DoRA adapters (use_dora=True): stock PEFT trains one, fast_multilora 8 in one mixed "
              "batch", ("frozen", "peft_single", "peft_single_fused_adamw", "fast_multilora",
@@ -121,12 +147,21 @@ def variants_of(sc: Scenario, sizes: M.Sizes) -> list:
         return [f"n={n}/batch={m}" for n, m in sizes.scale]
     if sc.variants == ("create",):
         return [f"n={n}" for n in sizes.create]
+    if sc.variants == ("churn",):
+        return [f"n={n}" for n in sizes.churn]
+    if sc.variants == ("paged",):
+        n, m = sizes.paged_8b if sc.model == "llama8b" else sizes.paged
+        return [f"n={n}/batch={m}"]
     return list(sc.variants)
 
 
 def shared_variants(sc: Scenario, sizes: M.Sizes) -> list:
     """The variants every provider runs (the others: the ``fast`` family only)."""
-    return [f"n={n}" for n in sizes.create_peft] if sc.variants == ("create",) else [""]
+    if sc.variants == ("create",):
+        return [f"n={n}" for n in sizes.create_peft]
+    if sc.variants == ("churn",):  # one add and one delete per round: cheap at every count
+        return [f"n={n}" for n in sizes.churn]
+    return [""]
 
 
 def rows_of(sc: Scenario, providers, sizes: M.Sizes, variants=None) -> list:
@@ -236,8 +271,19 @@ class Context:
             x = self.torch.randn(rows, T, K, generator=g).to(dev, self.dtype).requires_grad_(True)
             gy = self.torch.randn(rows, T, N, generator=g).to(dev, self.dtype)
             return {"x": x, "gy": gy, "names": M.interleaved(8, rows)}
-        if self.kind == "create":
+        if self.kind in ("create", "churn"):
             return {"adapters": int(variant.split("=")[1])}
+        if self.kind == "paged":  # the first set's routing; the step renames the adapters per set
+            n, m = (int(kv.split("=")[1]) for kv in variant.split("/"))
+            rows, T, vocab = ((s.rows_8b, s.T_8b, s.llama8b["vocab_size"]) if self.sc.model == "llama8b"
+                              else (s.rows, s.T, s.llama["vocab_size"]))
+            ids = M.token_ids(rows, T, vocab, dev)
+            pick = [f"a{i}" for i in range(m)]
+            if m <= rows:
+                return {"ids": ids, "names": M.interleaved(m, rows, pick=pick), "adapters": n, "per_step": m}
+            adapter_ids, pos = M.packed_rows(pick, rows, T, dev)
+            return {"ids": ids, "names": pick, "adapter_ids": adapter_ids, "position_ids": pos, "adapters": n,
+                    "per_step": m}
         if self.sc.model == "llama8b":  # 8 adapters over 4 rows: packed rows of 2 samples
             ids = M.token_ids(s.rows_8b, s.T_8b, s.llama8b["vocab_size"], dev)
             pick = M.interleaved(8, 8)
@@ -307,7 +353,9 @@ def measure(ctx: Context, name: str, variant: str) -> dict:
         if step.first:  # compile + first call, timed alone
             extra["compile_s"] = round(harness.wall_s(step.fn, ctx.device), 2)
             extra["compile_backend"] = ctx.compile_backend
-        if step.setup is not None:  # each call on fresh state
+        if step.timed is not None:  # the row times itself
+            t = step.timed()
+        elif step.setup is not None:  # each call on fresh state
             t = harness.time_fresh(step.fn, step.setup, ctx.device, iters=step.iters)
         else:
             t = harness.time_step(step.fn, ctx.device, warm=warm, iters=iters)

@@ -25,6 +25,13 @@ README_ADAPTERS = {"sql": dict(r=8, target_modules=ALL7), "chat": dict(r=4, targ
 README_NAMES = ["chat", "sql", "__base__", "code"]
 README_TOKENS = (4, 32)
 
+# churn: a tiny Llama at every size (the cost measured is the host's bookkeeping, which grows with the registry),
+# r 4 on q/v/gate, 8 rows x 16 tokens of 8 adapters
+CHURN_MODEL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=97, max_position_embeddings=64)
+CHURN_LORA = dict(rank=4, targets=["q_proj", "v_proj", "gate_proj"], dropout=0.0, init_lora_weights=False)
+CHURN_TOKENS = (8, 16)
+
 
 class Sizes:
     """Shapes of one size (``full``: the GPU benchmark; ``tiny``: the same structure for a CPU)."""
@@ -62,6 +69,12 @@ class Sizes:
         # train_step_scale: (adapters resident, adapters in the batch), equal tokens
         self.scale = ((8, 8), (64, 8), (64, 64), (256, 8), (256, 64), (1024, 8), (1024, 64)) if full else \
             ((8, 8), (32, 8), (32, 32))
+        # churn: registry sizes (PEFT's add_adapter / delete_adapter reference at each), churn rounds per row
+        self.churn = (128, 512, 1024) if full else (8, 32)
+        self.churn_reps = 3
+        # train_step_paged: (adapters registered, adapters per step); the 8B-shaped case: attention projections only
+        self.paged = (1024, 64) if full else (32, 4)
+        self.paged_8b = (128, 8) if full else (32, 8)
         self.warm, self.iters = (3, 11) if full else (1, 3)  # host-bound steps vary call to call: medians of 11
         self.slow_warm, self.slow_iters = (1, 3) if full else (1, 2)  # PEFT's loops, generation
 
@@ -180,10 +193,14 @@ def peft_model_dtype(pm, device, dtype) -> None:
 
 
 def grow(pm, n_adapters) -> None:
-    """Add adapters to ``pm`` until it has ``a0 .. a{n-1}`` (configs copied from ``a0``)."""
-    for i in range(n_adapters):
-        if f"a{i}" not in pm.peft_config:
-            pm.add_adapter(f"a{i}", copy.deepcopy(pm.peft_config["a0"]))
+    """Add adapters to ``pm`` until it has ``a0 .. a{n-1}`` (configs copied from ``a0``), by
+    ``fast_multilora.add_adapters`` (one walk of the model: PEFT's ``add_adapter`` loop is quadratic in n; the model
+    ends the same)."""
+    import fast_multilora
+
+    more = {f"a{i}": copy.deepcopy(pm.peft_config["a0"]) for i in range(n_adapters) if f"a{i}" not in pm.peft_config}
+    if more:
+        fast_multilora.add_adapters(pm, more)
 
 
 def readme_model(device, dtype):

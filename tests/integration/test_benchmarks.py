@@ -87,12 +87,60 @@ def test_eval_and_layer_match_peft_and_merge_keeps_other_scenarios(tmp_path):
     assert_ratios_from_rows(res["scenarios"]["layer_4096"]["rows"])
 
 
-def test_declared_scenarios_record_not_implemented(tmp_path):
+def test_declared_scenarios_record_not_implemented(tmp_path, monkeypatch):
+    """A declared slot (no scenario is declared now: one added for the test) gets rows without numbers, and --list
+    and the dry run say why."""
+    import run
+    import scenarios
+
+    monkeypatch.setitem(scenarios.SCENARIOS, "declared_x", scenarios.Scenario(
+        "declared_x", "declared", "llama", "a slot", ("fast_multilora",), not_implemented="no such feature yet"))
     out = tmp_path / "d.json"
-    _, res = run(out, "--device", "cpu", "--scenarios", "train_step_paged")
-    rows = res["scenarios"]["train_step_paged"]["rows"]
-    assert rows and all(r["status"] == "not_implemented" and r["wall_ms"] is None and r["reason"]
-                        for r in rows.values()), rows
+    assert run.main(["--device", "cpu", "--scenarios", "declared_x", "--out", str(out)]) == 0
+    rows = harness.load_results(str(out))["scenarios"]["declared_x"]["rows"]
+    assert set(rows) == {"fast_multilora"}
+    assert all(r["status"] == "not_implemented" and r["wall_ms"] is None and r["reason"] == "no such feature yet"
+               for r in rows.values()), rows
+
+
+def test_churn_and_paged_rows(tmp_path):
+    """churn: per registry size, the fast row's add / delete / steps after each (wall_ms is the add), each added
+    adapter trained by its step and the registry back to n after the deletes; PEFT's add_adapter row beside it with a
+    ratio. train_step_paged (and its 8B-shaped case): the batch's adapters trained by each row, paging leaves the
+    adapters outside the step (and outside the prefetched next set) paged out, ratios over the fully resident row."""
+    out = tmp_path / "p.json"
+    _, res = run(out, "--device", "cpu", "--scenarios", "churn,train_step_paged,train_step_paged_8b")
+    rec = res["scenarios"]["churn"]
+    rows = rec["rows"]
+    assert set(rows) == {f"{p}[n={n}]" for p in ("fast_multilora_store_adamw", "peft_add_adapter") for n in (8, 32)}
+    assert "churn rounds" in rec["run"]["timing"]
+    for n in (8, 32):
+        fast, peft = rows[f"fast_multilora_store_adamw[n={n}]"], rows[f"peft_add_adapter[n={n}]"]
+        e = fast["extra"]
+        assert fast["status"] == "ok" and fast["wall_ms"] == pytest.approx(e["add_ms"], abs=1e-3), fast
+        assert all(e[k] > 0 for k in ("step_ms", "add_ms", "add_step_ms", "delete_ms", "delete_step_ms")), e
+        assert e["added_adapters_trained"] == "3/3" and e["adapters_after"] == n and e["churned_left"] == [], e
+        assert "fast_multilora.AdamW" in e["optimizer"] and e["patch"]["fallback"] == 0, e
+        assert peft["status"] == "ok" and peft["extra"]["delete_ms"] > 0 and "step_ms" not in peft["extra"], peft
+        assert peft["extra"]["adapters_after"] == n and peft["extra"]["churned_left"] == [], peft
+        assert fast["ratios"]["peft_add_adapter"] == pytest.approx(fast["wall_ms"] / peft["wall_ms"], rel=1e-3)
+    for sc, n, m in (("train_step_paged", 32, 4), ("train_step_paged_8b", 32, 8)):
+        rows = res["scenarios"][sc]["rows"]
+        v = f"[n={n}/batch={m}]"
+        assert set(rows) == {p + v for p in ("fast_multilora_fused_adamw", "fast_multilora_paged",
+                                             "fast_multilora_paged_no_prefetch")}, rows
+        for key, r in rows.items():
+            e = r["extra"]
+            assert r["status"] == "ok" and e["adapters_with_grads"] == e["adapters_in_batch"] == m, (key, r)
+            assert e["registered"] == n and e["patch"]["fallback"] == 0 and "fused=True" in e["optimizer"], e
+        resident = rows["fast_multilora_fused_adamw" + v]
+        assert resident["extra"]["paged_out_after_step"] == 0
+        assert rows["fast_multilora_paged" + v]["extra"]["paged_out_after_step"] == n - 2 * m  # next set prefetched
+        assert rows["fast_multilora_paged_no_prefetch" + v]["extra"]["paged_out_after_step"] == n - m
+        for p in ("fast_multilora_paged", "fast_multilora_paged_no_prefetch"):
+            r = rows[p + v]
+            assert r["ratios"]["fast_multilora_fused_adamw"] == pytest.approx(r["wall_ms"] / resident["wall_ms"],
+                                                                              rel=1e-3)
 
 
 def test_create_adapters_and_8b_fused_loss_rows(tmp_path):
@@ -148,10 +196,14 @@ def test_dry_run_builds_every_gpu_scenario():
     assert "row peft_add_adapter[n=256]" not in res.stdout  # PEFT's quadratic loop only at the small counts
     assert "inputs[fused]: {'ids': (4, 2048)" in res.stdout
     assert "model (meta): 8365.8 M parameters, 335.54 M of them LoRA" in res.stdout  # Llama-3-8B + 8 adapters
-    assert "not implemented: fast_multilora has no paged adapter storage" in res.stdout
+    assert "row fast_multilora_paged[n=1024/batch=64]" in res.stdout and "row peft_add_adapter[n=1024]" in res.stdout
+    assert "row fast_multilora_paged_no_prefetch[n=128/batch=8]" in res.stdout
+    assert "model (meta): 8139.3 M parameters, 109.05 M of them LoRA" in res.stdout  # Llama-3-8B + 8 on attention
+    assert "not implemented" not in res.stdout
     listed = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--list"], cwd=ROOT,
                             capture_output=True, text=True, timeout=300).stdout.splitlines()
-    for name, declared in (("create_adapters", False), ("step_8b_fused_loss", False), ("train_step_paged", True)):
+    for name, declared in (("create_adapters", False), ("step_8b_fused_loss", False), ("train_step_paged", False),
+                           ("churn", False)):
         line = next(ln for ln in listed if ln.startswith(name + " "))
         assert ("[not implemented" in line) == declared, line
 
