@@ -254,24 +254,7 @@ class StoreSync:
 
 def attach_views(store) -> None:
     """Every trained held parameter's ``.grad`` becomes its view of the gradient arena (a tensor put in its place is
-    copied in; a ``None`` one gets its piece zeroed, in one foreach call), a frozen one's ``None``."""
-    zero, attached = [], set()
-    for i, (p, v, trained) in enumerate(zip(store.held, store.views, store.pattern or (), strict=True)):
-        g = p.grad
-        if not trained:
-            want = None
-        elif g is v:
-            want = v
-        elif g is None:
-            zero.append(v)
-            want = v
-        else:
-            want = v.copy_(g)
-        if g is not want:
-            p.grad = want
-        if want is not None:
-            attached.add(i)
-    if zero:
-        torch._foreach_zero_(zero)
-    store.attached = attached
-    store._watch()
+    copied in; a ``None`` one gets its piece zeroed, in one foreach call), a frozen one's ``None``: the store's
+    ``prepare_grads`` over every parameter with every adapter pending."""
+    store.pending |= set(store.adapter_idx)
+    store.prepare_grads(force=True)

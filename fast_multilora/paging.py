@@ -401,13 +401,7 @@ class Pager:
         self.reserved -= want
         # every prefetch in flight, not only this batch's: the store's re-layout reads every resident adapter
         self.wait_inflight()
-        moved = False
-        for name in sorted(want):
-            if name in self.paged:
-                self._page_in(name, side=False)
-                moved = True
-            self.recent[name] = None
-            self.recent.move_to_end(name)
+        moved = self._bring_in(want, side=False)
         if torch.is_grad_enabled():
             self.awaiting |= want
         if not pending:
@@ -415,6 +409,18 @@ class Pager:
         if moved:
             self._changed()
         self.entered = self.absent
+
+    def _bring_in(self, want, side: bool) -> bool:
+        """Page in the adapters of ``want`` that are out (on the side stream for a prefetch), mark them all most
+        recently used; returns whether any moved."""
+        moved = False
+        for name in sorted(want):
+            if name in self.paged:
+                self._page_in(name, side=side)
+                moved = True
+            self.recent[name] = None
+            self.recent.move_to_end(name)
+        return moved
 
     def enter_active(self) -> None:
         """A forward without routing (stock PEFT: the active adapters) pages those in."""
@@ -435,13 +441,7 @@ class Pager:
                              f"{len(known)} adapters")
         if self.changes != CHANGES[0]:
             self._check()
-        moved = False
-        for name in sorted(want):
-            if name in self.paged:
-                self._page_in(name, side=True)
-                moved = True
-            self.recent[name] = None
-            self.recent.move_to_end(name)
+        moved = self._bring_in(want, side=True)
         self.reserved = want  # kept resident until a forward names them (or the next prefetch)
         if moved:  # nothing is paged out here: the running step may still need any resident adapter
             self._changed()

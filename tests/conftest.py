@@ -67,7 +67,8 @@ SLOW_CASES = (
     *(f"test_paths.py::test_eval_replays_launch_plans[{c}]" for c in (
         "sgemm-added-store-decode", "chunked-fused-concatenated-segmented", "chunked-added-store-segmented")),
     *(f"test_backward.py::test_weight_grads_in_weight_dtype_and_blocked[S63-K123-N2049-R64-A8-x1-random-{c}]"
-      for c in ("fp32-chunked", "fp16-sgemm")),
+      for c in ("fp32-chunked", "fp16-sgemm", "fp16-chunked")),  # fp32-sgemm stays (smaller shapes: every case)
+    "test_compile.py::test_compiled_graphs_take_the_entry_layout_and_copy_no_base_output[names]",  # [adapter_ids]
     "test_moe.py::test_compiled_experts_one_graph_equal_to_eager[torch]",  # MoE eager parity stays in the default
     "test_resume.py::test_resume_matches_uninterrupted_run[triton]",  # [torch] stays
     # 14-27 s each: [delete] of the churn count stays, and the paged == resident cases on the torch backend

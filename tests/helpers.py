@@ -152,3 +152,17 @@ def assert_close_lowp(got, want64, lowp_baseline, dtype, what):
 def poisoned(*shape, dtype=torch.float32, device="cpu"):
     """An output buffer full of NaN, so rows or columns a kernel fails to write fail the test."""
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def assert_same_saved_adapters(folder, ref_folder, names) -> None:
+    """Two ``save_pretrained`` folders hold the same adapter files: per adapter the same keys, tensors equal bit for
+    bit (an adapter named ``default`` sits at the folder's root, as PEFT saves it)."""
+    from safetensors.torch import load_file
+
+    for a in names:
+        sub = "" if a == "default" else a
+        f1 = load_file(os.path.join(folder, sub, "adapter_model.safetensors"))
+        f2 = load_file(os.path.join(ref_folder, sub, "adapter_model.safetensors"))
+        assert f1.keys() == f2.keys(), a
+        for key in f1:
+            assert torch.equal(f1[key], f2[key]), (a, key)

@@ -58,20 +58,27 @@ def _step(model, ids, labels, names):
     fast_multilora.per_adapter_loss(out.logits, labels, names).backward()
 
 
-def test_ddp_is_handed_the_store_parameters_but_an_anchor_layer(one_rank, calls, monkeypatch):
-    """DDP's constructor reads the model's ``_ddp_params_and_buffers_to_ignore``: every held parameter but one layer's
-    (nothing else trains); under DDP every other layer call takes the store's leaves, the gradients (reduced over one
-    rank: unchanged) equal a backward without DDP, and the arenas are all-reduced once per backward outside
-    ``no_sync`` only."""
+def _reference_and_model(checkpointing=None):
+    """The first batch, a patched model after one step on it without DDP, and a fresh patched model with its store
+    (``checkpointing``: its gradient checkpointing's ``use_reentrant``)."""
     ids, labels, names = ddp_worker.batches()[0]
     ref = peft_model("llama")
     fast_multilora.patch(ref, backend="torch")
     ref.train()
     _step(ref, ids, labels, names)
-
     model = peft_model("llama")
+    if checkpointing is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
     fast_multilora.patch(model, backend="torch")
-    store = AdapterStore.of(model)
+    return ids, labels, names, ref, model, AdapterStore.of(model)
+
+
+def test_ddp_is_handed_the_store_parameters_but_an_anchor_layer(one_rank, calls, monkeypatch):
+    """DDP's constructor reads the model's ``_ddp_params_and_buffers_to_ignore``: every held parameter but one layer's
+    (nothing else trains); under DDP every other layer call takes the store's leaves, the gradients (reduced over one
+    rank: unchanged) equal a backward without DDP, and the arenas are all-reduced once per backward outside
+    ``no_sync`` only."""
+    ids, labels, names, ref, model, store = _reference_and_model()
     held = {n for n, p in model.named_parameters() if any(p is q for q in store.held)}
     ignored = set(model._ddp_params_and_buffers_to_ignore)
     anchor = next(iter(store.slots.values())).params
@@ -113,15 +120,7 @@ def test_ddp_is_handed_the_store_parameters_but_an_anchor_layer(one_rank, calls,
 def test_ddp_around_the_patched_model_warns_and_takes_the_parameter_path(one_rank, calls):
     """A module around the patched model hides the names from DDP: it reduces every parameter itself, so every layer
     takes PEFT's parameters (its hooks sit on them), with a warning naming the fix; the gradients stay right."""
-    ids, labels, names = ddp_worker.batches()[0]
-    ref = peft_model("llama")
-    fast_multilora.patch(ref, backend="torch")
-    ref.train()
-    _step(ref, ids, labels, names)
-
-    model = peft_model("llama")
-    fast_multilora.patch(model, backend="torch")
-    store = AdapterStore.of(model)
+    ids, labels, names, ref, model, store = _reference_and_model()
     outer = DDP(torch.nn.ModuleDict({"inner": model}))
     model.train()
     calls.clear()
@@ -138,16 +137,7 @@ def test_ddp_store_with_gradient_checkpointing(one_rank, calls, monkeypatch, ree
     """Gradient checkpointing under DDP: the store's leaves get their gradients in the recomputation (reentrant: in a
     nested backward per decoder layer); the arenas are all-reduced once, after the last leaf's gradient arrived, and
     the gradients equal a backward without checkpointing or DDP."""
-    ids, labels, names = ddp_worker.batches()[0]
-    ref = peft_model("llama")
-    fast_multilora.patch(ref, backend="torch")
-    ref.train()
-    _step(ref, ids, labels, names)
-
-    model = peft_model("llama")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-    fast_multilora.patch(model, backend="torch")
-    store = AdapterStore.of(model)
+    ids, labels, names, ref, model, store = _reference_and_model(checkpointing=reentrant)
     ddp = DDP(model)
     model.train()
     reduced = []

@@ -224,7 +224,7 @@ def test_gradient_accumulation_keeps_adapters_with_gradients(device):
 
 
 def test_save_pretrained_and_unpatch_of_a_paged_model(tmp_path, device):
-    from safetensors.torch import load_file
+    from helpers import assert_same_saved_adapters
 
     model, ref = _model(device, 1), _model(device, None)
     batches = _schedule(sorted(model.peft_config), 4, seed=3)
@@ -233,13 +233,7 @@ def test_save_pretrained_and_unpatch_of_a_paged_model(tmp_path, device):
     assert _pager(model).paged  # some adapters are on the host now
     model.save_pretrained(tmp_path / "paged")
     ref.save_pretrained(tmp_path / "resident")
-    for a in model.peft_config:
-        sub = "" if a == "default" else a
-        f1 = load_file(str(tmp_path / "paged" / sub / "adapter_model.safetensors"))
-        f2 = load_file(str(tmp_path / "resident" / sub / "adapter_model.safetensors"))
-        assert f1.keys() == f2.keys()
-        for key in f1:
-            assert torch.equal(f1[key], f2[key]), key
+    assert_same_saved_adapters(str(tmp_path / "paged"), str(tmp_path / "resident"), model.peft_config)
     pager = _pager(model)
     fast_multilora.unpatch(model)
     for name in model.peft_config:

@@ -309,8 +309,8 @@ def test_adapters_join_and_leave_while_training():
 
 
 def test_save_pretrained_files_match_stock(tmp_path):
+    from helpers import assert_same_saved_adapters
     from peft import PeftModel
-    from safetensors.torch import load_file
 
     model = many_model(3)
     stock = copy.deepcopy(model)
@@ -323,13 +323,7 @@ def test_save_pretrained_files_match_stock(tmp_path):
             q.copy_(p)
     model.save_pretrained(tmp_path / "ours")
     stock.save_pretrained(tmp_path / "stock")
-    for a in model.peft_config:
-        sub = "" if a == "default" else a
-        f1 = load_file(str(tmp_path / "ours" / sub / "adapter_model.safetensors"))
-        f2 = load_file(str(tmp_path / "stock" / sub / "adapter_model.safetensors"))
-        assert f1.keys() == f2.keys()
-        for k in f1:
-            assert torch.equal(f1[k], f2[k]), k
+    assert_same_saved_adapters(str(tmp_path / "ours"), str(tmp_path / "stock"), model.peft_config)
     loaded = PeftModel.from_pretrained(tiny_llama(0), tmp_path / "ours" / "m001", adapter_name="m001")
     want = {n: p for n, p in model.named_parameters() if ".m001." in n}
     for n, p in loaded.named_parameters():
