@@ -472,7 +472,7 @@ def _save_load(ctx, pm, names, fresh) -> dict:
 def _churn(ctx, p: Provider, variant: str) -> Step:
     """A PeftModel of ``n`` adapters (``M.CHURN_MODEL``, ``M.CHURN_LORA``) on which rounds of: a training step of 8
     adapters, one adapter added, the step that trains it with 7 of the others, the adapter deleted, the next step.
-    ``fast``: ``fast_multilora.add_adapters`` and PEFT's ``delete_adapter`` on the patched model, steps with
+    ``fast``: ``fast_multilora.add_adapters`` and ``fast_multilora.delete_adapters`` on the patched model, steps with
     ``p.optimizer`` (``fast_multilora.AdamW`` follows adds and deletes by itself); ``peft_add_adapter``: stock PEFT's
     ``add_adapter`` and ``delete_adapter`` on the unpatched model (no steps: stock PEFT trains no mixed batch).
     Adapters are created in the base's dtype (``autocast_adapter_dtype=False``), as the registry's others."""
@@ -493,7 +493,8 @@ def _churn(ctx, p: Provider, variant: str) -> Step:
     batch = [f"a{i}" for i in range(M.CHURN_TOKENS[0])]
     fast = p.family == "fast"
     info = {"registered": n, "add": "fast_multilora.add_adapters(model, {name: LoraConfig})" if fast
-            else "model.add_adapter(name, LoraConfig)", "delete": "model.delete_adapter(name)"}
+            else "model.add_adapter(name, LoraConfig)",
+            "delete": "fast_multilora.delete_adapters(model, [name])" if fast else "model.delete_adapter(name)"}
     hold = {"pm": pm}
     if fast:
         info["patch"] = _patch(ctx, pm, p)
@@ -511,6 +512,12 @@ def _churn(ctx, p: Provider, variant: str) -> Step:
             fast_multilora.add_adapters(pm, {name: M.lora_config(**cfg)}, autocast_adapter_dtype=False)
         else:
             pm.add_adapter(name, M.lora_config(**cfg), autocast_adapter_dtype=False)
+
+    def delete(name):
+        if fast:
+            fast_multilora.delete_adapters(pm, [name])
+        else:
+            pm.delete_adapter(name)
 
     def wall_ms(fn):
         return harness.wall_s(fn, ctx.device) * 1e3
@@ -534,7 +541,7 @@ def _churn(ctx, p: Provider, variant: str) -> Step:
                 after = M.lora_params(pm, new)
                 trained.append(len(after) == len(before) > 0
                                and all(not ctx.torch.equal(a, q) for a, q in zip(before, after, strict=True)))
-            got["delete"].append(wall_ms(lambda new=new: pm.delete_adapter(new)))
+            got["delete"].append(wall_ms(lambda new=new: delete(new)))
             if fast:
                 got["delete_step"].append(wall_ms(lambda: step(batch)))
         med = {f"{k}_ms": statistics.median(v) for k, v in got.items()}

@@ -116,11 +116,12 @@ SCENARIOS = {s.name: s for s in (
              lora=(("targets", M.ATTN),)),
     Scenario("churn", "churn", "churn",
              "adapter churn in a registry of n adapters: a tiny Llama at every size (hidden 32, intermediate 48, 2 "
-             "layers, 4/2 heads, vocab 97: the cost is the host's bookkeeping, which grows with n), r=4 alpha 8 on "
+             "layers, 4/2 heads, vocab 97: the cost measured is the host's bookkeeping), r=4 alpha 8 on "
              "q/v/gate (B off zero), 8 x 16 tokens of 8 adapters, fast_multilora.per_adapter_loss; each round: a "
              "step (step_ms), one adapter added (add_ms: fast_multilora.add_adapters on the patched model; "
              "peft_add_adapter: stock PEFT's add_adapter, unpatched), the step training it with 7 others "
-             "(add_step_ms), it deleted (delete_ms: PeftModel.delete_adapter), the next step (delete_step_ms); "
+             "(add_step_ms), it deleted (delete_ms: fast_multilora.delete_adapters; peft_add_adapter: "
+             "PeftModel.delete_adapter), the next step (delete_step_ms); "
              "the fast rows' optimizer is fast_multilora.AdamW(model, lr), which follows adds and deletes by itself "
              "(no re-creation). wall_ms: add_ms. Variants n=<registered> (full: 128, 512, 1024; tiny: 8, 32)",
              ("fast_multilora_store_adamw", "peft_add_adapter"), ("churn",), default=False,

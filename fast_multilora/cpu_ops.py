@@ -152,16 +152,35 @@ _OWNERS: dict = {}  # id(table) -> (table, _Elements)
 
 
 class _Elements:
-    """An arena's elements as a chunk table lays them out: ``owner[i]`` (int64, ``-1`` in gaps and holes), and every
-    covered element's position grouped by adapter (``pos[bounds[a]:bounds[a + 1]]``: adapter ``a``'s)."""
+    """An arena's elements as a chunk table lays them out: per adapter its element count (``counts``) and, when
+    asked, the positions of some adapters' elements (:meth:`positions`, the work of those elements) or the owner of
+    every element (:meth:`owner`, ``-1`` in gaps and holes; the work of the arena, built once per table)."""
 
     def __init__(self, table, numel: int):
-        pos, adapter = _arena_elements(table)  # in the table's chunk order: by adapter, then position
-        self.owner = torch.full((numel,), -1, dtype=torch.int64)
-        self.owner[pos] = adapter
-        self.pos = pos
-        counts = torch.bincount(adapter, minlength=table.n_adapters)
-        self.bounds = [0] + torch.cumsum(counts, 0).tolist()
+        self.table, self.numel = table, numel
+        self.ptr = table.adapter_ptr.tolist()
+        self.start, self.length = table.start, table.length.long()
+        per = torch.zeros(table.n_adapters, dtype=torch.int64)
+        per.index_add_(0, table.adapter.long(), self.length)
+        self.counts = per.tolist()
+        self._owner = None
+
+    def positions(self, adapters: list) -> tuple:
+        """``(pos, owner)``, int64: the elements of ``adapters`` (by adapter, then position) and their adapter."""
+        chunks = torch.cat([torch.arange(self.ptr[a], self.ptr[a + 1]) for a in adapters])
+        lens = self.length[chunks]
+        total = sum(self.counts[a] for a in adapters)
+        of = torch.repeat_interleave(torch.arange(chunks.numel()), lens, output_size=total)
+        first = torch.cumsum(lens, 0) - lens
+        pos = self.start[chunks][of] + torch.arange(total) - first[of]
+        return pos, self.table.adapter.long()[chunks][of]
+
+    def owner(self) -> torch.Tensor:
+        if self._owner is None:
+            pos, adapter = _arena_elements(self.table)  # in the table's chunk order: by adapter, then position
+            self._owner = torch.full((self.numel,), -1, dtype=torch.int64)
+            self._owner[pos] = adapter
+        return self._owner
 
 
 def _elements(table, numel: int) -> _Elements:
@@ -182,20 +201,20 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, table, scalars, active, gather:
     arena: a step of a few adapters of a large registry costs what those few hold), or on the whole buffers without
     per-element tables (``gather``: force one, for the tests)."""
     el = _elements(table, param.numel())
-    act = torch.nonzero(active).reshape(-1).tolist()
-    n_live = sum(el.bounds[a + 1] - el.bounds[a] for a in act)
+    act = [a for a in torch.nonzero(active).reshape(-1).tolist() if el.counts[a]]
+    n_live = sum(el.counts[a] for a in act)
     if gather is None:
         gather = 2 * n_live < param.numel()
     if gather:
         if not n_live:
             return
-        idx = torch.cat([el.pos[el.bounds[a] : el.bounds[a + 1]] for a in act])
-        ad = el.owner[idx]
+        idx, ad = el.positions(act)
         decay, w1, w2, b2, neg_step, bc2_sqrt, eps, _ = scalars[ad].unbind(1)
         p, g, m, v = (x[idx].float() for x in (param, grad, exp_avg, exp_avg_sq))
     else:
-        ad = el.owner.clamp(min=0)
-        live = (active[ad] != 0) & (el.owner >= 0)
+        owner = el.owner()
+        ad = owner.clamp(min=0)
+        live = (active[ad] != 0) & (owner >= 0)
         decay, w1, w2, b2, neg_step, bc2_sqrt, eps, _ = scalars[ad].unbind(1)
         p, g, m, v = (x.float() for x in (param, grad, exp_avg, exp_avg_sq))
     p = p * decay

@@ -17,6 +17,8 @@ gradient arena) but does per-tensor work.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import Callable, Mapping, NamedTuple, Optional
 
 import torch
@@ -24,6 +26,7 @@ from torch.optim.adamw import adamw as _adamw
 
 from . import cpu_ops, reference
 from .kernels.segments import to_device
+from .plan import BASE
 from .store import AdapterStore, _grow
 
 _STATES = ("exp_avg", "exp_avg_sq")
@@ -36,6 +39,9 @@ class _Ops(NamedTuple):
     step: Callable
     norms: Callable
     scale: Callable
+
+
+_BLOCK_PARAM = operator.itemgetter(2)  # an arena block's (start, numel, param)
 
 
 class AdamW(torch.optim.Optimizer):
@@ -130,7 +136,8 @@ class AdamW(torch.optim.Optimizer):
                                                     dtype=torch.float32, device=device)
         for arena in store.arenas.values():
             for s in _STATES:
-                arena.states.setdefault(s, torch.zeros_like(arena.data))
+                if s not in arena.states:
+                    arena.states[s] = torch.zeros_like(arena.data)
         group_of = {p: i for i, g in enumerate(keep) for p in g["params"]}
         held = {p for arena in store.arenas.values() for _, _, p in arena.blocks.values()}
         # every adapter's parameters are held: an adapter added or deleted later changes only its own group
@@ -194,7 +201,8 @@ class AdamW(torch.optim.Optimizer):
         self.param_groups, self.steps = groups, buf[: len(groups)]
         for arena in store.arenas.values():
             for s in _STATES:
-                arena.states.setdefault(s, torch.zeros_like(arena.data))
+                if s not in arena.states:
+                    arena.states[s] = torch.zeros_like(arena.data)
         for i, g in enumerate(groups):  # each parameter's step count is a 0-d view of its group's
             if i < first and g["adapter"] not in affected:
                 continue
@@ -210,12 +218,24 @@ class AdamW(torch.optim.Optimizer):
             start, numel, _ = arena.blocks[p]
             for s in _STATES:
                 st[s] = arena.states[s][start : start + numel].view(p.shape)
-        self._tables, self._pattern, self._group_slots, self._others = {}, None, None, None
+        others = self._others
+        if others is not None:  # the affected groups' parameters outside the store read again, the others' kept
+            pos = {id(g): i for i, g in enumerate(groups)}
+            blocks = [a.blocks for a in store.arenas.values()]
+            others = [(pos[id(g)], g, ps) for _, g, ps in others if id(g) in pos and g["adapter"] not in affected]
+            for g in groups:
+                if g["adapter"] in affected:
+                    out = [p for p in g["params"] if not any(p in b for b in blocks)]
+                    if out:
+                        others.append((pos[id(g)], g, out))
+            others.sort(key=operator.itemgetter(0))
+        self._tables, self._pattern, self._group_slots, self._others = {}, None, None, others
         return True
 
     # -- tables ---------------------------------------------------------------------------------------------------
     def _store_params(self) -> list:
-        return [p for arena in self.store.arenas.values() for _, _, p in arena.blocks.values()]
+        return list(itertools.chain.from_iterable(map(_BLOCK_PARAM, a.blocks.values())
+                                                  for a in self.store.arenas.values()))
 
     def _build_tables(self) -> None:
         """Each arena's chunk table of the trained pieces (``requires_grad``) by group, read from the layers' slots
@@ -226,25 +246,25 @@ class AdamW(torch.optim.Optimizer):
         group = {g["adapter"]: i for i, g in enumerate(self.param_groups) if g["adapter"] is not None}
         pattern = store.pattern
         blocks: dict = {key: [] for key in store.arenas}
-        for s in store.slots.values():
-            out = blocks[(s.arena.dtype, s.arena.device)]
+        for s in store.slots.values():  # per layer a few tensor ops over its adapters (no Python step per adapter)
             n = len(s.names)
-            for i, (name, off, r) in enumerate(zip(s.names, s.offsets, s.ranks, strict=True)):
-                gi = group.get(name)
-                if gi is None:
-                    continue
-                if pattern[s.held_idx[i]]:
-                    out.append((s.a0 + off * s.K, r * s.K, gi))
-                if pattern[s.held_idx[n + i]]:
-                    out.append((s.b0 + off * s.N, r * s.N, gi))
-        tables, trained = {}, set()
+            if not n:
+                continue
+            gi = torch.tensor(list(map(group.get, s.names, itertools.repeat(-1))), dtype=torch.int64)
+            off, r = torch.tensor(s.offsets, dtype=torch.int64), torch.tensor(s.ranks, dtype=torch.int64)
+            flags = torch.tensor(list(map(pattern.__getitem__, s.held_idx)), dtype=torch.bool)
+            both = torch.cat([torch.stack([s.a0 + off * s.K, r * s.K, gi], 1),
+                              torch.stack([s.b0 + off * s.N, r * s.N, gi], 1)])
+            blocks[(s.arena.dtype, s.arena.device)].append(both[flags & (torch.cat([gi, gi]) >= 0)])
+        tables = {}
+        trained = torch.zeros(len(self.param_groups), dtype=torch.bool)
         for key, arena in store.arenas.items():
-            tables[key] = chunk_table(blocks[key], len(self.param_groups), arena.used, arena.device)
-            trained.update(i for _, _, i in blocks[key])
+            b = torch.cat(blocks[key]) if blocks[key] else torch.zeros(0, 3, dtype=torch.int64)
+            tables[key] = chunk_table(b, len(self.param_groups), arena.used, arena.device)
+            trained[b[:, 2]] = True
         self._tables = tables
         self._pattern = store.pattern
-        device = self.steps.device
-        self._trained = torch.tensor([i in trained for i in range(len(self.param_groups))], device=device)
+        self._trained = trained.to(self.steps.device)
         self._group_slots = None  # its steppable flags follow _trained
 
     def _active(self) -> Optional[torch.Tensor]:
@@ -294,8 +314,11 @@ class AdamW(torch.optim.Optimizer):
     def _prepare(self) -> None:
         store = self.store
         self._check_owner("step")
-        if store.stale():
+        # the adapters trained since the last step (the others are not stepped: a moved parameter of one of them is
+        # read by the first forward that names it)
+        if store.stale(store.trained - {BASE}):
             store.layout()
+        store.trained = set()
         store.prepare_grads()  # gradients a caller or DDP put in place of the views: into the arena
         if self._pattern is not store.pattern:
             self._build_tables()
@@ -323,9 +346,11 @@ class AdamW(torch.optim.Optimizer):
     def _outside(self) -> list:
         """``[(group index, group, its parameters outside the store)]``, for groups that have some (cached per
         layout)."""
-        if self._others is None:
-            held = {id(p) for p in self._store_params()}
-            others = [(i, g, [p for p in g["params"] if id(p) not in held]) for i, g in enumerate(self.param_groups)]
+        if self._others is None:  # (C-level filters: no Python step per held parameter)
+            held = set(map(id, self._store_params()))
+            others = [(i, g, list(itertools.compress(g["params"], map(operator.not_, map(held.__contains__,
+                                                                                         map(id, g["params"]))))))
+                      for i, g in enumerate(self.param_groups)]
             self._others = [o for o in others if o[2]]
         return self._others
 

@@ -60,7 +60,7 @@ from collections import OrderedDict
 import torch
 from torch.optim import optimizer as _optimizer
 
-from .plan import BASE, CHANGES, mark_changed
+from .plan import BASE, CHANGES, mark_changed, mark_dirty
 
 # tests: after a synchronous (CPU) page-in, the host copies are filled with NaN -- they are stale from then on -- so a
 # value read from a host copy of an adapter that should be resident shows in the results
@@ -365,9 +365,15 @@ class Pager:
             ev.synchronize()
         self.outgoing.clear()
 
-    def _changed(self) -> None:
+    def _changed(self, names=None) -> None:
+        """Adapters ``names`` moved in or out (``None``: any): the layers' states drop or take them."""
         self.absent = frozenset(self.paged)
-        mark_changed()
+        if names is None:
+            mark_changed()
+        else:
+            for layer in self.router.fast_layers:
+                for name in names:
+                    mark_dirty(layer, name)
         self.changes = CHANGES[0]
 
     # -- entry points ---------------------------------------------------------------------------------------------
@@ -407,17 +413,17 @@ class Pager:
         if not pending:
             moved |= self._evict(want)
         if moved:
-            self._changed()
+            self._changed(moved)
         self.entered = self.absent
 
     def _bring_in(self, want, side: bool) -> bool:
         """Page in the adapters of ``want`` that are out (on the side stream for a prefetch), mark them all most
-        recently used; returns whether any moved."""
-        moved = False
+        recently used; returns those that moved."""
+        moved = set()
         for name in sorted(want):
             if name in self.paged:
                 self._page_in(name, side=side)
-                moved = True
+                moved.add(name)
             self.recent[name] = None
             self.recent.move_to_end(name)
         return moved
@@ -444,7 +450,7 @@ class Pager:
         moved = self._bring_in(want, side=True)
         self.reserved = want  # kept resident until a forward names them (or the next prefetch)
         if moved:  # nothing is paged out here: the running step may still need any resident adapter
-            self._changed()
+            self._changed(moved)
 
     def settle(self) -> None:
         """At ``patch``: adapters the pager does not know yet count as the least recently used ones; then page out
@@ -454,14 +460,15 @@ class Pager:
         for name in reversed(fresh):
             self.recent[name] = None
             self.recent.move_to_end(name, last=False)
-        if self._evict(set()):
-            self._changed()
+        out = self._evict(set())
+        if out:
+            self._changed(out)
 
-    def _evict(self, keep: set) -> bool:
+    def _evict(self, keep: set) -> set:
         keep = keep | self.reserved
         over = sum(1 for n in self.recent if n not in keep) - self.capacity
         if over <= 0:
-            return False
+            return set()
         out = []
         for name in self.recent:
             if len(out) == over:
@@ -470,7 +477,7 @@ class Pager:
                 out.append(name)
         for name in out:
             self._page_out(name)
-        return bool(out)
+        return set(out)
 
     def _check(self) -> None:
         """After a change not made here (an adapter added or deleted, ``.to()``, a re-patch): forget deleted adapters,

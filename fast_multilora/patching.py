@@ -30,11 +30,13 @@ by the base layer), then one ``LoraLinear`` -- on the adapter store's two leaves
 
 from __future__ import annotations
 
+import bisect
 import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import accumulate
 from typing import Optional
 
 import torch
@@ -49,7 +51,7 @@ from .function import LayerCall, get_backend, lora_dropout_rate, run_layer
 from .kernels.decode import DECODE_MAX_ROWS
 from .kernels.launch import set_enabled as set_fast_launch
 from .kernels.segments import AdapterTable
-from .plan import BASE, CHANGES, Router
+from .plan import ALL, BASE, CHANGES, DIRTY_ATTR, FULL, Router, mark_dirty
 
 _ROUTER_ATTR = "_fml_router"
 _HOOKS_ATTR = "_fml_hooks"
@@ -106,6 +108,7 @@ class LayerState:
     a_modules: tuple = ()  # the present adapters' lora_A / lora_B modules (part of the state's signature)
     b_modules: tuple = ()
     dora: Optional[dora_mod.DoraLayer] = None  # the layer's DoRA adapters (in the table too: their LoRA part)
+    delta: Optional[tuple] = None  # (the state this one was made from, the adapter names whose entries changed)
     lora_dtype: Optional[torch.dtype] = field(init=False)  # the adapters' one A dtype, else None
 
     def __post_init__(self):
@@ -124,30 +127,39 @@ _TRACKED_DICTS = ("r", "lora_alpha", "scaling", "lora_bias", "use_dora", "use_rs
 
 
 class _TrackedDict(dict):
-    """A patched LoRA layer's per-adapter setting dict (``r``, ``scaling``, ...): every write marks a change."""
+    """A patched LoRA layer's per-adapter setting dict (``r``, ``scaling``, ...): every write marks the adapter it
+    writes (or, for a bulk write, every adapter) of the layer as changed (``plan.mark_dirty``)."""
 
-    __slots__ = ()
+    __slots__ = ("layer",)
 
     def __setitem__(self, key, value):
-        CHANGES[0] += 1
+        mark_dirty(self.layer, key)
         dict.__setitem__(self, key, value)
 
     def __delitem__(self, key):
-        CHANGES[0] += 1
+        mark_dirty(self.layer, key)
         dict.__delitem__(self, key)
 
+    def pop(self, key, *default):
+        mark_dirty(self.layer, key)
+        return dict.pop(self, key, *default)
+
+    def setdefault(self, key, default=None):
+        mark_dirty(self.layer, key)
+        return dict.setdefault(self, key, default)
+
     def __ior__(self, other):
-        CHANGES[0] += 1
+        mark_dirty(self.layer)
         return dict.__ior__(self, other)
 
     def _wrap(name):  # noqa: N805 - a class-body helper
         def method(self, *args, **kwargs):
-            CHANGES[0] += 1
+            mark_dirty(self.layer)
             return getattr(dict, name)(self, *args, **kwargs)
         method.__name__ = name
         return method
 
-    pop, popitem, clear, update, setdefault = map(_wrap, ("pop", "popitem", "clear", "update", "setdefault"))
+    popitem, clear, update = map(_wrap, ("popitem", "clear", "update"))
     del _wrap
 
 
@@ -155,8 +167,9 @@ def _track(module) -> None:
     for attr in _TRACKED_DICTS:
         d = module.__dict__.get(attr)
         if type(d) is dict:
-            module.__dict__[attr] = _TrackedDict(d)
-    CHANGES[0] += 1
+            module.__dict__[attr] = t = _TrackedDict(d)
+            t.layer = module
+    mark_dirty(module)
 
 
 def _untrack(module) -> None:
@@ -164,19 +177,20 @@ def _untrack(module) -> None:
         d = module.__dict__.get(attr)
         if type(d) is _TrackedDict:
             module.__dict__[attr] = dict(d)
+    module.__dict__.pop(DIRTY_ATTR, None)
 
 
 class _TrackedMixin:
-    """Mode and dtype/device changes of a patched layer mark a change (``train`` only when the mode changes: HF's
-    Trainer calls ``model.train()`` every step)."""
+    """Mode and dtype/device changes of a patched layer mark its adapters changed (``train`` only when the mode
+    changes: HF's Trainer calls ``model.train()`` every step)."""
 
     def train(self, mode: bool = True):
         if mode != self.training:
-            CHANGES[0] += 1
+            mark_dirty(self)
         return super().train(mode)
 
     def _apply(self, fn, *args, **kwargs):
-        CHANGES[0] += 1
+        mark_dirty(self)
         return super()._apply(fn, *args, **kwargs)
 
 
@@ -212,10 +226,9 @@ def _build_state(layer, slot_names, tables: dict) -> Optional[LayerState]:
     entered there otherwise)."""
     variants = tuple(sorted(n for n, v in layer.lora_variant.items() if not dora_mod.is_dora(v)))
     paged = _paged_out(layer)
-    ranks, offsets, scales, ps, present, slots = [], [], [], [], [], []
-    acc = 0
+    ranks, scales, ps, present, slots = [], [], [], [], []
     for slot, name in enumerate(slot_names):
-        if name in layer.lora_A and name not in variants and name not in paged:
+        if name is not None and name in layer.lora_A and name not in variants and name not in paged:
             slots.append(slot)
             present.append(name)
             ranks.append(layer.r[name])
@@ -226,22 +239,11 @@ def _build_state(layer, slot_names, tables: dict) -> Optional[LayerState]:
             ranks.append(0)
             scales.append(0.0)
             ps.append(0.0)
-        offsets.append(acc)
-        acc += ranks[-1]
     if not present:
         return None
     a_weights = [layer.lora_A[n].weight for n in present]
     device = a_weights[0].device
-    host = (tuple(ranks), tuple(offsets), tuple(scales), tuple(ps))
-    key = _table_key(host, tuple(slots), device)
-    table = tables.get(key)
-    if table is None:
-        ints = torch.tensor([ranks, offsets], dtype=torch.int32)
-        fl = torch.tensor([scales, ps], dtype=torch.float32)
-        table = tables[key] = AdapterTable(
-            ranks=ints[0].to(device), offsets=ints[1].to(device), scales=fl[0].to(device), dropout=fl[1].to(device),
-            max_rank=max(ranks), total_rank=acc, has_dropout=any(p > 0 for p in ps), slots=tuple(slots), host=host,
-        )
+    table = _table(ranks, scales, ps, slots, device, tables)
     has_bias = any(layer.lora_bias[n] for n in present)
     bias_map = None
     if has_bias:
@@ -272,6 +274,71 @@ def _build_state(layer, slot_names, tables: dict) -> Optional[LayerState]:
     )
 
 
+def _table(ranks: list, scales: list, ps: list, slots: list, device, tables: dict) -> AdapterTable:
+    """The adapter table of per-slot ``ranks``, ``scales``, dropout rates ``ps`` (slots ``slots`` present), each
+    slot's rows at the running sum of the ranks before it; an equal one of ``tables`` where there is one."""
+    offsets = list(accumulate(ranks, initial=0))
+    total = offsets.pop()
+    host = (tuple(ranks), tuple(offsets), tuple(scales), tuple(ps))
+    key = _table_key(host, tuple(slots), device)
+    table = tables.get(key)
+    if table is None:
+        ints = torch.tensor([ranks, offsets], dtype=torch.int32)
+        fl = torch.tensor([scales, ps], dtype=torch.float32)
+        table = tables[key] = AdapterTable(
+            ranks=ints[0].to(device), offsets=ints[1].to(device), scales=fl[0].to(device), dropout=fl[1].to(device),
+            max_rank=max(ranks), total_rank=total, has_dropout=any(p > 0 for p in ps), slots=tuple(slots), host=host,
+        )
+    return table
+
+
+def _update_state(layer, st: LayerState, slot_names: tuple, slot_of: dict, names, tables: dict):
+    """``st`` with the entries of adapters ``names`` read again from the layer (added, removed or changed); the
+    other adapters' entries are taken as they are (C-level copies: the work is the changed adapters'). Returns
+    ``None`` where only a full build (:func:`_build_state`) tells: a state with lora_bias, DoRA or variant adapters,
+    a changed slot count, an adapter on another device."""
+    if st is None or st.has_bias or st.dora is not None or st.variants or len(st.table.host[0]) != len(slot_names):
+        return None
+    lv, lb = layer.lora_variant, layer.lora_bias
+    if any(n in lv or lb.get(n) for n in names):
+        return None
+    paged = _paged_out(layer)
+    present, ranks, rates, dtypes = list(st.present), list(st.ranks), list(st.rates), list(st.a_dtypes)
+    a_mods, b_mods, slots = list(st.a_modules), list(st.b_modules), list(st.table.slots)
+    h_r, h_s, h_p = list(st.table.host[0]), list(st.table.host[2]), list(st.table.host[3])
+    a_dict, b_dict = layer.lora_A._modules, layer.lora_B._modules
+    for name in names:  # out first (a slot freed by one adapter may be taken by another of ``names``)
+        if name in present:
+            i = present.index(name)
+            s = slots[i]
+            for lst in (present, ranks, rates, dtypes, a_mods, b_mods, slots):
+                del lst[i]
+            h_r[s], h_s[s], h_p[s] = 0, 0.0, 0.0
+    for name in names:
+        a = a_dict.get(name)
+        if a is None or name in paged or name not in slot_of:
+            continue
+        w = a._parameters["weight"]
+        if w.device != st.device:
+            return None
+        s = slot_of[name]
+        i = bisect.bisect_left(slots, s)
+        r, p = layer.r[name], lora_dropout_rate(layer.lora_dropout[name])
+        for lst, v in ((present, name), (ranks, r), (rates, p), (dtypes, w.dtype), (a_mods, a),
+                       (b_mods, b_dict[name]), (slots, s)):
+            lst.insert(i, v)
+        h_r[s], h_s[s], h_p[s] = r, float(layer.scaling[name]), p
+    if not present:
+        return False  # no adapter left: the layer's state is None
+    st.delta = None  # (the store follows one change at a time; one it missed: a full check of the layer)
+    return LayerState(
+        table=_table(h_r, h_s, h_p, slots, st.device, tables), present=tuple(present), ranks=tuple(ranks),
+        rates=tuple(rates), a_dtypes=tuple(dtypes), device=st.device, has_bias=False, variants=(), bias_map=None,
+        clone_base_output=st.clone_base_output, a_modules=tuple(a_mods), b_modules=tuple(b_mods), dora=None,
+        delta=(st, frozenset(names)),
+    )
+
+
 def refresh_layers(router: Router, routing) -> None:
     """Bring every patched layer's :class:`LayerState` up to date with the routing's slot
     order and the layers' adapters and modes; cheap when nothing changed (no layer is read unless a change was
@@ -282,20 +349,35 @@ def refresh_layers(router: Router, routing) -> None:
     slot_names = routing.slot_names
     changed = False
     get_backend(router.config.backend, router._weights_device())  # created outside any traced graph
-    seen = (CHANGES[0], slot_names)
-    if router.checked != seen:  # something changed since the last check (or the slot order): read every layer
+    if router.checked is None or router.checked[:2] != (CHANGES[0], slot_names):
+        # something changed since the last check: the layers marked changed are read (every layer after
+        # mark_changed, a re-patch, or a new slot count)
+        full = router.checked is None or router.checked[2] != FULL[0] or len(router.checked[1]) != len(slot_names)
         tables = {}  # layers with equal adapter tables share one (under torch.compile: one graph input, not per layer)
         for layer in router.fast_layers:
-            sig = _state_signature(layer, slot_names)
             d = layer.__dict__
-            if d.get(_SIG_ATTR) != sig:
+            dirty = d.pop(DIRTY_ATTR, None)
+            st = d.get(_STATE_ATTR)
+            if not full and not dirty:
+                if st is not None:
+                    tables.setdefault(_table_key(st.table.host, st.table.slots, st.table.ranks.device), st.table)
+                continue
+            new = None
+            if not full and dirty is not ALL and d.get(_SIG_ATTR) is not None:
+                new = _update_state(layer, st, slot_names, router.slot_of, dirty, tables)
+            if new is None:  # a full read: the state rebuilt only if its signature moved
+                sig = _state_signature(layer, slot_names)
+                if d.get(_SIG_ATTR) == sig:
+                    if st is not None:
+                        tables.setdefault(_table_key(st.table.host, st.table.slots, st.table.ranks.device), st.table)
+                    continue
                 d[_STATE_ATTR] = _build_state(layer, slot_names, tables)
                 d[_SIG_ATTR] = sig
-                changed = True
-            elif d.get(_STATE_ATTR) is not None:
-                table = d[_STATE_ATTR].table
-                tables.setdefault(_table_key(table.host, table.slots, table.ranks.device), table)
-        router.checked = seen
+            else:  # (the signature is read again at the next full read)
+                d[_STATE_ATTR] = new or None
+                d[_SIG_ATTR] = ()
+            changed = True
+        router.checked = (CHANGES[0], slot_names, FULL[0])
     if changed:
         router.variants = {}  # adapter name -> (variant kind, base layer type) of its first layer with a variant
         for layer in router.fast_layers:
@@ -621,6 +703,7 @@ def patch(model: torch.nn.Module, config: Optional[PatchConfig] = None, **settin
     set_fast_launch(config.fast_launch)
     router.current = None
     router.checked = None
+    router._full_synced = None
     router._by_names.clear()
     router.tuner = _lora_tuner(model)
     router.config_key = tuple(sorted(getattr(router.tuner, "peft_config", {}).keys()))
@@ -701,7 +784,7 @@ def _build_store(router: Router) -> None:
     from .store import AdapterStore
 
     if router.store is None:
-        refresh_layers(router, Routing((), tuple(router.known_adapters())))  # the layers' tables, no call yet
+        refresh_layers(router, Routing((), router.sync_slots()))  # the layers' tables, no call yet
         AdapterStore.attach(router)
 
 
@@ -749,6 +832,15 @@ def _repatch(model):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the first patch() already warned about fallbacks
         patch(model, router.config)
+
+
+def adapters_added(model) -> None:
+    """Adapters were added to ``model`` inside its present LoRA layers only (``fast_multilora.add_adapters``): the
+    patched model takes them at its next forward call without a re-patch (their layers marked them)."""
+    for obj in (model, _lora_tuner(model)):
+        router = obj.__dict__.get(_ROUTER_ATTR) if obj is not None else None
+        if router is not None and router.tuner is not None:
+            router.config_key = tuple(sorted(router.tuner.peft_config.keys()))
 
 
 def _lora_tuner(model):

@@ -17,6 +17,7 @@ the next forward call replaces it.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -71,9 +72,13 @@ def _check_rows(n_names: int, rows: int) -> None:
 
 
 # Changes to what the patched layers read from PEFT's modules (``patching``: the layers' per-adapter dicts, modes,
-# ``_apply``, re-patches) and to a held parameter's ``requires_grad`` (``store``): a forward call re-reads them only
-# when this count moved since its last read.
+# ``_apply``, re-patches): a forward call re-reads them only when this count moved since its last read. Which layers
+# and adapters changed is marked on each layer (``mark_dirty``), so the re-read covers what changed; ``FULL`` counts
+# changes whose extent is unknown (``mark_changed``), after which every layer is read.
 CHANGES = [0]
+FULL = [0]
+DIRTY_ATTR = "_fml_dirty"  # on a patched layer: set of adapter names whose entries changed, or ALL
+ALL = "*"
 
 
 def mark_changed() -> None:
@@ -82,6 +87,28 @@ def mark_changed() -> None:
     ``Parameter``, one adapter's ``lora_A[name].to(...)``, a dropout module's ``p`` or mode); PEFT's methods,
     ``train()`` / ``eval()``, ``.to()`` and ``requires_grad_`` are seen without it."""
     CHANGES[0] += 1
+    FULL[0] += 1
+
+
+def mark_dirty(layer, name=ALL) -> None:
+    """Adapter ``name`` of patched ``layer`` changed (``ALL``: every adapter of it, e.g. its mode or dtype)."""
+    CHANGES[0] += 1
+    d = layer.__dict__
+    cur = d.get(DIRTY_ATTR)
+    if name is ALL or cur is ALL:
+        d[DIRTY_ATTR] = ALL
+    elif cur is None:
+        d[DIRTY_ATTR] = {name}
+    else:
+        cur.add(name)
+
+
+def _names_of(layer) -> set:
+    names = set(layer.lora_A.keys())
+    e = layer._modules.get("lora_embedding_A")
+    if e is not None:
+        names.update(e.keys())
+    return names
 
 
 class Router:
@@ -102,24 +129,96 @@ class Router:
         self.repatch = None  # callable re-running patch() with the same settings
         self.refresh = None  # callable(routing): refresh the layers' tables (patching.refresh_layers)
         self.store = None  # fast_multilora.store.AdapterStore, once an optimizer of ours built it
-        self.checked = None  # (change count, slot names) of the layers' last full check (patching.refresh_layers)
-        self._known = None  # (change count, sorted adapter names): known_adapters' last answer
+        self.checked = None  # (change count, slot names) of the layers' last check (patching.refresh_layers)
+        # the slots: each adapter keeps its slot while it exists (a deleted adapter's slot is reused), so a change of
+        # one adapter changes the layers' tables at that slot only
+        self.slot_of: dict = {}  # adapter name -> slot
+        self.slot_names: tuple = ()  # slot -> adapter name (None: a free slot); the routing's slot order
+        self._free: list = []  # free slots (a heap: the lowest is reused first)
+        self._holders: dict = {}  # adapter name -> how many of the model's LoRA layers hold it
+        self._held_by: dict = {}  # id(layer) -> the adapter names it held when last read
+        self._synced = None  # plan.CHANGES when the slots were last brought up to date
+        self._full_synced = None  # plan.FULL when every layer was last read (None: after a (re-)patch)
+        self._known: tuple = ()  # sorted adapter names
         self.pager = None  # fast_multilora.paging.Pager: PatchConfig.resident_adapters (set by patch)
 
     # -- adapters known to the model ------------------------------------------------------------------------------
     def known_adapters(self) -> list:
-        """Sorted names of the adapters held by the model's LoRA layers (the model-wide slot order)."""
+        """Sorted names of the adapters held by the model's LoRA layers."""
+        self.sync_slots()
+        return list(self._known)
+
+    def sync_slots(self) -> tuple:
+        """Bring the slots up to the adapters the layers hold (after a change: the changed layers' marked adapters
+        only, or every layer after ``mark_changed`` or a re-patch) and return :attr:`slot_names`."""
         self._repatch_if_changed()  # every way an adapter comes or goes writes the layers' ``r`` dicts (CHANGES)
-        if self._known is not None and self._known[0] == CHANGES[0]:
-            return list(self._known[1])
-        known = set()
-        for m in self.layers:
-            known.update(m.lora_A.keys())
-            e = getattr(m, "lora_embedding_A", None)
-            if e is not None:
-                known.update(e.keys())
-        self._known = (CHANGES[0], tuple(sorted(known)))
-        return sorted(known)
+        if self._synced == CHANGES[0]:
+            return self.slot_names
+        holders, held_by = self._holders, self._held_by
+        came, went = set(), set()
+        full = self._full_synced != FULL[0]
+        fast = {id(m) for m in self.fast_layers}
+        if full:
+            held_by.clear()
+            holders.clear()
+        for layer in self.layers:
+            d = layer.__dict__
+            dirty = d.get(DIRTY_ATTR)
+            if id(layer) not in fast:  # (a fast layer's marks are cleared by patching.refresh_layers)
+                d.pop(DIRTY_ATTR, None)
+            if not full and not dirty:
+                continue
+            before = held_by.get(id(layer), set())
+            if full or dirty is ALL:
+                now = _names_of(layer)
+                changed = now ^ before
+            else:
+                changed = dirty
+                now = set(before)
+                for n in dirty:
+                    if n in layer.lora_A._modules or n in (layer._modules.get("lora_embedding_A") or {}):
+                        now.add(n)
+                    else:
+                        now.discard(n)
+            for n in changed:
+                if n in now and n not in before:
+                    holders[n] = holders.get(n, 0) + 1
+                    came.add(n)
+                elif n in before and n not in now:
+                    holders[n] -= 1
+                    if holders[n] == 0:
+                        del holders[n]
+                        went.add(n)
+            held_by[id(layer)] = now
+        if full:  # the slots of adapters no layer holds now are freed, those of new ones assigned below
+            went = set(self.slot_of) - set(holders)
+            came = set(holders) - set(self.slot_of)
+        self._assign(sorted(n for n in came if n in holders and n not in self.slot_of),
+                     [n for n in went if n not in holders and n in self.slot_of])
+        self._synced = CHANGES[0]
+        self._full_synced = FULL[0]
+        return self.slot_names
+
+    def _assign(self, came: list, went: list) -> None:
+        if not came and not went:
+            return
+        names = list(self.slot_names)
+        for n in went:
+            s = self.slot_of.pop(n)
+            names[s] = None
+            heapq.heappush(self._free, s)
+        grow = len(came) - len(self._free)
+        if grow > 0:  # room for an eighth more adapters: the next ones take a free slot (the tables keep their size)
+            start = len(names)
+            names += [None] * (grow + (start + grow) // 8)
+            for s in range(start, len(names)):
+                heapq.heappush(self._free, s)
+        for n in came:
+            s = heapq.heappop(self._free)
+            names[s] = n
+            self.slot_of[n] = s
+        self.slot_names = tuple(names)
+        self._known = tuple(sorted(self.slot_of))
 
     def _repatch_if_changed(self) -> None:
         """Re-patch when the PEFT config changed (``add_adapter`` may have created new LoRA layers)."""
@@ -128,6 +227,9 @@ class Router:
             return
         key = tuple(sorted(getattr(tuner, "peft_config", {}).keys()))
         if key != self.config_key:
+            if set(key) <= set(self.config_key):  # adapters deleted: no LoRA layer came, the layers marked them
+                self.config_key = key
+                return
             self.repatch()
 
     def _check_names(self, names: Sequence[str], known: list) -> None:
@@ -146,12 +248,13 @@ class Router:
         for n in names:
             if not isinstance(n, str):
                 raise TypeError(f"`adapter_names` must hold strings, got {type(n).__name__}: {n!r}")
-        known = self.known_adapters()
-        self._check_names(names, known)
-        index = {n: i for i, n in enumerate(known)}
+        slot_names = self.sync_slots()
+        index = self.slot_of
+        if any(n != BASE and n not in index for n in names):
+            self._check_names(names, list(self._known))
         vocab = torch.tensor([index.get(n, -1) for n in names] + [-1], dtype=torch.int32)  # [-1] for id -1
         if adapter_ids is None:
-            return Routing(names, tuple(known), row_slots=_to(vocab[:-1], device))
+            return Routing(names, slot_names, row_slots=_to(vocab[:-1], device))
         if not torch.is_tensor(adapter_ids) or adapter_ids.dtype.is_floating_point:
             raise TypeError("`adapter_ids` must be an integer tensor [batch, seq] indexing `adapter_names`")
         if adapter_ids.numel():
@@ -163,7 +266,7 @@ class Router:
                 )
         ids = adapter_ids.long()
         vocab = _to(vocab, ids.device)
-        return Routing(names, tuple(known), token_slots=vocab[torch.where(ids < 0, len(names), ids)])
+        return Routing(names, slot_names, token_slots=vocab[torch.where(ids < 0, len(names), ids)])
 
     @torch.compiler.disable
     def begin(self, adapter_names=None, adapter_ids=None, device=None, leads=()) -> None:
@@ -206,7 +309,7 @@ class Router:
         tables (cheap when nothing changed)."""
         if isinstance(names, str):
             raise TypeError("`adapter_names` must be a list of adapter names, one per sample, not a single string")
-        key = (tuple(names), tuple(self.known_adapters()), torch.device(device))
+        key = (tuple(names), self.sync_slots(), torch.device(device))
         r = self._by_names.get(key)
         if r is None:
             if len(self._by_names) > 8:

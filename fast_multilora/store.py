@@ -38,7 +38,9 @@ store with a warning (their optimizer states start over).
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 import operator
 import types
 import warnings
@@ -48,11 +50,21 @@ from typing import Optional
 import torch
 
 from .ddp import StoreSync, mark_model
-from .plan import CHANGES
+from .plan import CHANGES, FULL
 
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _DATA_PTR = torch.Tensor.data_ptr
+_PARAMS = operator.attrgetter("_parameters")
+_WEIGHT = operator.itemgetter("weight")
+_CELL_RANK, _CELL_OFFSET = operator.itemgetter(1), operator.itemgetter(2)
+_CELL_A, _CELL_B = operator.itemgetter(3), operator.itemgetter(4)
+
+
+def _weights(mods: dict, names) -> list:
+    """``mods[n]._parameters["weight"]`` for each name (C-level maps: no Python loop per adapter)."""
+    return list(map(_WEIGHT, map(_PARAMS, map(mods.__getitem__, names))))
 _TENSOR_REQUIRES_GRAD = torch._C.TensorBase.requires_grad  # the C attribute (get / set)
+_REQUIRES_GRAD = _TENSOR_REQUIRES_GRAD.__get__  # (a held parameter's own property would be a Python call)
+_GRAD = operator.attrgetter("grad")
 
 
 class _HeldParameter(torch.nn.Parameter):
@@ -210,18 +222,37 @@ class LayerSlots:
     views: tuple = ()  # (A grad pieces..., B grad pieces...) slot order
     offsets: tuple = ()  # the present adapters' first rows in the region, slot order
     table_of: tuple = ()  # the host tuples of the state table ``table`` was made from
-    ptrs: tuple = ()  # the parameters' addresses when laid out
+    by_name: dict = field(default_factory=dict)  # adapter -> its cell
+    holes: dict = field(default_factory=dict)  # rank -> the cells of that rank no adapter holds
+    pos: dict = field(default_factory=dict)  # adapter -> its index in ``names``
 
-    @property
-    def split(self) -> tuple:
-        """The ranks of the cells, then the free rows: the column blocks of ``B_cat[N, cap]``."""
-        out = tuple(c[1] for c in self.cells)
-        return out + (self.cap - self.end,) if self.cap > self.end else out
+    split: tuple = ()  # the ranks of the cells, then the free rows: the column blocks of ``B_cat[N, cap]``
+    uniform: int = 0  # the one rank of every cell when there is one and the free rows are a multiple of it (else 0)
+
+    def _shape(self) -> None:
+        """:attr:`split` and :attr:`uniform` from the cells (once per layout of the layer, not per call)."""
+        ranks = tuple(map(_CELL_RANK, self.cells))
+        self.split = ranks + (self.cap - self.end,) if self.cap > self.end else ranks
+        r = ranks[0] if ranks else 0
+        self.uniform = r if r and len(set(ranks)) == 1 and (self.cap - self.end) % r == 0 else 0
 
     def _uniform(self) -> int:
-        """The one rank of every cell when there is one and the free rows are a multiple of it (else 0)."""
-        r = self.cells[0][1] if self.cells else 0
-        return r if r and all(c[1] == r for c in self.cells) and (self.cap - self.end) % r == 0 else 0
+        return self.uniform
+
+    def expected(self, i: Optional[int] = None) -> tuple:
+        """Where the parameters' ``.data`` are when they are their pieces (``params`` order; ``i``: adapter ``i``'s
+        two), from the layout and the arena's address now (an arena that grew moved every piece of it): a parameter
+        elsewhere had its ``.data`` replaced since."""
+        es = self.arena.data.element_size()
+        base = self.arena.data.data_ptr()
+        a, b, ka, nb = base + es * self.a0, base + es * self.b0, es * self.K, es * self.N
+        if i is not None:
+            return (a + ka * self.offsets[i], b + nb * self.offsets[i])
+        return tuple(map(a.__add__, map(ka.__mul__, self.offsets))) + \
+            tuple(map(b.__add__, map(nb.__mul__, self.offsets)))
+
+    def moved(self) -> bool:
+        return tuple(map(_DATA_PTR, self.params)) != self.expected()
 
     def b_cat(self, b_leaf: torch.Tensor) -> torch.Tensor:
         """``B_cat[N, cap]`` from the packed block (the torch backend's and a compiled graph's layout)."""
@@ -249,16 +280,17 @@ def _layer_key(layer, state, old: Optional["LayerSlots"] = None) -> Optional[tup
     their parameters still at their pieces' addresses were checked when they came (only the others are read)."""
     if state is None or state.has_bias or len(set(state.a_dtypes)) != 1:
         return None
-    a_mods, b_mods = layer.lora_A._modules, layer.lora_B._modules
     present, ranks = state.present, state.ranks
-    params = [a_mods[n]._parameters["weight"] for n in present] + [b_mods[n]._parameters["weight"] for n in present]
+    params = _weights(layer.lora_A._modules, present) + _weights(layer.lora_B._modules, present)
     ids = tuple(map(id, params))
     ptrs = tuple(map(_DATA_PTR, params))
     if old is not None:
-        if ids == tuple(map(id, old.params)) and ptrs == old.ptrs:  # the same weights where the store put them
+        expected = old.expected()
+        if ids == tuple(map(id, old.params)) and ptrs == expected:  # the same weights where the store put them
             return (present, ranks, *old.key[2:6], ids)
-        checked = dict(zip(map(id, old.params), old.ptrs, strict=True))
-        suspects = [i for i, (pid, ptr) in enumerate(zip(ids, ptrs, strict=True)) if checked.get(pid) != ptr]
+        checked = set(zip(map(id, old.params), expected, strict=True))  # only parameters not already checked are read
+        suspects = list(itertools.compress(range(len(ids)), map(operator.not_, map(checked.__contains__,
+                                                                                    zip(ids, ptrs, strict=True)))))
         p0 = old.params[0] if old.params else params[0]
     else:
         suspects, p0 = range(len(params)), params[0]
@@ -272,6 +304,78 @@ def _layer_key(layer, state, old: Optional["LayerSlots"] = None) -> Optional[tup
         if tuple(p.shape) != ((ranks[i], K) if i < n else (N, ranks[i - n])):
             return None
     return (present, ranks, dtype, device, K, N, ids)
+
+
+def _take_back_moved(old: LayerSlots, cells: list, arena: Arena) -> None:
+    """A parameter of ``old`` whose ``.data`` was replaced: its new values into its piece, which becomes its
+    ``.data`` again."""
+    if not old.moved():
+        return
+    ptrs = dict(zip(map(id, old.params), old.expected(), strict=True))
+    K, N, a0, cap = old.K, old.N, old.a0, old.cap
+    with torch.no_grad():
+        for c in cells:
+            if c[0] is None or id(c[3]) not in ptrs:
+                continue
+            for p, start, shape in ((c[3], a0 + c[2] * K, (c[1], K)),
+                                    (c[4], a0 + _aligned(cap * K) + c[2] * N, (N, c[1]))):
+                if p.data_ptr() != ptrs[id(p)]:
+                    piece = _piece(arena.data, start, shape)
+                    piece.copy_(p.data)
+                    p.data = piece
+
+
+def _delta_key(layer, st, old: LayerSlots, names, slot_of: dict) -> Optional[tuple]:
+    """:func:`_layer_key` of a layer whose state ``st`` differs from ``old.state`` in adapters ``names`` only: the
+    others' parameters are taken from ``old`` (list edits in slot order), the changed ones read and checked."""
+    n = len(old.names)
+    present, A, B = list(old.names), list(old.params[:n]), list(old.params[n:])
+    for i in sorted((old.pos[nm] for nm in names if nm in old.pos), reverse=True):
+        del present[i], A[i], B[i]
+    try:
+        slots = list(map(slot_of.__getitem__, present))
+    except KeyError:  # (an adapter the routing does not know: read everything)
+        return _layer_key(layer, st, old)
+    a_mods, b_mods = layer.lora_A._modules, layer.lora_B._modules
+    new = sorted((nm for nm in names if nm in a_mods and nm in slot_of and nm in st.present), key=slot_of.__getitem__)
+    for nm in new:
+        i = bisect.bisect_left(slots, slot_of[nm])
+        slots.insert(i, slot_of[nm])
+        present.insert(i, nm)
+        A.insert(i, a_mods[nm]._parameters["weight"])
+        B.insert(i, b_mods[nm]._parameters["weight"])
+    if tuple(present) != st.present:
+        return _layer_key(layer, st, old)
+    p0 = old.params[0] if old.params else A[0]
+    dtype, device = p0.dtype, p0.device
+    K, N = layer.in_features, layer.out_features
+    ranks = st.ranks
+    for nm in new:
+        i = present.index(nm)
+        for p, shape in ((A[i], (ranks[i], K)), (B[i], (N, ranks[i]))):
+            if p.dtype != dtype or p.device != device or type(p) not in _PARAMETER_TYPES or \
+                    type(p.data) is not torch.Tensor or tuple(p.shape) != shape:
+                return None
+    return (st.present, ranks, dtype, device, K, N, tuple(map(id, A + B)))
+
+
+def _delta_moves(slots: LayerSlots, st, names) -> bool:
+    """Whether the change of adapters ``names`` from ``slots.state`` to ``st`` moves pieces: one came, went, or has
+    another rank or weight tensor (a change of scale or dropout only re-tables)."""
+    present = st.present
+    for name in names:
+        cell = slots.by_name.get(name)
+        if name not in present:
+            if cell is not None:
+                return True
+            continue
+        if cell is None:
+            return True
+        i = present.index(name)
+        if cell[1] != st.ranks[i] or cell[3] is not st.a_modules[i]._parameters["weight"] or \
+                cell[4] is not st.b_modules[i]._parameters["weight"]:
+            return True
+    return False
 
 
 def _store_table(state, offsets: tuple, cap: int, tables: dict):
@@ -290,6 +394,43 @@ def _store_table(state, offsets: tuple, cap: int, tables: dict):
     return out
 
 
+class _ByAdapter:
+    """Per adapter, read-only: its held parameters and each's layer slots and index there (``ptrs``), or their
+    indices in ``AdapterStore.held``; each adapter's entry is made from the layers' ``pos`` when first asked (per
+    layout)."""
+
+    def __init__(self, store, ptrs: bool):
+        self.store, self.ptrs, self.cache = store, ptrs, {}
+
+    def get(self, name, default=None):
+        hit = self.cache.get(name)
+        if hit is None:
+            params, idx, addr = [], [], []
+            for s in self.store.slots.values():
+                i = s.pos.get(name)
+                if i is not None:
+                    n = len(s.names)
+                    params += (s.params[i], s.params[n + i])
+                    idx += (s.held_idx[i], s.held_idx[n + i])
+                    addr.append((s, i))
+            if not params:
+                return default
+            hit = self.cache[name] = (tuple(params), tuple(addr)) if self.ptrs else tuple(idx)
+        return hit
+
+    def __getitem__(self, name):
+        hit = self.get(name)
+        if hit is None:
+            raise KeyError(name)
+        return hit
+
+    def __contains__(self, name) -> bool:
+        return self.get(name) is not None
+
+    def __iter__(self):
+        return iter({n for s in self.store.slots.values() for n in s.names})
+
+
 class AdapterStore:
     """The slot-stacked storage of one patched model (see the module docstring)."""
 
@@ -303,12 +444,16 @@ class AdapterStore:
         self.adapter_params: dict = {}  # adapter -> (its held parameters, their addresses when laid out)
         self.ids_read = None  # plan.CHANGES when every held parameter's identity was last checked (stale)
         self.pending: set = set()  # adapters of the gradient-recording calls whose backward has not started yet
+        self.trained: set = set()  # adapters of the gradient-recording calls since fast_multilora.AdamW's last step
         self.hooked: set = set()  # ids of the leaves that carry a hook (leaves live as long as their layout)
         self.flags_read = None  # plan.CHANGES when the held parameters' requires_grad were last read
         self.owner = None  # the fast_multilora.AdamW whose states the arenas hold (the latest one built)
         self.seen: Optional[torch.Tensor] = None  # bool [n_slots + 1]: index 0 base, 1 + slot an adapter (mark_seen)
         self.seen_names: tuple = ()
         self.pattern: Optional[list] = None  # requires_grad of every held parameter (sync_requires_grad)
+        self._pattern_of = None  # (held, pattern) of the last flags read
+        self.laid_out = None  # plan.FULL at the last layout
+        self.moved: set = set()  # adapters found with a parameter whose ``.data`` was replaced (stale)
         self.attached: set = set()  # indices in ``held`` of the parameters whose ``.grad`` prepare_grads left a view
         self.watch: dict = {}  # (id(slots), 0: A / 1: B leaf) -> (its attached parameters, their views): the hooks'
         self.adapter_idx: dict = {}  # adapter -> its parameters' indices in ``held``
@@ -356,6 +501,7 @@ class AdapterStore:
             if self.flags_read != CHANGES[0] or not SWAP_CLASS:  # a held flag may have changed (_HeldParameter)
                 self.sync_requires_grad()
             self.pending.update(routing.names)  # (packed rows: every adapter the call names)
+            self.trained.update(routing.names)
             self.mark_seen(routing)
 
     def mark_seen(self, routing) -> None:
@@ -377,7 +523,17 @@ class AdapterStore:
         for layer in self.router.fast_layers:
             st = layer.__dict__.get(_STATE_ATTR)
             old = self.slots.get(id(layer))
-            key = _layer_key(layer, st, old)
+            # a layer whose state the store has checked keeps its key (a moved parameter is caught in layout), but
+            # after mark_changed (a weight may be a new Parameter) or for a replaced first weight (``stale``'s check)
+            same = old is not None and st is old.state and old.names and self.laid_out == FULL[0] and \
+                layer.lora_A._modules[old.names[0]]._parameters["weight"] is old.params[0]
+            d = st.delta if old is not None and st is not None and self.laid_out == FULL[0] else None
+            if same:
+                key = old.key
+            elif d is not None and d[0] is old.state and old.pos:  # a few adapters changed: those are read
+                key = _delta_key(layer, st, old, d[1], self.router.slot_of)
+            else:
+                key = _layer_key(layer, st, old)
             if key is not None:
                 wanted[id(layer)] = (layer, key, st)
         return wanted
@@ -386,8 +542,9 @@ class AdapterStore:
         """Whether the layers' adapters no longer match the layout: per layer its state and first parameter, and the
         address of every parameter of the adapters ``names`` (default: all) -- a parameter whose ``.data`` was
         replaced left its arena. A forward checks the adapters it names only: the kernels read no other adapter's
-        rows, and an adapter whose parameter moved is caught by the first forward that names it (or by
-        ``fast_multilora.AdamW``'s step, which checks all), its values then read from the parameters."""
+        rows, and an adapter whose parameter moved is caught by the first forward that names it, its values then
+        read from the parameters (``fast_multilora.AdamW``'s step checks the adapters trained since its last step:
+        it steps no other)."""
         from .patching import _STATE_ATTR
 
         for layer in self.router.fast_layers:
@@ -398,7 +555,11 @@ class AdapterStore:
                     return True
                 continue
             if st is not slots.state:  # the layer's adapters, modes, dtypes or devices changed since the check
-                if _layer_key(layer, st, slots) != slots.key:
+                d = st.delta if st is not None else None
+                if d is not None and d[0] is slots.state:  # a change of a few adapters: those are read
+                    if _delta_moves(slots, st, d[1]):
+                        return True
+                elif _layer_key(layer, st, slots) != slots.key:
                     return True
                 slots.state = st
                 if st.table.host != slots.table_of:  # the slot order moved: the store's table follows
@@ -407,7 +568,7 @@ class AdapterStore:
                 return True
         if not set(self.slots) <= {id(layer) for layer in self.router.fast_layers}:
             return True
-        if self.ids_read != CHANGES[0]:  # after a reported change (mark_changed): every weight still the one held?
+        if self.ids_read != FULL[0]:  # after mark_changed (a change of unknown extent): every weight still held?
             for layer in self.router.fast_layers:
                 slots = self.slots.get(id(layer))
                 if slots is None:
@@ -416,10 +577,14 @@ class AdapterStore:
                 mods += [layer.lora_B._modules.get(n) for n in slots.names]
                 if any(m is None or m.weight is not p for m, p in zip(mods, slots.params, strict=True)):
                     return True
-            self.ids_read = CHANGES[0]
-        for name in (self.adapter_params if names is None else names):
+            self.ids_read = FULL[0]
+        if names is None:
+            return any(s.moved() for s in self.slots.values())
+        for name in names:
             entry = self.adapter_params.get(name)
-            if entry is not None and tuple(map(_DATA_PTR, entry[0])) != entry[1]:
+            if entry is not None and tuple(map(_DATA_PTR, entry[0])) != \
+                    tuple(itertools.chain.from_iterable(s.expected(i) for s, i in entry[1])):
+                self.moved.add(name)
                 return True
         return False
 
@@ -443,7 +608,10 @@ class AdapterStore:
         work of one adapter added or deleted is its own pieces, amortised, in every layer it has. ``full`` (done
         also when regions given up make more than half an arena): every layer laid out afresh and compact, the
         gradients and optimizer states of the parameters that stay carried over."""
+        checked = self.laid_out == FULL[0]  # no mark_changed since the last layout: a kept layer's weights stand
         wanted = self._wanted()
+        self.laid_out = FULL[0]
+        moved = self.moved  # adapters ``stale`` found with a replaced ``.data``: their layers are read again
         left = [lid for lid in self.slots if lid not in wanted]
         if left and any(type(p.data) is not torch.Tensor for layer in self.router.fast_layers if id(layer) in left
                         for p in layer.parameters()):
@@ -465,7 +633,8 @@ class AdapterStore:
         with torch.no_grad():
             for lid, (layer, key, st) in wanted.items():
                 old = old_slots.get(lid)
-                if not full and old is not None and old.key == key and tuple(map(_DATA_PTR, old.params)) == old.ptrs:
+                touched = not checked or any(n in old.pos for n in moved) if old is not None else True
+                if not full and old is not None and old.key == key and not (touched and old.moved()):
                     old.state = st
                     if st.table.host != old.table_of:
                         self._retable(old)
@@ -473,7 +642,9 @@ class AdapterStore:
                     continue
                 arena = self._arena(key[2], key[3])
                 reuse = not full and old is not None and old.arena is arena and (old.K, old.N) == key[4:6]
-                slots[lid] = self._place(layer, key, st, arena, old if reuse else None, old, placed)
+                d = st.delta if reuse and not touched else None
+                names = d[1] if d is not None and d[0] is old.state else None
+                slots[lid] = self._place(layer, key, st, arena, old if reuse else None, old, placed, names)
             for lid, old in old_slots.items():  # what left: a layer's region, the adapters of a changed layer
                 new = slots.get(lid)
                 if new is old:
@@ -481,19 +652,19 @@ class AdapterStore:
                 if not full and (new is None or new.arena is not old.arena):  # its region is given up
                     old.arena.dropped += _aligned(old.cap * old.K) + _aligned(old.cap * old.N)
                 kept = set(map(id, new.params)) if new is not None else set()
-                for p, name in zip(old.params, old.names + old.names, strict=True):
-                    if id(p) not in kept:
-                        released.append((p, name))
-                        if old.arena.blocks.get(p, (0, 0, None))[2] is p:
-                            del old.arena.blocks[p]
+                gone = itertools.compress(zip(old.params, old.names + old.names, strict=True),
+                                          map(operator.not_, map(kept.__contains__, map(id, old.params))))
+                for p, name in gone:
+                    released.append((p, name))
+                    if old.arena.blocks.get(p, (0, 0, None))[2] is p:
+                        del old.arena.blocks[p]
                 self.hooked.discard(id(old.a_leaf))
                 self.hooked.discard(id(old.b_leaf))
         if full:
             for arena in old_arenas.values():
                 arena.blocks.clear()
         self.slots = slots
-        for s in slots.values():  # (an arena that grew moved every piece of it)
-            s.ptrs = tuple(map(_DATA_PTR, s.params))
+        self.moved = set()
         self._index()
         for p, _ in placed:
             _hold(p)
@@ -508,58 +679,59 @@ class AdapterStore:
         self.delta = None
 
     def _place(self, layer, key, st, arena: Arena, old: Optional[LayerSlots], prev: Optional[LayerSlots],
-               placed: list) -> LayerSlots:
+               placed: list, names=None) -> LayerSlots:
         """The layer's new :class:`LayerSlots` in ``arena``: ``old``'s region and cells updated, or (``old`` None) a
         new region for all its adapters, whose gradients and optimizer states are carried over from ``prev`` (the
-        layer's slots before, in another arena or before a full re-layout). Appends to ``placed`` the parameters now
-        on new pieces."""
+        layer's slots before, in another arena or before a full re-layout). ``names``: only these adapters changed
+        since ``old`` (the others' cells are not read). Appends to ``placed`` the parameters now on new pieces."""
         present, ranks, _, _, K, N, _ = key
         a_mods, b_mods = layer.lora_A._modules, layer.lora_B._modules
-        want = {name: (r, a_mods[name]._parameters["weight"], b_mods[name]._parameters["weight"])
-                for name, r in zip(present, ranks, strict=True)}
+        if old is None or names is None:
+            check, idx = present, range(len(present))
+        else:  # the changed adapters that stay or came, in slot order
+            pos = {n: present.index(n) for n in names if n in present}
+            check = sorted(pos, key=pos.__getitem__)
+            idx = list(map(pos.__getitem__, check))
+        want = {name: (ranks[i], a_mods[name]._parameters["weight"], b_mods[name]._parameters["weight"])
+                for name, i in zip(check, idx, strict=True)}
         if old is None:  # room for an eighth more rank-rows: the next adapters join without moving the region
             cells, end, cap = [], 0, _room(ranks)
             a0 = arena.region(_aligned(cap * K) + _aligned(cap * N))
-            views = {}
+            views, by_name, holes = {}, {}, {}
         else:
             cells, end, cap, a0 = old.cells, old.end, old.cap, old.a0  # (old is given up: its cells are edited)
-            for c in cells:  # adapters that left (or whose weights or rank changed) leave holes
-                w = want.get(c[0]) if c[0] is not None else None
-                if c[0] is not None and (w is None or w[0] != c[1] or w[1] is not c[3] or w[2] is not c[4]):
+            by_name, holes = old.by_name, old.holes
+            gone = (c for c in cells if c[0] is not None) if names is None else \
+                (by_name[n] for n in names if n in by_name)
+            for c in list(gone):  # adapters that left (or whose weights or rank changed) leave holes
+                w = want.get(c[0])
+                if w is None or w[0] != c[1] or w[1] is not c[3] or w[2] is not c[4]:
+                    del by_name[c[0]]
                     c[0] = c[3] = c[4] = None
+                    holes.setdefault(c[1], []).append(c)
             views = dict(zip(map(id, old.params), old.views, strict=True))
-            ptrs = dict(zip(map(id, old.params), old.ptrs, strict=True))
-            moved = tuple(map(_DATA_PTR, old.params)) != old.ptrs
-            with torch.no_grad():  # a parameter whose ``.data`` was replaced: its new values into its piece
-                for c in (c for c in cells if moved and c[0] is not None):
-                    for p, start, shape in ((c[3], a0 + c[2] * K, (c[1], K)),
-                                            (c[4], a0 + _aligned(cap * K) + c[2] * N, (N, c[1]))):
-                        if p.data_ptr() != ptrs[id(p)]:
-                            piece = _piece(arena.data, start, shape)
-                            piece.copy_(p.data)
-                            p.data = piece
-        live = {c[0] for c in cells if c[0] is not None}
-        holes: dict = {}
-        for i, c in enumerate(cells):
-            if c[0] is None:
-                holes.setdefault(c[1], []).append(i)
+            if names is None:  # (with ``names``, the others' addresses are not read: see the region move below)
+                _take_back_moved(old, cells, arena)
         fill = []  # cells whose pieces are written: new adapters (then moved ones)
-        for name in present:
-            if name in live:
+        for name in check:
+            if name in by_name:
                 continue
             r, pa, pb = want[name]
             spot = holes.get(r)
             if spot:
-                c = cells[spot.pop()]
+                c = spot.pop()
                 c[0], c[3], c[4] = name, pa, pb
             else:
                 c = [name, r, end, pa, pb]
                 cells.append(c)
                 end += r
+            by_name[name] = c
             fill.append(c)
         n_new = len(fill)
         b0 = a0 + _aligned(cap * K)
         if end > cap:  # the region is full: the layer moves to one half as large again (its rows copied as a block)
+            if old is not None and names is not None:
+                _take_back_moved(old, cells, arena)  # a replaced ``.data`` into its piece before the rows move
             new_cap = max(cap + cap // 2, end)
             na0 = arena.region(_aligned(new_cap * K) + _aligned(new_cap * N))
             nb0 = na0 + _aligned(new_cap * K)
@@ -603,39 +775,38 @@ class AdapterStore:
                 p.grad = v if p.requires_grad and had_grad else None
                 arena.blocks[p] = (start, numel, p)
                 placed.append((p, c_name))
-        by_name = {c[0]: c for c in cells if c[0] is not None}
-        ordered = [by_name[name] for name in present]
-        params = tuple(c[3] for c in ordered) + tuple(c[4] for c in ordered)
+        ordered = list(map(by_name.__getitem__, present))
+        params = tuple(map(_CELL_A, ordered)) + tuple(map(_CELL_B, ordered))
         a_leaf = _piece(arena.data, a0, (cap, K))
         b_leaf = _piece(arena.data, b0, (cap * N,))
         a_leaf.grad = _piece(arena.grad, a0, (cap, K))
         b_leaf.grad = _piece(arena.grad, b0, (cap * N,))
         out = LayerSlots(present, ranks, K, N, a_leaf, b_leaf, params, key, st, arena=arena, a0=a0, b0=b0, cap=cap,
-                         end=end, cells=cells, views=tuple(views[id(p)] for p in params),
-                         offsets=tuple(c[2] for c in ordered))
+                         end=end, cells=cells, views=tuple(map(views.__getitem__, map(id, params))),
+                         offsets=tuple(map(_CELL_OFFSET, ordered)), by_name=by_name, holes=holes,
+                         pos=dict(zip(present, range(len(present)), strict=True)))
+        out._shape()
         self._retable(out)
         return out
 
     def _index(self) -> None:
-        """The store-wide lists (``held``, ``views``, ``adapter_of``, ``adapter_params``) from the layers' slots."""
+        """The store-wide lists (``held``, ``views``, ``adapter_of``, ``leaf_of``) from the layers' slots; per
+        adapter its parameters and their indices (``adapter_params``, ``adapter_idx``) are found when asked, from the
+        layers' ``pos``. C-level copies per layer: no Python step per parameter."""
         held, views, adapter_of, leaf_of = [], [], [], []
+        chain = itertools.chain.from_iterable
         for s in self.slots.values():
             n, base = len(s.names), len(held)
-            for i, name in enumerate(s.names):
-                held += (s.params[i], s.params[n + i])
-                views += (s.views[i], s.views[n + i])
-                adapter_of += (name, name)
+            held += chain(zip(s.params[:n], s.params[n:], strict=True))
+            views += chain(zip(s.views[:n], s.views[n:], strict=True))
+            adapter_of += chain(zip(s.names, s.names, strict=True))
             s.held_idx = tuple(range(base, base + 2 * n, 2)) + tuple(range(base + 1, base + 2 * n, 2))
             leaf_of += [(id(s), 0), (id(s), 1)] * n  # each adapter's A, then B: its leaves' keys (as ``watch``)
         self.held, self.views, self.adapter_of, self.leaf_of = held, views, adapter_of, leaf_of
-        by_adapter: dict = {}
-        idx: dict = {}
-        for i, (p, name) in enumerate(zip(held, adapter_of, strict=True)):
-            by_adapter.setdefault(name, []).append(p)
-            idx.setdefault(name, []).append(i)
-        self.adapter_params = {n: (tuple(ps), tuple(map(_DATA_PTR, ps))) for n, ps in by_adapter.items()}
-        self.adapter_idx = {n: tuple(ix) for n, ix in idx.items()}
-        self.attached = {i for i, (p, v) in enumerate(zip(held, views, strict=True)) if p.grad is v}
+        self.adapter_params = _ByAdapter(self, ptrs=True)
+        self.adapter_idx = _ByAdapter(self, ptrs=False)
+        grads = map(_GRAD, held)
+        self.attached = set(itertools.compress(range(len(held)), map(operator.is_, grads, views)))
         self._watch()
 
     # -- per step -------------------------------------------------------------------------------------------------
@@ -644,24 +815,33 @@ class AdapterStore:
         gradients nobody reads: its parameters have no ``.grad`` and the optimizer skips them). Returns whether the
         pattern changed since the last call (one pass over the flags when it did not)."""
         self.flags_read = CHANGES[0]
-        pattern = list(map(_REQUIRES_GRAD, self.held))  # C-level: ~0.1-0.3 us per parameter (cache misses)
+        held = self.held
+        pattern = list(map(_REQUIRES_GRAD, held))  # C-level: ~0.1-0.3 us per parameter (cache misses)
+        before, self._pattern_of = self._pattern_of, (held, pattern)
         if pattern == self.pattern:
             return False
         self.pattern = pattern
+        changed = None  # the parameters whose flag changed (or that came) since the last pattern; None: all
+        if before is not None:
+            if before[0] is held:
+                changed = itertools.compress(range(len(held)), map(operator.ne, pattern, before[1]))
+            else:  # (a re-layout in between: compared by identity)
+                flag = dict(zip(map(id, before[0]), before[1], strict=True))
+                changed = itertools.compress(range(len(held)), map(operator.ne, pattern, map(flag.get, map(id, held))))
         for s in self.slots.values():
             n = len(s.names)
-            a_req = any(p.requires_grad for p in s.params[:n])
-            b_req = any(p.requires_grad for p in s.params[n:])
+            a_req = any(map(pattern.__getitem__, s.held_idx[:n]))
+            b_req = any(map(pattern.__getitem__, s.held_idx[n:]))
             for leaf, req, part in ((s.a_leaf, a_req, slice(0, n)), (s.b_leaf, b_req, slice(n, 2 * n))):
                 if leaf.requires_grad != req:
                     leaf.requires_grad_(req)
                     if req and id(leaf) not in self.hooked:  # once per leaf (a frozen tensor takes no hook)
                         leaf.register_hook(self._hook(s, part))
                         self.hooked.add(id(leaf))
-        self.prepare_grads(force=True)  # one that no longer trains loses its view
+        self.prepare_grads(force=changed is None, extra=changed)  # one that no longer trains loses its view
         return True
 
-    def prepare_grads(self, force: bool = False) -> None:
+    def prepare_grads(self, force: bool = False, extra=None) -> None:
         """Give each held parameter the ``.grad`` stock PEFT would leave it, with the gradient in the arena.
 
         Any optimizer may own the parameters: ``torch.optim``'s ``zero_grad()`` drops each ``.grad`` (``None``: the
@@ -678,17 +858,20 @@ class AdapterStore:
         (``attached``) and those of the pending adapters, nothing else (``force``: every parameter); the pieces it
         zeroes go in one ``torch._foreach_zero_``. A parameter outside both sets has ``None`` as the store left it
         (its piece may hold an old sum: zeroed when its view is attached again); one whose ``.grad`` a caller set to
-        a tensor of its own meanwhile is read when its adapter is next pending or the flags change."""
+        a tensor of its own meanwhile is read when its adapter is next pending or the flags change (``extra``: the
+        indices of parameters whose flag changed, read too)."""
         pending = self.pending
         attached = self.attached
         held, views = self.held, self.views
-        if not force and not pending and all(held[i].grad is views[i] for i in attached):
+        extra = set(extra) if extra is not None else set()
+        if not force and not pending and not extra and all(
+                map(operator.is_, map(_GRAD, map(held.__getitem__, attached)), map(views.__getitem__, attached))):
             return
         self.pending = set()
         if force:
             check = range(len(held))
         else:
-            check = set(attached)
+            check = set(attached) | extra
             for name in pending:
                 check.update(self.adapter_idx.get(name, ()))
         pattern = self.pattern
@@ -719,11 +902,21 @@ class AdapterStore:
 
     def _watch(self) -> None:
         """``watch`` from ``attached``: per leaf, what its hook checks."""
-        by_leaf: dict = {}
-        for i in self.attached:
-            by_leaf.setdefault(self.leaf_of[i], []).append(i)
-        held, views = self.held, self.views
-        self.watch = {key: (tuple(held[i] for i in ix), tuple(views[i] for i in ix)) for key, ix in by_leaf.items()}
+        attached, held, views = self.attached, self.held, self.views
+        if len(attached) * 8 < len(held):  # a few: by index
+            by_leaf: dict = {}
+            for i in attached:
+                by_leaf.setdefault(self.leaf_of[i], []).append(i)
+        else:  # most: by layer, C-level filters
+            by_leaf = {}
+            for s in self.slots.values():
+                n = len(s.names)
+                for part, ix in ((0, s.held_idx[:n]), (1, s.held_idx[n:])):
+                    sel = list(itertools.compress(ix, map(attached.__contains__, ix)))
+                    if sel:
+                        by_leaf[(id(s), part)] = sel
+        self.watch = {key: (tuple(map(held.__getitem__, ix)), tuple(map(views.__getitem__, ix)))
+                      for key, ix in by_leaf.items()}
 
     def _hook(self, slots: LayerSlots, part: slice):
         """A hook on one of a layer's leaves, run before its gradient accumulates into the arena: at a backward's

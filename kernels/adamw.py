@@ -64,14 +64,17 @@ class ChunkTable(NamedTuple):
 
 
 def chunk_table(blocks, n_adapters: int, numel: int, device, chunk: int = CHUNK) -> ChunkTable:
-    """The :class:`ChunkTable` of ``blocks``, a host list of ``(start, numel, adapter)``: any sizes (empty blocks are
+    """The :class:`ChunkTable` of ``blocks``, a host list of ``(start, numel, adapter)`` (or an int tensor
+    ``[n, 3]`` of them): any sizes (empty blocks are
     skipped), any order, no overlaps, not necessarily covering the arena ``[0, numel)``. Built on the host (vectorised)
     and copied to ``device`` once."""
     if not (isinstance(chunk, int) and chunk >= 1 and isinstance(n_adapters, int) and n_adapters >= 0
             and isinstance(numel, int) and numel >= 0):
         raise ValueError(f"chunk_table: chunk={chunk!r}, n_adapters={n_adapters!r}, numel={numel!r} must be ints "
                          "(chunk >= 1, the others >= 0)")
-    b = torch.tensor([tuple(x) for x in blocks], dtype=torch.int64).reshape(-1, 3)
+    b = blocks.to(torch.int64).cpu() if torch.is_tensor(blocks) else \
+        torch.tensor([tuple(x) for x in blocks], dtype=torch.int64)
+    b = b.reshape(-1, 3)
     b = b[b[:, 1] != 0]
     start, size, adapter = b.unbind(1)
     bad = (start < 0) | (size < 0) | (start + size > numel) | (adapter < 0) | (adapter >= n_adapters)

@@ -340,6 +340,62 @@ def test_bad_input_errors(tmp_path):
     assert_same_state(model_state(model), before)
 
 
+def _deletable(seed=5):
+    """A model with adapters of every kind ``mixed_configs`` makes, one with ``modules_to_save`` (an auxiliary
+    wrapper), trainability the user set."""
+    torch.manual_seed(seed)
+    model = base_model()
+    configs = mixed_configs(6)
+    configs["s"] = LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast_multilora.add_adapters(model, configs)
+    for name, p in model.named_parameters():
+        if ".x1." in name or ".x3." in name:
+            p.requires_grad_(True)
+    return model
+
+
+@pytest.mark.parametrize("names", [["x1", "x3"], ["a", "x5", "s"], ["x0", "x1", "x2", "x3", "x4", "x5", "s", "a"]],
+                         ids=["two", "active_and_aux", "all"])
+def test_delete_adapters_equals_peft_loop(names):
+    """``fast_multilora.delete_adapters`` leaves the model as a loop of ``PeftModel.delete_adapter`` does (modules,
+    parameters and flags, configs, active adapters of the model and of every layer, auxiliary wrappers, PEFT's
+    warnings), deleting the active adapter and the last one too, with none of PEFT's walks of every module."""
+    want, got = _deletable(), _deletable()
+    with warnings.catch_warnings(record=True) as peft_warned:
+        warnings.simplefilter("always")
+        peft_visits = _count_module_visits(lambda: [want.delete_adapter(name) for name in names])
+    with warnings.catch_warnings(record=True) as ours:
+        warnings.simplefilter("always")
+        visits = _count_module_visits(lambda: fast_multilora.delete_adapters(got, names))
+    assert_same_state(model_state(got), model_state(want))
+    assert [str(w.message) for w in ours] == [str(w.message) for w in peft_warned]
+    # (deleting the active adapter, each layer's set_adapter -- PEFT's, per layer -- walks that layer's adapters)
+    assert visits * 4 < peft_visits, (visits, peft_visits)
+    if "a" not in names:
+        assert visits == 0, visits
+
+
+def test_delete_adapters_errors_leave_the_model_as_it_was():
+    model = _deletable()
+    before = model_state(model)
+    with pytest.raises(ValueError, match="Adapter nope does not exist.*unknown adapter"):
+        fast_multilora.delete_adapters(model, ["x1", "nope"])
+    with pytest.raises(ValueError, match="given twice"):
+        fast_multilora.delete_adapters(model, ["x1", "x1"])
+    with pytest.raises(TypeError, match="not a single string"):
+        fast_multilora.delete_adapters(model, "x1")
+    with pytest.raises(TypeError, match="expected a peft.PeftModel"):
+        fast_multilora.delete_adapters(tiny_llama(), ["x1"])
+    model.base_model.model.model.layers[0].self_attn.q_proj.merge(adapter_names=["x1"])
+    merged = model_state(model)
+    with pytest.raises(ValueError, match="while they are merged"):
+        fast_multilora.delete_adapters(model, ["x0", "x1"])
+    assert_same_state(model_state(model), merged)
+    assert before.keys() == merged.keys()
+
+
 @pytest.mark.slow
 def test_add_adapters_timing():
     """1024 adapters in at most 10x the time of 128; 256 at least 20x faster than PEFT's add_adapter loop (CPU time of

@@ -733,11 +733,12 @@ CHURN = [  # between steps: (adapters added: name -> (rank, targets)), (adapters
 @pytest.mark.parametrize("optimizer", ["fast", "torch"])
 def test_churn_while_training_leaves_the_others_untouched(optimizer):
     """64 adapters training while adapters are added (``fast_multilora.add_adapters``; names sorting among and after
-    the others; ranks equal to a deleted one's, so its rows are reused) and deleted (``delete_adapter``, a churned
-    one and one of the 64) between steps: the adapters that stay follow exactly the trajectory of a run without the
-    churn -- weights, gradients (``None`` where the run without churn has none) and optimizer states (the store's
-    AdamW arena states, or ``torch.optim.AdamW``'s per-parameter states), bit for bit. The churned adapters' rows
-    in a batch are base rows in the run without churn (same shapes: same arithmetic for the other rows)."""
+    the others; ranks equal to a deleted one's, so its rows are reused) and deleted (PEFT's ``delete_adapter`` or
+    ``fast_multilora.delete_adapters``; a churned one and one of the 64) between steps: the adapters that stay
+    follow exactly the trajectory of a run without the churn -- weights, gradients (``None`` where the run without
+    churn has none) and optimizer states (the store's AdamW arena states, or ``torch.optim.AdamW``'s per-parameter
+    states), bit for bit. The churned adapters' rows in a batch are base rows in the run without churn (same shapes:
+    same arithmetic for the other rows)."""
     runs = {}
     for churn in (False, True):
         model = many_model(64)
@@ -761,9 +762,13 @@ def test_churn_while_training_leaves_the_others_untouched(optimizer):
             if step == len(CHURN):
                 break
             added, deleted = CHURN[step]
+            if churn and deleted:  # fast_multilora's delete with its AdamW, PEFT's with torch's
+                if optimizer == "fast":
+                    fast_multilora.delete_adapters(model, list(deleted))
+                else:
+                    for name in deleted:
+                        model.delete_adapter(name)
             for name in deleted:
-                if churn:
-                    model.delete_adapter(name)
                 extra = [e for e in extra if e != name]
                 stay = [s for s in stay if s != name]
             if added and churn:
@@ -853,6 +858,66 @@ def test_one_adapter_of_churn_costs_the_same_whatever_the_registry(what):
     small, large = _store_work(64, change), _store_work(128, change)
     assert small == large, (small, large)
     assert small["pieces"] <= 4 * 8 + 2 * 2 * 2, small  # leaves and views of the changed layers, its own pieces
+
+
+def _host_work(n, change):
+    """What the host reads when ``change`` runs on a patched, training ``many_model(n)`` and the next forward call
+    follows it: adapter entries read into the layers' states (one ``lora_dropout_rate`` per layer and adapter), full
+    state builds and signatures, the store's full key reads, and the pieces it writes."""
+    import fast_multilora.patching as patching_mod
+    import fast_multilora.store as store_mod
+
+    model, opt, names = _trained(n, seed=21)
+    counts = {"entries": 0, "full_states": 0, "signatures": 0, "store_keys": 0, "pieces": 0}
+    real = {}
+
+    def counting(mod, attr, key):
+        fn = real[(mod, attr)] = getattr(mod, attr)
+
+        def wrapper(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+        setattr(mod, attr, wrapper)
+
+    change(model)  # (a change alone reads nothing: the next forward follows it)
+    watched = ((patching_mod, "lora_dropout_rate", "entries"), (patching_mod, "_build_state", "full_states"),
+               (patching_mod, "_state_signature", "signatures"), (store_mod, "_layer_key", "store_keys"),
+               (store_mod, "_piece", "pieces"))
+    for mod, attr, key in watched:
+        counting(mod, attr, key)
+    try:
+        model(input_ids=torch.zeros(1, 3, dtype=torch.long), adapter_names=[names[0]]).logits.sum().backward()
+    finally:
+        for (mod, attr), fn in real.items():
+            setattr(mod, attr, fn)
+    return counts
+
+
+def _add(name, targets):
+    def change(model):
+        torch.manual_seed(0)
+        fast_multilora.add_adapters(model, {name: LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                             init_lora_weights=False)})
+    return change
+
+
+@pytest.mark.parametrize("what", ["add", "add_beside", "peft_delete", "delete_adapters"])
+def test_a_change_of_one_adapter_reads_that_adapter_only(what):
+    """After one adapter is added (``add_adapters``: after the others' names or among them) or deleted (PEFT's
+    ``delete_adapter`` or ``fast_multilora.delete_adapters``), the next forward reads that adapter's entries in the
+    layers it has (or had) and nothing of the others: no layer state is rebuilt from all its adapters, no layer's
+    key is read whole, the store writes only the changed layers' pieces -- the same counts with 64 and 128 adapters
+    registered. Counted, not timed."""
+    change = {"add": _add("zz", ["q_proj", "v_proj"]), "add_beside": _add("m002b", ["q_proj", "v_proj"]),
+              "peft_delete": lambda model: model.delete_adapter("m003"),
+              "delete_adapters": lambda model: fast_multilora.delete_adapters(model, ["m003"])}[what]
+    small, large = _host_work(64, change), _host_work(128, change)
+    assert small == large, (small, large)
+    assert small["full_states"] == small["signatures"] == small["store_keys"] == 0, small
+    layers = 2 * 2  # 2 decoder layers x the adapter's 2 target modules (added: q, v; m003: k, down)
+    assert small["entries"] == (layers if what.startswith("add") else 0), small
+    # per changed layer its two leaves and their gradients, and the added adapter's two weights (copied, held, viewed)
+    assert small["pieces"] == 4 * layers + (6 * layers if what.startswith("add") else 0), small
 
 
 def test_holes_and_spare_rows_train_alike_on_both_backends():
