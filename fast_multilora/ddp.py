@@ -35,6 +35,15 @@ all-reduce per arena. DDP's communication hooks (``register_comm_hook``) do not 
 continues after the reduce (a second backward through one forward) raises, as does the next forward after a backward
 that ended with a noted leaf still waiting (a layer output that never reached the loss). FSDP2 is left as it is:
 its parameters are ``DTensor`` shards, which the store does not hold.
+
+**torch.compile.** ``torch.compile(DDP(model))`` (accelerate's order), ``model.compile()`` before ``DDP(model)`` and
+``DDP(torch.compile(model))`` (DDP reads the names through the compile wrapper and names the parameters under it:
+each name is also given as ``_orig_mod.<name>``) run as above: the routing entry (``follow``) and the reduce run
+outside the graph, the graph takes the leaves. The leaves a traced layer call notes go to ``noted``, which is empty at
+each forward's entry, and tracing does not read ``sync``: Dynamo guards on the Python state a graph reads or mutates,
+so one graph serves synchronised and ``no_sync`` forwards and several forwards per backward. A layer output that
+does not reach the loss raises as above only when no backward of its graph runs: a compiled graph's backward gives
+each of its inputs a gradient (zeros where the loss does not depend on it).
 """
 
 from __future__ import annotations
