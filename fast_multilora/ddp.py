@@ -35,6 +35,15 @@ all-reduce per arena. DDP's communication hooks (``register_comm_hook``) do not 
 continues after the reduce (a second backward through one forward) raises, as does the next forward after a backward
 that ended with a noted leaf still waiting (a layer output that never reached the loss). FSDP2 is left as it is:
 its parameters are ``DTensor`` shards, which the store does not hold.
+
+**torch.compile.** ``torch.compile(DDP(model))`` (accelerate's order), ``model.compile()`` before ``DDP(model)`` and
+``DDP(torch.compile(model))`` (DDP reads the names through the compile wrapper and names the parameters under it:
+each name is also given as ``_orig_mod.<name>``) run as above: the routing entry (``follow``) and the reduce run
+outside the graph, the graph takes the leaves. The leaves a traced layer call notes go to ``noted``, which is empty at
+each forward's entry, and tracing does not read ``sync``: Dynamo guards on the Python state a graph reads or mutates,
+so one graph serves synchronised and ``no_sync`` forwards and several forwards per backward. A layer output that
+does not reach the loss raises as above only when no backward of its graph runs: a compiled graph's backward gives
+each of its inputs a gradient (zeros where the loss does not depend on it).
 """
 
 from __future__ import annotations
@@ -50,16 +59,23 @@ def _active_ddp():
     return torch.nn.parallel.DistributedDataParallel._active_ddp_module
 
 
+# DDP(torch.compile(model)): DDP reads the model's names through torch.compile's wrapper (``OptimizedModule`` hands
+# attribute reads to the model it wraps) and names the parameters under the wrapper, with this prefix
+_COMPILED_PREFIX = "_orig_mod."
+
+
 class IgnoredNames:
     """``model._ddp_params_and_buffers_to_ignore`` of a patched model with a store: the names are computed when DDP's
     constructor reads them (``set(module._ddp_params_and_buffers_to_ignore)``), so they follow the adapters and
-    ``requires_grad`` flags of that moment."""
+    ``requires_grad`` flags of that moment; each name also as the ``torch.compile`` wrapper names it
+    (``_orig_mod.<name>``), for ``DDP(torch.compile(model))``."""
 
     def __init__(self, store, earlier=()):
         self.store, self.earlier = store, tuple(earlier)
 
     def names(self) -> list:
-        return list(self.earlier) + self.store.ddp.ignored_names(self.store, self.earlier)
+        names = list(self.earlier) + self.store.ddp.ignored_names(self.store, self.earlier)
+        return names + [_COMPILED_PREFIX + n for n in names]
 
     def __iter__(self):
         return iter(self.names())
@@ -107,6 +123,9 @@ class StoreSync:
         self.started = None  # ref to the DDP module whose first forward broadcast the arenas
         self.sync = None  # ref to the DDP module whose backward is to reduce the arenas
         self.expect: set = set()  # ids of the leaves taken since the last reduce whose gradient has not arrived yet
+        # ids of the leaves the layer calls of the last forward took (take), moved to ``expect`` when its backward
+        # starts; empty at each forward's entry, so a compiled graph, which guards on the set it adds to, keeps one
+        self.noted: set = set()
         self.arrived = False  # a leaf's gradient arrived since the last reduce
         self.queued = False  # the reduce is queued on the running backward
         self.done = False  # the reduce ran since the last forward
@@ -143,6 +162,10 @@ class StoreSync:
     def follow(self, store, training: bool) -> None:
         """At a forward call's entry: which layers take the store's leaves under the active DDP module, and whether
         the backward of this call reduces the arenas."""
+        if self.sync is not None:  # the last forward's backward is to reduce: what it noted is expected
+            self._collect()
+        else:  # noted by a compiled forward whose backward reduces nothing (no_sync, no_grad; see take)
+            self.noted.clear()
         if self.arrived and self.expect:
             self.arrived, self.expect = False, set()
             raise RuntimeError(
@@ -197,14 +220,22 @@ class StoreSync:
 
     def take(self, layer, slots):
         """A layer call under DDP: the layer's slots when it takes the store's leaves (else ``None``: DDP reduces its
-        parameters), its leaves then expected in the backward."""
+        parameters), its leaves then expected in the backward. While ``torch.compile`` traces, the leaves are noted
+        whatever the sync (reading ``sync`` would make the graph guard on it: a second graph for ``no_sync``); what
+        a forward whose backward reduces nothing noted is dropped at the next forward (:meth:`follow`)."""
         if id(layer) not in self.layers:
             return None
-        if self.sync is not None:  # (also under no_grad: reentrant checkpointing's first run of a block)
+        # (also under no_grad: reentrant checkpointing's first run of a block)
+        if torch.compiler.is_compiling() or self.sync is not None:
             for leaf in (slots.a_leaf, slots.b_leaf):
                 if leaf.requires_grad:
-                    self.expect.add(id(leaf))
+                    self.noted.add(id(leaf))
         return slots
+
+    def _collect(self) -> None:
+        if self.noted:
+            self.expect |= self.noted
+            self.noted.clear()
 
     # -- per backward ---------------------------------------------------------------------------------------------
     def leaf_hook(self, store, leaf) -> None:
@@ -218,6 +249,7 @@ class StoreSync:
                 "fast_multilora.patch(model, adapter_store=False)")
         if self.sync is None:
             return
+        self._collect()
         self.expect.discard(id(leaf))
         self.arrived = True
         if not self.queued:
@@ -228,6 +260,7 @@ class StoreSync:
         import torch.distributed as dist
 
         self.queued = False
+        self._collect()
         if self.expect:  # a nested backward (reentrant checkpointing) ended: the rest come in later ones
             return
         ddp = self.sync() if self.sync is not None else None

@@ -6,7 +6,10 @@ trained for a few steps (no dropout): each step
 accumulates two micro-batches, the first inside ``ddp.no_sync()``; each rank takes its half of a global batch, with
 different adapter mixes (one rank lacks an adapter the other has). Every rank saves its LoRA weights, its gradients
 after the first step's backward, the ``.grad`` that are ``None`` then, and how many layer calls took the store's
-leaves (``"stored"``) or PEFT's parameters (``"params"``) in each model's forwards.
+leaves (``"stored"``) or PEFT's parameters (``"params"``) in each model's forwards, outside any compiled graph.
+
+With a second argument ``compile``: the store's run with ``torch.optim.AdamW`` only, under ``torch.compile(ddp,
+backend="aot_eager")`` (Dynamo's graph count saved too).
 """
 
 import sys
@@ -49,8 +52,9 @@ def batches():
 
 
 def _count_calls(counts, real):
-    def run_layer(*args):
-        counts[args[1][0]] = counts.get(args[1][0], 0) + 1
+    def run_layer(*args):  # a call Dynamo traces is in the graph, not counted (no side effect for it to replay)
+        if not torch.compiler.is_compiling():
+            counts[args[1][0]] = counts.get(args[1][0], 0) + 1
         return real(*args)
 
     patching.run_layer = run_layer
@@ -62,8 +66,9 @@ def optimizer(model, kind):
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
 
 
-def train(model, rank, world, kind):
+def train(model, rank, world, kind, compiled=False):
     ddp = DDP(model)
+    fwd = torch.compile(ddp, backend="aot_eager") if compiled else ddp
     opt = optimizer(model, kind)
     rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
     first_grads = none_grads = None
@@ -73,7 +78,7 @@ def train(model, rank, world, kind):
             ids, labels, names = batches()[step * MICRO + m]
             names = names[rows]
             with ddp.no_sync() if m < MICRO - 1 else torch.enable_grad():
-                out = ddp(input_ids=ids[rows], adapter_names=names)
+                out = fwd(input_ids=ids[rows], adapter_names=names)
                 loss = distributed_per_adapter_loss(out.logits, labels[rows], names, VOCAB) / MICRO
                 loss.backward()
         if step == 0:
@@ -84,14 +89,17 @@ def train(model, rank, world, kind):
     return first_grads, none_grads
 
 
-def main(out_path):
+def main(out_path, compiled=False):
+    from torch._dynamo.utils import counters
+
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     from models import lora_weights, peft_model
 
     result = {"world": world}
     real = patching.run_layer
-    for kind, store in (("store", True), ("params", False), ("fast", True)):
+    kinds = (("store", True),) if compiled else (("store", True), ("params", False), ("fast", True))
+    for kind, store in kinds:
         torch.manual_seed(100 + rank)  # rank-dependent adapter weights: the store's broadcast must even them out
         model = peft_model("llama", seed=0)
         if rank:
@@ -102,10 +110,12 @@ def main(out_path):
         fast_multilora.patch(model, backend="torch", adapter_store=store)
         counts = {}
         _count_calls(counts, real)
+        torch._dynamo.reset()
+        counters.clear()
         t0 = time.perf_counter()
-        grads, none = train(model, rank, world, kind)
+        grads, none = train(model, rank, world, kind, compiled)
         result[kind] = {"weights": lora_weights(model), "grads": grads, "none": none, "counts": counts,
-                        "seconds": time.perf_counter() - t0}
+                        "seconds": time.perf_counter() - t0, "graphs": counters["stats"]["unique_graphs"]}
         if store:
             s = fast_multilora.store.AdapterStore.of(model)
             result[kind]["ddp_layers"] = len(s.ddp.layers)
@@ -116,4 +126,4 @@ def main(out_path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], compiled=sys.argv[2:] == ["compile"])

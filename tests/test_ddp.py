@@ -6,17 +6,23 @@ One rank in this process (gloo over a file store): what DDP is handed, which lay
 equal a plain backward, and a DDP built around the patched model warns and takes the per-parameter path. Two ranks
 (torchrun, ``tests/ddp_worker.py``, slow): several ``torch.optim.AdamW`` steps with ``no_sync`` accumulation and
 different adapter mixes per rank equal one process on the global batches and the per-parameter path under DDP.
+Under ``torch.compile`` (``aot_eager``; the orders torch supports, one rank, and compiling the DDP module, two ranks):
+one graph whose layer calls take the leaves, the same reduces and results as eager.
 """
 
+import contextlib
+import functools
 import os
 import socket
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fast_multilora
@@ -80,9 +86,11 @@ def test_ddp_is_handed_the_store_parameters_but_an_anchor_layer(one_rank, calls,
     ``no_sync`` only."""
     ids, labels, names, ref, model, store = _reference_and_model()
     held = {n for n, p in model.named_parameters() if any(p is q for q in store.held)}
-    ignored = set(model._ddp_params_and_buffers_to_ignore)
+    ignored = {n for n in model._ddp_params_and_buffers_to_ignore if not n.startswith("_orig_mod.")}
     anchor = next(iter(store.slots.values())).params
     assert ignored == held - {n for n, p in model.named_parameters() if any(p is q for q in anchor)}
+    # each name also as DDP(torch.compile(model)) names it, through the compile wrapper
+    assert set(model._ddp_params_and_buffers_to_ignore) == ignored | {"_orig_mod." + n for n in ignored}
     assert len(held) - len(ignored) == len(anchor) > 0
     ddp = DDP(model)
     reduced = {id(q) for q in ddp._module_parameters}
@@ -206,6 +214,150 @@ def test_ddp_parameters_leaving_the_store_after_the_wrap_are_reduced_by_it(one_r
     assert all(sum(t is p.grad for t in reduced) == 1 for p in left)
 
 
+# torch.compile with DDP, the orders torch 2.13 supports: compiling the DDP module (accelerate's order, with a
+# dynamo_backend: Dynamo compiles the module under DDP's forward, DDPOptimizer splits its graph at DDP's buckets),
+# compiling the model in place before DDP (``model.compile()``, torch's "where to apply torch.compile" page), and DDP
+# around torch.compile's wrapper (DDP reads the model's names through it, prefixed ``_orig_mod.``)
+_COMPILE_ORDERS = {
+    "compile(DDP(model))": lambda model: (lambda ddp: (ddp, torch.compile(ddp, backend="aot_eager")))(DDP(model)),
+    "model.compile();DDP(model)": lambda model: (model.compile(backend="aot_eager"), (DDP(model),) * 2)[1],
+    "DDP(compile(model))": lambda model: (DDP(torch.compile(model, backend="aot_eager")),) * 2,
+}
+
+
+def test_ddp_around_torch_compile_wrapper_is_handed_the_store_names(one_rank):
+    """``DDP(torch.compile(model))``: DDP reads the model's names through the compile wrapper and names the
+    parameters under it (``_orig_mod.``): it reduces the same parameters as ``DDP(model)``, all but the anchor
+    layer's held ones (nothing compiles before the first call)."""
+    runs = []
+    for wrap in (lambda m: m, lambda m: torch.compile(m, backend="aot_eager")):
+        model = peft_model("llama")
+        fast_multilora.patch(model, backend="torch")
+        store = AdapterStore.of(model)
+        names = {id(p): n for n, p in model.named_parameters()}
+        runs.append(sorted(names[id(p)] for p in DDP(wrap(model))._module_parameters if p.requires_grad))
+        anchor = next(iter(store.slots.values())).params
+        assert runs[-1] == sorted(names[id(p)] for p in anchor)
+    assert runs[0] == runs[1]
+
+
+def _train_under_ddp(order, monkeypatch):
+    """3 ``torch.optim.AdamW`` steps of the patched model under DDP (``order``: how it is compiled, or ``"eager"``;
+    ``"plain"``: no DDP) over ``ddp_worker.batches()``: steps 0 and 1 accumulate a micro-batch under ``no_sync`` and a
+    synchronised one, step 2 backpropagates the sum of two forwards' losses (every adapter has rows in each step).
+    Returns the gradients of step 0, the weights after the last step, per backward which store leaves and which held
+    parameters got a gradient from autograd, which tensors were all-reduced and whether every ``.grad`` of a held
+    parameter is a view of the gradient arena, and the layer calls run outside any compiled graph."""
+    model = peft_model("llama")
+    fast_multilora.patch(model, backend="torch")
+    store = AdapterStore.of(model)
+    if order == "plain":
+        ddp = types.SimpleNamespace(no_sync=contextlib.nullcontext)
+        fwd = model
+    else:
+        ddp, fwd = (DDP(model),) * 2 if order == "eager" else _COMPILE_ORDERS[order](model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    eager_calls = {}
+    real_run = patching.run_layer
+
+    def run_layer(*args):  # a call Dynamo traces is in the graph, not counted (no side effect for it to replay)
+        if not torch.compiler.is_compiling():
+            eager_calls[args[1][0]] = eager_calls.get(args[1][0], 0) + 1
+        return real_run(*args)
+
+    monkeypatch.setattr(patching, "run_layer", run_layer)
+    reduced = []
+    real_reduce = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: (reduced.append(t), real_reduce(t, *a, **k))[1])
+    got = set()  # ids of the tensors autograd handed a gradient (the engine runs these hooks, compiled or not)
+    for t in [leaf for s in store.slots.values() for leaf in (s.a_leaf, s.b_leaf)] + store.held:
+        if t.requires_grad:
+            t.register_hook(functools.partial(lambda i, g: got.add(i), id(t)))
+    leaves = {id(leaf): lid for lid, s in store.slots.items() for leaf in (s.a_leaf, s.b_leaf)}
+    held = {id(p): p for p in store.held}
+    backwards, first = [], None
+
+    def backward(loss):
+        got.clear()
+        reduced.clear()
+        loss.backward()
+        arenas = [a.grad for a in store.arenas.values()]
+        ptrs = {g.untyped_storage().data_ptr() for g in arenas}
+        backwards.append({"leaf_layers": sorted(leaves[i] for i in got if i in leaves),
+                          "params": {i for i in got if i in held},
+                          "arena_reduces": [sum(t is g for t in reduced) for g in arenas],
+                          "views": all(p.grad is None or p.grad.untyped_storage().data_ptr() in ptrs
+                                       for p in store.held)})
+
+    def loss_of(ids, labels, names):
+        out = fwd(input_ids=ids, adapter_names=names)
+        return fast_multilora.per_adapter_loss(out.logits, labels, names) / ddp_worker.MICRO
+
+    model.train()
+    data = ddp_worker.batches()
+    for step in range(ddp_worker.STEPS):
+        micro = data[step * ddp_worker.MICRO:(step + 1) * ddp_worker.MICRO]
+        if step < 2:
+            with ddp.no_sync():
+                backward(loss_of(*micro[0]))
+            backward(loss_of(*micro[1]))
+        else:  # two forwards, one backward
+            backward(loss_of(*micro[0]) + loss_of(*micro[1]))
+        if step == 0:
+            first = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+    return {"grads": first, "weights": lora_weights(model), "backwards": backwards, "eager_calls": eager_calls,
+            "layers": sorted(store.ddp.layers), "held_layers": len(store.slots),
+            "anchor": {id(p) for p in next(iter(store.slots.values())).params}}
+
+
+@pytest.mark.parametrize("order", [pytest.param(o, marks=() if i == 0 else pytest.mark.slow, id=o)
+                                   for i, o in enumerate(_COMPILE_ORDERS)])
+def test_ddp_store_under_torch_compile(one_rank, fresh_dynamo, monkeypatch, order):
+    """The store under DDP and ``torch.compile`` (``aot_eager``), 3 ``torch.optim.AdamW`` steps with
+    ``per_adapter_loss`` over mixed adapter names, ``no_sync`` accumulation and a two-forward step: one graph for every
+    mix and both sync modes (no recompilation; the only graph breaks are in DDP's own forward, where torch breaks on
+    purpose so that Dynamo compiles the module under it; the model's routing pre-hook runs before the compiled frame
+    and counts none); no layer call runs outside the graph; in every backward the same tensors get gradients from
+    autograd as in the eager DDP run -- both store leaves of every layer but the anchor's, the anchor's parameters, no
+    other held parameter --; each gradient arena is all-reduced once per synchronised backward and never under
+    ``no_sync``, and every held parameter's ``.grad`` is a view of it; the first step's gradients and the weights
+    after the last equal a run without DDP (one rank: DDP's average is the gradient), as the eager DDP run's do.
+
+    Tolerances: gradients fp32-tight (rtol 1e-5, atol 1e-6 x the largest; measured 2.7e-7 x): the graph runs the same
+    ops, AOTAutograd's decompositions round in their own order. Weights atol 1e-4 = lr / 100 (measured 2.4e-7):
+    AdamW's update m / (sqrt(v) + eps) carries an element's gradient rounding into the update without the gradient's
+    scale where the gradient is small (1.2e-5 in a 4-step variant of this run), while a wrong gradient moves an
+    element by up to lr per step."""
+    plain = _train_under_ddp("plain", monkeypatch)
+    want = _train_under_ddp("eager", monkeypatch)
+    torch._dynamo.reset()
+    counters.clear()
+    got = _train_under_ddp(order, monkeypatch)
+    breaks = sum(counters["graph_break"].values())
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert breaks <= (3 if order == "compile(DDP(model))" else 0), dict(counters["graph_break"])
+    assert want["eager_calls"] == {"stored": 6 * (len(want["layers"])), "params": 6}
+    assert got["eager_calls"] == {}  # every layer call ran inside the compiled graph
+    assert len(got["layers"]) == len(want["layers"]) == got["held_layers"] - 1  # all but the anchor layer
+    for run in (want, got):
+        assert len(run["backwards"]) == 5
+        for b, synced in zip(run["backwards"], (False, True, False, True, True), strict=True):
+            assert b["leaf_layers"] == sorted(run["layers"] * 2)  # both leaves of every layer but the anchor's
+            assert b["params"] == run["anchor"]
+            assert b["arena_reduces"] == [int(synced)] * len(b["arena_reduces"])
+            assert b["views"]  # the all-reduced arena is what the parameters' .grad show
+    for run, what in ((want, "eager DDP"), (got, order)):
+        assert set(run["grads"]) == set(plain["grads"])
+        for n, g in plain["grads"].items():
+            torch.testing.assert_close(run["grads"][n], g, rtol=1e-5, atol=1e-6 * g.abs().max().item(),
+                                       msg=lambda m, n=n, what=what: f"{what}: {n}: {m}")
+        for n, w in plain["weights"].items():
+            torch.testing.assert_close(run["weights"][n], w, rtol=0, atol=1e-4,
+                                       msg=lambda m, n=n, what=what: f"{what}: {n}: {m}")
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -233,39 +385,51 @@ def _reference(kind):
 
 
 @pytest.mark.slow
-def test_ddp_two_ranks_match_one_process_and_the_parameter_path(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_ddp_two_ranks_match_one_process_and_the_parameter_path(tmp_path, compiled):
     """2 gloo ranks, ``torch.optim.AdamW`` (and ``fast_multilora.AdamW`` on the store), 3 steps of 2 micro-batches
     (the first under ``no_sync``), different adapter mixes per rank (one lacks an adapter for a whole step, one has
     base rows only in a micro-batch), rank-dependent initial adapter weights: the store's run equals one process on
     the global batches (gradients of the first step, weights after the last) and the per-parameter path under DDP;
     both ranks end with the same weights, every trained parameter has a gradient on every rank, and all layer calls
-    but the anchor layer's take the leaves."""
+    but the anchor layer's take the leaves. ``compiled``: the store's run with ``torch.optim.AdamW`` under
+    ``torch.compile(ddp, backend="aot_eager")``: one graph, no layer call outside it, the same one-process result."""
     path = os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path, TRITON_INTERPRET="1")
     out = tmp_path / "ddp.pt"
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(_free_port()), str(ROOT / "tests" / "ddp_worker.py"), str(out)],
+                          str(_free_port()), str(ROOT / "tests" / "ddp_worker.py"), str(out)]
+                         + (["compile"] if compiled else []),
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-5000:]
     ranks = [torch.load(f"{out}.{r}") for r in range(2)]
-    refs = {kind: _reference(kind) for kind in ("torch", "fast")}
+    refs = {kind: _reference(kind) for kind in (("torch",) if compiled else ("torch", "fast"))}
     forwards = ddp_worker.STEPS * ddp_worker.MICRO
     for got in ranks:
         assert got["world"] == 2
-        store, params = got["store"], got["params"]
+        store = got["store"]
+        runs = [(store, refs["torch"])]
         assert store["ddp_layers"] == store["held_layers"] - 1  # all but the anchor layer
-        assert store["counts"] == {"stored": forwards * (store["held_layers"] - 1), "params": forwards}
-        assert store["none"] == [] == params["none"]
-        for run, (weights, first) in ((store, refs["torch"]), (params, refs["torch"]), (got["fast"], refs["fast"])):
+        assert store["none"] == []
+        if compiled:
+            assert store["counts"] == {}  # every layer call ran inside the compiled graph
+            assert store["graphs"] == 1
+        else:
+            params, fast = got["params"], got["fast"]
+            assert store["counts"] == {"stored": forwards * (store["held_layers"] - 1), "params": forwards}
+            assert params["none"] == [] == fast["none"]
+            runs += [(params, refs["torch"]), (fast, refs["fast"])]
+            for n, w in params["weights"].items():
+                torch.testing.assert_close(store["weights"][n], w, rtol=1e-5, atol=1e-7,
+                                           msg=lambda m, n=n: f"{n}: {m}")
+        for run, (weights, first) in runs:
             assert set(run["grads"]) == set(first)
             for n, g in first.items():
                 torch.testing.assert_close(run["grads"][n], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
             assert set(run["weights"]) == set(weights)
             for n, w in weights.items():
                 torch.testing.assert_close(run["weights"][n], w, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
-        for n, w in params["weights"].items():
-            torch.testing.assert_close(store["weights"][n], w, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
-    for kind in ("store", "fast"):
+    for kind in ("store",) if compiled else ("store", "fast"):
         for n, w in ranks[0][kind]["weights"].items():
             assert torch.equal(ranks[1][kind]["weights"][n], w), (kind, n)
 
