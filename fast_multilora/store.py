@@ -50,6 +50,7 @@ from typing import Optional
 import torch
 
 from .ddp import StoreSync, mark_model
+from .kernels.segments import to_device
 from .plan import CHANGES, FULL
 
 _DATA_PTR = torch.Tensor.data_ptr
@@ -510,9 +511,18 @@ class AdapterStore:
         slots = routing.row_slots if routing.per_row else routing.token_slots
         if slots is None or not self.arenas:
             return
-        if self.seen is None or self.seen_names != routing.slot_names or self.seen.device != slots.device:
+        if self.seen is None or self.seen.device != slots.device:
             self.seen = torch.zeros(len(routing.slot_names) + 1, dtype=torch.bool, device=slots.device)
             self.seen_names = routing.slot_names
+        elif self.seen_names != routing.slot_names:  # adapters came or went: the others' flags stay (their slots do)
+            old, new = self.seen_names, routing.slot_names
+            seen = torch.zeros(len(new) + 1, dtype=torch.bool, device=slots.device)
+            k = min(len(old), len(new))
+            seen[: k + 1] = self.seen[: k + 1]
+            gone = list(itertools.compress(range(1, k + 1), map(operator.ne, old[:k], new[:k])))
+            if gone:  # a slot now of another adapter (or free): not seen
+                seen.index_fill_(0, to_device(torch.tensor(gone, dtype=torch.int64), slots.device), False)
+            self.seen, self.seen_names = seen, new
         self.seen.index_fill_(0, slots.reshape(-1).long() + 1, True)  # index 0: base tokens (slot -1)
 
     # -- layout ---------------------------------------------------------------------------------------------------

@@ -920,6 +920,43 @@ def test_a_change_of_one_adapter_reads_that_adapter_only(what):
     assert small["pieces"] == 4 * layers + (6 * layers if what.startswith("add") else 0), small
 
 
+@pytest.mark.parametrize("change", ["add", "delete", "reuse"])
+def test_an_adapter_added_or_deleted_between_micro_batches_keeps_the_others_steps(change):
+    """``fast_multilora.AdamW`` steps the adapters that had rows since ``zero_grad``: one added (a new slot), one
+    deleted (a freed slot), or one deleted after its rows and another added into its slot (``reuse``) between two
+    micro-batches of one step leaves the first micro-batch's other adapters stepped as without the change (bit for
+    bit), and the new adapter, which had no rows, not stepped (no weight decay)."""
+    def run(churn):
+        model, opt, names = _trained(6, seed=3)
+        g = torch.Generator().manual_seed(8)
+        for rows in ([names[0], names[5]], [names[2], names[3]]):
+            ids = torch.randint(0, 97, (2, 5), generator=g)
+            out = model(input_ids=ids, adapter_names=rows)
+            fast_multilora.per_adapter_loss(out.logits, ids, rows).backward()
+            if churn and rows[0] == names[0]:
+                if change != "add":
+                    fast_multilora.delete_adapters(model, [names[5]])
+                if change != "delete":
+                    fast_multilora.add_adapters(model, {"zz": LoraConfig(r=2, target_modules=["q_proj"],
+                                                                         init_lora_weights=False)})
+                    for n, p in model.named_parameters():
+                        if ".zz." in n:
+                            p.requires_grad_(True)
+        before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+        opt.step()
+        return before, {n: p.detach().clone() for n, p in model.named_parameters() if n in before}
+
+    (b0, calm), (b1, churned) = run(False), run(True)
+    for n, w in calm.items():
+        if ".m005." not in n:
+            assert torch.equal(churned[n], w), n
+    assert any(".m000." in n and not torch.equal(calm[n], b0[n]) for n in calm)  # the first micro-batch's stepped
+    new = [n for n in churned if ".zz." in n]
+    assert len(new) == (0 if change == "delete" else 4)
+    for n in new:
+        assert torch.equal(churned[n], b1[n]), n
+
+
 def test_holes_and_spare_rows_train_alike_on_both_backends():
     """After a delete (its rows a hole) and adds (into free rows, a region grown), the Triton kernels (interpreted
     on CPU) read every slot at the store's offsets, past holes and spare rows, as the torch backend does."""
