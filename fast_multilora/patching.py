@@ -51,7 +51,7 @@ from .function import LayerCall, get_backend, lora_dropout_rate, run_layer
 from .kernels.decode import DECODE_MAX_ROWS
 from .kernels.launch import set_enabled as set_fast_launch
 from .kernels.segments import AdapterTable
-from .plan import ALL, BASE, CHANGES, DIRTY_ATTR, FULL, Router, mark_dirty
+from .plan import ALL, BASE, CHANGES, DIRTY_ATTR, FULL, Router, mark_changed, mark_dirty
 
 _ROUTER_ATTR = "_fml_router"
 _HOOKS_ATTR = "_fml_hooks"
@@ -132,29 +132,36 @@ class _TrackedDict(dict):
 
     __slots__ = ("layer",)
 
+    def _mark(self, key=ALL) -> None:
+        layer = getattr(self, "layer", None)  # (unset while pickle rebuilds the dict: its items come first)
+        if layer is None:
+            mark_changed()
+        else:
+            mark_dirty(layer, key)
+
     def __setitem__(self, key, value):
-        mark_dirty(self.layer, key)
+        self._mark(key)
         dict.__setitem__(self, key, value)
 
     def __delitem__(self, key):
-        mark_dirty(self.layer, key)
+        self._mark(key)
         dict.__delitem__(self, key)
 
     def pop(self, key, *default):
-        mark_dirty(self.layer, key)
+        self._mark(key)
         return dict.pop(self, key, *default)
 
     def setdefault(self, key, default=None):
-        mark_dirty(self.layer, key)
+        self._mark(key)
         return dict.setdefault(self, key, default)
 
     def __ior__(self, other):
-        mark_dirty(self.layer)
+        self._mark()
         return dict.__ior__(self, other)
 
     def _wrap(name):  # noqa: N805 - a class-body helper
         def method(self, *args, **kwargs):
-            mark_dirty(self.layer)
+            self._mark()
             return getattr(dict, name)(self, *args, **kwargs)
         method.__name__ = name
         return method

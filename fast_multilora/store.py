@@ -42,7 +42,6 @@ import bisect
 import functools
 import itertools
 import operator
-import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional
@@ -454,6 +453,8 @@ class AdapterStore:
         self.pattern: Optional[list] = None  # requires_grad of every held parameter (sync_requires_grad)
         self._pattern_of = None  # (held, pattern) of the last flags read
         self.laid_out = None  # plan.FULL at the last layout
+        # a copy (its layers are other objects; ``torch.load``'s arenas cannot grow): laid out afresh at first use
+        self.copied = False
         self.moved: set = set()  # adapters found with a parameter whose ``.data`` was replaced (stale)
         self.attached: set = set()  # indices in ``held`` of the parameters whose ``.grad`` prepare_grads left a view
         self.watch: dict = {}  # (id(slots), 0: A / 1: B leaf) -> (its attached parameters, their views): the hooks'
@@ -468,6 +469,7 @@ class AdapterStore:
         state = dict(self.__dict__)
         state["owner"] = None
         state["ddp"] = StoreSync()
+        state["copied"] = True
         return state
 
     # -- attaching ------------------------------------------------------------------------------------------------
@@ -588,6 +590,8 @@ class AdapterStore:
                 if any(m is None or m.weight is not p for m, p in zip(mods, slots.params, strict=True)):
                     return True
             self.ids_read = FULL[0]
+        if self.copied:
+            return True
         if names is None:
             return any(s.moved() for s in self.slots.values())
         for name in names:
@@ -628,7 +632,8 @@ class AdapterStore:
             warnings.warn("fast_multilora: parameters held by the adapter store were replaced by other tensor types "
                           "(FSDP2's shards?): they leave the store and their optimizer states start over",
                           stacklevel=3)
-        full = full or any(a.dropped * 3 > a.used for a in self.arenas.values())
+        full = full or self.copied or any(a.dropped * 3 > a.used for a in self.arenas.values())
+        self.copied = False
         old_slots, old_arenas = self.slots, self.arenas
         released, placed = [], []  # parameters that left the store; parameters on new pieces (new or moved)
         if full:
@@ -979,5 +984,7 @@ def _shadow_zero_grad(model, store: AdapterStore) -> None:
     otherwise be dropped while the arena kept the old sums."""
     from .patching import _HOOKS_ATTR, _InstanceAttr
 
-    model.__dict__["zero_grad"] = types.MethodType(_zero_grad, model)
+    # (a partial, not a bound method: pickle takes it by reference to ``_zero_grad``; a bound method of a module
+    # function would be looked up on the model by name)
+    model.__dict__["zero_grad"] = functools.partial(_zero_grad, model)
     model.__dict__.setdefault(_HOOKS_ATTR, []).append(_InstanceAttr(model, "zero_grad"))

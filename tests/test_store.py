@@ -7,6 +7,8 @@ while training; ``save_pretrained`` files as stock PEFT writes them; gradient cl
 """
 
 import copy
+import io
+import pickle
 
 import pytest
 import torch
@@ -518,11 +520,21 @@ def test_a_new_optimizer_starts_from_zero_moments():
         first.step()
 
 
-def test_a_deep_copy_has_its_own_store():
-    """``copy.deepcopy`` of a model with a store: the copy gives the same outputs, trains with its own optimizer and
-    leaves the original untouched (its ``zero_grad`` and store are the copy's)."""
+def _torch_save_load(model):
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch_save"])
+def test_a_copy_has_its_own_store(how):
+    """A copy of a model with a store (``copy.deepcopy``, ``pickle``, ``torch.save`` / ``torch.load`` of the whole
+    model): the copy gives the same outputs, trains with its own optimizer (its store laid out afresh: a loaded
+    arena cannot grow in place) and leaves the original untouched (its ``zero_grad`` and store are the copy's)."""
     model, opt, names = _trained(3, seed=16)
-    copy_ = copy.deepcopy(model)
+    copy_ = {"deepcopy": copy.deepcopy, "pickle": lambda m: pickle.loads(pickle.dumps(m)),
+             "torch_save": _torch_save_load}[how](model)
     ids, rows = _batches(names, steps=1, seed=17)[0]
     with torch.no_grad():
         torch.testing.assert_close(copy_(input_ids=ids, adapter_names=rows).logits,
