@@ -1029,7 +1029,8 @@ def load_adapters(model, sources: Mapping, *, is_trainable: bool = False, torch_
         out[name] = _IncompatibleKeys([k for k in own[name] if k not in state], [k for k in state if k not in known])
     if not is_trainable:
         model.eval()
-    mark_changed()
+    # (no mark_changed: add_adapters marked the new adapters, or the model re-patches where it made LoRA layers; the
+    # weights went in place, into the store's pieces)
     return out
 
 

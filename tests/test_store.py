@@ -913,23 +913,29 @@ def _add(name, targets):
     return change
 
 
-@pytest.mark.parametrize("what", ["add", "add_beside", "peft_delete", "delete_adapters"])
-def test_a_change_of_one_adapter_reads_that_adapter_only(what):
-    """After one adapter is added (``add_adapters``: after the others' names or among them) or deleted (PEFT's
+@pytest.mark.parametrize("what", ["add", "add_beside", "load", "peft_delete", "delete_adapters"])
+def test_a_change_of_one_adapter_reads_that_adapter_only(what, tmp_path):
+    """After one adapter is added (``add_adapters``: after the others' names or among them; ``load_adapters`` of a
+    saved one, trainable) or deleted (PEFT's
     ``delete_adapter`` or ``fast_multilora.delete_adapters``), the next forward reads that adapter's entries in the
     layers it has (or had) and nothing of the others: no layer state is rebuilt from all its adapters, no layer's
     key is read whole, the store writes only the changed layers' pieces -- the same counts with 24 and 48 adapters
     registered. Counted, not timed."""
-    change = {"add": _add("zz", ["q_proj", "v_proj"]), "add_beside": _add("m002b", ["q_proj", "v_proj"]),
+    def load(model):  # m001 (q and v) saved, loaded back as "zz"
+        fast_multilora.save_adapters(model, tmp_path, names=["m001"])
+        fast_multilora.load_adapters(model, {"zz": tmp_path / "m001"}, is_trainable=True)
+
+    change = {"add": _add("zz", ["q_proj", "v_proj"]), "add_beside": _add("m002b", ["q_proj", "v_proj"]), "load": load,
               "peft_delete": lambda model: model.delete_adapter("m003"),
               "delete_adapters": lambda model: fast_multilora.delete_adapters(model, ["m003"])}[what]
     small, large = _host_work(24, change), _host_work(48, change)
     assert small == large, (small, large)
     assert small["full_states"] == small["signatures"] == small["store_keys"] == 0, small
     layers = 2 * 2  # 2 decoder layers x the adapter's 2 target modules (added: q, v; m003: k, down)
-    assert small["entries"] == (layers if what.startswith("add") else 0), small
+    added = what.startswith("add") or what == "load"
+    assert small["entries"] == (layers if added else 0), small
     # per changed layer its two leaves and their gradients, and the added adapter's two weights (copied, held, viewed)
-    assert small["pieces"] == 4 * layers + (6 * layers if what.startswith("add") else 0), small
+    assert small["pieces"] == 4 * layers + (6 * layers if added else 0), small
 
 
 @pytest.mark.parametrize("change", ["add", "delete", "reuse"])
