@@ -60,7 +60,7 @@ from collections import OrderedDict
 import torch
 from torch.optim import optimizer as _optimizer
 
-from .plan import BASE, CHANGES, mark_changed, mark_dirty
+from .plan import BASE, CHANGES, FULL, mark_changed, mark_dirty
 
 # tests: after a synchronous (CPU) page-in, the host copies are filled with NaN -- they are stale from then on -- so a
 # value read from a host copy of an adapter that should be resident shows in the results
@@ -207,6 +207,7 @@ class Pager:
         self.outgoing: dict = {}  # adapter -> CUDA event: its page-out's copies into host memory
         self.side = None  # the side stream of prefetches (CUDA)
         self.changes = None  # plan.CHANGES after this pager's own last change (another one: check the host copies)
+        self.full_seen = None  # plan.FULL at the last check
         self.hook = router.root.register_state_dict_pre_hook(lambda *args: self.synchronize())
         _PAGERS.add(self)
         if not _STEP_HOOK:
@@ -482,11 +483,21 @@ class Pager:
     def _check(self) -> None:
         """After a change not made here (an adapter added or deleted, ``.to()``, a re-patch): forget deleted adapters,
         and count as resident a paged-out adapter whose parameters no longer hold their host copies."""
-        known = set(self.router.known_adapters())
-        for name in list(self.recent):
+        router = self.router
+        router.sync_slots()
+        known = router.slot_of
+        # the adapters marked changed since the last check (every one after mark_changed, a mode or device change of
+        # a layer, a re-patch): the others' records stand
+        marked = None if router.dirty_all or self.full_seen != FULL[0] else router.dirty_seen
+        router.dirty_all, router.dirty_seen, self.full_seen = False, set(), FULL[0]
+
+        def among(records) -> list:
+            return list(records) if marked is None else [n for n in marked if n in records]
+
+        for name in among(self.recent):
             if name not in known:
                 del self.recent[name]
-        for name in list(self.paged):
+        for name in among(self.paged):
             if name not in known:
                 del self.paged[name]
                 continue
@@ -499,7 +510,7 @@ class Pager:
                     self.recent.move_to_end(name, last=False)
                     self.device = p.device
                     break
-        for name in list(self.buffers):
+        for name in among(self.buffers):
             if name not in known:
                 del self.buffers[name]
                 self.outgoing.pop(name, None)

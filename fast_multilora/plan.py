@@ -140,6 +140,9 @@ class Router:
         self._synced = None  # plan.CHANGES when the slots were last brought up to date
         self._full_synced = None  # plan.FULL when every layer was last read (None: after a (re-)patch)
         self._known: tuple = ()  # sorted adapter names
+        # the adapters marked changed since paging last looked (``dirty_all``: any), kept only under paging
+        self.dirty_seen: set = set()
+        self.dirty_all = True
         self.pager = None  # fast_multilora.paging.Pager: PatchConfig.resident_adapters (set by patch)
 
     # -- adapters known to the model ------------------------------------------------------------------------------
@@ -161,6 +164,7 @@ class Router:
         if full:
             held_by.clear()
             holders.clear()
+            self.dirty_all = True
         for layer in self.layers:
             d = layer.__dict__
             dirty = d.get(DIRTY_ATTR)
@@ -168,6 +172,11 @@ class Router:
                 d.pop(DIRTY_ATTR, None)
             if not full and not dirty:
                 continue
+            if self.pager is not None and dirty:
+                if dirty is ALL:
+                    self.dirty_all = True
+                else:
+                    self.dirty_seen |= dirty
             before = held_by.get(id(layer), set())
             if full or dirty is ALL:
                 now = _names_of(layer)

@@ -275,7 +275,11 @@ def test_paging_refuses_expert_lora_before_patching_anything():
     fast_multilora.patch(model, backend="torch")  # without paging: as usual
 
 
-def test_adapters_added_and_deleted_while_paged(device):
+@pytest.mark.parametrize("how", ["peft", "fast"])
+def test_adapters_added_and_deleted_while_paged(device, how):
+    """PEFT's ``delete_adapter`` / ``add_adapter`` and ``.to()`` (the pager checks every record), or
+    ``fast_multilora.delete_adapters`` / ``add_adapters`` alone (it checks the marked adapters' records only): a paged
+    run then equals the resident one and forgets the deleted adapter."""
     from peft import LoraConfig
 
     model, ref = _model(device, 1), _model(device, None)
@@ -285,10 +289,14 @@ def test_adapters_added_and_deleted_while_paged(device):
     gone = next(n for n in names if n in _pager(model).paged)
     cfg = LoraConfig(r=3, lora_alpha=5, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
     for m, o in ((model, opt), (ref, ref_opt)):
-        m.delete_adapter(gone)
         torch.manual_seed(9)
-        m.add_adapter("late", cfg)
-        m.to(device)
+        if how == "peft":
+            m.delete_adapter(gone)
+            m.add_adapter("late", cfg)
+            m.to(device)
+        else:
+            fast_multilora.delete_adapters(m, [gone])
+            fast_multilora.add_adapters(m, {"late": cfg})  # (made on its layers' device)
         for n, p in m.named_parameters():  # PEFT's delete_adapter left one adapter trainable: all again
             p.requires_grad_("lora_" in n)
             if ".late." in n:
@@ -304,6 +312,44 @@ def test_adapters_added_and_deleted_while_paged(device):
     pager = _pager(model)
     assert gone not in pager.paged and gone not in pager.recent and gone not in pager.buffers
     _assert_equal_runs(model, opt, ref, ref_opt)
+
+
+def _paging_reads_after_a_change(n):
+    """The pager's reads of adapters' parameters (``Pager.params_of``) in the forward after one adapter is deleted
+    and one added (fast_multilora's calls) on a paged model of ``n`` adapters, 2 resident."""
+    from peft import LoraConfig
+
+    model = many_model(n)
+    fast_multilora.patch(model, backend="torch", resident_adapters=2)
+    model.eval()
+    names = sorted(model.peft_config)
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    with torch.no_grad():
+        for pair in (names[:2], names[2:4]):
+            model(input_ids=ids, adapter_names=pair)
+    fast_multilora.delete_adapters(model, [names[0]])
+    fast_multilora.add_adapters(model, {"late": LoraConfig(r=2, target_modules=["q_proj"])})
+    reads = [0]
+    real = paging.Pager.params_of
+
+    def counting(self, name):
+        reads[0] += 1
+        return real(self, name)
+
+    paging.Pager.params_of = counting
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, adapter_names=["late", names[5]])
+    finally:
+        paging.Pager.params_of = real
+    return reads[0]
+
+
+def test_a_change_while_paged_reads_the_changed_adapters_only():
+    """After an add and a delete, the pager reads the records of the adapters marked changed (and the ones it moves
+    now), not every paged-out adapter's: the same reads with 24 and 48 adapters registered. Counted, not timed."""
+    small, large = _paging_reads_after_a_change(24), _paging_reads_after_a_change(48)
+    assert 0 < small == large, (small, large)
 
 
 def test_a_paged_model_refuses_copies():
