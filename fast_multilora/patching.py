@@ -299,6 +299,12 @@ def _table(ranks: list, scales: list, ps: list, slots: list, device, tables: dic
     return table
 
 
+def _share_table(tables: dict, st: Optional[LayerState]) -> None:
+    """Offer the table of a layer state that stands to the layers rebuilt after it (``tables``, as ``_table``)."""
+    if st is not None:
+        tables.setdefault(_table_key(st.table.host, st.table.slots, st.table.ranks.device), st.table)
+
+
 def _update_state(layer, st: LayerState, slot_names: tuple, slot_of: dict, names, tables: dict):
     """``st`` with the entries of adapters ``names`` read again from the layer (added, removed or changed); the
     other adapters' entries are taken as they are (C-level copies: the work is the changed adapters'). Returns
@@ -366,8 +372,7 @@ def refresh_layers(router: Router, routing) -> None:
             dirty = d.pop(DIRTY_ATTR, None)
             st = d.get(_STATE_ATTR)
             if not full and not dirty:
-                if st is not None:
-                    tables.setdefault(_table_key(st.table.host, st.table.slots, st.table.ranks.device), st.table)
+                _share_table(tables, st)
                 continue
             new = None
             if not full and dirty is not ALL and d.get(_SIG_ATTR) is not None:
@@ -375,8 +380,7 @@ def refresh_layers(router: Router, routing) -> None:
             if new is None:  # a full read: the state rebuilt only if its signature moved
                 sig = _state_signature(layer, slot_names)
                 if d.get(_SIG_ATTR) == sig:
-                    if st is not None:
-                        tables.setdefault(_table_key(st.table.host, st.table.slots, st.table.ranks.device), st.table)
+                    _share_table(tables, st)
                     continue
                 d[_STATE_ATTR] = _build_state(layer, slot_names, tables)
                 d[_SIG_ATTR] = sig

@@ -111,6 +111,12 @@ def _names_of(layer) -> set:
     return names
 
 
+def _holds(layer, name) -> bool:
+    """Whether ``layer`` holds adapter ``name`` (``name in _names_of(layer)``, without building the set)."""
+    e = layer._modules.get("lora_embedding_A")
+    return name in layer.lora_A._modules or (e is not None and name in e)
+
+
 class Router:
     """Per-model routing state: the settings, the active :class:`Routing`, the model's LoRA layers."""
 
@@ -129,7 +135,7 @@ class Router:
         self.repatch = None  # callable re-running patch() with the same settings
         self.refresh = None  # callable(routing): refresh the layers' tables (patching.refresh_layers)
         self.store = None  # fast_multilora.store.AdapterStore, once an optimizer of ours built it
-        self.checked = None  # (change count, slot names) of the layers' last check (patching.refresh_layers)
+        self.checked = None  # (CHANGES, slot names, FULL) at the layers' last check (patching.refresh_layers)
         # the slots: each adapter keeps its slot while it exists (a deleted adapter's slot is reused), so a change of
         # one adapter changes the layers' tables at that slot only
         self.slot_of: dict = {}  # adapter name -> slot
@@ -185,7 +191,7 @@ class Router:
                 changed = dirty
                 now = set(before)
                 for n in dirty:
-                    if n in layer.lora_A._modules or n in (layer._modules.get("lora_embedding_A") or {}):
+                    if _holds(layer, n):
                         now.add(n)
                     else:
                         now.discard(n)

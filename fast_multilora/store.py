@@ -236,9 +236,6 @@ class LayerSlots:
         r = ranks[0] if ranks else 0
         self.uniform = r if r and len(set(ranks)) == 1 and (self.cap - self.end) % r == 0 else 0
 
-    def _uniform(self) -> int:
-        return self.uniform
-
     def expected(self, i: Optional[int] = None) -> tuple:
         """Where the parameters' ``.data`` are when they are their pieces (``params`` order; ``i``: adapter ``i``'s
         two), from the layout and the arena's address now (an arena that grew moved every piece of it): a parameter
@@ -257,7 +254,7 @@ class LayerSlots:
     def b_cat(self, b_leaf: torch.Tensor) -> torch.Tensor:
         """``B_cat[N, cap]`` from the packed block (the torch backend's and a compiled graph's layout)."""
         N = self.N
-        r = self._uniform()
+        r = self.uniform
         if r:
             return b_leaf.view(self.cap // r, N, r).permute(1, 0, 2).reshape(N, -1)
         pieces, off = [], 0
@@ -269,7 +266,7 @@ class LayerSlots:
     def packed_grad(self, dB_cat: torch.Tensor) -> torch.Tensor:
         """``dB_cat[N, cap]`` as the packed block's gradient (flat, adapter ``a``'s ``[N, r_a]`` contiguous)."""
         N = self.N
-        r = self._uniform()
+        r = self.uniform
         if r:
             return dB_cat.view(N, self.cap // r, r).permute(1, 0, 2).reshape(-1)
         return torch.cat([g.reshape(-1) for g in dB_cat.split(list(self.split), dim=1)])
@@ -297,13 +294,15 @@ def _layer_key(layer, state, old: Optional["LayerSlots"] = None) -> Optional[tup
     dtype, device = p0.dtype, p0.device
     K, N, n = layer.in_features, layer.out_features, len(present)
     for i in suspects:
-        p = params[i]
-        if p.dtype != dtype or p.device != device or type(p) not in _PARAMETER_TYPES or \
-                type(p.data) is not torch.Tensor:  # e.g. an FSDP2 DTensor
-            return None
-        if tuple(p.shape) != ((ranks[i], K) if i < n else (N, ranks[i - n])):
+        if not _holdable(params[i], dtype, device, (ranks[i], K) if i < n else (N, ranks[i - n])):
             return None
     return (present, ranks, dtype, device, K, N, ids)
+
+
+def _holdable(p, dtype, device, shape) -> bool:
+    """Whether parameter ``p`` can be a piece of the arena of ``(dtype, device)`` with ``shape``."""
+    return p.dtype == dtype and p.device == device and type(p) in _PARAMETER_TYPES and \
+        type(p.data) is torch.Tensor and tuple(p.shape) == shape  # (not e.g. an FSDP2 DTensor)
 
 
 def _take_back_moved(old: LayerSlots, cells: list, arena: Arena) -> None:
@@ -352,10 +351,8 @@ def _delta_key(layer, st, old: LayerSlots, names, slot_of: dict) -> Optional[tup
     ranks = st.ranks
     for nm in new:
         i = present.index(nm)
-        for p, shape in ((A[i], (ranks[i], K)), (B[i], (N, ranks[i]))):
-            if p.dtype != dtype or p.device != device or type(p) not in _PARAMETER_TYPES or \
-                    type(p.data) is not torch.Tensor or tuple(p.shape) != shape:
-                return None
+        if not (_holdable(A[i], dtype, device, (ranks[i], K)) and _holdable(B[i], dtype, device, (N, ranks[i]))):
+            return None
     return (st.present, ranks, dtype, device, K, N, tuple(map(id, A + B)))
 
 
@@ -395,37 +392,28 @@ def _store_table(state, offsets: tuple, cap: int, tables: dict):
 
 
 class _ByAdapter:
-    """Per adapter, read-only: its held parameters and each's layer slots and index there (``ptrs``), or their
-    indices in ``AdapterStore.held``; each adapter's entry is made from the layers' ``pos`` when first asked (per
-    layout)."""
+    """Per adapter, read-only: its held parameters and, per layer, the layer's slots and its index there (``where``),
+    or their indices in ``AdapterStore.held``; each adapter's entry is made from the layers' ``pos`` when first asked
+    (per layout)."""
 
-    def __init__(self, store, ptrs: bool):
-        self.store, self.ptrs, self.cache = store, ptrs, {}
+    def __init__(self, store, where: bool):
+        self.store, self.where, self.cache = store, where, {}
 
     def get(self, name, default=None):
         hit = self.cache.get(name)
         if hit is None:
-            params, idx, addr = [], [], []
+            params, idx, where = [], [], []
             for s in self.store.slots.values():
                 i = s.pos.get(name)
                 if i is not None:
                     n = len(s.names)
                     params += (s.params[i], s.params[n + i])
                     idx += (s.held_idx[i], s.held_idx[n + i])
-                    addr.append((s, i))
+                    where.append((s, i))
             if not params:
                 return default
-            hit = self.cache[name] = (tuple(params), tuple(addr)) if self.ptrs else tuple(idx)
+            hit = self.cache[name] = (tuple(params), tuple(where)) if self.where else tuple(idx)
         return hit
-
-    def __getitem__(self, name):
-        hit = self.get(name)
-        if hit is None:
-            raise KeyError(name)
-        return hit
-
-    def __contains__(self, name) -> bool:
-        return self.get(name) is not None
 
     def __iter__(self):
         return iter({n for s in self.store.slots.values() for n in s.names})
@@ -441,8 +429,8 @@ class AdapterStore:
         self.held: list = []  # every held parameter, in layout order (class _HeldParameter while held)
         self.views: list = []  # held[i]'s gradient piece: re-attached when a caller dropped it
         self.adapter_of: list = []  # held[i]'s adapter name
-        self.adapter_params: dict = {}  # adapter -> (its held parameters, their addresses when laid out)
-        self.ids_read = None  # plan.CHANGES when every held parameter's identity was last checked (stale)
+        self.adapter_params: dict = {}  # adapter -> (its held parameters, (its layers' slots, its index there)...)
+        self.ids_read = None  # plan.FULL when every held parameter's identity was last checked (stale)
         self.pending: set = set()  # adapters of the gradient-recording calls whose backward has not started yet
         self.trained: set = set()  # adapters of the gradient-recording calls since fast_multilora.AdamW's last step
         self.hooked: set = set()  # ids of the leaves that carry a hook (leaves live as long as their layout)
@@ -528,7 +516,7 @@ class AdapterStore:
         self.seen.index_fill_(0, slots.reshape(-1).long() + 1, True)  # index 0: base tokens (slot -1)
 
     # -- layout ---------------------------------------------------------------------------------------------------
-    def _wanted(self) -> dict:
+    def _wanted(self, checked: bool) -> dict:
         from .patching import _STATE_ATTR
 
         wanted = {}
@@ -537,9 +525,9 @@ class AdapterStore:
             old = self.slots.get(id(layer))
             # a layer whose state the store has checked keeps its key (a moved parameter is caught in layout), but
             # after mark_changed (a weight may be a new Parameter) or for a replaced first weight (``stale``'s check)
-            same = old is not None and st is old.state and old.names and self.laid_out == FULL[0] and \
+            same = checked and old is not None and st is old.state and old.names and \
                 layer.lora_A._modules[old.names[0]]._parameters["weight"] is old.params[0]
-            d = st.delta if old is not None and st is not None and self.laid_out == FULL[0] else None
+            d = st.delta if checked and old is not None and st is not None else None
             if same:
                 key = old.key
             elif d is not None and d[0] is old.state and old.pos:  # a few adapters changed: those are read
@@ -623,7 +611,7 @@ class AdapterStore:
         also when regions given up make more than half an arena): every layer laid out afresh and compact, the
         gradients and optimizer states of the parameters that stay carried over."""
         checked = self.laid_out == FULL[0]  # no mark_changed since the last layout: a kept layer's weights stand
-        wanted = self._wanted()
+        wanted = self._wanted(checked)
         self.laid_out = FULL[0]
         moved = self.moved  # adapters ``stale`` found with a replaced ``.data``: their layers are read again
         left = [lid for lid in self.slots if lid not in wanted]
@@ -818,8 +806,8 @@ class AdapterStore:
             s.held_idx = tuple(range(base, base + 2 * n, 2)) + tuple(range(base + 1, base + 2 * n, 2))
             leaf_of += [(id(s), 0), (id(s), 1)] * n  # each adapter's A, then B: its leaves' keys (as ``watch``)
         self.held, self.views, self.adapter_of, self.leaf_of = held, views, adapter_of, leaf_of
-        self.adapter_params = _ByAdapter(self, ptrs=True)
-        self.adapter_idx = _ByAdapter(self, ptrs=False)
+        self.adapter_params = _ByAdapter(self, where=True)
+        self.adapter_idx = _ByAdapter(self, where=False)
         grads = map(_GRAD, held)
         self.attached = set(itertools.compress(range(len(held)), map(operator.is_, grads, views)))
         self._watch()
