@@ -72,7 +72,7 @@ class AdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(self._groups(known, defaults), defaults)
         self._tables: dict = {}  # (dtype, device) -> (ChunkTable, group index per chunk's block) for trained blocks
-        self._pattern = None  # requires_grad of every store parameter when the tables were built
+        self._version = None  # the store's ``version`` (layouts, flag changes) when the tables were built
         self.steps: Optional[torch.Tensor] = None  # float32 [groups] on the store's device: each group's step count
         self._steps_buf = None  # the buffer ``steps`` is the head of (room for groups to come)
         self._group_slots = None  # (seen_names, int64 [groups] index into store.seen, bool [groups] steppable)
@@ -155,10 +155,10 @@ class AdamW(torch.optim.Optimizer):
                 st["step"] = self.steps[i]  # a 0-d view: the group's count
                 for s in _STATES:
                     st[s] = arena.states[s][start : start + numel].view(p.shape)
-        self._tables, self._pattern, self._group_slots, self._others = {}, None, None, None
+        self._tables, self._version, self._group_slots, self._others = {}, None, None, None
 
     def _follow_delta(self, store: AdapterStore, placed: list, released: list) -> bool:
-        """:meth:`_follow` for a re-layout that placed and released the parameters listed (``(param, adapter)``),
+        """:meth:`_follow` for a re-layout that placed and released the parameters listed (``(param, adapter, ...)``),
         touching only those adapters' groups and those parameters' states, when every adapter's parameters are held
         by the store (else ``False``: the model-wide walk of :meth:`_follow` finds the others)."""
         router = store.router
@@ -168,7 +168,7 @@ class AdamW(torch.optim.Optimizer):
                 self.steps.untyped_storage().data_ptr():
             return False
         configs = getattr(router.tuner, "peft_config", {})
-        affected = {name for _, name in placed} | {name for _, name in released}
+        affected = {name for _, name, *_ in placed} | {name for _, name in released}
         index = {g["adapter"]: i for i, g in enumerate(self.param_groups)}
         for name in affected:
             cfg = configs.get(name)
@@ -210,7 +210,7 @@ class AdamW(torch.optim.Optimizer):
             for p in g["params"]:
                 st = self.state[p]
                 st["step"] = step
-        for p, _ in placed:  # their states' views on their new pieces
+        for p, *_ in placed:  # their states' views on their new pieces
             st = self.state.get(p)
             if st is None:
                 continue
@@ -229,7 +229,7 @@ class AdamW(torch.optim.Optimizer):
                     if out:
                         others.append((pos[id(g)], g, out))
             others.sort(key=operator.itemgetter(0))
-        self._tables, self._pattern, self._group_slots, self._others = {}, None, None, others
+        self._tables, self._version, self._group_slots, self._others = {}, None, None, others
         return True
 
     # -- tables ---------------------------------------------------------------------------------------------------
@@ -263,7 +263,7 @@ class AdamW(torch.optim.Optimizer):
             tables[key] = chunk_table(b, len(self.param_groups), arena.used, arena.device)
             trained[b[:, 2]] = True
         self._tables = tables
-        self._pattern = store.pattern
+        self._version = store.version
         self._trained = trained.to(self.steps.device)
         self._group_slots = None  # its steppable flags follow _trained
 
@@ -320,7 +320,7 @@ class AdamW(torch.optim.Optimizer):
             store.layout()
         store.trained = set()
         store.prepare_grads()  # gradients a caller or DDP put in place of the views: into the arena
-        if self._pattern is not store.pattern:
+        if self._version != store.version:
             self._build_tables()
 
     # -- torch.optim interface ------------------------------------------------------------------------------------

@@ -1002,7 +1002,7 @@ def test_holes_and_spare_rows_train_alike_on_both_backends():
 
 
 class _CountingList(list):
-    """A list that counts its item reads (the store's ``held`` / ``views``: what a step reads of them)."""
+    """A list that counts its item reads (the store's ``_held`` / ``_views``: what a step reads of them)."""
 
     reads = 0
 
@@ -1022,7 +1022,7 @@ def _per_step_reads(n):
                for i in range(4)]
     _train(model, opt, batches[:2])  # store built, flags read, hooks on
     store = fast_multilora.store.AdapterStore.of(model)
-    store.held, store.views = _CountingList(store.held), _CountingList(store.views)
+    store._held, store._views = _CountingList(store._held), _CountingList(store._views)
     _CountingList.reads = 0
     _train(model, opt, batches[2:])
     return _CountingList.reads, store
@@ -1035,4 +1035,4 @@ def test_a_steps_gradient_bookkeeping_reads_the_batchs_adapters_only():
     small, _ = _per_step_reads(16)
     large, store = _per_step_reads(48)
     assert 0 < small == large, (small, large)
-    assert store.attached and all(store.held[i].grad is store.views[i] for i in store.attached)
+    assert store.attached and all(store._held[i].grad is store._views[i] for i in store.attached)
