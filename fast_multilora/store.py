@@ -470,6 +470,7 @@ class AdapterStore:
         self.free: list = []  # the free indices
         self._compact = None  # (held, views) without the free indices, per layout (``held``, ``views``)
         self.version = 0  # counts the layouts and the flag changes (fast_multilora.AdamW rebuilds its tables)
+        self.flagged: set = set()  # adapters with a flag changed since the owner last took this set (its tables)
         self.adapter_params: dict = {}  # adapter -> (its held parameters, (its layers' slots, its first row)...)
         self.ids_read = None  # plan.FULL when every held parameter's identity was last checked (stale)
         self.pending: set = set()  # adapters of the gradient-recording calls whose backward has not started yet
@@ -1024,6 +1025,7 @@ class AdapterStore:
         if not changed:
             return False
         self.version += 1
+        self.flagged.update(map(self.adapter_of.__getitem__, changed))
         self.prepare_grads(extra=changed)  # one that no longer trains loses its view
         return True
 
