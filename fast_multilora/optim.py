@@ -72,12 +72,15 @@ class AdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(self._groups(known, defaults), defaults)
         self._tables: dict = {}  # (dtype, device) -> (ChunkTable, group index per chunk's block) for trained blocks
-        self._pattern = None  # requires_grad of every store parameter when the tables were built
+        self._version = None  # the store's ``version`` (layouts, flag changes) when the tables were built
         self.steps: Optional[torch.Tensor] = None  # float32 [groups] on the store's device: each group's step count
         self._steps_buf = None  # the buffer ``steps`` is the head of (room for groups to come)
         self._group_slots = None  # (seen_names, int64 [groups] index into store.seen, bool [groups] steppable)
         self._hyper_cache = None  # (host rows, their device tensor) of the last step
         self._others = None  # _outside()'s cache
+        # a layout since the tables were built that only removed groups and appended new ones: (the tables, the
+        # trained flags, the kept groups' old indices, the old group count); the next build edits those tables
+        self._table_delta = None
         # the arenas hold one optimizer's states: a new optimizer on the same model starts from zero moments and
         # takes them over (the previous one then refuses to step)
         for arena in self.store.arenas.values():
@@ -155,10 +158,11 @@ class AdamW(torch.optim.Optimizer):
                 st["step"] = self.steps[i]  # a 0-d view: the group's count
                 for s in _STATES:
                     st[s] = arena.states[s][start : start + numel].view(p.shape)
-        self._tables, self._pattern, self._group_slots, self._others = {}, None, None, None
+        self._tables, self._version, self._group_slots, self._others = {}, None, None, None
+        self._table_delta = None
 
     def _follow_delta(self, store: AdapterStore, placed: list, released: list) -> bool:
-        """:meth:`_follow` for a re-layout that placed and released the parameters listed (``(param, adapter)``),
+        """:meth:`_follow` for a re-layout that placed and released the parameters listed (``(param, adapter, ...)``),
         touching only those adapters' groups and those parameters' states, when every adapter's parameters are held
         by the store (else ``False``: the model-wide walk of :meth:`_follow` finds the others)."""
         router = store.router
@@ -168,14 +172,14 @@ class AdamW(torch.optim.Optimizer):
                 self.steps.untyped_storage().data_ptr():
             return False
         configs = getattr(router.tuner, "peft_config", {})
-        affected = {name for _, name in placed} | {name for _, name in released}
+        affected = {name for _, name, *_ in placed} | {name for _, name in released}
         index = {g["adapter"]: i for i, g in enumerate(self.param_groups)}
         for name in affected:
             cfg = configs.get(name)
             if name not in index and (cfg is None or getattr(cfg, "use_dora", False) or any(
                     getattr(cfg, a, None) is not None for a in ("modules_to_save", "trainable_token_indices"))):
                 return False  # a new adapter that may have parameters outside the store
-        groups, old_index = [], []
+        groups, old_index, n_before = [], [], len(self.param_groups)
         for i, g in enumerate(self.param_groups):
             if g["adapter"] in affected:
                 g["params"] = list(store.adapter_params.get(g["adapter"], ((),))[0])
@@ -210,7 +214,7 @@ class AdamW(torch.optim.Optimizer):
             for p in g["params"]:
                 st = self.state[p]
                 st["step"] = step
-        for p, _ in placed:  # their states' views on their new pieces
+        for p, *_ in placed:  # their states' views on their new pieces
             st = self.state.get(p)
             if st is None:
                 continue
@@ -229,7 +233,13 @@ class AdamW(torch.optim.Optimizer):
                     if out:
                         others.append((pos[id(g)], g, out))
             others.sort(key=operator.itemgetter(0))
-        self._tables, self._pattern, self._group_slots, self._others = {}, None, None, others
+        # the tables can be edited at the next build when no group that stays changed (its chunks keep their places)
+        if self._tables and self._table_delta is None and self._version is not None and \
+                all(g["adapter"] not in affected for g in groups[: len(old_index)]):
+            self._table_delta = (self._tables, self._trained, old_index, n_before)
+        else:
+            self._table_delta = None
+        self._tables, self._version, self._group_slots, self._others = {}, None, None, others
         return True
 
     # -- tables ---------------------------------------------------------------------------------------------------
@@ -243,6 +253,10 @@ class AdamW(torch.optim.Optimizer):
         from .kernels.adamw import chunk_table
 
         store = self.store
+        delta, self._table_delta = self._table_delta, None
+        flagged, store.flagged = store.flagged, set()
+        if delta is not None and self._edit_tables(delta, flagged):
+            return
         group = {g["adapter"]: i for i, g in enumerate(self.param_groups) if g["adapter"] is not None}
         pattern = store.pattern
         blocks: dict = {key: [] for key in store.arenas}
@@ -263,9 +277,66 @@ class AdamW(torch.optim.Optimizer):
             tables[key] = chunk_table(b, len(self.param_groups), arena.used, arena.device)
             trained[b[:, 2]] = True
         self._tables = tables
-        self._pattern = store.pattern
+        self._version = store.version
         self._trained = trained.to(self.steps.device)
         self._group_slots = None  # its steppable flags follow _trained
+
+    def _edit_tables(self, delta: tuple, flagged: set) -> bool:
+        """:meth:`_build_tables` after a layout that removed groups and appended new ones (``delta``, from
+        :meth:`_follow_delta`) when no flag of another adapter changed since (``flagged``): the old tables' chunks of
+        the removed groups dropped and the others renumbered (device ops), the new groups' pieces cut into chunks and
+        appended -- the work of the groups that changed, not of the arena. ``False``: a full build is needed."""
+        from .kernels.adamw import chunk_table
+
+        store = self.store
+        old_tables, old_trained, old_index, n_old = delta
+        G, kept = len(self.param_groups), len(old_index)
+        new = {g["adapter"]: kept + i for i, g in enumerate(self.param_groups[kept:])}
+        if not flagged <= set(new) or set(old_tables) != set(store.arenas) or None in new:
+            return False
+        pattern, index_of = store.pattern, store.index_of
+        blocks: dict = {key: [] for key in store.arenas}
+        for name, gi in new.items():
+            entry = store.adapter_params.get(name)
+            if entry is None:
+                continue
+            params, where = entry
+            for k, (s, off) in enumerate(where):
+                pa, pb = params[2 * k], params[2 * k + 1]
+                r = pa.shape[0]
+                for p, start, numel in ((pa, s.a0 + off * s.K, r * s.K), (pb, s.b0 + off * s.N, r * s.N)):
+                    if pattern[index_of[id(p)]]:
+                        blocks[(s.arena.dtype, s.arena.device)].append((start, numel, gi))
+        keep = torch.tensor(old_index, dtype=torch.int64)
+        remap = torch.full((n_old,), -1, dtype=torch.int64)
+        remap[keep] = torch.arange(kept)
+        trained = torch.zeros(G, dtype=torch.bool, device=self.steps.device)
+        trained[:kept] = old_trained[keep.to(old_trained.device)]
+        tables = {}
+        for key, arena in store.arenas.items():
+            t = old_tables[key]
+            dev = t.start.device
+            a = remap.to(dev)[t.adapter.long()]
+            on = a >= 0
+            adapter = a[on]
+            per = torch.bincount(adapter, minlength=kept)
+            add = chunk_table(blocks[key], G, arena.used, arena.device, chunk=t.chunk)
+            ptr = torch.zeros(kept + 1, dtype=torch.int64, device=dev)
+            ptr[1:] = torch.cumsum(per, 0)
+            length = t.length[on]
+            tables[key] = add._replace(
+                start=torch.cat([t.start[on], add.start]), length=torch.cat([length, add.length]),
+                adapter=torch.cat([adapter.to(torch.int32), add.adapter]),
+                adapter_ptr=torch.cat([ptr, add.adapter_ptr[kept + 1 :].long() + ptr[-1]]).to(torch.int32),
+                max_chunks=max(int(per.max()) if kept else 0, add.max_chunks),
+                covered=int(length.sum()) + add.covered, align=min(t.align, add.align))
+            for b in blocks[key]:
+                trained[b[2]] = True
+        self._tables = tables
+        self._version = store.version
+        self._trained = trained
+        self._group_slots = None
+        return True
 
     def _active(self) -> Optional[torch.Tensor]:
         """bool [groups]: the groups whose adapter had tokens in a gradient-recording call since ``zero_grad``."""
@@ -288,11 +359,23 @@ class AdamW(torch.optim.Optimizer):
         cached = self._hyper_cache
         if cached is not None and cached[0] == rows and cached[1].device == device:
             return cached[1]
+        if cached is not None and cached[1].device == device:  # (after an add or delete: the rows that differ)
+            old, k = cached[0], min(len(rows), len(cached[0]))
+            diff = list(itertools.compress(range(k), map(operator.ne, rows[:k], old[:k]))) + list(range(k, len(rows)))
+            changed = [rows[i] for i in diff]
+            if len(diff) * 4 < len(rows) and all(type(x) in (float, int) for r in changed for x in r):
+                host = torch.empty(len(rows), 5, dtype=torch.float32)
+                host[:k] = cached[2][:k]
+                if diff:
+                    host[diff] = torch.tensor(changed, dtype=torch.float32)
+                dev = to_device(host, device)
+                self._hyper_cache = (rows, dev, host)
+                return dev
         host = torch.tensor(rows, dtype=torch.float32)
         dev = to_device(host, device)
         # (a tensor-valued setting can change in place: such rows are read afresh every step)
         plain = all(type(x) in (float, int) for r in rows for x in r)
-        self._hyper_cache = (rows, dev) if plain else None
+        self._hyper_cache = (rows, dev, host) if plain else None
         return dev
 
     def _ops(self, device):
@@ -320,7 +403,7 @@ class AdamW(torch.optim.Optimizer):
             store.layout()
         store.trained = set()
         store.prepare_grads()  # gradients a caller or DDP put in place of the views: into the arena
-        if self._pattern is not store.pattern:
+        if self._version != store.version:
             self._build_tables()
 
     # -- torch.optim interface ------------------------------------------------------------------------------------

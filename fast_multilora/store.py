@@ -65,19 +65,37 @@ def _weights(mods: dict, names) -> list:
 _TENSOR_REQUIRES_GRAD = torch._C.TensorBase.requires_grad  # the C attribute (get / set)
 _REQUIRES_GRAD = _TENSOR_REQUIRES_GRAD.__get__  # (a held parameter's own property would be a Python call)
 _GRAD = operator.attrgetter("grad")
+_HOLE = torch.empty(0)  # a free index's entry in a store's ``_held`` and ``_views`` (no gradient, no flag)
+
+
+# The ids of held parameters whose ``requires_grad`` was set, in order: a store reads the entries that came since its
+# last read (``AdapterStore.sync_requires_grad``), so a flag change costs the flags changed, not the registry. The log
+# is cleared when it grows long; a store whose last read is older than that reads every flag.
+_FLIPS: list = []
+_FLIPS_AT = [0]  # the log position of ``_FLIPS[0]``
+_FLIPS_MAX = 1 << 16
+
+
+def _flipped(p) -> None:
+    CHANGES[0] += 1
+    if len(_FLIPS) >= _FLIPS_MAX:
+        _FLIPS_AT[0] += len(_FLIPS)
+        _FLIPS.clear()
+    _FLIPS.append(id(p))
 
 
 class _HeldParameter(torch.nn.Parameter):
     """The class of a parameter while an adapter store holds it: a ``torch.nn.Parameter`` whose ``requires_grad``
     changes (``requires_grad_``, assignment, ``Module.requires_grad_``, PEFT's ``set_requires_grad``) are reported
-    (``plan.CHANGES``), so a forward call reads every held parameter's flag only after one -- that read costs
-    ~0.1-0.3 us per parameter (cache misses), ~10 ms per forward at 256 adapters x 56 layers. The class goes back to
+    (``plan.CHANGES``, and the parameter in ``_FLIPS``), so a forward call reads the flags of the parameters changed
+    only -- reading every held flag costs ~0.1-0.3 us per parameter (cache misses), ~10 ms per forward at 256
+    adapters x 56 layers. The class goes back to
     ``Parameter`` when the parameter leaves the store or the model is unpatched."""
 
     __slots__ = ()
 
     def requires_grad_(self, requires_grad: bool = True):
-        CHANGES[0] += 1
+        _flipped(self)
         return super().requires_grad_(requires_grad)
 
     @property
@@ -86,7 +104,7 @@ class _HeldParameter(torch.nn.Parameter):
 
     @requires_grad.setter
     def requires_grad(self, value):
-        CHANGES[0] += 1
+        _flipped(self)
         _TENSOR_REQUIRES_GRAD.__set__(self, value)
 
 
@@ -211,7 +229,7 @@ class LayerSlots:
     params: tuple  # (A params..., B params...) slot order
     key: tuple  # _layer_key when laid out
     state: object  # the layer's patching.LayerState it was checked against (a new one: the key is checked again)
-    held_idx: tuple = ()  # each parameter's index in ``AdapterStore.held`` (params' order)
+    held_idx: tuple = ()  # each parameter's index in the store's ``_held`` (params' order)
     table: object = None  # kernels.segments.AdapterTable: the state's, with the cells' offsets
     arena: Optional[Arena] = None
     a0: int = 0
@@ -224,27 +242,40 @@ class LayerSlots:
     table_of: tuple = ()  # the host tuples of the state table ``table`` was made from
     by_name: dict = field(default_factory=dict)  # adapter -> its cell
     holes: dict = field(default_factory=dict)  # rank -> the cells of that rank no adapter holds
-    pos: dict = field(default_factory=dict)  # adapter -> its index in ``names``
+    lid: int = 0  # id of the layer (the key of its leaves' entries in ``AdapterStore.watch`` and ``leaf_of``)
 
+    # from a layout that edited the layer's slots before (``_place``), until the store's index followed: (the slots
+    # before, the positions of their adapters that changed, the positions of those now); and the parameters that left
+    edit: Optional[tuple] = None
+    left: Optional[list] = None
     split: tuple = ()  # the ranks of the cells, then the free rows: the column blocks of ``B_cat[N, cap]``
     uniform: int = 0  # the one rank of every cell when there is one and the free rows are a multiple of it (else 0)
 
-    def _shape(self) -> None:
-        """:attr:`split` and :attr:`uniform` from the cells (once per layout of the layer, not per call)."""
+    def _shape(self, old: Optional["LayerSlots"] = None, k0: int = 0) -> None:
+        """:attr:`split` and :attr:`uniform` from the cells (once per layout of the layer, not per call); ``old``:
+        the layer's slots before, of the same region, whose first ``k0`` cells are these' first (only the cells
+        appended since are read)."""
+        free = (self.cap - self.end,) if self.cap > self.end else ()
+        if old is not None and old.cap == self.cap and old.uniform:
+            new = tuple(map(_CELL_RANK, self.cells[k0:]))
+            r = old.uniform
+            self.split = old.split[:k0] + new + free
+            self.uniform = r if all(map(r.__eq__, new)) and (self.cap - self.end) % r == 0 else 0
+            return
         ranks = tuple(map(_CELL_RANK, self.cells))
-        self.split = ranks + (self.cap - self.end,) if self.cap > self.end else ranks
+        self.split = ranks + free
         r = ranks[0] if ranks else 0
         self.uniform = r if r and len(set(ranks)) == 1 and (self.cap - self.end) % r == 0 else 0
 
-    def expected(self, i: Optional[int] = None) -> tuple:
-        """Where the parameters' ``.data`` are when they are their pieces (``params`` order; ``i``: adapter ``i``'s
-        two), from the layout and the arena's address now (an arena that grew moved every piece of it): a parameter
-        elsewhere had its ``.data`` replaced since."""
+    def expected(self, off: Optional[int] = None) -> tuple:
+        """Where the parameters' ``.data`` are when they are their pieces (``params`` order; ``off``: the two of the
+        adapter whose rows start at ``off``), from the layout and the arena's address now (an arena that grew moved
+        every piece of it): a parameter elsewhere had its ``.data`` replaced since."""
         es = self.arena.data.element_size()
         base = self.arena.data.data_ptr()
         a, b, ka, nb = base + es * self.a0, base + es * self.b0, es * self.K, es * self.N
-        if i is not None:
-            return (a + ka * self.offsets[i], b + nb * self.offsets[i])
+        if off is not None:
+            return (a + ka * off, b + nb * off)
         return tuple(map(a.__add__, map(ka.__mul__, self.offsets))) + \
             tuple(map(b.__add__, map(nb.__mul__, self.offsets)))
 
@@ -329,7 +360,7 @@ def _delta_key(layer, st, old: LayerSlots, names, slot_of: dict) -> Optional[tup
     others' parameters are taken from ``old`` (list edits in slot order), the changed ones read and checked."""
     n = len(old.names)
     present, A, B = list(old.names), list(old.params[:n]), list(old.params[n:])
-    for i in sorted((old.pos[nm] for nm in names if nm in old.pos), reverse=True):
+    for i in sorted((old.names.index(nm) for nm in names if nm in old.by_name), reverse=True):
         del present[i], A[i], B[i]
     try:
         slots = list(map(slot_of.__getitem__, present))
@@ -380,20 +411,23 @@ def _store_table(state, offsets: tuple, cap: int, tables: dict):
     ``total_rank = cap``; layers whose tables are equal share one (``tables``), as their states' tables do."""
     t = state.table
     host_offsets = [0] * len(t.host[0])
-    for slot, off in zip(t.slots, offsets, strict=True):
-        host_offsets[slot] = off
+    if len(t.slots) != len(offsets):
+        raise ValueError(f"fast_multilora: a layer table of {len(t.slots)} adapters for {len(offsets)} offsets")
+    any(map(host_offsets.__setitem__, t.slots, offsets))  # (C-level: no Python step per adapter)
     host = (t.host[0], tuple(host_offsets), t.host[2], t.host[3])
     key = (host, t.slots, cap, t.offsets.device)
     out = tables.get(key)
     if out is None:
+        if len(tables) > 4096:  # (tables of layouts gone: dropped now and then, not kept for ever)
+            tables.clear()
         out = tables[key] = t._replace(offsets=torch.tensor(host_offsets, dtype=torch.int32).to(t.offsets.device),
                                        total_rank=cap, host=host)
     return out
 
 
 class _ByAdapter:
-    """Per adapter, read-only: its held parameters and, per layer, the layer's slots and its index there (``where``),
-    or their indices in ``AdapterStore.held``; each adapter's entry is made from the layers' ``pos`` when first asked
+    """Per adapter, read-only: its held parameters and, per layer, the layer's slots and its first row (``where``),
+    or their indices in the store's ``_held``; each adapter's entry is made from the layers' ``pos`` when first asked
     (per layout)."""
 
     def __init__(self, store, where: bool):
@@ -403,13 +437,13 @@ class _ByAdapter:
         hit = self.cache.get(name)
         if hit is None:
             params, idx, where = [], [], []
+            index_of = self.store.index_of
             for s in self.store.slots.values():
-                i = s.pos.get(name)
-                if i is not None:
-                    n = len(s.names)
-                    params += (s.params[i], s.params[n + i])
-                    idx += (s.held_idx[i], s.held_idx[n + i])
-                    where.append((s, i))
+                c = s.by_name.get(name)
+                if c is not None:
+                    params += (c[3], c[4])
+                    idx += (index_of[id(c[3])], index_of[id(c[4])])
+                    where.append((s, c[2]))
             if not params:
                 return default
             hit = self.cache[name] = (tuple(params), tuple(where)) if self.where else tuple(idx)
@@ -426,10 +460,18 @@ class AdapterStore:
         self.router = router
         self.arenas: dict = {}  # (dtype, device) -> Arena
         self.slots: dict = {}  # id(layer) -> LayerSlots
-        self.held: list = []  # every held parameter, in layout order (class _HeldParameter while held)
-        self.views: list = []  # held[i]'s gradient piece: re-attached when a caller dropped it
-        self.adapter_of: list = []  # held[i]'s adapter name
-        self.adapter_params: dict = {}  # adapter -> (its held parameters, (its layers' slots, its index there)...)
+        # Per held parameter an index, kept while it is held (an add or delete edits its own parameters' entries;
+        # a freed index is taken by the next parameter that comes): the lists below are indexed by it, and a free
+        # index holds ``_HOLE`` (no gradient, no flag) in ``_held`` and ``_views``.
+        self._held: list = []  # every held parameter (class _HeldParameter while held)
+        self._views: list = []  # _held[i]'s gradient piece: re-attached when a caller dropped it
+        self.adapter_of: list = []  # _held[i]'s adapter name
+        self.index_of: dict = {}  # id(param) -> its index
+        self.free: list = []  # the free indices
+        self._compact = None  # (held, views) without the free indices, per layout (``held``, ``views``)
+        self.version = 0  # counts the layouts and the flag changes (fast_multilora.AdamW rebuilds its tables)
+        self.flagged: set = set()  # adapters with a flag changed since the owner last took this set (its tables)
+        self.adapter_params: dict = {}  # adapter -> (its held parameters, (its layers' slots, its first row)...)
         self.ids_read = None  # plan.FULL when every held parameter's identity was last checked (stale)
         self.pending: set = set()  # adapters of the gradient-recording calls whose backward has not started yet
         self.trained: set = set()  # adapters of the gradient-recording calls since fast_multilora.AdamW's last step
@@ -438,16 +480,18 @@ class AdapterStore:
         self.owner = None  # the fast_multilora.AdamW whose states the arenas hold (the latest one built)
         self.seen: Optional[torch.Tensor] = None  # bool [n_slots + 1]: index 0 base, 1 + slot an adapter (mark_seen)
         self.seen_names: tuple = ()
-        self.pattern: Optional[list] = None  # requires_grad of every held parameter (sync_requires_grad)
-        self._pattern_of = None  # (held, pattern) of the last flags read
+        self.pattern: list = []  # requires_grad of every held parameter, as last read (sync_requires_grad)
+        self.unread: set = set()  # indices whose flag is to be read (parameters on new pieces)
+        self.flips_read = None  # the position in ``_FLIPS`` up to which the store has read the flags changed
+        self.flags_full = None  # plan.FULL when every held flag was last read
         self.laid_out = None  # plan.FULL at the last layout
         # a copy (its layers are other objects; ``torch.load``'s arenas cannot grow): laid out afresh at first use
         self.copied = False
         self.moved: set = set()  # adapters found with a parameter whose ``.data`` was replaced (stale)
-        self.attached: set = set()  # indices in ``held`` of the parameters whose ``.grad`` prepare_grads left a view
-        self.watch: dict = {}  # (id(slots), 0: A / 1: B leaf) -> (its attached parameters, their views): the hooks'
-        self.adapter_idx: dict = {}  # adapter -> its parameters' indices in ``held``
-        self.leaf_of: list = []  # held[i]'s leaf key (as ``watch``)
+        self.attached: set = set()  # indices of the parameters whose ``.grad`` prepare_grads left a view
+        self.watch: dict = {}  # (id(layer), 0: A / 1: B leaf) -> (its attached parameters, their views): the hooks'
+        self.adapter_idx: dict = {}  # adapter -> its parameters' indices
+        self.leaf_of: list = []  # _held[i]'s leaf key (as ``watch``)
         self.tables: dict = {}  # the layers' store tables (_store_table), shared among equal ones
         self.delta = None  # during a layout's owner._follow: (parameters on new pieces, parameters that left)
         self.ddp = StoreSync()  # under DistributedDataParallel (fast_multilora.ddp)
@@ -458,6 +502,7 @@ class AdapterStore:
         state["owner"] = None
         state["ddp"] = StoreSync()
         state["copied"] = True
+        state["_compact"] = None
         return state
 
     # -- attaching ------------------------------------------------------------------------------------------------
@@ -530,7 +575,7 @@ class AdapterStore:
             d = st.delta if checked and old is not None and st is not None else None
             if same:
                 key = old.key
-            elif d is not None and d[0] is old.state and old.pos:  # a few adapters changed: those are read
+            elif d is not None and d[0] is old.state and old.names:  # a few adapters changed: those are read
                 key = _delta_key(layer, st, old, d[1], self.router.slot_of)
             else:
                 key = _layer_key(layer, st, old)
@@ -585,7 +630,7 @@ class AdapterStore:
         for name in names:
             entry = self.adapter_params.get(name)
             if entry is not None and tuple(map(_DATA_PTR, entry[0])) != \
-                    tuple(itertools.chain.from_iterable(s.expected(i) for s, i in entry[1])):
+                    tuple(itertools.chain.from_iterable(s.expected(off) for s, off in entry[1])):
                 self.moved.add(name)
                 return True
         return False
@@ -636,7 +681,7 @@ class AdapterStore:
         with torch.no_grad():
             for lid, (layer, key, st) in wanted.items():
                 old = old_slots.get(lid)
-                touched = not checked or any(n in old.pos for n in moved) if old is not None else True
+                touched = not checked or any(n in old.by_name for n in moved) if old is not None else True
                 if not full and old is not None and old.key == key and not (touched and old.moved()):
                     old.state = st
                     if st.table.host != old.table_of:
@@ -654,13 +699,18 @@ class AdapterStore:
                     continue
                 if not full and (new is None or new.arena is not old.arena):  # its region is given up
                     old.arena.dropped += _aligned(old.cap * old.K) + _aligned(old.cap * old.N)
-                kept = set(map(id, new.params)) if new is not None else set()
-                gone = itertools.compress(zip(old.params, old.names + old.names, strict=True),
-                                          map(operator.not_, map(kept.__contains__, map(id, old.params))))
+                if new is not None and new.left is not None:  # (the region's cells made holes)
+                    gone = new.left
+                else:
+                    kept = set(map(id, new.params)) if new is not None else set()
+                    gone = itertools.compress(zip(old.params, old.names + old.names, strict=True),
+                                              map(operator.not_, map(kept.__contains__, map(id, old.params))))
                 for p, name in gone:
                     released.append((p, name))
                     if old.arena.blocks.get(p, (0, 0, None))[2] is p:
                         del old.arena.blocks[p]
+                if new is not None:
+                    new.left = None
                 self.hooked.discard(id(old.a_leaf))
                 self.hooked.discard(id(old.b_leaf))
         if full:
@@ -668,15 +718,18 @@ class AdapterStore:
                 arena.blocks.clear()
         self.slots = slots
         self.moved = set()
-        self._index()
-        for p, _ in placed:
+        for p, *_ in placed:
             _hold(p)
-        kept = {id(p) for p, _ in placed}
+        kept = {id(p) for p, *_ in placed}
         released = [(p, name) for p, name in released if id(p) not in kept]
         release(p for p, _ in released)
+        fresh = [s for lid, s in slots.items() if s is not old_slots.get(lid)]  # the layers laid out anew
+        if full:
+            self._index_full()
+        else:
+            self._index_delta(placed, released, fresh)
         self.delta = None if full else (placed, released)
-        self.pattern = None
-        self.sync_requires_grad()
+        self.sync_requires_grad(fresh)
         if self.owner is not None:
             self.owner._follow(self)
         self.delta = None
@@ -686,9 +739,12 @@ class AdapterStore:
         """The layer's new :class:`LayerSlots` in ``arena``: ``old``'s region and cells updated, or (``old`` None) a
         new region for all its adapters, whose gradients and optimizer states are carried over from ``prev`` (the
         layer's slots before, in another arena or before a full re-layout). ``names``: only these adapters changed
-        since ``old`` (the others' cells are not read). Appends to ``placed`` the parameters now on new pieces."""
+        since ``old`` (the others' cells are not read). Appends to ``placed`` the parameters now on new pieces:
+        ``(param, adapter, its gradient view, its leaf's key)``."""
         present, ranks, _, _, K, N, _ = key
+        lid = id(layer)
         a_mods, b_mods = layer.lora_A._modules, layer.lora_B._modules
+        left = []  # (old given) the parameters of the cells made holes
         if old is None or names is None:
             check, idx = present, range(len(present))
         else:  # the changed adapters that stay or came, in slot order
@@ -701,21 +757,29 @@ class AdapterStore:
             cells, end, cap = [], 0, _room(ranks)
             a0 = arena.region(_aligned(cap * K) + _aligned(cap * N))
             views, by_name, holes = {}, {}, {}
+            left = None
         else:
             cells, end, cap, a0 = old.cells, old.end, old.cap, old.a0  # (old is given up: its cells are edited)
             by_name, holes = old.by_name, old.holes
-            gone = (c for c in cells if c[0] is not None) if names is None else \
-                (by_name[n] for n in names if n in by_name)
-            for c in list(gone):  # adapters that left (or whose weights or rank changed) leave holes
+            n_old = len(old.names)
+            if names is None:
+                views = dict(zip(map(id, old.params), old.views, strict=True))
+                gone = [c for c in cells if c[0] is not None]
+            else:  # the changed adapters' positions before (their views; the others' are not read)
+                rm = sorted(old.names.index(n) for n in names if n in by_name)
+                views = {id(old.params[j]): old.views[j] for i in rm for j in (i, n_old + i)}
+                gone = [by_name[n] for n in names if n in by_name]
+            for c in gone:  # adapters that left (or whose weights or rank changed) leave holes
                 w = want.get(c[0])
                 if w is None or w[0] != c[1] or w[1] is not c[3] or w[2] is not c[4]:
+                    left += ((c[3], c[0]), (c[4], c[0]))
                     del by_name[c[0]]
                     c[0] = c[3] = c[4] = None
                     holes.setdefault(c[1], []).append(c)
-            views = dict(zip(map(id, old.params), old.views, strict=True))
             if names is None:  # (with ``names``, the others' addresses are not read: see the region move below)
                 _take_back_moved(old, cells, arena)
         fill = []  # cells whose pieces are written: new adapters (then moved ones)
+        k0 = len(cells)
         for name in check:
             if name in by_name:
                 continue
@@ -732,6 +796,7 @@ class AdapterStore:
             fill.append(c)
         n_new = len(fill)
         b0 = a0 + _aligned(cap * K)
+        splice = old is not None and names is not None and end <= cap  # the others' entries copied, not read
         if end > cap:  # the region is full: the layer moves to one half as large again (its rows copied as a block)
             if old is not None and names is not None:
                 _take_back_moved(old, cells, arena)  # a replaced ``.data`` into its piece before the rows move
@@ -777,25 +842,61 @@ class AdapterStore:
                 # ``.grad`` from the first backward that reaches its adapter)
                 p.grad = v if p.requires_grad and had_grad else None
                 arena.blocks[p] = (start, numel, p)
-                placed.append((p, c_name))
-        ordered = list(map(by_name.__getitem__, present))
-        params = tuple(map(_CELL_A, ordered)) + tuple(map(_CELL_B, ordered))
+                placed.append((p, c_name, v, (lid, 0 if p is pa else 1)))
+        if splice:  # old's per-adapter entries with the changed ones taken out and put in at their new positions
+            ins = [(i, by_name[name]) for name, i in zip(check, idx, strict=True)]
+            at = [i for i, _ in ins]
+
+            def edited(seq, get):
+                out = list(seq)
+                for i in reversed(rm):
+                    del out[i]
+                for i, c in ins:
+                    out.insert(i, get(c))
+                return out
+
+            params = tuple(edited(old.params[:n_old], _CELL_A) + edited(old.params[n_old:], _CELL_B))
+            views_t = tuple(edited(old.views[:n_old], lambda c: views[id(c[3])]) +
+                            edited(old.views[n_old:], lambda c: views[id(c[4])]))
+            offsets = tuple(edited(old.offsets, _CELL_OFFSET))
+        else:
+            ordered = list(map(by_name.__getitem__, present))
+            params = tuple(map(_CELL_A, ordered)) + tuple(map(_CELL_B, ordered))
+            views_t = tuple(map(views.__getitem__, map(id, params)))
+            offsets = tuple(map(_CELL_OFFSET, ordered))
         a_leaf = _piece(arena.data, a0, (cap, K))
         b_leaf = _piece(arena.data, b0, (cap * N,))
         a_leaf.grad = _piece(arena.grad, a0, (cap, K))
         b_leaf.grad = _piece(arena.grad, b0, (cap * N,))
         out = LayerSlots(present, ranks, K, N, a_leaf, b_leaf, params, key, st, arena=arena, a0=a0, b0=b0, cap=cap,
-                         end=end, cells=cells, views=tuple(map(views.__getitem__, map(id, params))),
-                         offsets=tuple(map(_CELL_OFFSET, ordered)), by_name=by_name, holes=holes,
-                         pos=dict(zip(present, range(len(present)), strict=True)))
-        out._shape()
+                         end=end, cells=cells, views=views_t, offsets=offsets, by_name=by_name, holes=holes, lid=lid,
+                         edit=(old, rm, at) if splice else None, left=left)
+        out._shape(old if splice else None, k0)
         self._retable(out)
         return out
 
-    def _index(self) -> None:
-        """The store-wide lists (``held``, ``views``, ``adapter_of``, ``leaf_of``) from the layers' slots; per
-        adapter its parameters and their indices (``adapter_params``, ``adapter_idx``) are found when asked, from the
-        layers' ``pos``. C-level copies per layer: no Python step per parameter."""
+    @property
+    def held(self) -> list:
+        """Every held parameter (a list made at the first use after each layout: under DDP its identity tells a
+        re-layout)."""
+        return self._compacted()[0]
+
+    @property
+    def views(self) -> list:
+        """``held[i]``'s gradient piece."""
+        return self._compacted()[1]
+
+    def _compacted(self) -> tuple:
+        if self._compact is None:
+            keep = list(map(operator.is_not, self.adapter_of, itertools.repeat(None)))
+            self._compact = (list(itertools.compress(self._held, keep)), list(itertools.compress(self._views, keep)))
+        return self._compact
+
+    def _index_full(self) -> None:
+        """The per-parameter lists (``_held``, ``_views``, ``adapter_of``, ``leaf_of``, ``pattern``) laid out afresh
+        from the layers' slots (at a full layout; C-level copies per layer: no Python step per parameter). Flags
+        already read are kept by identity; every flag is read again at the next :meth:`sync_requires_grad`."""
+        before = dict(zip(map(id, self._held), self.pattern, strict=True))
         held, views, adapter_of, leaf_of = [], [], [], []
         chain = itertools.chain.from_iterable
         for s in self.slots.values():
@@ -804,34 +905,114 @@ class AdapterStore:
             views += chain(zip(s.views[:n], s.views[n:], strict=True))
             adapter_of += chain(zip(s.names, s.names, strict=True))
             s.held_idx = tuple(range(base, base + 2 * n, 2)) + tuple(range(base + 1, base + 2 * n, 2))
-            leaf_of += [(id(s), 0), (id(s), 1)] * n  # each adapter's A, then B: its leaves' keys (as ``watch``)
-        self.held, self.views, self.adapter_of, self.leaf_of = held, views, adapter_of, leaf_of
-        self.adapter_params = _ByAdapter(self, where=True)
-        self.adapter_idx = _ByAdapter(self, where=False)
-        grads = map(_GRAD, held)
-        self.attached = set(itertools.compress(range(len(held)), map(operator.is_, grads, views)))
+            leaf_of += [(s.lid, 0), (s.lid, 1)] * n  # each adapter's A, then B: its leaves' keys (as ``watch``)
+        self._held, self._views, self.adapter_of, self.leaf_of = held, views, adapter_of, leaf_of
+        self.index_of = dict(zip(map(id, held), range(len(held)), strict=True))
+        self.free, self.unread, self._compact = [], set(), None
+        for s in self.slots.values():
+            s.edit = None
+        self.pattern = list(map(before.get, map(id, held)))  # (None for a parameter that came: read as changed)
+        self.flags_full = None
+        self._new_index()
+        self.attached = set(itertools.compress(range(len(held)), map(operator.is_, map(_GRAD, held), views)))
         self._watch()
 
+    def _index_delta(self, placed: list, released: list, fresh: list) -> None:
+        """The per-parameter lists edited at the parameters of a layout by the layers that changed: those that left
+        free their indices, those on new pieces (``placed``) get one (a free one first) or keep theirs, with their
+        new view; ``fresh``: the layers laid out anew (their ``held_idx``). Nothing of the other parameters is read."""
+        held, views, adapter_of, leaf_of, pattern = self._held, self._views, self.adapter_of, self.leaf_of, self.pattern
+        index_of, free, attached, unread = self.index_of, self.free, self.attached, self.unread
+        for p, _ in released:
+            i = index_of.pop(id(p), None)
+            if i is None:
+                continue
+            held[i] = views[i] = _HOLE
+            adapter_of[i] = leaf_of[i] = None
+            pattern[i] = False
+            attached.discard(i)
+            unread.discard(i)
+            free.append(i)
+        for p, name, v, leaf in placed:
+            i = index_of.get(id(p))
+            if i is None:
+                if free:
+                    i = free.pop()
+                else:
+                    i = len(held)
+                    held.append(_HOLE)
+                    views.append(_HOLE)
+                    adapter_of.append(None)
+                    leaf_of.append(None)
+                    pattern.append(False)
+                index_of[id(p)] = i
+                held[i] = p
+                unread.add(i)  # its flag is read (and counted changed) at the next sync_requires_grad
+            adapter_of[i], views[i], leaf_of[i] = name, v, leaf
+            if p.grad is v:
+                attached.add(i)
+            else:
+                attached.discard(i)
+        for s in fresh:
+            e, s.edit = s.edit, None
+            if e is None:
+                s.held_idx = tuple(map(index_of.__getitem__, map(id, s.params)))
+                continue
+            old, rm, at = e  # old's indices with the changed adapters' taken out and put in at their positions
+            n_old, n = len(old.names), len(s.names)
+            a, b = list(old.held_idx[:n_old]), list(old.held_idx[n_old:])
+            for i in reversed(rm):
+                del a[i], b[i]
+            for i in at:
+                a.insert(i, index_of[id(s.params[i])])
+                b.insert(i, index_of[id(s.params[n + i])])
+            s.held_idx = tuple(a + b)
+        self._compact = None
+        self._new_index()
+        self._watch()
+
+    def _new_index(self) -> None:
+        self.adapter_params = _ByAdapter(self, where=True)
+        self.adapter_idx = _ByAdapter(self, where=False)
+        self.version += 1
+
     # -- per step -------------------------------------------------------------------------------------------------
-    def sync_requires_grad(self) -> bool:
+    def sync_requires_grad(self, layers=()) -> bool:
         """A leaf requires a gradient when one of its parameters does (a frozen adapter's rows of a trained block get
-        gradients nobody reads: its parameters have no ``.grad`` and the optimizer skips them). Returns whether the
-        pattern changed since the last call (one pass over the flags when it did not)."""
+        gradients nobody reads: its parameters have no ``.grad`` and the optimizer skips them). Returns whether a
+        flag changed since the last call. Reads the flags of the parameters whose flag was set since (``_FLIPS``)
+        and of those that came (``unread``); every flag after a change of unknown extent (``plan.FULL``), when the
+        log was cleared, or where held parameters keep their class (``SWAP_CLASS`` False). ``layers``: slots laid
+        out anew (their leaves take their flags whatever changed)."""
         self.flags_read = CHANGES[0]
-        held = self.held
-        pattern = list(map(_REQUIRES_GRAD, held))  # C-level: ~0.1-0.3 us per parameter (cache misses)
-        before, self._pattern_of = self._pattern_of, (held, pattern)
-        if pattern == self.pattern:
-            return False
-        self.pattern = pattern
-        changed = None  # the parameters whose flag changed (or that came) since the last pattern; None: all
-        if before is not None:
-            if before[0] is held:
-                changed = itertools.compress(range(len(held)), map(operator.ne, pattern, before[1]))
-            else:  # (a re-layout in between: compared by identity)
-                flag = dict(zip(map(id, before[0]), before[1], strict=True))
-                changed = itertools.compress(range(len(held)), map(operator.ne, pattern, map(flag.get, map(id, held))))
-        for s in self.slots.values():
+        held, pattern, unread = self._held, self.pattern, self.unread
+        at = self.flips_read - _FLIPS_AT[0] if self.flips_read is not None else -1
+        if not SWAP_CLASS or self.flags_full != FULL[0] or at < 0:
+            flags = list(map(_REQUIRES_GRAD, held))  # C-level: ~0.1-0.3 us per parameter (cache misses)
+            changed = set(itertools.compress(range(len(held)), map(operator.ne, flags, pattern))) | unread
+            self.pattern = pattern = flags
+            self.flags_full = FULL[0]
+        else:
+            index_of = self.index_of
+            read = unread.union(map(index_of.get, _FLIPS[at:]))
+            read.discard(None)
+            changed = set()
+            for i in read:
+                f = _REQUIRES_GRAD(held[i])
+                if f != pattern[i] or i in unread:
+                    pattern[i] = f
+                    changed.add(i)
+        self.flips_read = _FLIPS_AT[0] + len(_FLIPS)
+        self.unread = set()
+        touched = {s.lid: s for s in layers}
+        leaf_of = self.leaf_of
+        for i in changed:
+            lid = leaf_of[i][0]
+            if lid not in touched:
+                touched[lid] = self.slots.get(lid)
+        for s in touched.values():
+            if s is None:
+                continue
             n = len(s.names)
             a_req = any(map(pattern.__getitem__, s.held_idx[:n]))
             b_req = any(map(pattern.__getitem__, s.held_idx[n:]))
@@ -841,7 +1022,11 @@ class AdapterStore:
                     if req and id(leaf) not in self.hooked:  # once per leaf (a frozen tensor takes no hook)
                         leaf.register_hook(self._hook(s, part))
                         self.hooked.add(id(leaf))
-        self.prepare_grads(force=changed is None, extra=changed)  # one that no longer trains loses its view
+        if not changed:
+            return False
+        self.version += 1
+        self.flagged.update(map(self.adapter_of.__getitem__, changed))
+        self.prepare_grads(extra=changed)  # one that no longer trains loses its view
         return True
 
     def prepare_grads(self, force: bool = False, extra=None) -> None:
@@ -865,7 +1050,7 @@ class AdapterStore:
         indices of parameters whose flag changed, read too)."""
         pending = self.pending
         attached = self.attached
-        held, views = self.held, self.views
+        held, views = self._held, self._views
         extra = set(extra) if extra is not None else set()
         if not force and not pending and not extra and all(
                 map(operator.is_, map(_GRAD, map(held.__getitem__, attached)), map(views.__getitem__, attached))):
@@ -905,7 +1090,7 @@ class AdapterStore:
 
     def _watch(self) -> None:
         """``watch`` from ``attached``: per leaf, what its hook checks."""
-        attached, held, views = self.attached, self.held, self.views
+        attached, held, views = self.attached, self._held, self._views
         if len(attached) * 8 < len(held):  # a few: by index
             by_leaf: dict = {}
             for i in attached:
@@ -917,7 +1102,7 @@ class AdapterStore:
                 for part, ix in ((0, s.held_idx[:n]), (1, s.held_idx[n:])):
                     sel = list(itertools.compress(ix, map(attached.__contains__, ix)))
                     if sel:
-                        by_leaf[(id(s), part)] = sel
+                        by_leaf[(s.lid, part)] = sel
         self.watch = {key: (tuple(map(held.__getitem__, ix)), tuple(map(views.__getitem__, ix)))
                       for key, ix in by_leaf.items()}
 
@@ -926,7 +1111,7 @@ class AdapterStore:
         first leaf (adapters are pending), or when one of the leaf's attached parameters lost its view since (an
         optimizer's ``zero_grad`` between the forward and the backward), :meth:`prepare_grads` first. A few identity
         checks per leaf and backward otherwise (the leaf's parameters whose view is attached)."""
-        key = (id(slots), 0 if part.start == 0 else 1)
+        key = (slots.lid, 0 if part.start == 0 else 1)
 
         def hook(grad):
             if self.ddp.sync is not None or self.ddp.done:  # under DDP: the arenas' all-reduce, when the backward ends

@@ -1002,7 +1002,7 @@ def test_holes_and_spare_rows_train_alike_on_both_backends():
 
 
 class _CountingList(list):
-    """A list that counts its item reads (the store's ``held`` / ``views``: what a step reads of them)."""
+    """A list that counts its item reads (the store's ``_held`` / ``_views``: what a step reads of them)."""
 
     reads = 0
 
@@ -1022,7 +1022,7 @@ def _per_step_reads(n):
                for i in range(4)]
     _train(model, opt, batches[:2])  # store built, flags read, hooks on
     store = fast_multilora.store.AdapterStore.of(model)
-    store.held, store.views = _CountingList(store.held), _CountingList(store.views)
+    store._held, store._views = _CountingList(store._held), _CountingList(store._views)
     _CountingList.reads = 0
     _train(model, opt, batches[2:])
     return _CountingList.reads, store
@@ -1035,4 +1035,85 @@ def test_a_steps_gradient_bookkeeping_reads_the_batchs_adapters_only():
     small, _ = _per_step_reads(16)
     large, store = _per_step_reads(48)
     assert 0 < small == large, (small, large)
-    assert store.attached and all(store.held[i].grad is store.views[i] for i in store.attached)
+    assert store.attached and all(store._held[i].grad is store._views[i] for i in store.attached)
+
+
+def _change_step_reads(n, what):
+    """A trained ``many_model(n)`` with ``fast_multilora.AdamW``; one adapter added (trainable) or deleted; then what
+    the next training step (forward, backward, optimizer step) reads of the store's per-parameter entries: held
+    parameters' flags and ``.grad`` (store-wide passes), items of the store's per-parameter lists, and the blocks
+    cut into optimizer chunks."""
+    import fast_multilora.kernels.adamw as adamw_mod
+
+    import fast_multilora.store as store_mod
+
+    model, opt, names = _trained(n, seed=5)
+    store = opt.store
+    if what == "add":
+        torch.manual_seed(0)
+        fast_multilora.add_adapters(model, {"zz": LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                             init_lora_weights=False)})
+        for name, p in model.named_parameters():
+            if ".zz." in name:
+                p.requires_grad_(True)
+        rows = [names[0], "zz"]
+    else:
+        fast_multilora.delete_adapters(model, [names[3]])
+        rows = [names[0], names[1]]
+    counts = {"flags": 0, "grads": 0, "blocks": 0}
+    real = (store_mod._REQUIRES_GRAD, store_mod._GRAD, adamw_mod.chunk_table)
+
+    def flag(p):
+        counts["flags"] += 1
+        return real[0](p)
+
+    def grad(p):
+        counts["grads"] += 1
+        return real[1](p)
+
+    def table(blocks, *args, **kwargs):
+        counts["blocks"] += len(blocks)
+        return real[2](blocks, *args, **kwargs)
+
+    store._held, store._views = _CountingList(store._held), _CountingList(store._views)
+    _CountingList.reads = 0
+    store_mod._REQUIRES_GRAD, store_mod._GRAD, adamw_mod.chunk_table = flag, grad, table
+    try:
+        ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(1))
+        out = model(input_ids=ids, adapter_names=rows)
+        fast_multilora.per_adapter_loss(out.logits, ids, rows).backward()
+        opt.step()
+        opt.zero_grad()
+    finally:
+        store_mod._REQUIRES_GRAD, store_mod._GRAD, adamw_mod.chunk_table = real
+    counts["items"] = _CountingList.reads
+    return counts, model, opt
+
+
+@pytest.mark.parametrize("what", ["add", "delete"])
+def test_the_step_after_a_change_reads_the_changed_adapters_entries_only(what):
+    """After one adapter is added (and made trainable) or deleted, the next training step reads the flags of the
+    added adapter's parameters only (no pass over every held flag or ``.grad``), the store's per-parameter entries
+    of the batch's and the changed adapters, and the optimizer cuts the added adapter's blocks only (its tables are
+    edited, not rebuilt): the same counts with 24 and 48 adapters registered. The step's result is the full
+    rebuild's: the edited tables equal freshly built ones."""
+    small, _, _ = _change_step_reads(24, what)
+    large, model, opt = _change_step_reads(48, what)
+    assert small == large, (small, large)
+    layers = 2 * 2  # 2 decoder layers x q, v
+    assert small["flags"] == (2 * layers if what == "add" else 0), small
+    assert small["blocks"] == (2 * layers if what == "add" else 0), small
+    assert small["items"] > 0, small
+    edited = opt._tables
+    opt._table_delta = None
+    opt._build_tables()
+    for key, t in opt._tables.items():
+        for f in t._fields:
+            a, b = getattr(t, f), getattr(edited[key], f)
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f
+    store = opt.store
+    for s in store.slots.values():  # the spliced per-layer entries are those a fresh layout gives
+        assert s.held_idx == tuple(store.index_of[id(p)] for p in s.params)
+        assert all(store._views[i] is v for i, v in zip(s.held_idx, s.views, strict=True))
+        assert s.offsets == tuple(s.by_name[n][2] for n in s.names)
+        assert s.params == tuple(s.by_name[n][3] for n in s.names) + tuple(s.by_name[n][4] for n in s.names)
