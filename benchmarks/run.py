@@ -237,6 +237,9 @@ def main(argv=None) -> int:
         elif sc.needs and not _importable(sc.needs):
             rows = {harness.row_key(n, v): harness.make_row(n, v, "skipped", f"{sc.needs} unavailable")
                     for n, v in pairs}
+        elif sc.liger and st["device"] != "cuda":  # its Triton kernels need a GPU; its patches are global to classes
+            rows = {harness.row_key(n, v): harness.make_row(n, v, "skipped", "Liger Kernel's kernels need a CUDA GPU")
+                    for n, v in pairs}
         else:
             rows = measure_rows(args, st, sc, pairs, budget)
         harness.add_ratios(rows, harness.RATIO_REFS + sc.refs)
