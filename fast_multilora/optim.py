@@ -43,6 +43,8 @@ class _Ops(NamedTuple):
 
 _BLOCK_PARAM = operator.itemgetter(2)  # an arena block's (start, numel, param)
 _ADAPTER = operator.itemgetter("adapter")  # a param group's adapter
+_LR, _BETAS, _EPS, _WD = map(operator.itemgetter, ("lr", "betas", "eps", "weight_decay"))
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _FREE = ("",)  # a free step slot's adapter (no group's: groups' adapters are names or None)
 _FREE_ROW = (0.0, 0.9, 0.999, 1e-8, 0.0)  # a free slot's hyperparameters (never stepped)
 
@@ -406,9 +408,11 @@ class AdamW(torch.optim.Optimizer):
         """float32 [slots, 5] on ``device``: each group's lr, betas, eps, weight decay at its slot (read every step:
         LR schedulers change them; copied only when they did). Staged through pinned memory (torch's caching host
         allocator): a copy from pageable memory would wait for the device to drain its queue, a sync per step."""
+        groups = self.param_groups
+        betas = list(map(_BETAS, groups))
         rows = [_FREE_ROW] * self._n_slots()
-        any(map(rows.__setitem__, self._slot, [(g["lr"], *g["betas"], g["eps"], g["weight_decay"])
-                                               for g in self.param_groups]))  # (C-level: by slot)
+        any(map(rows.__setitem__, self._slot, zip(map(_LR, groups), map(_FIRST, betas), map(_SECOND, betas),
+                                                  map(_EPS, groups), map(_WD, groups), strict=True)))  # (by slot)
         cached = self._hyper_cache
         if cached is not None and cached[0] == rows and cached[1].device == device:
             return cached[1]
