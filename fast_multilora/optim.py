@@ -146,9 +146,9 @@ class AdamW(torch.optim.Optimizer):
             return
         by = self._params_of()
         old_steps = {}
-        if self._counts is not None and len(self._slot) == len(self.param_groups):
-            host = self.steps.tolist()
-            old_steps = {g["adapter"]: host[i] for i, g in enumerate(self.param_groups)}
+        if self._counts is not None:  # (groups appended since by add_param_group have no slot: they start at 0)
+            host = self._counts.tolist()
+            old_steps = {g["adapter"]: host[s] for s, g in zip(self._slot, self.param_groups, strict=False)}
         keep = []
         for g in self.param_groups:
             if g["adapter"] is None or g["adapter"] in by:
@@ -366,20 +366,27 @@ class AdamW(torch.optim.Optimizer):
                 old = torch.cat([old, torch.zeros(S - old.shape[0], 2, dtype=torch.int64)])
             b = torch.tensor(blocks[key], dtype=torch.int64).reshape(-1, 3)
             add = chunk_table(b, S, arena.used, arena.device, chunk=t.chunk)
-            n_keep = t.start.numel() - int(old[drop, 0].sum())
-            new = old.masked_fill(drop[:, None], 0) + _tally(b, S, t.chunk)
-            kept = torch.nonzero_static(drop.to(dev)[t.adapter.long()].logical_not(), size=n_keep).squeeze(1)
-            k_adapter = t.adapter[kept]
-            # the kept chunks and the new ones, each sorted by slot, merged (no slot has both)
-            pos_k = torch.arange(n_keep, device=dev) + torch.searchsorted(add.adapter, k_adapter)
-            pos_a = torch.arange(add.start.numel(), device=dev) + torch.searchsorted(k_adapter, add.adapter)
-            C = n_keep + add.start.numel()
-            out = []
-            for k, a in ((t.start[kept], add.start), (t.length[kept], add.length), (k_adapter, add.adapter)):
-                m = torch.empty(C, dtype=a.dtype, device=dev)
-                m[pos_k] = k
-                m[pos_a] = a
-                out.append(m)
+            kept_tally = old.masked_fill(drop[:, None], 0)
+            new = kept_tally + _tally(b, S, t.chunk)
+            n_old, n_add = t.start.numel(), add.start.numel()
+            n_keep = int(kept_tally[:, 0].sum())
+            kept = (t.start, t.length, t.adapter)
+            if n_keep < n_old:  # the dirty slots' chunks dropped
+                at = torch.nonzero_static(drop.to(dev)[t.adapter.long()].logical_not(), size=n_keep).squeeze(1)
+                kept = tuple(f[at] for f in kept)
+            added = (add.start, add.length, add.adapter)
+            with_chunks = kept_tally[:, 0].nonzero()
+            if not n_add or int(b[:, 2].min()) > (int(with_chunks[-1]) if with_chunks.numel() else -1):
+                out = [torch.cat(f) for f in zip(kept, added, strict=True)]  # (the new slots after every kept one)
+            else:  # the kept chunks and the new ones, each sorted by slot, merged (no slot has both)
+                pos_k = torch.arange(n_keep, device=dev) + torch.searchsorted(add.adapter, kept[2])
+                pos_a = torch.arange(n_add, device=dev) + torch.searchsorted(kept[2], add.adapter)
+                out = []
+                for k, a in zip(kept, added, strict=True):
+                    m = torch.empty(n_keep + n_add, dtype=a.dtype, device=dev)
+                    m[pos_k] = k
+                    m[pos_a] = a
+                    out.append(m)
             ptr = torch.zeros(S + 1, dtype=torch.int64)
             ptr[1:] = torch.cumsum(new[:, 0], 0)
             tables[key] = ChunkTable(*out, adapter_ptr=to_device(ptr.to(torch.int32), dev), n_adapters=S,
