@@ -42,6 +42,20 @@ class _Ops(NamedTuple):
 
 
 _BLOCK_PARAM = operator.itemgetter(2)  # an arena block's (start, numel, param)
+_ADAPTER = operator.itemgetter("adapter")  # a param group's adapter
+_LR, _BETAS, _EPS, _WD = map(operator.itemgetter, ("lr", "betas", "eps", "weight_decay"))
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_FREE = ("",)  # a free step slot's adapter (no group's: groups' adapters are names or None)
+_FREE_ROW = (0.0, 0.9, 0.999, 1e-8, 0.0)  # a free slot's hyperparameters (never stepped)
+
+
+def _tally(blocks: torch.Tensor, n_slots: int, chunk: int) -> torch.Tensor:
+    """int64 ``[n_slots, 2]`` (host): per slot the chunks and the elements of ``blocks`` (``[n, 3]`` rows
+    ``(start, numel, slot)``), as ``kernels.adamw.chunk_table`` cuts them."""
+    out = torch.zeros(n_slots, 2, dtype=torch.int64)
+    size, slot = blocks[:, 1], blocks[:, 2]
+    out.index_add_(0, slot, torch.stack([(size + chunk - 1) // chunk, size], 1))
+    return out
 
 
 class AdamW(torch.optim.Optimizer):
@@ -71,22 +85,38 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"settings for unknown adapter(s) {unknown}; the model has {known}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(self._groups(known, defaults), defaults)
-        self._tables: dict = {}  # (dtype, device) -> (ChunkTable, group index per chunk's block) for trained blocks
+        self._tables: dict = {}  # (dtype, device) -> ChunkTable of the trained pieces, by step slot
         self._version = None  # the store's ``version`` (layouts, flag changes) when the tables were built
-        self.steps: Optional[torch.Tensor] = None  # float32 [groups] on the store's device: each group's step count
-        self._steps_buf = None  # the buffer ``steps`` is the head of (room for groups to come)
-        self._group_slots = None  # (seen_names, int64 [groups] index into store.seen, bool [groups] steppable)
-        self._hyper_cache = None  # (host rows, their device tensor) of the last step
+        # Each group has a step slot, kept while the group lives: its step count is ``_counts[slot]`` (its parameters'
+        # ``state["step"]`` are 0-d views of it) and the kernels index their per-group values (hyperparameters,
+        # counts, active flags, chunk owners) by slot. A group that goes frees its slot; new groups take slots at the
+        # end (the slots are renumbered compactly when the free ones are most of them), so an add or delete touches
+        # the slots of the groups that changed only.
+        self._counts: Optional[torch.Tensor] = None  # float32 [slots + room] on the store's device
+        self._slot: list = []  # param_groups[i]'s slot
+        self._slot_names: list = []  # per slot its group's adapter (``_FREE`` for a free slot)
+        self._dirty: set = set()  # slots whose chunks changed since the tables were built (edited at the next build)
+        self._tally: dict = {}  # (dtype, device) -> host int64 [slots, 2]: per slot its chunks and elements
+        self._trained = None  # bool [slots] on the device: the slot's group has trained pieces
+        self._group_slots = None  # (seen_names, int64 [slots] index into store.seen, bool [slots] steppable)
+        self._hyper_cache = None  # (host rows by slot, their device tensor, host tensor) of the last step
         self._others = None  # _outside()'s cache
-        # a layout since the tables were built that only removed groups and appended new ones: (the tables, the
-        # trained flags, the kept groups' old indices, the old group count); the next build edits those tables
-        self._table_delta = None
         # the arenas hold one optimizer's states: a new optimizer on the same model starts from zero moments and
         # takes them over (the previous one then refuses to step)
         for arena in self.store.arenas.values():
             arena.states.clear()
         self.store.owner = self
         self._follow(self.store)
+
+    @property
+    def steps(self) -> Optional[torch.Tensor]:
+        """float32 ``[groups]``: each param group's step count (a copy; the counts live in per-group slots)."""
+        if self._counts is None:
+            return None
+        return self._counts[torch.tensor(self._slot, dtype=torch.int64).to(self._counts.device)]
+
+    def _n_slots(self) -> int:
+        return len(self._slot_names)
 
     # -- groups ---------------------------------------------------------------------------------------------------
     def _params_of(self) -> dict:
@@ -116,9 +146,9 @@ class AdamW(torch.optim.Optimizer):
             return
         by = self._params_of()
         old_steps = {}
-        if self.steps is not None:
-            host = self.steps.tolist()
-            old_steps = {g["adapter"]: host[i] for i, g in enumerate(self.param_groups)}
+        if self._counts is not None:  # (groups appended since by add_param_group have no slot: they start at 0)
+            host = self._counts.tolist()
+            old_steps = {g["adapter"]: host[s] for s, g in zip(self._slot, self.param_groups, strict=False)}
         keep = []
         for g in self.param_groups:
             if g["adapter"] is None or g["adapter"] in by:
@@ -135,8 +165,10 @@ class AdamW(torch.optim.Optimizer):
             if p not in live:
                 del self.state[p]
         device = next(iter(store.arenas.values())).device if store.arenas else torch.device("cpu")
-        self.steps = self._steps_buf = torch.tensor([float(old_steps.get(g["adapter"], 0.0)) for g in keep],
-                                                    dtype=torch.float32, device=device)
+        # the slots numbered afresh: group i's is i
+        self._counts = torch.tensor([float(old_steps.get(g["adapter"], 0.0)) for g in keep], dtype=torch.float32,
+                                    device=device)
+        self._slot, self._slot_names = list(range(len(keep))), list(map(_ADAPTER, keep))
         for arena in store.arenas.values():
             for s in _STATES:
                 if s not in arena.states:
@@ -155,65 +187,69 @@ class AdamW(torch.optim.Optimizer):
                 if i is None:
                     continue
                 st = self.state[p]
-                st["step"] = self.steps[i]  # a 0-d view: the group's count
+                st["step"] = self._counts[i]  # a 0-d view: the group's count
                 for s in _STATES:
                     st[s] = arena.states[s][start : start + numel].view(p.shape)
         self._tables, self._version, self._group_slots, self._others = {}, None, None, None
-        self._table_delta = None
+        self._dirty, self._tally = set(), {}
 
     def _follow_delta(self, store: AdapterStore, placed: list, released: list) -> bool:
         """:meth:`_follow` for a re-layout that placed and released the parameters listed (``(param, adapter, ...)``),
-        touching only those adapters' groups and those parameters' states, when every adapter's parameters are held
-        by the store (else ``False``: the model-wide walk of :meth:`_follow` finds the others)."""
+        touching only those adapters' groups, slots and parameters' states (C-level passes over the groups' names
+        aside), when every adapter's parameters are held by the store (else ``False``: the model-wide walk of
+        :meth:`_follow` finds the others)."""
         router = store.router
         if not getattr(self, "_all_held", False) or router.expert_layers or len(store.slots) != len(router.layers):
             return False
-        if self._steps_buf is None or self._steps_buf.untyped_storage().data_ptr() != \
-                self.steps.untyped_storage().data_ptr():
+        groups, slot = self.param_groups, self._slot
+        if self._counts is None or len(slot) != len(groups):
             return False
         configs = getattr(router.tuner, "peft_config", {})
         affected = {name for _, name, *_ in placed} | {name for _, name in released}
-        index = {g["adapter"]: i for i, g in enumerate(self.param_groups)}
+        index = dict(zip(map(_ADAPTER, groups), range(len(groups)), strict=True))
         for name in affected:
             cfg = configs.get(name)
             if name not in index and (cfg is None or getattr(cfg, "use_dora", False) or any(
                     getattr(cfg, a, None) is not None for a in ("modules_to_save", "trainable_token_indices"))):
                 return False  # a new adapter that may have parameters outside the store
-        groups, old_index, n_before = [], [], len(self.param_groups)
-        for i, g in enumerate(self.param_groups):
-            if g["adapter"] in affected:
-                g["params"] = list(store.adapter_params.get(g["adapter"], ((),))[0])
-                if not g["params"]:
-                    continue
-            groups.append(g)
-            old_index.append(i)
-        for name in sorted(affected - set(index)):
-            params = list(store.adapter_params.get(name, ((),))[0])
-            if params:
-                groups.append({"params": params, "adapter": name, **self.defaults, **self.settings.get(name, {})})
+        names, dirty, gone, came = self._slot_names, self._dirty, [], []
+        changed = []  # (group, its slot) of the affected groups that stay or came
         for p, _ in released:
             self.state.pop(p, None)
-        # the step counts live in a buffer with spare room (grown in place: the parameters' 0-d views of it follow);
-        # groups that keep their index keep their views
-        buf = self._steps_buf
-        first = next((i for i, j in enumerate(old_index) if i != j), len(old_index))  # the first group that moved
-        if first < len(old_index):
-            buf[first : len(old_index)] = buf[torch.tensor(old_index[first:], dtype=torch.int64).to(buf.device)]
-        if len(groups) > buf.numel():
-            _grow(buf, max(len(groups), buf.numel() * 3 // 2))
-        buf[len(old_index) : len(groups)] = 0
-        self.param_groups, self.steps = groups, buf[: len(groups)]
+        for name in sorted(affected):
+            i = index.get(name)
+            params = list(store.adapter_params.get(name, ((),))[0])
+            if i is None:
+                if params:
+                    came.append({"params": params, "adapter": name, **self.defaults, **self.settings.get(name, {})})
+                continue
+            groups[i]["params"] = params
+            dirty.add(slot[i])
+            if params:
+                changed.append((groups[i], slot[i]))
+            else:
+                gone.append(i)
+        for i in sorted(gone, reverse=True):  # a group that went frees its slot
+            names[slot[i]] = _FREE
+            del groups[i], slot[i]
+        buf, n = self._counts, len(names)
+        if n + len(came) > buf.numel():  # (grown in place: the parameters' 0-d views of it follow)
+            _grow(buf, max(n + len(came), buf.numel() * 3 // 2))
+        buf[n : n + len(came)] = 0
+        for g in came:
+            changed.append((g, len(names)))
+            dirty.add(len(names))
+            slot.append(len(names))
+            names.append(g["adapter"])
+            groups.append(g)
         for arena in store.arenas.values():
             for s in _STATES:
                 if s not in arena.states:
                     arena.states[s] = torch.zeros_like(arena.data)
-        for i, g in enumerate(groups):  # each parameter's step count is a 0-d view of its group's
-            if i < first and g["adapter"] not in affected:
-                continue
-            step = buf[i]
+        for g, s in changed:  # each parameter's step count is a 0-d view of its group's slot
+            step = buf[s]
             for p in g["params"]:
-                st = self.state[p]
-                st["step"] = step
+                self.state[p]["step"] = step
         for p, *_ in placed:  # their states' views on their new pieces
             st = self.state.get(p)
             if st is None:
@@ -224,23 +260,33 @@ class AdamW(torch.optim.Optimizer):
                 st[s] = arena.states[s][start : start + numel].view(p.shape)
         others = self._others
         if others is not None:  # the affected groups' parameters outside the store read again, the others' kept
-            pos = {id(g): i for i, g in enumerate(groups)}
             blocks = [a.blocks for a in store.arenas.values()]
-            others = [(pos[id(g)], g, ps) for _, g, ps in others if id(g) in pos and g["adapter"] not in affected]
-            for g in groups:
-                if g["adapter"] in affected:
-                    out = [p for p in g["params"] if not any(p in b for b in blocks)]
-                    if out:
-                        others.append((pos[id(g)], g, out))
+            others = [o for o in others if o[1]["adapter"] not in affected]
+            for g, s in changed:
+                out = [p for p in g["params"] if not any(p in b for b in blocks)]
+                if out:
+                    others.append((s, g, out))
             others.sort(key=operator.itemgetter(0))
-        # the tables can be edited at the next build when no group that stays changed (its chunks keep their places)
-        if self._tables and self._table_delta is None and self._version is not None and \
-                all(g["adapter"] not in affected for g in groups[: len(old_index)]):
-            self._table_delta = (self._tables, self._trained, old_index, n_before)
-        else:
-            self._table_delta = None
-        self._tables, self._version, self._group_slots, self._others = {}, None, None, others
+        self._version, self._group_slots, self._others = None, None, others
+        if len(groups) * 2 < len(names) and len(names) > 16:  # most slots free: renumbered compactly
+            self._compact_slots()
         return True
+
+    def _compact_slots(self) -> None:
+        """The groups' slots renumbered ``0 .. groups - 1`` (their counts moved along, their parameters' step views
+        re-pointed); the tables are built afresh at the next step."""
+        buf, groups = self._counts, self.param_groups
+        n = len(groups)
+        buf[:n] = buf[torch.tensor(self._slot, dtype=torch.int64).to(buf.device)]
+        held = [a.blocks for a in self.store.arenas.values()]
+        for i, g in enumerate(groups):
+            step = buf[i]
+            for p in g["params"]:
+                if any(p in b for b in held):  # (a parameter outside the store has its own count)
+                    self.state[p]["step"] = step
+        self._slot, self._slot_names = list(range(n)), list(map(_ADAPTER, groups))
+        self._tables, self._version, self._group_slots, self._others = {}, None, None, None
+        self._dirty, self._tally = set(), {}
 
     # -- tables ---------------------------------------------------------------------------------------------------
     def _store_params(self) -> list:
@@ -248,114 +294,132 @@ class AdamW(torch.optim.Optimizer):
                                                   for a in self.store.arenas.values()))
 
     def _build_tables(self) -> None:
-        """Each arena's chunk table of the trained pieces (``requires_grad``) by group, read from the layers' slots
-        (no per-parameter lookups)."""
+        """Each arena's chunk table of the trained pieces (``requires_grad``) by slot, read from the layers' slots
+        (no per-parameter lookups); edited at the slots that changed (:meth:`_edit_tables`) where tables stand."""
         from .kernels.adamw import chunk_table
 
         store = self.store
-        delta, self._table_delta = self._table_delta, None
         flagged, store.flagged = store.flagged, set()
-        if delta is not None and self._edit_tables(delta, flagged):
+        dirty, self._dirty = self._dirty, set()
+        if self._tables and set(self._tables) == set(store.arenas) and self._edit_tables(dirty, flagged):
             return
-        group = {g["adapter"]: i for i, g in enumerate(self.param_groups) if g["adapter"] is not None}
+        S = self._n_slots()
+        slot_of = dict(zip(self._slot_names, range(S), strict=True))
         pattern = store.pattern
         blocks: dict = {key: [] for key in store.arenas}
         for s in store.slots.values():  # per layer a few tensor ops over its adapters (no Python step per adapter)
             n = len(s.names)
             if not n:
                 continue
-            gi = torch.tensor(list(map(group.get, s.names, itertools.repeat(-1))), dtype=torch.int64)
+            gi = torch.tensor(list(map(slot_of.get, s.names, itertools.repeat(-1))), dtype=torch.int64)
             off, r = torch.tensor(s.offsets, dtype=torch.int64), torch.tensor(s.ranks, dtype=torch.int64)
             flags = torch.tensor(list(map(pattern.__getitem__, s.held_idx)), dtype=torch.bool)
             both = torch.cat([torch.stack([s.a0 + off * s.K, r * s.K, gi], 1),
                               torch.stack([s.b0 + off * s.N, r * s.N, gi], 1)])
             blocks[(s.arena.dtype, s.arena.device)].append(both[flags & (torch.cat([gi, gi]) >= 0)])
-        tables = {}
-        trained = torch.zeros(len(self.param_groups), dtype=torch.bool)
+        tables, tally = {}, {}
         for key, arena in store.arenas.items():
             b = torch.cat(blocks[key]) if blocks[key] else torch.zeros(0, 3, dtype=torch.int64)
-            tables[key] = chunk_table(b, len(self.param_groups), arena.used, arena.device)
-            trained[b[:, 2]] = True
-        self._tables = tables
-        self._version = store.version
-        self._trained = trained.to(self.steps.device)
+            tables[key] = chunk_table(b, S, arena.used, arena.device)
+            tally[key] = _tally(b, S, tables[key].chunk)
+        self._set_tables(tables, tally)
+
+    def _set_tables(self, tables: dict, tally: dict) -> None:
+        self._tables, self._tally, self._version = tables, tally, self.store.version
+        chunks = sum((t[:, 0] for t in tally.values()), torch.zeros(self._n_slots(), dtype=torch.int64))
+        self._trained = to_device(chunks > 0, self._counts.device)
         self._group_slots = None  # its steppable flags follow _trained
 
-    def _edit_tables(self, delta: tuple, flagged: set) -> bool:
-        """:meth:`_build_tables` after a layout that removed groups and appended new ones (``delta``, from
-        :meth:`_follow_delta`) when no flag of another adapter changed since (``flagged``): the old tables' chunks of
-        the removed groups dropped and the others renumbered (device ops), the new groups' pieces cut into chunks and
-        appended -- the work of the groups that changed, not of the arena. ``False``: a full build is needed."""
-        from .kernels.adamw import chunk_table
+    def _edit_tables(self, dirty: set, flagged: set) -> bool:
+        """:meth:`_build_tables` at the slots that changed since the tables were built (``dirty``: groups that came,
+        went or whose pieces moved; the slots of the adapters ``flagged`` with a flag change): their chunks dropped
+        from the old tables, their pieces (for groups that stay) cut into chunks and merged in by slot (device ops,
+        no host sync: the chunk counts per slot are kept on the host) -- the work of the groups that changed, not of
+        the arena. ``False``: a full build is needed."""
+        from .kernels.adamw import ChunkTable, chunk_table
 
         store = self.store
-        old_tables, old_trained, old_index, n_old = delta
-        G, kept = len(self.param_groups), len(old_index)
-        new = {g["adapter"]: kept + i for i, g in enumerate(self.param_groups[kept:])}
-        if not flagged <= set(new) or set(old_tables) != set(store.arenas) or None in new:
-            return False
+        S, names = self._n_slots(), self._slot_names
+        if flagged:
+            slot_of = dict(zip(names, range(S), strict=True))
+            dirty = dirty | {slot_of[n] for n in flagged if n in slot_of}
         pattern, index_of = store.pattern, store.index_of
         blocks: dict = {key: [] for key in store.arenas}
-        for name, gi in new.items():
-            entry = store.adapter_params.get(name)
+        for s in sorted(dirty):
+            entry = store.adapter_params.get(names[s]) if isinstance(names[s], str) else None
             if entry is None:
                 continue
             params, where = entry
-            for k, (s, off) in enumerate(where):
+            for k, (ls, off) in enumerate(where):
                 pa, pb = params[2 * k], params[2 * k + 1]
                 r = pa.shape[0]
-                for p, start, numel in ((pa, s.a0 + off * s.K, r * s.K), (pb, s.b0 + off * s.N, r * s.N)):
+                for p, start, numel in ((pa, ls.a0 + off * ls.K, r * ls.K), (pb, ls.b0 + off * ls.N, r * ls.N)):
                     if pattern[index_of[id(p)]]:
-                        blocks[(s.arena.dtype, s.arena.device)].append((start, numel, gi))
-        keep = torch.tensor(old_index, dtype=torch.int64)
-        remap = torch.full((n_old,), -1, dtype=torch.int64)
-        remap[keep] = torch.arange(kept)
-        trained = torch.zeros(G, dtype=torch.bool, device=self.steps.device)
-        trained[:kept] = old_trained[keep.to(old_trained.device)]
-        tables = {}
+                        blocks[(ls.arena.dtype, ls.arena.device)].append((start, numel, s))
+        drop = torch.zeros(S, dtype=torch.bool)
+        drop[list(dirty)] = True
+        tables, tally = {}, {}
         for key, arena in store.arenas.items():
-            t = old_tables[key]
+            t, old = self._tables[key], self._tally[key]
             dev = t.start.device
-            a = remap.to(dev)[t.adapter.long()]
-            on = a >= 0
-            adapter = a[on]
-            per = torch.bincount(adapter, minlength=kept)
-            add = chunk_table(blocks[key], G, arena.used, arena.device, chunk=t.chunk)
-            ptr = torch.zeros(kept + 1, dtype=torch.int64, device=dev)
-            ptr[1:] = torch.cumsum(per, 0)
-            length = t.length[on]
-            tables[key] = add._replace(
-                start=torch.cat([t.start[on], add.start]), length=torch.cat([length, add.length]),
-                adapter=torch.cat([adapter.to(torch.int32), add.adapter]),
-                adapter_ptr=torch.cat([ptr, add.adapter_ptr[kept + 1 :].long() + ptr[-1]]).to(torch.int32),
-                max_chunks=max(int(per.max()) if kept else 0, add.max_chunks),
-                covered=int(length.sum()) + add.covered, align=min(t.align, add.align))
-            for b in blocks[key]:
-                trained[b[2]] = True
-        self._tables = tables
-        self._version = store.version
-        self._trained = trained
-        self._group_slots = None
+            if old.shape[0] < S:
+                old = torch.cat([old, torch.zeros(S - old.shape[0], 2, dtype=torch.int64)])
+            b = torch.tensor(blocks[key], dtype=torch.int64).reshape(-1, 3)
+            add = chunk_table(b, S, arena.used, arena.device, chunk=t.chunk)
+            kept_tally = old.masked_fill(drop[:, None], 0)
+            new = kept_tally + _tally(b, S, t.chunk)
+            n_old, n_add = t.start.numel(), add.start.numel()
+            n_keep = int(kept_tally[:, 0].sum())
+            kept = (t.start, t.length, t.adapter)
+            if n_keep < n_old:  # the dirty slots' chunks dropped
+                at = torch.nonzero_static(drop.to(dev)[t.adapter.long()].logical_not(), size=n_keep).squeeze(1)
+                kept = tuple(f[at] for f in kept)
+            added = (add.start, add.length, add.adapter)
+            with_chunks = kept_tally[:, 0].nonzero()
+            if not n_add or int(b[:, 2].min()) > (int(with_chunks[-1]) if with_chunks.numel() else -1):
+                out = [torch.cat(f) for f in zip(kept, added, strict=True)]  # (the new slots after every kept one)
+            else:  # the kept chunks and the new ones, each sorted by slot, merged (no slot has both)
+                pos_k = torch.arange(n_keep, device=dev) + torch.searchsorted(add.adapter, kept[2])
+                pos_a = torch.arange(n_add, device=dev) + torch.searchsorted(kept[2], add.adapter)
+                out = []
+                for k, a in zip(kept, added, strict=True):
+                    m = torch.empty(n_keep + n_add, dtype=a.dtype, device=dev)
+                    m[pos_k] = k
+                    m[pos_a] = a
+                    out.append(m)
+            ptr = torch.zeros(S + 1, dtype=torch.int64)
+            ptr[1:] = torch.cumsum(new[:, 0], 0)
+            tables[key] = ChunkTable(*out, adapter_ptr=to_device(ptr.to(torch.int32), dev), n_adapters=S,
+                                     numel=arena.used, chunk=t.chunk, max_chunks=int(new[:, 0].max()) if S else 0,
+                                     covered=int(new[:, 1].sum()), align=min(t.align, add.align))
+            tally[key] = new
+        self._set_tables(tables, tally)
         return True
 
     def _active(self) -> Optional[torch.Tensor]:
-        """bool [groups]: the groups whose adapter had tokens in a gradient-recording call since ``zero_grad``."""
+        """bool [slots]: the slots whose group's adapter had tokens in a gradient-recording call since
+        ``zero_grad``."""
         store = self.store
         if store.seen is None:
             return None
         if self._group_slots is None or self._group_slots[0] != store.seen_names:
-            index = {n: i + 1 for i, n in enumerate(store.seen_names)}
-            slots = torch.tensor([index.get(g["adapter"], 0) for g in self.param_groups], dtype=torch.int64)
-            # frozen groups and those without a slot (index 0 is the base tokens' flag) keep their step count
+            index = dict(zip(store.seen_names, range(1, len(store.seen_names) + 1), strict=True))
+            slots = torch.tensor(list(map(index.get, self._slot_names, itertools.repeat(0))), dtype=torch.int64)
+            # frozen groups, free slots and those without a slot in ``seen`` (index 0 is the base tokens' flag) keep
+            # their step count
             keep = (slots > 0).to(store.seen.device) & self._trained
             self._group_slots = (store.seen_names, slots.to(store.seen.device), keep)
         return store.seen[self._group_slots[1]] & self._group_slots[2]
 
     def _hyper(self, device) -> torch.Tensor:
-        """float32 [groups, 5] on ``device``: each group's lr, betas, eps, weight decay (read every step: LR
-        schedulers change them; copied only when they did). Staged through pinned memory (torch's caching host
+        """float32 [slots, 5] on ``device``: each group's lr, betas, eps, weight decay at its slot (read every step:
+        LR schedulers change them; copied only when they did). Staged through pinned memory (torch's caching host
         allocator): a copy from pageable memory would wait for the device to drain its queue, a sync per step."""
-        rows = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in self.param_groups]
+        groups = self.param_groups
+        betas = list(map(_BETAS, groups))
+        rows = [_FREE_ROW] * self._n_slots()
+        any(map(rows.__setitem__, self._slot, zip(map(_LR, groups), map(_FIRST, betas), map(_SECOND, betas),
+                                                  map(_EPS, groups), map(_WD, groups), strict=True)))  # (by slot)
         cached = self._hyper_cache
         if cached is not None and cached[0] == rows and cached[1].device == device:
             return cached[1]
@@ -417,7 +481,9 @@ class AdamW(torch.optim.Optimizer):
         active = self._active()
         if active is not None and self._tables:
             # once per step for every arena: each stepped group's count goes up by one, then its scalars
-            scalars = self._ops(self.steps.device).scalars(self._hyper(self.steps.device), self.steps, active)
+            device = self._counts.device
+            counts = self._counts[: self._n_slots()]
+            scalars = self._ops(device).scalars(self._hyper(device), counts, active)
             for (dtype, device), table in self._tables.items():
                 arena = self.store.arenas[(dtype, device)]
                 used = arena.used  # (the buffers' spare tail past it holds no piece)
@@ -427,18 +493,18 @@ class AdamW(torch.optim.Optimizer):
         return loss
 
     def _outside(self) -> list:
-        """``[(group index, group, its parameters outside the store)]``, for groups that have some (cached per
+        """``[(group's slot, group, its parameters outside the store)]``, for groups that have some (cached per
         layout)."""
         if self._others is None:  # (C-level filters: no Python step per held parameter)
             held = set(map(id, self._store_params()))
             others = [(i, g, list(itertools.compress(g["params"], map(operator.not_, map(held.__contains__,
                                                                                          map(id, g["params"]))))))
-                      for i, g in enumerate(self.param_groups)]
+                      for i, g in zip(self._slot, self.param_groups, strict=True)]
             self._others = [o for o in others if o[2]]
         return self._others
 
     def _outside_trained(self) -> list:
-        """``[(group index, group, its parameters outside the store that train and have a gradient)]``."""
+        """``[(group's slot, group, its parameters outside the store that train and have a gradient)]``."""
         out = [(i, g, [p for p in ps if p.grad is not None and p.requires_grad]) for i, g, ps in self._outside()]
         return [o for o in out if o[2]]
 
@@ -475,8 +541,8 @@ class AdamW(torch.optim.Optimizer):
         ``clip_grad_norm_(model.parameters())``), or per adapter (each group on its own: one adapter's large
         gradient does not shrink the others' steps). Returns the pre-clip norm: a scalar, or ``[groups]``."""
         self._prepare()
-        G = len(self.param_groups)
-        device = self.steps.device
+        G = self._n_slots()  # (per slot; a free slot has no chunk)
+        device = self._counts.device
         sq = torch.zeros(G, dtype=torch.float32, device=device)
         for (dtype, dev), table in self._tables.items():
             arena = self.store.arenas[(dtype, dev)]
@@ -496,7 +562,7 @@ class AdamW(torch.optim.Optimizer):
         for i, _, params in trained_outside:
             for p in params:
                 p.grad.mul_(factors[i].to(p.grad.device, p.grad.dtype))
-        return norms if per_adapter else total
+        return norms[torch.tensor(self._slot, dtype=torch.int64).to(device)] if per_adapter else total
 
     def load_state_dict(self, state_dict) -> None:
         """``torch.optim``'s, then the store's states copied into their arena pieces (the loaded tensors would
@@ -519,4 +585,5 @@ class AdamW(torch.optim.Optimizer):
                             self.state[p][s].copy_(src[s])
                     if "step" in src and not counted:  # one count per group (its parameters share it)
                         steps[i], counted = float(src["step"]), True
-            self.steps.copy_(torch.tensor(steps, dtype=self.steps.dtype))
+            self._counts[torch.tensor(self._slot, dtype=torch.int64).to(self._counts.device)] = \
+                torch.tensor(steps, dtype=self._counts.dtype).to(self._counts.device)

@@ -50,7 +50,7 @@ from .config import PatchConfig
 from .function import LayerCall, get_backend, lora_dropout_rate, run_layer
 from .kernels.decode import DECODE_MAX_ROWS
 from .kernels.launch import set_enabled as set_fast_launch
-from .kernels.segments import AdapterTable
+from .kernels.segments import AdapterTable, to_device
 from .plan import ALL, BASE, CHANGES, DIRTY_ATTR, FULL, Router, mark_changed, mark_dirty
 
 _ROUTER_ATTR = "_fml_router"
@@ -113,7 +113,7 @@ class LayerState:
 
     def __post_init__(self):
         # PEFT casts an fp32 input to the adapters' 16-bit dtype: the layer path does the same
-        self.lora_dtype = self.a_dtypes[0] if len(set(self.a_dtypes)) == 1 else None
+        self.lora_dtype = self.a_dtypes[0] if self.a_dtypes.count(self.a_dtypes[0]) == len(self.a_dtypes) else None
 
 
 # Changes to what the layers' states depend on. Reading every adapter's modules and weights at each forward call costs
@@ -290,11 +290,11 @@ def _table(ranks: list, scales: list, ps: list, slots: list, device, tables: dic
     key = _table_key(host, tuple(slots), device)
     table = tables.get(key)
     if table is None:
-        ints = torch.tensor([ranks, offsets], dtype=torch.int32)
-        fl = torch.tensor([scales, ps], dtype=torch.float32)
+        ints = to_device(torch.tensor([ranks, offsets], dtype=torch.int32), device)  # (two copies, no host wait)
+        fl = to_device(torch.tensor([scales, ps], dtype=torch.float32), device)
         table = tables[key] = AdapterTable(
-            ranks=ints[0].to(device), offsets=ints[1].to(device), scales=fl[0].to(device), dropout=fl[1].to(device),
-            max_rank=max(ranks), total_rank=total, has_dropout=any(p > 0 for p in ps), slots=tuple(slots), host=host,
+            ranks=ints[0], offsets=ints[1], scales=fl[0], dropout=fl[1], max_rank=max(ranks), total_rank=total,
+            has_dropout=max(ps, default=0.0) > 0, slots=tuple(slots), host=host,  # (rates are >= 0)
         )
     return table
 

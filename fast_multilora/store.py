@@ -420,8 +420,8 @@ def _store_table(state, offsets: tuple, cap: int, tables: dict):
     if out is None:
         if len(tables) > 4096:  # (tables of layouts gone: dropped now and then, not kept for ever)
             tables.clear()
-        out = tables[key] = t._replace(offsets=torch.tensor(host_offsets, dtype=torch.int32).to(t.offsets.device),
-                                       total_rank=cap, host=host)
+        offsets = to_device(torch.tensor(host_offsets, dtype=torch.int32), t.offsets.device)
+        out = tables[key] = t._replace(offsets=offsets, total_rank=cap, host=host)
     return out
 
 

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch, next_power_of_2
+from .segments import to_device
 
 # One chunk is one program's tile: 1024 elements at 4 warps, 8 per thread (one 16-byte vector of bfloat16). Measured
 # on an H200 (benchmarks/tune_kernels.py --parts adamw: the scale step's arena at 64 adapters, 294M bf16 elements,
@@ -104,10 +105,10 @@ def chunk_table(blocks, n_adapters: int, numel: int, device, chunk: int = CHUNK)
     while align > 1 and bool(((c_start % align != 0) | (c_length % align != 0)).any()):
         align //= 2
     return ChunkTable(
-        start=c_start.to(device),
-        length=c_length.to(torch.int32).to(device),
-        adapter=adapter[blk].to(torch.int32).to(device),
-        adapter_ptr=ptr.to(torch.int32).to(device),
+        start=to_device(c_start, device),
+        length=to_device(c_length.to(torch.int32), device),
+        adapter=to_device(adapter[blk].to(torch.int32), device),
+        adapter_ptr=to_device(ptr.to(torch.int32), device),
         n_adapters=n_adapters, numel=numel, chunk=chunk,
         max_chunks=int(per_adapter.max()) if n_adapters else 0, covered=int(size.sum()), align=align)
 

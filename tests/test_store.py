@@ -6,6 +6,7 @@ from a batch not stepped, a frozen adapter untouched); checkpoint resume bit for
 while training; ``save_pretrained`` files as stock PEFT writes them; gradient clipping.
 """
 
+import collections
 import copy
 import io
 import pickle
@@ -1038,18 +1039,42 @@ def test_a_steps_gradient_bookkeeping_reads_the_batchs_adapters_only():
     assert store.attached and all(store._held[i].grad is store._views[i] for i in store.attached)
 
 
+class _CountingState(collections.defaultdict):
+    """An optimizer's ``state`` that counts its per-parameter entries read or written (a pass over every group's
+    parameters shows as counts growing with the registry)."""
+
+    reads = 0
+
+    def __getitem__(self, p):
+        _CountingState.reads += 1
+        return super().__getitem__(p)
+
+    def get(self, p, default=None):
+        _CountingState.reads += 1
+        return super().get(p, default)
+
+    def pop(self, p, *default):
+        _CountingState.reads += 1
+        return super().pop(p, *default)
+
+
 def _change_step_reads(n, what):
-    """A trained ``many_model(n)`` with ``fast_multilora.AdamW``; one adapter added (trainable) or deleted; then what
-    the next training step (forward, backward, optimizer step) reads of the store's per-parameter entries: held
-    parameters' flags and ``.grad`` (store-wide passes), items of the store's per-parameter lists, and the blocks
-    cut into optimizer chunks."""
+    """A trained ``many_model(n)`` with ``fast_multilora.AdamW``; then a change: one adapter added (trainable),
+    deleted (the fourth of ``n``: the groups after it stay where they are), one deleted from the middle and one added,
+    or one trained again after a step frozen (another adapter's flags changed); then what the next training step
+    (forward, backward, optimizer step) reads of the store's per-parameter entries: held parameters' flags and
+    ``.grad`` (store-wide passes), items of the store's per-parameter lists, the blocks cut into optimizer chunks, and
+    the optimizer's per-parameter states."""
     import fast_multilora.kernels.adamw as adamw_mod
 
     import fast_multilora.store as store_mod
 
     model, opt, names = _trained(n, seed=5)
     store = opt.store
-    if what == "add":
+    rows = [names[0], names[1]]
+    if what in ("delete", "swap"):
+        fast_multilora.delete_adapters(model, [names[3] if what == "delete" else names[n // 2]])
+    if what in ("add", "swap"):
         torch.manual_seed(0)
         fast_multilora.add_adapters(model, {"zz": LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
                                                              init_lora_weights=False)})
@@ -1057,9 +1082,13 @@ def _change_step_reads(n, what):
             if ".zz." in name:
                 p.requires_grad_(True)
         rows = [names[0], "zz"]
-    else:
-        fast_multilora.delete_adapters(model, [names[3]])
-        rows = [names[0], names[1]]
+    if what == "refreeze":  # frozen for one step, then trained again: its chunks go back between the others'
+        for trainable in (False, True):
+            for name, p in model.named_parameters():
+                if f".{names[5]}." in name:
+                    p.requires_grad_(trainable)
+            if not trainable:
+                _train(model, opt, _batches(names, steps=1, seed=6))
     counts = {"flags": 0, "grads": 0, "blocks": 0}
     real = (store_mod._REQUIRES_GRAD, store_mod._GRAD, adamw_mod.chunk_table)
 
@@ -1076,7 +1105,8 @@ def _change_step_reads(n, what):
         return real[2](blocks, *args, **kwargs)
 
     store._held, store._views = _CountingList(store._held), _CountingList(store._views)
-    _CountingList.reads = 0
+    opt.state = _CountingState(dict, opt.state)
+    _CountingList.reads = _CountingState.reads = 0
     store_mod._REQUIRES_GRAD, store_mod._GRAD, adamw_mod.chunk_table = flag, grad, table
     try:
         ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(1))
@@ -1087,25 +1117,27 @@ def _change_step_reads(n, what):
     finally:
         store_mod._REQUIRES_GRAD, store_mod._GRAD, adamw_mod.chunk_table = real
     counts["items"] = _CountingList.reads
+    counts["states"] = _CountingState.reads
     return counts, model, opt
 
 
-@pytest.mark.parametrize("what", ["add", "delete"])
+@pytest.mark.parametrize("what", ["add", "delete", "swap", "refreeze"])
 def test_the_step_after_a_change_reads_the_changed_adapters_entries_only(what):
-    """After one adapter is added (and made trainable) or deleted, the next training step reads the flags of the
-    added adapter's parameters only (no pass over every held flag or ``.grad``), the store's per-parameter entries
-    of the batch's and the changed adapters, and the optimizer cuts the added adapter's blocks only (its tables are
-    edited, not rebuilt): the same counts with 24 and 48 adapters registered. The step's result is the full
-    rebuild's: the edited tables equal freshly built ones."""
+    """After one adapter is added (and made trainable), deleted, one deleted from the middle and one added, or one
+    frozen for a step then trained again, the next training step reads the flags of the changed adapter's parameters
+    only (no pass over every held flag or ``.grad``), the store's per-parameter entries of the batch's and the
+    changed adapters, the optimizer states of the changed adapters' parameters only (the groups after a deleted one
+    keep their step slots), and the optimizer cuts the changed adapter's blocks only (its tables are edited at the
+    changed groups' slots, not rebuilt): the same counts with 24 and 48 adapters registered. The step's result is the
+    full rebuild's: the edited tables equal freshly built ones."""
     small, _, _ = _change_step_reads(24, what)
     large, model, opt = _change_step_reads(48, what)
     assert small == large, (small, large)
     layers = 2 * 2  # 2 decoder layers x q, v
-    assert small["flags"] == (2 * layers if what == "add" else 0), small
-    assert small["blocks"] == (2 * layers if what == "add" else 0), small
-    assert small["items"] > 0, small
+    assert small["flags"] == small["blocks"] == (0 if what == "delete" else 2 * layers), small
+    assert small["items"] > 0 and (small["states"] > 0) == (what != "refreeze"), small  # (a flag lays nothing out)
     edited = opt._tables
-    opt._table_delta = None
+    opt._tables = {}
     opt._build_tables()
     for key, t in opt._tables.items():
         for f in t._fields:
@@ -1117,3 +1149,62 @@ def test_the_step_after_a_change_reads_the_changed_adapters_entries_only(what):
         assert all(store._views[i] is v for i, v in zip(s.held_idx, s.views, strict=True))
         assert s.offsets == tuple(s.by_name[n][2] for n in s.names)
         assert s.params == tuple(s.by_name[n][3] for n in s.names) + tuple(s.by_name[n][4] for n in s.names)
+
+
+def test_adapters_churning_keep_their_step_counts_slots_and_updates():
+    """Adapters deleted one at a time from the middle of the groups (until most step slots are free and the slots are
+    renumbered) and others added, a step after each change: ``fast_multilora.AdamW`` (per-adapter settings) matches
+    ``torch.optim.AdamW`` per adapter on the same gradients after every step; each group's step count is right and
+    is its parameters' ``state["step"]``; the tables edited along the way equal freshly built ones."""
+    model = many_model(20)
+    fast_multilora.patch(model, backend="torch")
+    names = sorted(model.peft_config)
+    hyper = _hyper(names)
+    twin = copy.deepcopy(model)
+    ours = fast_multilora.AdamW(model, settings=hyper)
+    stock = torch.optim.AdamW([{"params": [p for n, p in twin.named_parameters() if f".{a}." in n], **h}
+                               for a, h in hyper.items()], foreach=False)
+    model.train()
+    present, counts, made = list(names), dict.fromkeys(names, 0), len(names)
+    cfg = LoraConfig(r=3, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    for k in range(13):
+        gone = present.pop(len(present) // 2)
+        model.delete_adapter(gone)
+        twin.delete_adapter(gone)
+        if k % 4 == 1:
+            new = f"new{k}"
+            for m in (model, twin):
+                torch.manual_seed(k)
+                m.add_adapter(new, cfg)
+                for n, p in m.named_parameters():
+                    if f".{new}." in n:
+                        p.requires_grad_(True)
+            stock.add_param_group({"params": [p for n, p in twin.named_parameters() if f".{new}." in n],
+                                   **ours.defaults})
+            present.append(new)
+            counts[new] = 0
+            made += 1
+        (ids, rows), = _batches(present[::2] + present[-1:], steps=1, seed=30 + k)
+        ours.zero_grad()
+        fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=rows).logits, ids, rows).backward()
+        _mirror_grads(model, twin, rows)
+        ours.step()
+        stock.step()
+        _assert_same_weights(model, twin, rtol=1e-6, atol=1e-7)
+        for a in set(rows):
+            counts[a] += 1
+        steps = ours.steps.tolist()
+        assert {g["adapter"]: steps[i] for i, g in enumerate(ours.param_groups)} == \
+            {a: float(counts[a]) for a in present}
+        for i, g in enumerate(ours.param_groups):
+            assert all(float(ours.state[p]["step"]) == steps[i] for p in g["params"] if p in ours.state)
+            assert all(ours.state[p]["step"].data_ptr() == ours.state[g["params"][0]]["step"].data_ptr()
+                       for p in g["params"])
+        edited = ours._tables
+        ours._tables = {}
+        ours._build_tables()
+        for key, t in ours._tables.items():
+            for f in t._fields:
+                a, b = getattr(t, f), getattr(edited[key], f)
+                assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, (k, f)
+    assert ours._n_slots() < made  # the slots were renumbered (most were free)
