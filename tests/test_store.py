@@ -1151,13 +1151,15 @@ def test_the_step_after_a_change_reads_the_changed_adapters_entries_only(what):
         assert s.params == tuple(s.by_name[n][3] for n in s.names) + tuple(s.by_name[n][4] for n in s.names)
 
 
-def test_adapters_churning_keep_their_step_counts_slots_and_updates():
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_adapters_churning_keep_their_step_counts_slots_and_updates(dev):
     """Adapters deleted one at a time from the middle of the groups (until most step slots are free and the slots are
     renumbered) and others added, a step after each change: ``fast_multilora.AdamW`` (per-adapter settings) matches
     ``torch.optim.AdamW`` per adapter on the same gradients after every step; each group's step count is right and
-    is its parameters' ``state["step"]``; the tables edited along the way equal freshly built ones."""
-    model = many_model(20)
-    fast_multilora.patch(model, backend="torch")
+    is its parameters' ``state["step"]``; the tables edited along the way equal freshly built ones. On CUDA the
+    tables are edited on the device and the step is the Triton kernel's (fp32: equal to torch's within rounding)."""
+    model = many_model(20).to(dev)
+    fast_multilora.patch(model, backend="torch" if dev == "cpu" else "triton")
     names = sorted(model.peft_config)
     hyper = _hyper(names)
     twin = copy.deepcopy(model)
@@ -1185,6 +1187,7 @@ def test_adapters_churning_keep_their_step_counts_slots_and_updates():
             counts[new] = 0
             made += 1
         (ids, rows), = _batches(present[::2] + present[-1:], steps=1, seed=30 + k)
+        ids = ids.to(dev)
         ours.zero_grad()
         fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=rows).logits, ids, rows).backward()
         _mirror_grads(model, twin, rows)
