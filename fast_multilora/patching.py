@@ -320,6 +320,7 @@ def _update_state(layer, st: LayerState, slot_names: tuple, slot_of: dict, names
     a_mods, b_mods, slots = list(st.a_modules), list(st.b_modules), list(st.table.slots)
     h_r, h_s, h_p = list(st.table.host[0]), list(st.table.host[2]), list(st.table.host[3])
     a_dict, b_dict = layer.lora_A._modules, layer.lora_B._modules
+    touched = []  # the table's slots this change writes
     for name in names:  # out first (a slot freed by one adapter may be taken by another of ``names``)
         if name in present:
             i = present.index(name)
@@ -327,6 +328,7 @@ def _update_state(layer, st: LayerState, slot_names: tuple, slot_of: dict, names
             for lst in (present, ranks, rates, dtypes, a_mods, b_mods, slots):
                 del lst[i]
             h_r[s], h_s[s], h_p[s] = 0, 0.0, 0.0
+            touched.append(s)
     for name in names:
         a = a_dict.get(name)
         if a is None or name in paged or name not in slot_of:
@@ -341,11 +343,23 @@ def _update_state(layer, st: LayerState, slot_names: tuple, slot_of: dict, names
                        (b_mods, b_dict[name]), (slots, s)):
             lst.insert(i, v)
         h_r[s], h_s[s], h_p[s] = r, float(layer.scaling[name]), p
+        touched.append(s)
     if not present:
         return False  # no adapter left: the layer's state is None
     st.delta = None  # (the store follows one change at a time; one it missed: a full check of the layer)
+    # layers that shared the old table and take the same edit share the new one, found by the edit (the first one
+    # builds it, and hashes the whole table to share it with equal ones): the others' work is the edit's
+    edit = ("edit", id(st.table), tuple((s, h_r[s], h_s[s], h_p[s]) for s in sorted(set(touched))))
+    hit = tables.get(edit)
+    if not touched:  # (PEFT's delete_adapter writes to every layer's dicts: most layers had no such adapter)
+        table = st.table
+    elif hit is not None and hit[0] is st.table:
+        table = hit[1]
+    else:
+        table = _table(h_r, h_s, h_p, slots, st.device, tables)
+        tables[edit] = (st.table, table)
     return LayerState(
-        table=_table(h_r, h_s, h_p, slots, st.device, tables), present=tuple(present), ranks=tuple(ranks),
+        table=table, present=tuple(present), ranks=tuple(ranks),
         rates=tuple(rates), a_dtypes=tuple(dtypes), device=st.device, has_bias=False, variants=(), bias_map=None,
         clone_base_output=st.clone_base_output, a_modules=tuple(a_mods), b_modules=tuple(b_mods), dora=None,
         delta=(st, frozenset(names)),

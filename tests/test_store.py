@@ -881,7 +881,7 @@ def _host_work(n, change):
     import fast_multilora.store as store_mod
 
     model, opt, names = _trained(n, seed=21)
-    counts = {"entries": 0, "full_states": 0, "signatures": 0, "store_keys": 0, "pieces": 0}
+    counts = {"entries": 0, "full_states": 0, "signatures": 0, "store_keys": 0, "pieces": 0, "tables": 0}
     real = {}
 
     def counting(mod, attr, key):
@@ -895,7 +895,7 @@ def _host_work(n, change):
     change(model)  # (a change alone reads nothing: the next forward follows it)
     watched = ((patching_mod, "lora_dropout_rate", "entries"), (patching_mod, "_build_state", "full_states"),
                (patching_mod, "_state_signature", "signatures"), (store_mod, "_layer_key", "store_keys"),
-               (store_mod, "_piece", "pieces"))
+               (store_mod, "_piece", "pieces"), (patching_mod, "_table", "tables"))
     for mod, attr, key in watched:
         counting(mod, attr, key)
     try:
@@ -920,7 +920,8 @@ def test_a_change_of_one_adapter_reads_that_adapter_only(what, tmp_path):
     saved one, trainable) or deleted (PEFT's
     ``delete_adapter`` or ``fast_multilora.delete_adapters``), the next forward reads that adapter's entries in the
     layers it has (or had) and nothing of the others: no layer state is rebuilt from all its adapters, no layer's
-    key is read whole, the store writes only the changed layers' pieces -- the same counts with 24 and 48 adapters
+    key is read whole, an edited table is built once for the layers that shared the old one and take the same
+    edit, the store writes only the changed layers' pieces -- the same counts with 24 and 48 adapters
     registered. Counted, not timed."""
     def load(model):  # m001 (q and v) saved, loaded back as "zz"
         fast_multilora.save_adapters(model, tmp_path, names=["m001"])
@@ -937,6 +938,10 @@ def test_a_change_of_one_adapter_reads_that_adapter_only(what, tmp_path):
     assert small["entries"] == (layers if added else 0), small
     # per changed layer its two leaves and their gradients, and the added adapter's two weights (copied, held, viewed)
     assert small["pieces"] == 4 * layers + (6 * layers if added else 0), small
+    # layers that shared a table and take the same edit share the edited one, built once (the added adapter's four
+    # layers share one table in many_model; m003's two k layers share one, its two down layers another); a layer
+    # the change did not touch keeps its table
+    assert small["tables"] == (1 if added else 2), small
 
 
 @pytest.mark.parametrize("change", ["add", "delete", "reuse"])
