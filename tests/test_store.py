@@ -906,6 +906,18 @@ def _host_work(n, change):
     return counts
 
 
+def _assert_tables_equal_a_fresh_build(opt, where=None):
+    """``fast_multilora.AdamW``'s chunk tables (edited along the changes) equal the ones a full build gives, field by
+    field; the optimizer keeps the fresh ones."""
+    edited = opt._tables
+    opt._tables = {}
+    opt._build_tables()
+    for key, t in opt._tables.items():
+        for f in t._fields:
+            a, b = getattr(t, f), getattr(edited[key], f)
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, (where, f)
+
+
 def _add(name, targets):
     def change(model):
         torch.manual_seed(0)
@@ -1141,13 +1153,7 @@ def test_the_step_after_a_change_reads_the_changed_adapters_entries_only(what):
     layers = 2 * 2  # 2 decoder layers x q, v
     assert small["flags"] == small["blocks"] == (0 if what == "delete" else 2 * layers), small
     assert small["items"] > 0 and (small["states"] > 0) == (what != "refreeze"), small  # (a flag lays nothing out)
-    edited = opt._tables
-    opt._tables = {}
-    opt._build_tables()
-    for key, t in opt._tables.items():
-        for f in t._fields:
-            a, b = getattr(t, f), getattr(edited[key], f)
-            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f
+    _assert_tables_equal_a_fresh_build(opt)
     store = opt.store
     for s in store.slots.values():  # the spliced per-layer entries are those a fresh layout gives
         assert s.held_idx == tuple(store.index_of[id(p)] for p in s.params)
@@ -1208,11 +1214,5 @@ def test_adapters_churning_keep_their_step_counts_slots_and_updates(dev):
             assert all(float(ours.state[p]["step"]) == steps[i] for p in g["params"] if p in ours.state)
             assert all(ours.state[p]["step"].data_ptr() == ours.state[g["params"][0]]["step"].data_ptr()
                        for p in g["params"])
-        edited = ours._tables
-        ours._tables = {}
-        ours._build_tables()
-        for key, t in ours._tables.items():
-            for f in t._fields:
-                a, b = getattr(t, f), getattr(edited[key], f)
-                assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, (k, f)
+        _assert_tables_equal_a_fresh_build(ours, k)
     assert ours._n_slots() < made  # the slots were renumbered (most were free)
