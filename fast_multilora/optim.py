@@ -113,10 +113,14 @@ class AdamW(torch.optim.Optimizer):
         """float32 ``[groups]``: each param group's step count (a copy; the counts live in per-group slots)."""
         if self._counts is None:
             return None
-        return self._counts[torch.tensor(self._slot, dtype=torch.int64).to(self._counts.device)]
+        return self._counts[self._slot_index()]
 
     def _n_slots(self) -> int:
         return len(self._slot_names)
+
+    def _slot_index(self) -> torch.Tensor:
+        """int64 ``[groups]`` on the counts' device: each param group's slot (a per-slot tensor read by group)."""
+        return torch.tensor(self._slot, dtype=torch.int64).to(self._counts.device)
 
     # -- groups ---------------------------------------------------------------------------------------------------
     def _params_of(self) -> dict:
@@ -277,7 +281,7 @@ class AdamW(torch.optim.Optimizer):
         re-pointed); the tables are built afresh at the next step."""
         buf, groups = self._counts, self.param_groups
         n = len(groups)
-        buf[:n] = buf[torch.tensor(self._slot, dtype=torch.int64).to(buf.device)]
+        buf[:n] = buf[self._slot_index()]
         held = [a.blocks for a in self.store.arenas.values()]
         for i, g in enumerate(groups):
             step = buf[i]
@@ -301,7 +305,8 @@ class AdamW(torch.optim.Optimizer):
         store = self.store
         flagged, store.flagged = store.flagged, set()
         dirty, self._dirty = self._dirty, set()
-        if self._tables and set(self._tables) == set(store.arenas) and self._edit_tables(dirty, flagged):
+        if self._tables and set(self._tables) == set(store.arenas):
+            self._edit_tables(dirty, flagged)
             return
         S = self._n_slots()
         slot_of = dict(zip(self._slot_names, range(S), strict=True))
@@ -330,12 +335,12 @@ class AdamW(torch.optim.Optimizer):
         self._trained = to_device(chunks > 0, self._counts.device)
         self._group_slots = None  # its steppable flags follow _trained
 
-    def _edit_tables(self, dirty: set, flagged: set) -> bool:
+    def _edit_tables(self, dirty: set, flagged: set) -> None:
         """:meth:`_build_tables` at the slots that changed since the tables were built (``dirty``: groups that came,
         went or whose pieces moved; the slots of the adapters ``flagged`` with a flag change): their chunks dropped
         from the old tables, their pieces (for groups that stay) cut into chunks and merged in by slot (device ops,
         no host sync: the chunk counts per slot are kept on the host) -- the work of the groups that changed, not of
-        the arena. ``False``: a full build is needed."""
+        the arena."""
         from .kernels.adamw import ChunkTable, chunk_table
 
         store = self.store
@@ -394,7 +399,6 @@ class AdamW(torch.optim.Optimizer):
                                      covered=int(new[:, 1].sum()), align=min(t.align, add.align))
             tally[key] = new
         self._set_tables(tables, tally)
-        return True
 
     def _active(self) -> Optional[torch.Tensor]:
         """bool [slots]: the slots whose group's adapter had tokens in a gradient-recording call since
@@ -562,7 +566,7 @@ class AdamW(torch.optim.Optimizer):
         for i, _, params in trained_outside:
             for p in params:
                 p.grad.mul_(factors[i].to(p.grad.device, p.grad.dtype))
-        return norms[torch.tensor(self._slot, dtype=torch.int64).to(device)] if per_adapter else total
+        return norms[self._slot_index()] if per_adapter else total
 
     def load_state_dict(self, state_dict) -> None:
         """``torch.optim``'s, then the store's states copied into their arena pieces (the loaded tensors would
@@ -585,5 +589,4 @@ class AdamW(torch.optim.Optimizer):
                             self.state[p][s].copy_(src[s])
                     if "step" in src and not counted:  # one count per group (its parameters share it)
                         steps[i], counted = float(src["step"]), True
-            self._counts[torch.tensor(self._slot, dtype=torch.int64).to(self._counts.device)] = \
-                torch.tensor(steps, dtype=self._counts.dtype).to(self._counts.device)
+            self._counts[self._slot_index()] = torch.tensor(steps, dtype=self._counts.dtype).to(self._counts.device)

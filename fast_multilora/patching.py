@@ -347,17 +347,17 @@ def _update_state(layer, st: LayerState, slot_names: tuple, slot_of: dict, names
     if not present:
         return False  # no adapter left: the layer's state is None
     st.delta = None  # (the store follows one change at a time; one it missed: a full check of the layer)
-    # layers that shared the old table and take the same edit share the new one, found by the edit (the first one
-    # builds it, and hashes the whole table to share it with equal ones): the others' work is the edit's
-    edit = ("edit", id(st.table), tuple((s, h_r[s], h_s[s], h_p[s]) for s in sorted(set(touched))))
-    hit = tables.get(edit)
     if not touched:  # (PEFT's delete_adapter writes to every layer's dicts: most layers had no such adapter)
         table = st.table
-    elif hit is not None and hit[0] is st.table:
-        table = hit[1]
-    else:
-        table = _table(h_r, h_s, h_p, slots, st.device, tables)
-        tables[edit] = (st.table, table)
+    else:  # layers that shared the old table and take the same edit share the new one, found by the edit (the
+        # first one builds it, and hashes the whole table to share it with equal ones): the others' work is the edit's
+        edit = ("edit", id(st.table), tuple((s, h_r[s], h_s[s], h_p[s]) for s in sorted(set(touched))))
+        hit = tables.get(edit)
+        if hit is not None and hit[0] is st.table:
+            table = hit[1]
+        else:
+            table = _table(h_r, h_s, h_p, slots, st.device, tables)
+            tables[edit] = (st.table, table)
     return LayerState(
         table=table, present=tuple(present), ranks=tuple(ranks),
         rates=tuple(rates), a_dtypes=tuple(dtypes), device=st.device, has_bias=False, variants=(), bias_map=None,

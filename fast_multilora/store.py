@@ -336,6 +336,17 @@ def _holdable(p, dtype, device, shape) -> bool:
         type(p.data) is torch.Tensor and tuple(p.shape) == shape  # (not e.g. an FSDP2 DTensor)
 
 
+def _spliced(seq, rm: list, at: list, values) -> list:
+    """``seq`` as a list with the items at positions ``rm`` (ascending) taken out, then ``values`` put in at
+    positions ``at`` (ascending, in the result): a layer's per-adapter entries after some adapters changed."""
+    out = list(seq)
+    for i in reversed(rm):
+        del out[i]
+    for i, v in zip(at, values, strict=True):
+        out.insert(i, v)
+    return out
+
+
 def _take_back_moved(old: LayerSlots, cells: list, arena: Arena) -> None:
     """A parameter of ``old`` whose ``.data`` was replaced: its new values into its piece, which becomes its
     ``.data`` again."""
@@ -427,8 +438,8 @@ def _store_table(state, offsets: tuple, cap: int, tables: dict):
 
 class _ByAdapter:
     """Per adapter, read-only: its held parameters and, per layer, the layer's slots and its first row (``where``),
-    or their indices in the store's ``_held``; each adapter's entry is made from the layers' ``pos`` when first asked
-    (per layout)."""
+    or their indices in the store's ``_held``; each adapter's entry is made from the layers' cells (``by_name``) when
+    first asked (per layout)."""
 
     def __init__(self, store, where: bool):
         self.store, self.where, self.cache = store, where, {}
@@ -844,16 +855,11 @@ class AdapterStore:
                 arena.blocks[p] = (start, numel, p)
                 placed.append((p, c_name, v, (lid, 0 if p is pa else 1)))
         if splice:  # old's per-adapter entries with the changed ones taken out and put in at their new positions
-            ins = [(i, by_name[name]) for name, i in zip(check, idx, strict=True)]
-            at = [i for i, _ in ins]
+            at = list(idx)
+            ins = list(map(by_name.__getitem__, check))
 
             def edited(seq, get):
-                out = list(seq)
-                for i in reversed(rm):
-                    del out[i]
-                for i, c in ins:
-                    out.insert(i, get(c))
-                return out
+                return _spliced(seq, rm, at, map(get, ins))
 
             params = tuple(edited(old.params[:n_old], _CELL_A) + edited(old.params[n_old:], _CELL_B))
             views_t = tuple(edited(old.views[:n_old], lambda c: views[id(c[3])]) +
@@ -960,12 +966,8 @@ class AdapterStore:
                 continue
             old, rm, at = e  # old's indices with the changed adapters' taken out and put in at their positions
             n_old, n = len(old.names), len(s.names)
-            a, b = list(old.held_idx[:n_old]), list(old.held_idx[n_old:])
-            for i in reversed(rm):
-                del a[i], b[i]
-            for i in at:
-                a.insert(i, index_of[id(s.params[i])])
-                b.insert(i, index_of[id(s.params[n + i])])
+            a = _spliced(old.held_idx[:n_old], rm, at, (index_of[id(s.params[i])] for i in at))
+            b = _spliced(old.held_idx[n_old:], rm, at, (index_of[id(s.params[n + i])] for i in at))
             s.held_idx = tuple(a + b)
         self._compact = None
         self._new_index()
