@@ -419,7 +419,8 @@ class LoraLinear(torch.autograd.Function):
             if need_dx or need_a or need_b:
                 B = _b_weight(call, weights[n_a : n_a + n])
                 dh, dB = be.expand_bwd(dy, h, B, segs, table, 1, 0,
-                                       grad_dtype=_grad_dtype(w_dtypes[n_a : n_a + n]) if call.experts == 1 else None)
+                                       grad_dtype=_grad_dtype(w_dtypes[n_a : n_a + n])
+                                       if call.experts == 1 or call.stored is not None else None)
                 if need_b and call.stored is not None:  # the packed block's gradient, whole
                     grads[n_a] = (dB if dB.dim() == 1 else call.stored.packed_grad(dB)).to(w_dtypes[n_a])
                 elif need_b:

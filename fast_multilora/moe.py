@@ -98,12 +98,22 @@ def unsupported_reason(wrapper) -> Optional[str]:
 
 @dataclass(eq=False)
 class ProjState:
-    """One targeted projection's adapters in the routing's slot order, over virtual (expert, adapter) slots."""
+    """One targeted projection's adapters in the routing's slot order, over virtual (expert, adapter) slots. Also the
+    projection's state for the adapter store (``fast_multilora.store``), which holds each adapter as one of rank
+    ``E * r`` (its ``lora_A`` rows and ``lora_B`` columns as PEFT lays them out) and reads the fields a
+    ``patching.LayerState`` has that it needs."""
 
     wrapper: torch.nn.Module
     table: AdapterTable
     present: tuple  # adapter names of the wrapper, slot order
-    weight_ranks: tuple  # E * r per present adapter: the rows of its lora_A weight
+    ranks: tuple  # E * r per present adapter: the rows of its lora_A weight
+    slots: tuple  # the model-wide slot of each present adapter
+    a_modules: tuple  # the present adapters' lora_A / lora_B modules
+    b_modules: tuple
+    a_dtypes: tuple
+    experts: int  # E
+    has_bias: bool = False  # (PEFT refuses lora_bias on a ParamWrapper)
+    delta: Optional[tuple] = None  # (a change is read whole: the store compares its key)
 
 
 @dataclass(eq=False)
@@ -114,13 +124,15 @@ class ExpertsState:
     device: torch.device
 
 
-def _proj_state(wrapper, slot_names, E: int) -> Optional[ProjState]:
+def _proj_state(wrapper, slot_names, E: int, absent=frozenset()) -> Optional[ProjState]:
+    """``absent``: adapters paging keeps on the host (``fast_multilora.paging``), left out as if the layer lacked
+    them."""
     n = len(slot_names)
     n_v = E * (n + 1)
     ranks, offsets, scales = [0] * n_v, [0] * n_v, [0.0] * n_v
-    present, weight_ranks, acc = [], [], 0
+    present, weight_ranks, slots, acc = [], [], [], 0
     for a, name in enumerate(slot_names):
-        if name not in wrapper.lora_A:
+        if name not in wrapper.lora_A or name in absent:
             continue
         r, c = wrapper.r[name], float(wrapper.scaling[name])
         for e in range(E):
@@ -128,10 +140,13 @@ def _proj_state(wrapper, slot_names, E: int) -> Optional[ProjState]:
             ranks[v], offsets[v], scales[v] = r, acc + e * r, c
         present.append(name)
         weight_ranks.append(E * r)
+        slots.append(a)
         acc += E * r
     if not present:
         return None
-    device = wrapper.lora_A[present[0]].weight.device
+    a_mods = tuple(wrapper.lora_A[n] for n in present)
+    b_mods = tuple(wrapper.lora_B[n] for n in present)
+    device = a_mods[0].weight.device
     host = torch.tensor([ranks, offsets], dtype=torch.int32)
     table = AdapterTable(
         ranks=host[0].to(device), offsets=host[1].to(device),
@@ -139,36 +154,45 @@ def _proj_state(wrapper, slot_names, E: int) -> Optional[ProjState]:
         dropout=torch.zeros(n_v, dtype=torch.float32, device=device), max_rank=max(ranks), total_rank=acc,
         has_dropout=False, slots=None, host=(tuple(ranks), tuple(offsets), tuple(scales), (0.0,) * n_v),
     )
-    return ProjState(wrapper=wrapper, table=table, present=tuple(present), weight_ranks=tuple(weight_ranks))
+    return ProjState(wrapper=wrapper, table=table, present=tuple(present), ranks=tuple(weight_ranks),
+                     slots=tuple(slots), a_modules=a_mods, b_modules=b_mods,
+                     a_dtypes=tuple(m.weight.dtype for m in a_mods), experts=E)
 
 
-def _signature(wrappers, slot_names) -> tuple:
-    items = []
-    for w in wrappers:
-        a_mods, b_mods = w.lora_A._modules, w.lora_B._modules
-        items.append(tuple((n, a, b_mods[n], w.r[n], w.scaling[n], a.weight.device) for n, a in a_mods.items()))
-    return (slot_names, tuple(items))
+def _signature(wrapper, slot_names, absent) -> tuple:
+    a_mods, b_mods = wrapper.lora_A._modules, wrapper.lora_B._modules
+    return (slot_names, absent, tuple((n, a, b_mods[n], a.weight, b_mods[n].weight, wrapper.r[n], wrapper.scaling[n],
+                               a.weight.device, a.weight.dtype) for n, a in a_mods.items()))
 
 
-def refresh(entry: dict, wrapper, slot_names) -> None:
-    """Bring the experts state of one wrapper chain (cached in ``entry``, the wrapper's patch entry) up to date with
-    the routing's slot order; cheap when nothing changed (one signature)."""
+def refresh_proj(entry: dict, wrapper, slot_names, absent=frozenset()):
+    """The :class:`ProjState` of one wrapper's own parameter in the routing's slot order (cached in ``entry``, the
+    wrapper's patch entry: rebuilt when its signature moved), or ``None`` (no adapter, or a chain it cannot run);
+    ``absent``: the adapters paged out (left out)."""
+    if entry.get("error") is not None:
+        return None
+    sig = _signature(wrapper, slot_names, absent)
+    if entry.get("sig") != sig:
+        entry["proj"] = _proj_state(wrapper, slot_names, chain(wrapper)[1].num_experts, absent)
+        entry["sig"] = sig
+    return entry["proj"]
+
+
+def refresh(entry: dict, wrapper, slot_names, entries) -> None:
+    """The experts state of one wrapper chain (in ``entry``) from its wrappers' projection states (``entries(w)``:
+    a wrapper's patch entry, after :func:`refresh_proj`); cheap when nothing changed (their identities)."""
     if entry.get("error") is not None:
         return
     wrappers, experts = chain(wrapper)
-    sig = _signature(wrappers, slot_names)
-    if entry.get("sig") == sig:
+    projs = {w.parameter_name: entries(w).get("proj") for w in wrappers}
+    projs = {k: v for k, v in projs.items() if v is not None}
+    key = (len(slot_names), tuple(map(id, projs.values())))
+    if entry.get("chain") == key:
         return
-    E = experts.num_experts
-    projs = {}
-    for w in wrappers:
-        ps = _proj_state(w, slot_names, E)
-        if ps is not None:
-            projs[w.parameter_name] = ps
     device = next(iter(projs.values())).table.ranks.device if projs else torch.device("cpu")
     entry["state"] = ExpertsState(experts=experts, projs=projs, n_slots=len(slot_names), device=device) if projs \
         else None
-    entry["sig"] = sig
+    entry["chain"] = key
 
 
 def pair_token_slots(routing, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -200,23 +224,31 @@ def expert_major_b(weight: torch.Tensor, E: int) -> torch.Tensor:
     return weight.view(N, rE // E, E).transpose(1, 2).reshape(N, rE)
 
 
-def lora_weights(ps: ProjState) -> tuple:
-    """The present adapters' ``lora_A`` and ``lora_B`` weights of one projection (slot order), as PEFT holds them."""
-    a_mods, b_mods = ps.wrapper.lora_A, ps.wrapper.lora_B
-    return [a_mods[n].weight for n in ps.present], [b_mods[n].weight for n in ps.present]
+def lora_weights(ps: ProjState, store=None) -> tuple:
+    """``(A weights, B weights, slots)`` of one projection's present adapters: the adapter store's two leaves and its
+    ``store.LayerSlots`` when ``store`` holds the projection, else PEFT's weights (slot order) and ``None``."""
+    slots = store.layer_slots(ps.wrapper) if store is not None else None
+    if slots is not None and store.ddp.active:  # (under DDP: the leaves unless DDP reduces the parameters)
+        slots = store.ddp.take(ps.wrapper, slots)
+    if slots is not None:
+        return (slots.a_leaf,), (slots.b_leaf,), slots
+    return [m._parameters["weight"] for m in ps.a_modules], [m._parameters["weight"] for m in ps.b_modules], None
 
 
-def expert_delta(backend, segs, ps: ProjState, u: torch.Tensor, y: torch.Tensor, a_w, b_w, E: int) -> torch.Tensor:
+def expert_delta(backend, segs, ps: ProjState, u: torch.Tensor, y: torch.Tensor, a_w, b_w, E: int,
+                 slots=None) -> torch.Tensor:
     """``y + scale * (u A_eᵀ) B_eᵀ`` for every pair row of a virtual slot ``(e, a)`` (one ``LoraLinear`` call);
-    ``u``, ``y``: ``[S, in]``, ``[S, out]`` in the sorted pair order of ``segs``; ``a_w``, ``b_w``: the present
-    adapters' weights in PEFT's layout (:func:`lora_weights`)."""
-    b_w = [expert_major_b(b, E) for b in b_w]
-    call = LayerCall(backend=backend, segs=segs, table=ps.table, ranks=ps.weight_ranks, experts=E)
+    ``u``, ``y``: ``[S, in]``, ``[S, out]`` in the sorted pair order of ``segs``; ``a_w``, ``b_w``, ``slots``: the
+    weights (:func:`lora_weights`) -- PEFT's, each B copied to the expert-major layout (a copy autograd reverses), or
+    the store's ``A_cat`` and packed B block, which every kernel reads in PEFT's layout (``AdapterTable.experts``)."""
+    if slots is None:
+        b_w = [expert_major_b(b, E) for b in b_w]
+    call = LayerCall(backend=backend, segs=segs, table=ps.table if slots is None else slots.table, ranks=ps.ranks,
+                     experts=E, stored=slots)
     cast = a_w[0].dtype
     if u.dtype == torch.float32 and cast in (torch.float16, torch.bfloat16) and all(t.dtype == cast for t in a_w):
         u = u.to(cast)  # as PEFT's 16-bit adapters see a 16-bit input
-    out = run(LoraLinear, u, y, None, None, call, *a_w, *b_w)
-    return out
+    return run(LoraLinear, u, y, None, None, call, *a_w, *b_w)
 
 
 def pair_layout(expert_ids: torch.Tensor, pair_slots: torch.Tensor, E: int, n_slots: int) -> tuple:
@@ -248,8 +280,9 @@ def base_linear(experts, u, W, offs, bias):
     return out if bias is None else out + bias
 
 
-def experts_forward(state: ExpertsState, config, routing, x, top_k_index, top_k_weights, name: str):
-    """The experts' forward with every routed pair's LoRA deltas (see the module docstring); returns ``[T, H]``."""
+def experts_forward(state: ExpertsState, config, routing, x, top_k_index, top_k_weights, name: str, store=None):
+    """The experts' forward with every routed pair's LoRA deltas (see the module docstring); returns ``[T, H]``.
+    ``store``: the model's adapter store (the projections it holds take its leaves)."""
     experts = state.experts
     if getattr(experts, "_is_expert_parallel", False):
         raise ValueError(f"fast_multilora: {name}: expert-parallel experts are not supported in mixed batches")
@@ -275,11 +308,13 @@ def experts_forward(state: ExpertsState, config, routing, x, top_k_index, top_k_
     y = base_linear(experts, u, getattr(experts, first), offs,
                     getattr(experts, f"{first}_bias")[e_g] if experts.has_bias else None)
     if first in state.projs:
-        y = expert_delta(backend, segs, state.projs[first], u, y, *lora_weights(state.projs[first]), E)
+        a_w, b_w, slots = lora_weights(state.projs[first], store)
+        y = expert_delta(backend, segs, state.projs[first], u, y, a_w, b_w, E, slots)
     h = experts._apply_gate(y) if experts.has_gate else experts.act_fn(y)
     y = base_linear(experts, h, experts.down_proj, offs, experts.down_proj_bias[e_g] if experts.has_bias else None)
     if down in state.projs:
-        y = expert_delta(backend, segs, state.projs[down], h, y, *lora_weights(state.projs[down]), E)
+        a_w, b_w, slots = lora_weights(state.projs[down], store)
+        y = expert_delta(backend, segs, state.projs[down], h, y, a_w, b_w, E, slots)
     if getattr(experts, "has_post_expert_norm", False):
         y = experts.post_expert_norm(y)
     weighted = y * w_g.unsqueeze(-1)
@@ -289,4 +324,4 @@ def experts_forward(state: ExpertsState, config, routing, x, top_k_index, top_k_
     return out.to(x.dtype)
 
 
-__all__ = ["chain", "experts_forward", "is_param_wrapper", "refresh", "unsupported_reason"]
+__all__ = ["chain", "experts_forward", "is_param_wrapper", "refresh", "refresh_proj", "unsupported_reason"]

@@ -8,7 +8,7 @@ per-adapter hyperparameters and step counts are device tensors. Numerically it i
 adapter: an adapter that had no token in a gradient-recording call since the last ``zero_grad`` is not stepped
 (its step count stays), as ``torch.optim`` skips parameters without gradients; frozen parameters
 (``requires_grad=False``) are not stepped. Parameters the store does not hold (fallback layers, ``lora_bias``
-layers, MoE experts, ``modules_to_save``) are stepped by ``torch.optim``'s own AdamW with the same group settings.
+layers, ``modules_to_save``) are stepped by ``torch.optim``'s own AdamW with the same group settings.
 
 Gradient clipping: :meth:`AdamW.clip_grad_norm` (global, or ``per_adapter=True``) reads the arenas directly;
 ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` also works (the parameters' ``.grad`` are views of the
@@ -203,7 +203,7 @@ class AdamW(torch.optim.Optimizer):
         aside), when every adapter's parameters are held by the store (else ``False``: the model-wide walk of
         :meth:`_follow` finds the others)."""
         router = store.router
-        if not getattr(self, "_all_held", False) or router.expert_layers or len(store.slots) != len(router.layers):
+        if not getattr(self, "_all_held", False) or len(store.slots) != len(router.layers):
             return False
         groups, slot = self.param_groups, self._slot
         if self._counts is None or len(slot) != len(groups):

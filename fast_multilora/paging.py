@@ -47,8 +47,9 @@ current stream and records an event, which a later page-in of the adapter waits 
 ``record_stream``s the new tensors on the compute stream (the caching allocator then does not reuse them before
 the compute stream is done with them) and records an event the compute stream waits on before using them.
 
-Not paged: ``modules_to_save`` copies, trainable tokens and other non-LoRA parameters. Refused, with an error: MoE
-expert LoRA (``target_parameters``), a forward under ``DistributedDataParallel``, ``fast_multilora.AdamW``, copying
+Paged like the others: MoE expert LoRA (``target_parameters``: an expert wrapper's adapter is absent from its
+projection's table while paged out). Not paged: ``modules_to_save`` copies, trainable tokens and other non-LoRA
+parameters. Refused, with an error: a forward under ``DistributedDataParallel``, ``fast_multilora.AdamW``, copying
 or pickling a paged model. Moving a paged model (``.to()``) moves its host copies too: they count as resident then.
 """
 
@@ -97,11 +98,6 @@ def _refuse_fml_adamw() -> None:
     raise ValueError("fast_multilora.AdamW keeps its optimizer states in the adapter store's arenas, which paging "
                      "(PatchConfig.resident_adapters) does not move; use torch.optim.AdamW(model.parameters(), "
                      "fused=True) with paging, or patch without resident_adapters")
-
-
-def _refuse_moe() -> None:
-    raise ValueError("fast_multilora: paging (PatchConfig.resident_adapters) does not support MoE expert LoRA "
-                     "(target_parameters) yet; patch this model without resident_adapters")
 
 
 def _router(model):
@@ -159,17 +155,6 @@ def _step_pre_hook(optimizer, args, kwargs) -> None:
         pager.awaiting.clear()  # the backwards of the forwards so far have run
 
 
-def check_model(model) -> None:
-    """At ``patch`` with ``resident_adapters`` set, before anything is swapped: refuse what paging does not support
-    (so a refused model is left as it was)."""
-    try:
-        from peft.tuners.lora import ParamWrapper
-    except ImportError:  # pragma: no cover - older PEFT: no expert LoRA
-        return
-    if any(isinstance(m, ParamWrapper) for m in model.modules()):
-        _refuse_moe()
-
-
 def configure(router, config) -> None:
     """At ``patch``: start, update or stop paging for ``router``'s model as ``config.resident_adapters`` says."""
     k = config.resident_adapters
@@ -179,8 +164,6 @@ def configure(router, config) -> None:
             pager.close()
             router.pager = None
         return
-    if router.expert_layers:
-        _refuse_moe()
     if router.store is not None and router.store.owner is not None:
         _refuse_fml_adamw()
     if pager is None:

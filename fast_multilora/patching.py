@@ -409,8 +409,12 @@ def refresh_layers(router: Router, routing) -> None:
             for name, variant in layer.lora_variant.items():
                 if not dora_mod.is_dora(variant):  # DoRA runs (fast_multilora.dora)
                     router.variants.setdefault(name, (type(variant).__name__, type(layer.base_layer).__name__))
-    for wrapper in router.expert_layers:
-        moe.refresh(wrapper.__dict__[_MOE_ATTR], wrapper, slot_names)
+    if router.expert_layers:  # each wrapper's projection state (also its state for the store), then the chains'
+        for wrapper in router.expert_layers:
+            d = wrapper.__dict__
+            d[_STATE_ATTR] = moe.refresh_proj(d[_MOE_ATTR], wrapper, slot_names, _paged_out(wrapper))
+        for wrapper in router.expert_layers:
+            moe.refresh(wrapper.__dict__[_MOE_ATTR], wrapper, slot_names, lambda w: w.__dict__[_MOE_ATTR])
     if router.store is None and router.config.adapter_store and routing.names:
         _build_store(router)
     if router.store is not None:
@@ -590,7 +594,8 @@ class _ExpertsMixin(_TrackedMixin):
         state = entry.get("state")
         if state is None:  # none of the routing's adapters targets these experts
             return experts(x, *args, **kwargs)
-        return moe.experts_forward(state, router.config, routing, x, *args, name=entry["name"], **kwargs)
+        return moe.experts_forward(state, router.config, routing, x, *args, name=entry["name"], store=router.store,
+                                   **kwargs)
 
 
 class _FallbackMixin(_TrackedMixin):
@@ -702,10 +707,6 @@ def patch(model: torch.nn.Module, config: Optional[PatchConfig] = None, **settin
     """
     config = (config or PatchConfig()).with_overrides(**settings)
     router = model.__dict__.get(_ROUTER_ATTR)
-    if config.resident_adapters is not None:
-        from .paging import check_model
-
-        check_model(model)  # before anything is swapped: a refused model stays as it was
     if router is None and not any(isinstance(m, LoraLayer) for m in model.modules()):
         # e.g. a PeftModel of another tuner (RoAd, IA3, ...): routing would take its adapter_names away from PEFT
         warnings.warn(
@@ -768,6 +769,8 @@ def patch(model: torch.nn.Module, config: Optional[PatchConfig] = None, **settin
         elif aux and isinstance(module, aux):
             _swap(module, _FallbackMixin, router)
             report.fallback[name] = f"{type(module).__name__}: PEFT's per-sample loop"
+    router.store_layers = router.fast_layers + [w for w in router.expert_layers
+                                                if w.__dict__[_MOE_ATTR]["error"] is None]
     # custom LoRA classes registered in an adapter's config (LoraConfig._register_custom_module) are listed, not
     # warned about: PEFT warns about them itself ("Unsupported layer type ..."), and ours would bury its warning
     custom = {c for cfg in getattr(router.tuner, "peft_config", {}).values()

@@ -129,6 +129,7 @@ class Router:
         self.layers: list = []  # every LoRA layer of the model (ours and the fallback ones), set by patch()
         self.fast_layers: list = []  # the layers on our Function
         self.expert_layers: list = []  # PEFT ParamWrappers of MoE experts (fast_multilora.moe), set by patch()
+        self.store_layers: list = []  # the layers the adapter store may hold: fast_layers, then the expert wrappers
         self.variants: dict = {}  # adapter name -> (LoRA variant kind, base layer type), set by refresh_layers
         self.tuner = None  # the PEFT tuner whose peft_config keys we watch
         self.config_key: tuple = ()

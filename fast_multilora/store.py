@@ -26,9 +26,11 @@ by the layers that changed (:meth:`AdapterStore.layout`): an adapter added (``ad
 region moves, as one block, to one half as large again; the arena grows in place), one deleted leaves holes, and the
 gradients and optimizer states of the adapters that stay (``Arena.states``) stay where they are -- so adding or
 deleting one adapter writes its own pieces, whatever the registry. A compact re-layout of everything runs when
-given-up regions make a third of an arena. Layers it cannot hold (``lora_bias``, mixed adapter
-dtypes or devices within a layer, MoE experts, PEFT's fallback layers, FSDP2's sharded parameters) keep their own
-parameters and take the per-parameter path (the optimizer steps them with torch's AdamW math). Under
+given-up regions make a third of an arena. MoE expert wrappers (``fast_multilora.moe``) are layers like the others:
+an adapter of rank ``r`` on ``E`` experts is held as one of rank ``E * r`` in PEFT's own layout (``lora_B``'s
+columns expert-strided), which the kernels read as it is (``AdapterTable.experts``). Layers it cannot hold
+(``lora_bias``, mixed adapter dtypes or devices within a layer, PEFT's fallback layers, FSDP2's sharded parameters)
+keep their own parameters and take the per-parameter path (the optimizer steps them with torch's AdamW math). Under
 ``DistributedDataParallel`` the store's parameters are left out of DDP's reducer (all but one anchor layer's) and the
 store all-reduces its gradient arenas once per synchronised backward (``fast_multilora.ddp``); a layer whose
 parameters DDP does reduce takes the per-parameter path, on which their gradients still land in the gradient arena
@@ -250,6 +252,9 @@ class LayerSlots:
     left: Optional[list] = None
     split: tuple = ()  # the ranks of the cells, then the free rows: the column blocks of ``B_cat[N, cap]``
     uniform: int = 0  # the one rank of every cell when there is one and the free rows are a multiple of it (else 0)
+    # MoE experts (``moe.ProjState``): each cell holds an adapter of rank ``E * r`` in PEFT's layout -- B ``[N, r*E]``
+    # with expert ``e`` in the columns ``j*E + e`` -- which the kernels read as it is (``AdapterTable.experts``)
+    experts: int = 1
 
     def _shape(self, old: Optional["LayerSlots"] = None, k0: int = 0) -> None:
         """:attr:`split` and :attr:`uniform` from the cells (once per layout of the layer, not per call); ``old``:
@@ -283,24 +288,37 @@ class LayerSlots:
         return tuple(map(_DATA_PTR, self.params)) != self.expected()
 
     def b_cat(self, b_leaf: torch.Tensor) -> torch.Tensor:
-        """``B_cat[N, cap]`` from the packed block (the torch backend's and a compiled graph's layout)."""
-        N = self.N
+        """``B_cat[N, cap]`` from the packed block (the torch backend's and a compiled graph's layout; an experts
+        layer's cells expert-major, as its table reads them)."""
+        N, E = self.N, self.experts
         r = self.uniform
         if r:
+            if E > 1:
+                return b_leaf.view(self.cap // r, N, r // E, E).permute(1, 0, 3, 2).reshape(N, -1)
             return b_leaf.view(self.cap // r, N, r).permute(1, 0, 2).reshape(N, -1)
-        pieces, off = [], 0
-        for r in self.split:
-            pieces.append(b_leaf[off * N : (off + r) * N].view(N, r))
+        pieces, off, n_cells = [], 0, len(self.cells)
+        for i, r in enumerate(self.split):
+            piece = b_leaf[off * N : (off + r) * N]
+            if E > 1 and i < n_cells:
+                pieces.append(piece.view(N, r // E, E).transpose(1, 2).reshape(N, r))
+            else:
+                pieces.append(piece.view(N, r))
             off += r
         return torch.cat(pieces, 1)
 
     def packed_grad(self, dB_cat: torch.Tensor) -> torch.Tensor:
-        """``dB_cat[N, cap]`` as the packed block's gradient (flat, adapter ``a``'s ``[N, r_a]`` contiguous)."""
-        N = self.N
+        """``dB_cat[N, cap]`` as the packed block's gradient (flat, adapter ``a``'s ``[N, r_a]`` contiguous; an experts
+        layer's in PEFT's layout, :meth:`b_cat` reversed)."""
+        N, E = self.N, self.experts
         r = self.uniform
         if r:
+            if E > 1:
+                return dB_cat.view(N, self.cap // r, E, r // E).permute(1, 0, 3, 2).reshape(-1)
             return dB_cat.view(N, self.cap // r, r).permute(1, 0, 2).reshape(-1)
-        return torch.cat([g.reshape(-1) for g in dB_cat.split(list(self.split), dim=1)])
+        n_cells = len(self.cells)
+        return torch.cat([g.view(N, E, r // E).transpose(1, 2).reshape(-1) if E > 1 and i < n_cells else g.reshape(-1)
+                          for i, (g, r) in enumerate(zip(dB_cat.split(list(self.split), dim=1), self.split,
+                                                         strict=True))])
 
 
 def _layer_key(layer, state, old: Optional["LayerSlots"] = None) -> Optional[tuple]:
@@ -419,20 +437,32 @@ def _delta_moves(slots: LayerSlots, st, names) -> bool:
 
 def _store_table(state, offsets: tuple, cap: int, tables: dict):
     """``state.table`` with the adapters' offsets in the store (``offsets``: the present adapters', slot order) and
-    ``total_rank = cap``; layers whose tables are equal share one (``tables``), as their states' tables do."""
+    ``total_rank = cap``; layers whose tables are equal share one (``tables``), as their states' tables do. An MoE
+    projection's (``moe.ProjState``) table is over virtual (expert, adapter) slots: expert ``e`` of an adapter held
+    at row ``off`` with rank ``E * r`` starts at row ``off + e * r``."""
     t = state.table
     host_offsets = [0] * len(t.host[0])
-    if len(t.slots) != len(offsets):
-        raise ValueError(f"fast_multilora: a layer table of {len(t.slots)} adapters for {len(offsets)} offsets")
-    any(map(host_offsets.__setitem__, t.slots, offsets))  # (C-level: no Python step per adapter)
+    E = getattr(state, "experts", 1)
+    if E > 1:
+        if len(state.slots) != len(offsets):
+            raise ValueError(f"fast_multilora: an experts table of {len(state.slots)} adapters for {len(offsets)} "
+                             "offsets")
+        spe = len(host_offsets) // E
+        for s, off, R in zip(state.slots, offsets, state.ranks, strict=True):
+            r = R // E
+            host_offsets[s + 1 : len(host_offsets) : spe] = range(off, off + R, r)
+    else:
+        if len(t.slots) != len(offsets):
+            raise ValueError(f"fast_multilora: a layer table of {len(t.slots)} adapters for {len(offsets)} offsets")
+        any(map(host_offsets.__setitem__, t.slots, offsets))  # (C-level: no Python step per adapter)
     host = (t.host[0], tuple(host_offsets), t.host[2], t.host[3])
-    key = (host, t.slots, cap, t.offsets.device)
+    key = (host, t.slots, cap, t.offsets.device, E)
     out = tables.get(key)
     if out is None:
         if len(tables) > 4096:  # (tables of layouts gone: dropped now and then, not kept for ever)
             tables.clear()
         offsets = to_device(torch.tensor(host_offsets, dtype=torch.int32), t.offsets.device)
-        out = tables[key] = t._replace(offsets=offsets, total_rank=cap, host=host)
+        out = tables[key] = t._replace(offsets=offsets, total_rank=cap, host=host, experts=E)
     return out
 
 
@@ -576,7 +606,7 @@ class AdapterStore:
         from .patching import _STATE_ATTR
 
         wanted = {}
-        for layer in self.router.fast_layers:
+        for layer in self.router.store_layers:
             st = layer.__dict__.get(_STATE_ATTR)
             old = self.slots.get(id(layer))
             # a layer whose state the store has checked keeps its key (a moved parameter is caught in layout), but
@@ -603,7 +633,7 @@ class AdapterStore:
         it steps no other)."""
         from .patching import _STATE_ATTR
 
-        for layer in self.router.fast_layers:
+        for layer in self.router.store_layers:
             st = layer.__dict__.get(_STATE_ATTR)
             slots = self.slots.get(id(layer))
             if slots is None:
@@ -622,10 +652,10 @@ class AdapterStore:
                     self._retable(slots)
             if layer.lora_A[slots.names[0]].weight is not slots.params[0]:
                 return True
-        if not set(self.slots) <= {id(layer) for layer in self.router.fast_layers}:
+        if not set(self.slots) <= {id(layer) for layer in self.router.store_layers}:
             return True
         if self.ids_read != FULL[0]:  # after mark_changed (a change of unknown extent): every weight still held?
-            for layer in self.router.fast_layers:
+            for layer in self.router.store_layers:
                 slots = self.slots.get(id(layer))
                 if slots is None:
                     continue
@@ -671,7 +701,7 @@ class AdapterStore:
         self.laid_out = FULL[0]
         moved = self.moved  # adapters ``stale`` found with a replaced ``.data``: their layers are read again
         left = [lid for lid in self.slots if lid not in wanted]
-        if left and any(type(p.data) is not torch.Tensor for layer in self.router.fast_layers if id(layer) in left
+        if left and any(type(p.data) is not torch.Tensor for layer in self.router.store_layers if id(layer) in left
                         for p in layer.parameters()):
             warnings.warn("fast_multilora: parameters held by the adapter store were replaced by other tensor types "
                           "(FSDP2's shards?): they leave the store and their optimizer states start over",
@@ -876,7 +906,7 @@ class AdapterStore:
         b_leaf.grad = _piece(arena.grad, b0, (cap * N,))
         out = LayerSlots(present, ranks, K, N, a_leaf, b_leaf, params, key, st, arena=arena, a0=a0, b0=b0, cap=cap,
                          end=end, cells=cells, views=views_t, offsets=offsets, by_name=by_name, holes=holes, lid=lid,
-                         edit=(old, rm, at) if splice else None, left=left)
+                         edit=(old, rm, at) if splice else None, left=left, experts=getattr(st, "experts", 1))
         out._shape(old if splice else None, k0)
         self._retable(out)
         return out

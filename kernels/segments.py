@@ -62,6 +62,10 @@ class AdapterTable(NamedTuple):
     has_dropout: bool  # any dropout p > 0 (host bool)
     slots: Optional[tuple] = None  # host: the slots of rank > 0, ascending (the order of a layer's weights), if known
     host: Optional[tuple] = None  # host copies (ranks, offsets, scales, dropout), tuples per slot, if known
+    # MoE experts (``fast_multilora.moe``): the slots are virtual, ``v = e * (n_slots // experts) + s`` for expert
+    # ``e``; a packed B block (``packed_b``) then holds each adapter's weight in PEFT's layout ``[N, r * E]``, expert
+    # ``e``'s columns strided (``j * E + e``). A concatenated ``B_cat`` is read as it is (expert-major columns).
+    experts: int = 1
 
 
 class SlotWeights(NamedTuple):

@@ -14,6 +14,7 @@ from test_paths import _inputs as path_inputs
 import fast_multilora
 from fast_multilora import moe
 from fast_multilora.function import get_backend
+from fast_multilora.store import AdapterStore
 
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -147,7 +148,7 @@ def test_expert_delta_equals_peft_delta_weight_and_gradchecks(backend):
     e_s, a_s = expert_ids[order], pair_slots[order]
     u = torch.randn(S, K, generator=g, dtype=torch.float64, requires_grad=True)
     y = torch.randn(S, N, generator=g, dtype=torch.float64, requires_grad=True)
-    a_w, b_w = moe.lora_weights(ps)
+    a_w, b_w, _ = moe.lora_weights(ps)
     be = get_backend(backend, torch.device("cpu"))
 
     def f(u, y, *w):
@@ -403,3 +404,91 @@ def test_gpu_bf16_experts_error_within_twice_peft():
     for n, ge in exact_g.items():
         e_ours, e_peft = err(ours_g[n], ge), err(peft_bf16_g[n], ge)
         assert e_ours <= 2 * e_peft + 2.0**-8 * ge.abs().mean().item(), (n, e_ours, e_peft)
+
+
+def _store_configs(uniform: bool):
+    """Experts adapters of equal ranks (one cell rank per projection: the store's one-view path) or unequal ones
+    (rank 1 among them: per-cell pieces), plus an attention-only adapter."""
+    common = dict(init_lora_weights=False)
+    r1 = 4 if uniform else 1
+    return {"a0": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=EXPERTS, **common),
+            "a1": LoraConfig(r=r1, lora_alpha=3, use_rslora=True, target_modules=[], target_parameters=EXPERTS,
+                             **common),
+            "a2": LoraConfig(r=2, lora_alpha=3, target_modules=ATTN, **common)}
+
+
+def _held_ids(model) -> set:
+    return {id(p) for a in AdapterStore.of(model).arenas.values() for _, _, p in a.blocks.values()}
+
+
+@pytest.mark.parametrize("uniform", [True, False], ids=["equal-ranks", "unequal-ranks"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_experts_in_the_store_train_like_peft_per_adapter(backend, uniform):
+    """The adapter store holds the expert wrappers' weights too (PEFT's parameters are views of its arena, each
+    adapter's ``[E*r, in]`` A rows and ``[out, r*E]`` B block in PEFT's layout): ``fast_multilora.AdamW`` on mixed
+    batches trains every adapter as stock PEFT trains it alone with ``torch.optim.AdamW``; then an experts adapter
+    deleted and another added (a hole, then reused) train on, equal to PEFT per sample."""
+    from test_store import _assert_same_weights, _batches, _hyper, _per_adapter_reference, _train
+
+    model = with_adapters(tiny_moe("qwen3_moe", "grouped_mm"), _store_configs(uniform))
+    ref = twin(model)
+    fast_multilora.patch(model, backend=backend)
+    names = sorted(model.peft_config)
+    hyper = _hyper(names)
+    opt = fast_multilora.AdamW(model, settings=hyper)
+    expert_params = {n: p for n, p in model.named_parameters() if "lora_" in n and ".experts" in n}
+    assert len(expert_params) == 2 * 2 * 2 * 2  # 2 layers x 2 projections x (A, B) x 2 adapters
+    held = _held_ids(model)
+    assert all(id(p) in held for p in expert_params.values()), [n for n, p in expert_params.items()
+                                                                 if id(p) not in held]
+    model.train()
+    ref.train()
+    batches = _batches(names, steps=3, seed=4)
+    _train(model, opt, batches)
+    _per_adapter_reference(ref, batches, hyper)
+    _assert_same_weights(model, ref, rtol=1e-4, atol=1.2e-4)
+
+    # churn: a1 (experts only) deleted leaves a hole in each experts region, a new a1 of its rank takes it
+    old = {id(p) for n, p in model.named_parameters() if ".a1." in n}
+    for m in (model, ref):
+        m.delete_adapter("a1")
+        m.add_adapter("a1", _store_configs(uniform)["a1"])
+        for n, p in m.named_parameters():
+            p.requires_grad_("lora_" in n)
+    with torch.no_grad():  # (B != 0: init_lora_weights=False draws them; the twin takes the same values)
+        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+            if ".a1." in n:
+                assert id(p) not in old
+                q.copy_(p)
+    ref.zero_grad(set_to_none=True)
+    assert_matches_peft(model, ref, f"churned {backend}", adapter_names=NAMES)
+    held = _held_ids(model)
+    assert all(id(p) in held for n, p in model.named_parameters() if ".a1." in n and ".experts" in n)
+
+
+@pytest.mark.parametrize("ranks,cap", [((3, 3, 3), 12), ((3, 1, 2), 8)], ids=["one-view", "per-cell"])
+def test_store_b_cat_of_an_experts_layer_is_the_expert_major_concatenation(ranks, cap):
+    """The torch backend's ``B_cat`` of an experts layer's packed block: each cell (an adapter of rank ``E*r`` in
+    PEFT's layout) expert-major, at its own columns -- equal ranks with free rows of that rank take one view, others
+    a piece per cell -- and ``packed_grad`` its exact inverse."""
+    from fast_multilora.store import LayerSlots
+
+    E, N = 4, 5
+    cells, off = [], 0
+    for i, r in enumerate(ranks):
+        cells.append([f"a{i}", E * r, off, None, None])
+        off += E * r
+    cap *= E
+    g = torch.Generator().manual_seed(0)
+    packed = torch.randn(cap * N, generator=g, dtype=torch.float64)
+    s = LayerSlots(tuple(c[0] for c in cells), tuple(c[1] for c in cells), 3, N, None, packed, (), (), None,
+                   cap=cap, end=off, cells=cells, experts=E)
+    s._shape()
+    assert bool(s.uniform) == (len(set(ranks)) == 1)
+    got = s.b_cat(packed)
+    assert got.shape == (N, cap)
+    for name, R, o, _, _ in cells:
+        weight = packed[o * N : (o + R) * N].view(N, R)  # PEFT's lora_B.weight [N, r*E]
+        torch.testing.assert_close(got[:, o : o + R], moe.expert_major_b(weight, E), rtol=0, atol=0, msg=name)
+    back = s.packed_grad(got)
+    torch.testing.assert_close(back[: off * N], packed[: off * N], rtol=0, atol=0)

@@ -261,18 +261,32 @@ def test_paging_settings_and_refusals():
     assert len(_pager(model).paged) == N_ADAPTERS - 4
 
 
-def test_paging_refuses_expert_lora_before_patching_anything():
-    """MoE expert LoRA is not paged: ``patch(..., resident_adapters=k)`` raises saying so, and leaves the model
-    unpatched (no layer swapped), so it can be patched without paging."""
-    from test_moe import moe_model
+def _moe_model(device, k):
+    from models import with_adapters
+    from peft import LoraConfig
+    from test_moe import EXPERTS, tiny_moe
 
-    model = moe_model("qwen3_moe", "grouped_mm")
-    classes = [type(m) for m in model.modules()]
-    with pytest.raises(ValueError, match="does not support MoE expert LoRA"):
-        fast_multilora.patch(model, backend="torch", resident_adapters=2)
-    assert [type(m) for m in model.modules()] == classes
-    assert fast_multilora.patching._ROUTER_ATTR not in model.__dict__
-    fast_multilora.patch(model, backend="torch")  # without paging: as usual
+    cfgs = {f"m{i}": LoraConfig(r=1 + i % 3, lora_alpha=2 + i, target_modules=["q_proj"] if i % 2 else [],
+                                target_parameters=EXPERTS, init_lora_weights=False) for i in range(6)}
+    model = with_adapters(tiny_moe("qwen3_moe", "grouped_mm"), cfgs).to(device)
+    fast_multilora.patch(model, backend="torch", resident_adapters=k)
+    model.train()
+    return model
+
+
+def test_paged_expert_lora_training_equals_resident_training(device):
+    """MoE expert LoRA (``target_parameters``) pages like the rest: an expert wrapper's paged-out adapter leaves its
+    projections' tables and the store; weights and AdamW states equal the resident run bitwise."""
+    model = _moe_model(device, 1)
+    ref = _moe_model(device, None)
+    batches = _schedule(sorted(model.peft_config), 7)
+    opt, returned = _train(model, batches, device, 1)
+    ref_opt, _ = _train(ref, batches, device)
+    assert returned >= 1
+    experts = [p for n, p in model.named_parameters() if ".experts" in n and "lora_" in n]
+    pager = _pager(model)
+    assert pager.paged and any(_is_host_copy(pager, name, p, p.data) for name in pager.paged for p in experts)
+    _assert_equal_runs(model, opt, ref, ref_opt)
 
 
 @pytest.mark.parametrize("how", ["peft", "fast"])
