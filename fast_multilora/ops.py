@@ -63,11 +63,11 @@ def _layout(segs: Segments, table: AdapterTable, *extra: int) -> tuple[list, lis
     tensors = [segs.indptr, segs.slot, segs.perm, order, bounds, table.ranks, table.offsets, table.scales,
                table.dropout, segs.token_slots]
     ints = [segs.max_len, segs.num_tokens, segs.base_max_len, table.max_rank, table.total_rank,
-            int(table.has_dropout), *(int(e) for e in extra)]
+            int(table.has_dropout), table.experts, *(int(e) for e in extra)]
     return tensors, ints
 
 
-_N_LAYOUT_INTS = 6
+_N_LAYOUT_INTS = 7
 _MAX_RANK, _TOTAL_RANK, _HAS_DROPOUT = 3, 4, 5  # positions in ``ints`` (the fake kernels read them)
 
 
@@ -75,12 +75,12 @@ def _unpack(tensors: list, ints: list) -> tuple[Segments, AdapterTable, list]:
     """Inverse of ``_layout`` inside an op: a ``Segments`` with a per-call cache holding the layout's shared
     validation memos (:func:`_shared_memos`), the ``AdapterTable`` and the op's own ints."""
     indptr, slot, perm, order, bounds, ranks, offsets, scales, dropout, token_slots = tensors
-    max_len, num_tokens, base_max_len, max_rank, total_rank, has_dropout = ints[:_N_LAYOUT_INTS]
+    max_len, num_tokens, base_max_len, max_rank, total_rank, has_dropout, experts = ints[:_N_LAYOUT_INTS]
     grouping = (order, bounds) if order is not None else None
     cache = dict(_shared_memos(tensors[:5], (max_len, num_tokens, base_max_len)))
     segs = Segments(indptr, slot, perm, max_len, num_tokens, cache, base_max_len, token_slots=token_slots,
                     grouping=grouping)
-    table = AdapterTable(ranks, offsets, scales, dropout, max_rank, total_rank, bool(has_dropout))
+    table = AdapterTable(ranks, offsets, scales, dropout, max_rank, total_rank, bool(has_dropout), experts=experts)
     return segs, table, ints[_N_LAYOUT_INTS:]
 
 

@@ -56,6 +56,39 @@ def _slots(table: AdapterTable):
             yield a, r, off, c, p
 
 
+def _packed_views(flat: torch.Tensor, table: AdapterTable, N: int):
+    """Yield ``(slot, offset, rank, view)``: each slot of rank > 0 and its ``[N, rank]`` weight as a view of the
+    packed 1-D block ``flat`` (``kernels.segments.packed_b``: at ``N * offset``; with ``table.experts = E > 1``
+    expert ``e = slot // (n_slots // E)``'s strided columns of its adapter's PEFT ``[N, rank*E]`` weight)."""
+    E = table.experts
+    spe = table.ranks.numel() // E
+    for a, r, off, _, _ in _slots(table):
+        e = a // spe if E > 1 else 0
+        start = N * (off - e * r)
+        yield a, off, r, flat[start : start + N * r * E].view(N, r, E)[..., e]
+
+
+def packed_b_cat(B_packed: torch.Tensor, table: AdapterTable, N: int) -> torch.Tensor:
+    """The ``B_cat[N, total_rank]`` a packed block stands for (slot ``a``'s columns at ``offsets[a]``; expert-major
+    for an experts table); columns no slot owns are zero. A copy."""
+    out = torch.zeros(N, table.total_rank, dtype=B_packed.dtype, device=B_packed.device)
+    for _, off, r, w in _packed_views(B_packed, table, N):
+        out[:, off : off + r] = w
+    return out
+
+
+def packed_db(dB_cat: torch.Tensor, table: AdapterTable, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``dB_cat[N, total_rank]`` in the packed layout (``kernels.lora_expand_bwd``'s ``dB_blocked``): flat
+    ``[N * total_rank]``, every slot's columns at its place; elements no slot owns keep what ``out`` holds (zero
+    when ``out`` is not given)."""
+    N = dB_cat.shape[0]
+    if out is None:
+        out = torch.zeros(N * table.total_rank, dtype=dB_cat.dtype, device=dB_cat.device)
+    for _, off, r, w in _packed_views(out, table, N):
+        w.copy_(dB_cat[:, off : off + r])
+    return out
+
+
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     """Accumulation dtype: float32, or float64 for float64 inputs (gradcheck)."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32

@@ -41,7 +41,7 @@ from .chunks import chunk_table
 from .configs import block_config, target_for
 from .dropout import check_keep_bits, check_seed, keep_block, unpack_keep
 from .launch import CHECK_KEYS, cdiv, checked, launch, mark_checked, next_power_of_2
-from .segments import AdapterTable, Segments, packed_b, slot_grouping, weight_args
+from .segments import AdapterTable, Segments, expert_args, packed_b, slot_grouping, weight_args
 from .sgemm import slot_b, slot_weight
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -155,17 +155,18 @@ def _chunks(segs: Segments, n_slots: int, chunk: int):
 @triton.jit
 def _expand_bwd_kernel(
     dy, h, B, dh, part_dh, part_dB, order, info, ranks, offsets, w_offs, scales,
-    N, slice_idx, tiles_per_split,
+    N, slice_idx, tiles_per_split, spe,
     stride_dys, stride_dyn, stride_hs, stride_hr, stride_bn, stride_br, stride_dhs, stride_dhr,
     stride_pds, stride_pdt, stride_pdr, stride_pbc, stride_pbn, stride_pbr,
     DIRECT_DH: tl.constexpr, STORE_DB: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    W_OFFS: tl.constexpr, B_PACKED: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    W_OFFS: tl.constexpr, B_PACKED: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """dh[t, s*r+i] (+)= c * dy[t, n-range] . B[n-range, off+i];  part_dB[chunk, n, i] = sum_t dy[t, n] h[t, s*r+i].
 
     ``W_OFFS`` / ``B_PACKED``: the slot's own ``[N, r_a]`` weight, in place or in the store's packed block, row stride
-    its rank ``r_a`` (``sgemm.slot_b``)."""
+    its rank ``r_a``; ``EXPERTS > 1``: a packed block of PEFT's experts weights, ``spe`` slots per expert
+    (``sgemm.slot_b``)."""
     i_c = tl.program_id(0).to(tl.int64)
     i_p = tl.program_id(1).to(tl.int64)
     slot = tl.load(info + i_c * 3)
@@ -177,7 +178,7 @@ def _expand_bwd_kernel(
     start = tl.load(info + i_c * 3 + 1).to(tl.int64)
     end = tl.load(info + i_c * 3 + 2)
     B_a, b_col0, stride_bn_a, stride_br_a = slot_b(
-        B, offsets, w_offs, slot, rank, N, stride_bn, stride_br, W_OFFS, B_PACKED)
+        B, offsets, w_offs, slot, rank, N, spe, stride_bn, stride_br, W_OFFS, B_PACKED, EXPERTS)
     col0 = slice_idx * rank  # this slice's first column of h / dh
 
     o_s = start + tl.arange(0, BLOCK_S)  # logical positions
@@ -218,15 +219,18 @@ def _expand_bwd_kernel(
 
 @triton.jit
 def _finish_db_tile(
-    dy, h, dB, part_dB, order, info, cptr, ranks, offsets, scales, slot, i_n, N, slice_idx,
+    dy, h, dB, part_dB, order, info, cptr, ranks, offsets, scales, slot, i_n, N, slice_idx, spe,
     stride_dys, stride_dyn, stride_hs, stride_hr, stride_dbn, stride_dbr, stride_pbc, stride_pbn, stride_pbr,
     FROM_PARTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DB_BLOCKED: tl.constexpr,
+    EXPERTS: tl.constexpr,
 ):
     """dB[n, off+i] = c * sum over the slot's chunks (ascending) of part_dB, or of dy[chunk]^T h[chunk] (unfused).
 
     Summed in h's (float) dtype, stored in dB's. ``DB_BLOCKED``: dB is flat, the slot's ``[N, rank]`` gradient one
-    contiguous block at ``off * N`` (a parameter's own layout: no copy after)."""
+    contiguous block at ``off * N`` (a parameter's own layout: no copy after); with ``EXPERTS = E > 1`` the slot of
+    expert ``e = slot // spe`` writes the strided columns ``j*E + e`` of its adapter's PEFT weight at
+    ``(off - e*rank) * N`` (``segments.packed_b``): the E slots of an adapter interleave, each element stored once."""
     rank = tl.load(ranks + slot)
     if rank > 0:
         off = tl.load(offsets + slot).to(tl.int64)
@@ -254,7 +258,11 @@ def _finish_db_tile(
                 b_h = tl.load(p_h, mask=m_s[:, None] & m_r[None, :], other=0.0).to(b_dy.dtype)  # cast: dot dtype
                 b_db += tl.dot(tl.trans(b_dy), b_h, input_precision=DOT_PRECISION, out_dtype=b_db.dtype)
         if DB_BLOCKED:
-            p_db = dB + off * N + o_n[:, None] * rank + o_r[None, :]
+            if EXPERTS > 1:
+                e = slot // spe
+                p_db = dB + (off - e * rank) * N + e + o_n[:, None] * (rank * EXPERTS) + o_r[None, :] * EXPERTS
+            else:
+                p_db = dB + off * N + o_n[:, None] * rank + o_r[None, :]
         else:
             p_db = dB + o_n[:, None] * stride_dbn + (off + o_r)[None, :] * stride_dbr
         tl.store(p_db, (b_db * scale.to(b_db.dtype)).to(dB.dtype.element_ty), mask=m_n[:, None] & m_r[None, :])
@@ -290,19 +298,20 @@ def _finish_dh_chunk(
 @triton.jit
 def _expand_bwd_finish(
     dy, h, dB, dh, part_dh, part_dB, order, info, cptr, ranks, offsets, scales,
-    N, slice_idx, n_splits, n_db_programs, tiles_n,
+    N, slice_idx, n_splits, n_db_programs, tiles_n, spe,
     stride_dys, stride_dyn, stride_hs, stride_hr, stride_dbn, stride_dbr, stride_dhs, stride_dhr,
     stride_pds, stride_pdt, stride_pdr, stride_pbc, stride_pbn, stride_pbr,
     FROM_PARTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DB_BLOCKED: tl.constexpr,
+    EXPERTS: tl.constexpr,
 ):
     """Programs [0, n_db_programs): dB tiles (slot, N tile), every column written; the rest: dh rows of one chunk."""
     i_g = tl.program_id(0).to(tl.int64)
     if i_g < n_db_programs:
         _finish_db_tile(
             dy, h, dB, part_dB, order, info, cptr, ranks, offsets, scales, i_g // tiles_n, i_g % tiles_n, N, slice_idx,
-            stride_dys, stride_dyn, stride_hs, stride_hr, stride_dbn, stride_dbr, stride_pbc, stride_pbn, stride_pbr,
-            FROM_PARTS, DOT_PRECISION, BLOCK_S, BLOCK_N, BLOCK_R, DB_BLOCKED,
+            spe, stride_dys, stride_dyn, stride_hs, stride_hr, stride_dbn, stride_dbr, stride_pbc, stride_pbn,
+            stride_pbr, FROM_PARTS, DOT_PRECISION, BLOCK_S, BLOCK_N, BLOCK_R, DB_BLOCKED, EXPERTS,
         )
     else:
         _finish_dh_chunk(
@@ -574,8 +583,10 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
 
     ``dB_blocked``: ``dB_cat`` is flat ``[total_rank * N]`` instead, slot ``a``'s ``[N, r_a]`` gradient the contiguous
     block at ``offsets[a] * N`` (each adapter's ``lora_B`` weight layout, and the packed block's); ``None``: blocked
-    when ``B_cat`` is packed (the gradient in its weight's layout). A given ``dB_out`` may be bfloat16 or float16
-    (for float32 accumulation): the sums are rounded once, as they are stored."""
+    when ``B_cat`` is packed (the gradient in its weight's layout). With ``table.experts > 1`` the packed block and
+    a blocked ``dB_cat`` are in PEFT's experts layout (``segments.packed_b``), whatever form ``B_cat`` has; the
+    ``[N, total_rank]`` ``dB_cat`` stays expert-major, as a 2-D ``B_cat`` is. A given ``dB_out`` may be bfloat16 or
+    float16 (for float32 accumulation): the sums are rounded once, as they are stored."""
     name = "lora_expand_bwd"
     _check_common(name, dy, segs, table, stack_num)
     if not 0 <= slice_idx < stack_num:
@@ -592,6 +603,8 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
         _check_tensor(name, "B_cat", B, B.shape, _ACT_DTYPES, dev)
     if dB_blocked is None:
         dB_blocked = packed
+    experts = expert_args(name, table)  # (E, spe): the packed layout's addressing only
+    b_experts, db_experts = experts if packed else (1, 1), experts if dB_blocked else (1, 1)
     if dh is None:
         dh = torch.zeros(S, stack_num * R, dtype=acc, device=dev)
     _check_tensor(name, "dh", dh, (S, stack_num * R), (acc,), dev)
@@ -621,22 +634,22 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
     launch(_expand_bwd_kernel, (capacity, n_splits), (
         dy, h, B, dh, part_dh, part_dB, order, info, table.ranks, table.offsets,
         table.offsets if w_offs is None else w_offs, table.scales,
-        N, slice_idx, tiles_per_split,
+        N, slice_idx, tiles_per_split, b_experts[1],
         *dy.stride(), *h.stride(), *((0, 1) if packed else B_cat.stride()),
         *dh.stride(), *pd_strides, *pb_strides,
     ), dict(DIRECT_DH=direct_dh, STORE_DB=fused, EVEN_N=N % BLOCK_N == 0, DOT_PRECISION=prec,
-            W_OFFS=w_offs is not None, B_PACKED=packed, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R,
-            num_warps=num_warps))
+            W_OFFS=w_offs is not None, B_PACKED=packed, EXPERTS=b_experts[0], BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N,
+            BLOCK_R=BLOCK_R, num_warps=num_warps))
     BLOCK_NF = min(128, max(16, _FINISH_TILE // BLOCK_R)) if fused else BLOCK_N
     tiles_nf = cdiv(N, BLOCK_NF)
     n_db = n_slots * tiles_nf
     launch(_expand_bwd_finish, (n_db + (0 if direct_dh else capacity),), (
         dy, h, dB_out, dh, part_dh, part_dB, order, info, cptr, table.ranks, table.offsets, table.scales,
-        N, slice_idx, n_splits, n_db, tiles_nf,
+        N, slice_idx, n_splits, n_db, tiles_nf, db_experts[1],
         *dy.stride(), *h.stride(), *((0, 0) if dB_blocked else dB_out.stride()),
         *dh.stride(), *pd_strides, *pb_strides,
     ), dict(FROM_PARTS=fused, DOT_PRECISION=prec, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_NF, BLOCK_R=BLOCK_R,
-            DB_BLOCKED=dB_blocked, num_warps=8))
+            DB_BLOCKED=dB_blocked, EXPERTS=db_experts[0], num_warps=8))
     return dh, dB_out
 
 

@@ -119,6 +119,9 @@ def lora_shrink_expand(x, A_cat, B_cat, segs: Segments, table: AdapterTable, y, 
     compiled graph passes the block itself. ``record`` (a list): the call's launch is appended, a callable taking
     ``(x, A, B, y)`` -- the pointer tensors of the weights, as ``launch.Bound`` replays them (a no-op when the call
     launches nothing)."""
+    if table.experts != 1:
+        raise ValueError(f"lora_shrink_expand: tables of MoE virtual slots (table.experts={table.experts!r}) are not "
+                         "supported by the decode kernel; use lora_shrink then lora_expand")
     _check_2d("x", x, getattr(x, "device", None))
     device = x.device
     _check_2d("y", y, device)

@@ -34,7 +34,7 @@ import torch
 from .configs import INTERPRETER, block_config, target_for
 from .dropout import check_keep_bits, check_seed
 from .launch import CHECK_KEYS, Bound, cdiv, checked, launch, mark_checked, next_power_of_2
-from .segments import AdapterTable, Segments, packed_b, weight_args
+from .segments import AdapterTable, Segments, expert_args, packed_b, weight_args
 from .sgemm import sgemm_expand_kernel, sgemm_shrink_kernel
 from .sgmv import chunk_table, sgmv_expand_kernel, sgmv_shrink_kernel
 
@@ -298,8 +298,11 @@ def _fill_rows(y: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
 def _expand_launch(h, B_cat, B, w_offs, packed: bool, segs: Segments, table: AdapterTable, y, *, slice_idx: int,
                    accumulate: bool, bias, record: Optional[list] = None) -> None:
     """The expand's launch; ``B``, ``w_offs``: ``B_cat``'s pointer tensor and per-slot offsets (``_weights``);
-    ``packed``: ``B_cat`` is the store's packed block (``segments.packed_b``)."""
+    ``packed``: ``B_cat`` is the store's packed block (``segments.packed_b``; an experts table's in PEFT's layout)."""
     S, N = y.shape
+    experts, spe = expert_args("lora_expand", table)
+    if not packed:  # the experts' addressing is the packed block's only
+        experts, spe = 1, 1
     live = not (S == 0 or N == 0 or table.max_rank == 0 or segs.num_segments == 0 or segs.max_len == 0)
     write_all = not accumulate and segs.covers_all_rows  # the SGEMM kernel defines base rows itself
     if not accumulate and not write_all:
@@ -323,7 +326,7 @@ def _expand_launch(h, B_cat, B, w_offs, packed: bool, segs: Segments, table: Ada
     slotted = w_offs is not None
     w_offs = w_offs if slotted else table.offsets  # unread without W_OFFS
     meta = dict(FP64=fp64, DOT_PRECISION=_dot_precision(torch.float64 if fp64 else y.dtype), W_OFFS=slotted,
-                B_PACKED=packed,
+                B_PACKED=packed, EXPERTS=experts,
                 # after a bias fill the kernel adds to it; after a zero fill (or defining every row) it writes
                 ACCUMULATE=accumulate or (not write_all and bias is not None), HAS_BIAS=write_all and bias is not None,
                 BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, num_warps=num_warps, num_stages=num_stages)
@@ -338,11 +341,12 @@ def _expand_launch(h, B_cat, B, w_offs, packed: bool, segs: Segments, table: Ada
         grid = (segs.num_segments, cdiv(rows, BLOCK_S), cdiv(N, BLOCK_N * n_tiles))
         _run(sgemm_expand_kernel, grid, (
             h, B, y, bias_arg, segs.indptr, segs.slot, table.ranks, table.offsets, w_offs, table.scales, slice_idx,
-            N, *common), dict(meta, BLOCK_S=BLOCK_S, N_TILES=n_tiles), record, fill=fill, bias_arg=meta["HAS_BIAS"])
+            spe, N, *common), dict(meta, BLOCK_S=BLOCK_S, N_TILES=n_tiles), record, fill=fill,
+            bias_arg=meta["HAS_BIAS"])
     else:
         chunks = chunk_table(segs, BLOCK_S)
         grid = (chunks.shape[0], cdiv(N, BLOCK_N))
         _run(sgmv_expand_kernel, grid, (
             h, B, y, bias_arg, chunks, segs.slot, segs.perm, table.ranks, table.offsets, w_offs,
-            table.scales, slice_idx, *common),
+            table.scales, slice_idx, spe, *common),
             dict(N=N, MAX_RANK=table.max_rank, BLOCK_M=BLOCK_S, **meta), record, fill=fill, bias_arg=meta["HAS_BIAS"])

@@ -62,9 +62,11 @@ class AdapterTable(NamedTuple):
     has_dropout: bool  # any dropout p > 0 (host bool)
     slots: Optional[tuple] = None  # host: the slots of rank > 0, ascending (the order of a layer's weights), if known
     host: Optional[tuple] = None  # host copies (ranks, offsets, scales, dropout), tuples per slot, if known
-    # MoE experts (``fast_multilora.moe``): the slots are virtual, ``v = e * (n_slots // experts) + s`` for expert
-    # ``e``; a packed B block (``packed_b``) then holds each adapter's weight in PEFT's layout ``[N, r * E]``, expert
-    # ``e``'s columns strided (``j * E + e``). A concatenated ``B_cat`` is read as it is (expert-major columns).
+    # E > 1: the slots are MoE *virtual* slots ``v = e * spe + s`` of E experts (``spe = n_slots // E`` slots per
+    # expert). It changes only how a packed B block is addressed (``packed_b``; and ``lora_expand_bwd``'s blocked dB,
+    # the same layout): an adapter's B is PEFT's ``[N, r*E]`` experts weight as it is, expert e of slot v in its
+    # strided columns ``j*E + e``. A 2-D ``B_cat`` or ``SlotWeights`` keeps its meaning (slot v at column
+    # ``offsets[v]``, expert-major), as does everything about A.
     experts: int = 1
 
 
@@ -192,7 +194,14 @@ def packed_b(name: str, w, N: int, total_rank: int, device) -> bool:
     1-D ``[N * total_rank]``, slot ``a``'s ``[N, ranks[a]]`` weight contiguous at element ``N * offsets[a]`` -- the
     layout ``lora_expand_bwd`` writes a packed ``B``'s gradient in. Every expand kernel reads it as it lies
     (``sgemm.slot_b``'s ``B_PACKED``: no table, no copy), so a compiled graph passes the block itself. A 1-D
-    ``w`` that is not such a block raises ``ValueError``."""
+    ``w`` that is not such a block raises ``ValueError``.
+
+    With a table of ``experts = E > 1`` (MoE virtual slots ``v = e * spe + s``, see :func:`expert_args`) the block
+    holds each adapter's B in PEFT's experts layout ``[N, r*E]`` (expert ``e`` in the strided columns ``j*E + e``):
+    virtual slot ``v`` of expert ``e = v // spe`` reads element ``N * (offsets[v] - e*ranks[v]) + e + n*(ranks[v]*E)
+    + j*E`` for its ``B_v[n, j]`` -- with ``offsets[v] = off_a + e*r_a``, adapter ``a``'s weight as it is at element
+    ``N * off_a``: the packed layout of one slot of rank ``E*r_a``. Only the packed form changes meaning: a 2-D
+    ``B_cat`` stays the expert-major concatenation (slot ``v`` at columns ``offsets[v] ..``)."""
     if not isinstance(w, torch.Tensor) or w.dim() != 1:
         return False
     if not w.is_contiguous() or w.device != device or not w.dtype.is_floating_point:
@@ -201,6 +210,22 @@ def packed_b(name: str, w, N: int, total_rank: int, device) -> bool:
     if w.numel() != N * total_rank:
         raise ValueError(f"{name}: a packed B must have N*total_rank = {N}*{total_rank} elements, got {w.numel()}")
     return True
+
+
+def expert_args(name: str, table: AdapterTable) -> tuple:
+    """``(E, spe)`` of a table for the kernels: its ``experts`` (a constexpr, ``EXPERTS``) and the slots per expert
+    ``n_slots // E`` (a runtime int, ``spe``: virtual slot ``v`` is expert ``v // spe``'s); ``(1, 1)`` for an
+    ordinary table (``spe`` unread). ``ValueError`` when ``E`` is not a positive int or does not divide the slots."""
+    E = table.experts
+    if E == 1:
+        return 1, 1
+    if not isinstance(E, int) or isinstance(E, bool) or E < 1:
+        raise ValueError(f"{name}: table.experts must be a positive int (1 = an ordinary table), got {E!r}")
+    n_slots = table.ranks.numel()
+    if n_slots % E:
+        raise ValueError(f"{name}: table.experts={E} does not divide the table's {n_slots} slots; an experts table "
+                         f"has spe slots per expert (virtual slot v = e * spe + s), n_slots = E * spe")
+    return E, n_slots // E
 
 
 def segments_from_token_slots(token_slots: torch.Tensor, grouped: bool, device=None) -> Segments:

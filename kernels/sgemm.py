@@ -143,24 +143,37 @@ def slot_weight(W, offsets, w_offs, slot, STACK: tl.constexpr, W_OFFS: tl.conste
 
 
 @triton.jit
-def slot_b(B, offsets, w_offs, slot, rank, N, stride_bn, stride_br, W_OFFS: tl.constexpr, B_PACKED: tl.constexpr):
+def slot_b(B, offsets, w_offs, slot, rank, N, spe, stride_bn, stride_br,
+           W_OFFS: tl.constexpr, B_PACKED: tl.constexpr, EXPERTS: tl.constexpr):
     """``(B_a, col0, stride_bn_a, stride_br_a)``: the slot's columns of an expand weight start at column ``col0`` of
     ``B_a``, whose row and column strides those are. In ``B_cat`` (``B_a = B``, ``col0 = offsets[slot]``, the
     launcher's strides); in place (``W_OFFS``: its own contiguous ``[N, rank]`` weight at ``B + w_offs[slot]``
     elements, a multiple of 16); or in the adapter store's packed block (``B_PACKED``: slot ``a``'s ``[N, rank]``
     weight contiguous at element ``N * offsets[a]`` of a 1-D buffer, no table). Both of the latter: ``col0 = 0``,
     row stride ``rank`` (the table's, so slots may differ in rank), column stride 1. The 64-bit offset is added once
-    to the pointer, so per-element offsets stay 32-bit."""
+    to the pointer, so per-element offsets stay 32-bit.
+
+    ``B_PACKED`` with ``EXPERTS = E > 1`` (MoE virtual slots, ``segments.packed_b``): the slot is expert
+    ``e = slot // spe``'s, its ``[N, rank]`` weight the strided columns ``j*E + e`` of its adapter's PEFT weight
+    ``[N, rank*E]`` at element ``N * (offsets[slot] - e*rank)``: row stride ``rank*E``, column stride ``E``."""
     if W_OFFS:
         B_a = B + tl.multiple_of(tl.load(w_offs + slot), 16)  # the offset is aligned; the row stride ``rank`` is not
     elif B_PACKED:
-        B_a = B + tl.load(offsets + slot).to(tl.int64) * N  # N: an int or a constexpr
+        if EXPERTS > 1:
+            e = slot // spe
+            B_a = B + (tl.load(offsets + slot).to(tl.int64) - e * rank) * N + e
+        else:
+            B_a = B + tl.load(offsets + slot).to(tl.int64) * N  # N: an int or a constexpr
     else:
         B_a = B
     if W_OFFS or B_PACKED:
         col0 = 0
-        stride_bn_a = rank
-        stride_br_a = 1
+        if B_PACKED and EXPERTS > 1:
+            stride_bn_a = rank * EXPERTS
+            stride_br_a = EXPERTS
+        else:
+            stride_bn_a = rank
+            stride_br_a = 1
     else:
         col0 = tl.load(offsets + slot)
         stride_bn_a = stride_bn
@@ -221,15 +234,16 @@ def sgemm_shrink_kernel(
 
 @triton.jit
 def sgemm_expand_kernel(
-    h, B, y, bias, indptr, seg_slot, ranks, offsets, w_offs, scales, slice_idx, N,
+    h, B, y, bias, indptr, seg_slot, ranks, offsets, w_offs, scales, slice_idx, spe, N,
     stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
     FP64: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    W_OFFS: tl.constexpr, B_PACKED: tl.constexpr,
+    W_OFFS: tl.constexpr, B_PACKED: tl.constexpr, EXPERTS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_TILES: tl.constexpr,
 ):
     """y[t] += scale_a * h[t, slice*r : (slice+1)*r] @ B_cat[:, off : off+r]^T for the rows t of segment ``i_g``
     (``W_OFFS`` / ``B_PACKED``: the slot's own ``[N, r_a]`` weight, in place or in the store's packed block, row stride
-    its rank ``r_a``: see :func:`slot_b`).
+    its rank ``r_a``; with ``EXPERTS > 1`` a packed block holds PEFT's experts weights, ``spe`` slots per expert:
+    see :func:`slot_b`).
 
     Write mode (``ACCUMULATE=False``): y[t] = that product (+ bias), and rows of base segments / rank-0 slots are
     written too (bias or zero), so every row of y is defined. A program covers ``N_TILES`` consecutive N-tiles: the
@@ -251,7 +265,7 @@ def sgemm_expand_kernel(
                 fill_tile(y, bias, o_s, o_s < eos, i_n0 + j, N, stride_ys, stride_yn, HAS_BIAS, BLOCK_S, BLOCK_N)
         return
     B_a, b_col0, stride_bn_a, stride_br_a = slot_b(
-        B, offsets, w_offs, slot, rank, N, stride_bn, stride_br, W_OFFS, B_PACKED)
+        B, offsets, w_offs, slot, rank, N, spe, stride_bn, stride_br, W_OFFS, B_PACKED, EXPERTS)
     scale = tl.load(scales + slot)
     for j in range(N_TILES):
         expand_tile(

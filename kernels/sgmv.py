@@ -75,16 +75,16 @@ def sgmv_shrink_kernel(
 
 @triton.jit
 def sgmv_expand_kernel(
-    h, B, y, bias, chunks, seg_slot, perm, ranks, offsets, w_offs, scales, slice_idx,
+    h, B, y, bias, chunks, seg_slot, perm, ranks, offsets, w_offs, scales, slice_idx, spe,
     stride_hs, stride_hn, stride_bn, stride_br, stride_ys, stride_yn,
     N: tl.constexpr, MAX_RANK: tl.constexpr,
     FP64: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    W_OFFS: tl.constexpr, B_PACKED: tl.constexpr,
+    W_OFFS: tl.constexpr, B_PACKED: tl.constexpr, EXPERTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """y[perm[j]] (+)= scale_a * h[perm[j], slice*r : (slice+1)*r] @ B_cat[:, off : off+r]^T for the chunk's j
-    (``W_OFFS`` / ``B_PACKED``: the slot's own ``[N, r_a]`` weight, in place or in the store's packed block, see
-    ``sgemm.slot_b``).
+    (``W_OFFS`` / ``B_PACKED``: the slot's own ``[N, r_a]`` weight, in place or in the store's packed block, whose
+    ``EXPERTS > 1`` form holds PEFT's experts weights, ``spe`` virtual slots per expert: see ``sgemm.slot_b``).
 
     Rows outside every segment (base tokens) are not touched, in write mode too: the launcher fills them first.
     """
@@ -104,7 +104,7 @@ def sgmv_expand_kernel(
     m_s = o_m < tl.load(chunks + i_c * 3 + 2)
     o_s = tl.load(perm + o_m, mask=m_s, other=0).to(tl.int64)  # [BLOCK_M] physical rows
     B_a, b_col0, stride_bn_a, stride_br_a = slot_b(
-        B, offsets, w_offs, slot, r_a, N, stride_bn, stride_br, W_OFFS, B_PACKED)
+        B, offsets, w_offs, slot, r_a, N, spe, stride_bn, stride_br, W_OFFS, B_PACKED, EXPERTS)
     expand_tile(
         h, B_a, y, bias, o_s, m_s, i_n, slice_idx * rank, b_col0, rank, tl.load(scales + slot), N,
         stride_hs, stride_hn, stride_bn_a, stride_br_a, stride_ys, stride_yn,

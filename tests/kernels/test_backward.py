@@ -460,19 +460,22 @@ ptr.update({n: "*i32" for n in ("order", "info", "ranks", "offsets", "cptr")})
 ptr["keep_bits"] = "*u8"
 ptr["w_offs"] = "*i64"  # W_OFFS: each adapter's weight read in place (segments.SlotWeights), the layers' path
 bad = 0
-# B's three forms: concatenated, each adapter's weight read in place, the adapter store's packed block
-B_FORMS = ((False, False), (True, False), (False, True))
+# B's forms: concatenated, each adapter's weight read in place, the adapter store's packed block (and its MoE
+# experts form: PEFT's strided experts weights, E = 8)
+B_FORMS = ((False, False, 1), (True, False, 1), (False, True, 1), (False, True, 8))
 for row in config_rows("expand_bwd", "h200"):  # the 16-bit rows of rank tile 16, by N
     if row.get("rank_tile") != 16 or "bfloat16" not in row.get("dtypes", ["bfloat16"]):
         continue
     BS, BN, nw, fused = row["BLOCK_S"], row["BLOCK_N"], row["num_warps"], row["fused"]
-    for w_offs, packed in B_FORMS:
+    for w_offs, packed, experts in B_FORMS:
         bad += spills(B._expand_bwd_kernel, ptr, dict(DIRECT_DH=False, STORE_DB=fused, EVEN_N=True,
                                                       DOT_PRECISION="tf32", W_OFFS=w_offs, B_PACKED=packed,
-                                                      BLOCK_S=BS, BLOCK_N=BN, BLOCK_R=16), nw)
-for blocked in (False, True):  # dB as [N, total_rank], or blocked in the weights' layout
+                                                      EXPERTS=experts, BLOCK_S=BS, BLOCK_N=BN, BLOCK_R=16), nw)
+# dB as [N, total_rank], or blocked in the weights' layout (and the MoE experts one)
+for blocked, experts in ((False, 1), (True, 1), (True, 8)):
     bad += spills(B._expand_bwd_finish, ptr, dict(FROM_PARTS=fused, DOT_PRECISION="tf32", BLOCK_S=BS,
-                                                  BLOCK_N=B._FINISH_TILE // 16, BLOCK_R=16, DB_BLOCKED=blocked), 8)
+                                                  BLOCK_N=B._FINISH_TILE // 16, BLOCK_R=16, DB_BLOCKED=blocked,
+                                                  EXPERTS=experts), 8)
 for need_dx, op in ((True, "shrink_bwd"), (False, "shrink_bwd_da")):
     for stack, block_r in ((1, 16), (3, 64)):  # one mask; a mask per slice of a q/k/v stack (3 x r=16 in one tile)
         cfg = block_config(op, dtype=torch.bfloat16, rank_tile=block_r, target="h200")
@@ -514,11 +517,12 @@ for w_offs in (False, True):
 from fast_multilora.kernels.sgemm import sgemm_expand_kernel
 ptr.update(y="*" + act, bias="*" + act)
 for accumulate, op in ((True, "expand_add"), (False, "expand_write")):
-    for row, (w_offs, packed) in ((row, f) for row in config_rows(op, "h200") for f in B_FORMS):
+    for row, (w_offs, packed, experts) in ((row, f) for row in config_rows(op, "h200") for f in B_FORMS):
         BS, BN, nw, n_tiles = row["BLOCK_S"], row["BLOCK_N"], row["num_warps"], row["N_TILES"]
         bad += spills(sgemm_expand_kernel, dict(ptr, stride_hn=None), dict(
             FP64=False, DOT_PRECISION="tf32", ACCUMULATE=accumulate, HAS_BIAS=False, W_OFFS=w_offs,
-            B_PACKED=packed, BLOCK_S=BS, BLOCK_N=BN, BLOCK_R=16, N_TILES=n_tiles, stride_hn=1, stride_yn=1), nw)
+            B_PACKED=packed, EXPERTS=experts, BLOCK_S=BS, BLOCK_N=BN, BLOCK_R=16, N_TILES=n_tiles, stride_hn=1,
+            stride_yn=1), nw)
 # the decode kernel's rows (few-row calls: shrink and expand in one launch), each rank bucket's BLOCK_R
 from fast_multilora.kernels.decode import shrink_expand_kernel
 ptr.update(token_slots="*i32", a_offs="*i64", b_offs="*i64")
