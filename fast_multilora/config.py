@@ -45,6 +45,11 @@ class PatchConfig:
     time per launch, the same kernels) rather than Triton's own ``kernel[grid](...)``; ``False`` is a debugging
     switch. The cache is the process's, so the last ``patch`` sets it for every patched model.
 
+    ``store_optimizer``: a ``torch.optim.AdamW`` holding the store's parameters (``model.parameters()``) steps them
+    through the store -- one launch per arena instead of torch's per-tensor work -- with its own hyperparameters and
+    states (``optimizer.state``, ``state_dict`` as usual; ``fast_multilora.optim`` says when it does not); ``False``:
+    torch steps them.
+
     ``resident_adapters``: paging (``fast_multilora.paging``). ``None``: off, every adapter stays on its device.
     ``k``: the adapters of the batch (and those :func:`fast_multilora.prefetch` brought in) and at most ``k`` others,
     the most recently used, keep their weights and optimizer states on the device; every other adapter's live in
@@ -58,6 +63,7 @@ class PatchConfig:
     store_dropout_mask: bool = True
     adapter_store: bool = True
     fast_launch: bool = True
+    store_optimizer: bool = True
     resident_adapters: Optional[int] = None
 
     def __post_init__(self):

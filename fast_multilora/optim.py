@@ -482,7 +482,12 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._prepare()
-        active = self._active()
+        self._step_arenas(self._active())
+        self._step_others()
+        return loss
+
+    def _step_arenas(self, active: Optional[torch.Tensor]) -> None:
+        """The held parameters of the groups ``active`` (bool ``[slots]``) marks: one step of each arena."""
         if active is not None and self._tables:
             # once per step for every arena: each stepped group's count goes up by one, then its scalars
             device = self._counts.device
@@ -493,8 +498,6 @@ class AdamW(torch.optim.Optimizer):
                 used = arena.used  # (the buffers' spare tail past it holds no piece)
                 self._ops(device).step(arena.data[:used], arena.grad[:used], arena.states["exp_avg"][:used],
                                        arena.states["exp_avg_sq"][:used], table, scalars, active)
-        self._step_others()
-        return loss
 
     def _outside(self) -> list:
         """``[(group's slot, group, its parameters outside the store)]``, for groups that have some (cached per
@@ -590,3 +593,202 @@ class AdamW(torch.optim.Optimizer):
                     if "step" in src and not counted:  # one count per group (its parameters share it)
                         steps[i], counted = float(src["step"]), True
             self._counts[self._slot_index()] = torch.tensor(steps, dtype=self._counts.dtype).to(self._counts.device)
+
+
+# -- torch.optim.AdamW on the store ------------------------------------------------------------------------------------
+# A ``torch.optim.AdamW`` holding parameters of an adapter store (``model.parameters()``, HF Trainer's groups, ...)
+# steps them through the store: a global step pre-hook runs the store's step (one launch per arena, the adapter's
+# group's hyperparameters read every step) for each adapter whose held parameters all sit in one of its param groups,
+# then hides those parameters from torch's own step, which steps the rest; a post-hook puts them back. Their states
+# are torch's as usual -- ``optimizer.state[p]`` is ``{"step", "exp_avg", "exp_avg_sq"}`` (views of the store's
+# arenas), ``state_dict`` / ``load_state_dict`` as ever (loaded states are copied into the arenas) -- and a parameter
+# is stepped when it has a gradient, as torch steps it. Not taken over (torch steps them): other optimizer classes,
+# ``amsgrad``, ``maximize``, ``differentiable``, ``capturable``, tensor hyperparameters, an adapter split over groups
+# or only partly in the optimizer, paging, ``PatchConfig(store_optimizer=False)``; a second optimizer on the same
+# store, or a ``fast_multilora.AdamW`` built later, takes the arenas' states over (the first then steps as torch).
+
+_BRIDGES = None  # weakref.WeakKeyDictionary: torch optimizer -> _Bridge, the store count when found unheld, or False
+_BRIDGE_HOOKS: list = []
+_GROUP_FLAGS = ("amsgrad", "maximize", "differentiable", "capturable")
+
+
+def install_step_hooks() -> None:
+    """Register the global optimizer step hooks (once per process; at the first store built)."""
+    global _BRIDGES
+    if _BRIDGE_HOOKS:
+        return
+    import weakref
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    _BRIDGES = weakref.WeakKeyDictionary()
+    _BRIDGE_HOOKS.extend([register_optimizer_step_pre_hook(_pre_step), register_optimizer_step_post_hook(_post_step)])
+
+
+def _bridgeable(opt) -> bool:
+    if type(opt) is not torch.optim.AdamW:
+        return False
+    for g in opt.param_groups:
+        if any(g.get(f) for f in _GROUP_FLAGS) or not all(type(g[k]) in (float, int) for k in ("lr", "eps",
+                                                                                               "weight_decay")):
+            return False
+        if not all(type(b) in (float, int) for b in g["betas"]):
+            return False
+    return True
+
+
+def _store_of(opt) -> Optional[AdapterStore]:
+    from .store import stores
+
+    for store in stores():
+        index_of, held = store.index_of, store._held
+        for g in opt.param_groups:
+            for p in g["params"]:
+                i = index_of.get(id(p))
+                if i is not None and held[i] is p:
+                    return store
+    return None
+
+
+def _pre_step(opt, args, kwargs) -> None:
+    bridge = _BRIDGES.get(opt)
+    if type(bridge) is not _Bridge:
+        from .store import stores
+
+        # (False: its states were handed to another optimizer for good; an int: the stores when none held it)
+        if bridge is False or bridge == len(stores()) or not _bridgeable(opt):
+            return
+        store = _store_of(opt)
+        cfg = store.router.config if store is not None else None
+        if store is None or not cfg.store_optimizer or store.router.pager is not None or \
+                (store.owner is not None and store.owner.store is store and not isinstance(store.owner, _Engine)):
+            _BRIDGES[opt] = len(stores())
+            return
+        bridge = _BRIDGES[opt] = _Bridge(opt, store)
+    bridge.before(opt)
+
+
+def _post_step(opt, args, kwargs) -> None:
+    bridge = _BRIDGES.get(opt)
+    if type(bridge) is _Bridge:
+        bridge.after(opt)
+
+
+class _Engine(AdamW):
+    """The store's step for one ``torch.optim.AdamW`` (:class:`_Bridge`): its groups take that optimizer's
+    hyperparameters; it steps the adapters the bridge marks."""
+
+
+class _Bridge:
+    """One ``torch.optim.AdamW`` stepping store-held parameters through the store (see above)."""
+
+    def __init__(self, opt, store: AdapterStore):
+        self.store = store
+        self.engine = _Engine(store.router.root)
+        self.key = None  # (store version, the optimizer's parameters) when mapped
+        self.owned: dict = {}  # adapter -> index of the optimizer's group holding its held parameters
+        self.pairs: list = []  # (engine group, optimizer group) per owned adapter: the hyperparameters copied
+        self.others: list = []  # per optimizer group, its parameters torch steps
+        self.saved = None  # the groups' parameter lists while hidden
+        self.aliased: set = set()  # adapters whose parameters' optimizer states are the arena's
+        self.mask = None  # (active adapters, slot names, bool [slots] on the device)
+        opt.register_load_state_dict_post_hook(self._loaded)
+
+    def _loaded(self, opt) -> None:
+        self.key, self.aliased = None, set()  # the loaded states are read into the arenas at the next step
+
+    def _map(self, opt) -> None:
+        """Which adapters this optimizer's groups hold whole; their hyperparameter sources; the rest per group;
+        the states of the aliased adapters (and any torch made or loaded) read into the arenas."""
+        store, eng = self.store, self.engine
+        index_of, held, adapter_of = store.index_of, store._held, store.adapter_of
+        groups_of: dict = {}
+        count: dict = {}
+        for gi, g in enumerate(opt.param_groups):
+            for p in g["params"]:
+                i = index_of.get(id(p))
+                if i is not None and held[i] is p:
+                    a = adapter_of[i]
+                    groups_of.setdefault(a, set()).add(gi)
+                    count[a] = count.get(a, 0) + 1
+        self.owned = {a: next(iter(gs)) for a, gs in groups_of.items()
+                      if len(gs) == 1 and count[a] == len(store.adapter_idx.get(a, ()))}
+        owned_ids = {id(p) for a in self.owned for p in store.adapter_params.get(a, ((),))[0]}
+        self.others = [[p for p in g["params"] if id(p) not in owned_ids] for g in opt.param_groups]
+        by_adapter = {g["adapter"]: (i, g) for i, g in enumerate(eng.param_groups)}
+        self.pairs = [(by_adapter[a][1], opt.param_groups[gi]) for a, gi in self.owned.items() if a in by_adapter]
+        had = {a for a in self.owned if any(opt.state.get(p) for p in store.adapter_params.get(a, ((),))[0])}
+        self.aliased = set()
+        self._alias(opt, (self.aliased | had) & set(self.owned), adopt=True)
+
+    def _alias(self, opt, names, adopt: bool = False) -> None:
+        """The optimizer's states of adapters ``names``' trained parameters: the engine's (arena views); with
+        ``adopt`` a state torch made or loaded is copied in first (moments, and the adapter's step count)."""
+        eng, store = self.engine, self.store
+        slot_of = {g["adapter"]: s for s, g in zip(eng._slot, eng.param_groups, strict=True)}
+        steps = {}
+        with torch.no_grad():
+            for a in names:
+                for p in store.adapter_params.get(a, ((),))[0]:
+                    mine = eng.state[p]
+                    cur = opt.state.get(p)
+                    if cur is mine or not p.requires_grad and not cur:
+                        continue
+                    if adopt and cur:
+                        for s in _STATES:
+                            if s in cur and s in mine:
+                                mine[s].copy_(cur[s])
+                        if "step" in cur:
+                            steps[a] = float(cur["step"])
+                    opt.state[p] = mine
+            for a, k in steps.items():
+                if a in slot_of:
+                    eng._counts[slot_of[a]] = k
+        self.aliased.update(names)
+
+    def before(self, opt) -> None:
+        if self.saved is not None:  # (a step that raised left the parameters hidden)
+            self.after(opt)
+        store, eng = self.store, self.engine
+        if store.owner is not eng:
+            self.detach(opt)
+            return
+        eng._prepare()  # the layout, the gradients into the arena, the chunk tables
+        key = (store.version, tuple(tuple(map(id, g["params"])) for g in opt.param_groups))
+        if key != self.key:
+            self._map(opt)
+            self.key = key
+        if not self.owned:
+            return
+        for dst, src in self.pairs:  # (an LR scheduler writes the optimizer's groups)
+            dst["lr"], dst["betas"], dst["eps"], dst["weight_decay"] = src["lr"], src["betas"], src["eps"], \
+                src["weight_decay"]
+        adapter_of = store.adapter_of
+        active = frozenset(self.owned).intersection(map(adapter_of.__getitem__, store.attached))
+        if active - self.aliased:
+            self._alias(opt, active - self.aliased)
+        mask = self.mask
+        if mask is None or mask[0] != active or mask[1] != eng._slot_names or mask[2] is not eng._trained:
+            host = torch.tensor(list(map(active.__contains__, eng._slot_names)), dtype=torch.bool)
+            self.mask = mask = (active, list(eng._slot_names), eng._trained, to_device(host, eng._counts.device) &
+                                eng._trained)
+        eng._step_arenas(mask[3])
+        groups = opt.param_groups
+        self.saved = [g["params"] for g in groups]
+        for g, others in zip(groups, self.others, strict=True):
+            g["params"] = others
+
+    def after(self, opt) -> None:
+        saved, self.saved = self.saved, None
+        if saved is not None:
+            for g, params in zip(opt.param_groups, saved, strict=True):
+                g["params"] = params
+
+    def detach(self, opt) -> None:
+        """Another optimizer owns the arenas' states now: this one's states become its own copies (torch steps)."""
+        for a in self.aliased:
+            for p in self.store.adapter_params.get(a, ((),))[0]:
+                st = opt.state.get(p)
+                if st:
+                    opt.state[p] = {k: v.clone() for k, v in st.items()}
+        _BRIDGES[opt] = False

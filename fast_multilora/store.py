@@ -45,6 +45,7 @@ import functools
 import itertools
 import operator
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -494,11 +495,23 @@ class _ByAdapter:
         return iter({n for s in self.store.slots.values() for n in s.names})
 
 
+_STORES: list = []  # weak references to the stores built (an optimizer's parameters are looked up among them)
+
+
+def stores() -> list:
+    """The adapter stores alive."""
+    live = [s for s in map(lambda r: r(), _STORES) if s is not None]
+    if len(live) != len(_STORES):
+        _STORES[:] = [weakref.ref(s) for s in live]
+    return live
+
+
 class AdapterStore:
     """The slot-stacked storage of one patched model (see the module docstring)."""
 
     def __init__(self, router):
         self.router = router
+        _STORES.append(weakref.ref(self))
         self.arenas: dict = {}  # (dtype, device) -> Arena
         self.slots: dict = {}  # id(layer) -> LayerSlots
         # Per held parameter an index, kept while it is held (an add or delete edits its own parameters' entries;
@@ -538,6 +551,10 @@ class AdapterStore:
         self.ddp = StoreSync()  # under DistributedDataParallel (fast_multilora.ddp)
         self.layout(full=True)
 
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        _STORES.append(weakref.ref(self))
+
     def __getstate__(self):  # a copy (deepcopy, pickle) of the model: its store has no optimizer yet
         state = dict(self.__dict__)
         state["owner"] = None
@@ -565,6 +582,9 @@ class AdapterStore:
     def attach(router) -> None:
         """Build the store of ``router``'s model (its layers' states are current)."""
         router.store = AdapterStore(router)
+        from .optim import install_step_hooks
+
+        install_step_hooks()  # a torch.optim.AdamW on its parameters steps them through it
         _shadow_zero_grad(router.root, router.store)
         mark_model(router.root, router.store)  # DDP built on the model leaves the held parameters to the store
 

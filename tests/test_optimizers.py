@@ -9,6 +9,8 @@ path compared with stock PEFT per adapter in ``test_parity.py``), the same optim
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from models import peft_model
@@ -176,3 +178,111 @@ def test_an_adapter_absent_from_a_batch_is_left_alone(kind, pattern):
     assert all(any(".a1." in n for n in s) for s in (grads[0], grads[3]))
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def _bridged(opt) -> bool:
+    from fast_multilora import optim
+
+    return type(optim._BRIDGES.get(opt)).__name__ == "_Bridge"
+
+
+def _adamw_run(store_optimizer: bool, steps=4, resume_at=None, same=False, **opt_kw):
+    """``torch.optim.AdamW(model.parameters())`` (an lm_head weight trained too: a parameter outside the store) with
+    an LR schedule over batches that leave ``a1`` out after the first step and ``a0`` in every other one; ``a2``
+    frozen half-way. ``resume_at``: the optimizer's ``state_dict`` and the weights are saved after that step and
+    loaded into a fresh model and optimizer (``same``: into these, after one more step), which run the remaining
+    steps."""
+    def fresh():
+        model = peft_model("llama")
+        fast_multilora.patch(model, backend="torch", store_optimizer=store_optimizer)
+        model.base_model.model.lm_head.weight.requires_grad_(True)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **opt_kw)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        return model, opt, sched
+
+    model, opt, sched = fresh()
+    g = torch.Generator().manual_seed(5)
+    for s in range(steps):
+        names = ["a0", "a1", "a2", "__base__"] if s == 0 else (["a2", "a0", "__base__"] if s % 2 else ["a2", "a2"])
+        if s == 2:
+            for n, p in model.named_parameters():
+                if ".a2." in n:
+                    p.requires_grad_(False)
+        ids = torch.randint(0, 97, (len(names), 6), generator=g)
+        opt.zero_grad()
+        fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=names).logits, ids, names).backward()
+        opt.step()
+        sched.step()
+        if s == resume_at:
+            saved = {k: v.clone() for k, v in model.state_dict().items()}
+            state = copy.deepcopy(opt.state_dict())
+            sched_state = sched.state_dict()
+            if same:  # a step more, then rolled back: the same model and optimizer load what was saved
+                fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=names).logits, ids,
+                                                names).backward()
+                opt.step()
+            else:
+                model, opt, sched = fresh()
+            model.load_state_dict(saved)
+            for n, p in model.named_parameters():
+                if ".a2." in n and s >= 2:
+                    p.requires_grad_(False)
+            opt.load_state_dict(state)
+            sched.load_state_dict(sched_state)
+    return model, opt
+
+
+@pytest.mark.parametrize("resume_at,same", [(None, False), (1, False), (2, True)], ids=["run", "resume", "rollback"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_torch_adamw_steps_held_parameters_through_the_store(resume_at, same, fused):
+    """The user's own ``torch.optim.AdamW(model.parameters())`` steps the store's parameters with the store's step
+    (``PatchConfig.store_optimizer``, on by default) and everything else with torch's: weights, ``state_dict``
+    (the same entries: an adapter never stepped has none; step counts per parameter) and the LR schedule equal torch
+    stepping every parameter itself (``store_optimizer=False``); ``.grad`` stays readable after the step; a
+    ``state_dict`` saved mid-run and loaded into a fresh model and optimizer, or into these after a step more, goes
+    on identically."""
+    from fast_multilora import cpu_ops
+
+    calls = []
+    real = cpu_ops.adamw_step
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_ops, "adamw_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+        got, got_opt = _adamw_run(True, resume_at=resume_at, same=same, fused=fused)
+    want, want_opt = _adamw_run(False, fused=fused)
+    assert _bridged(got_opt) and not _bridged(want_opt)
+    assert len(calls) == 4 + same  # one store step per optimizer step (one arena)
+    for (n, p), (_, q) in zip(got.named_parameters(), want.named_parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+        assert (p.grad is None) == (q.grad is None), n
+    a, b = got_opt.state_dict(), want_opt.state_dict()
+    assert a["param_groups"] == b["param_groups"]
+    assert sorted(a["state"]) == sorted(b["state"])
+    for k, st in b["state"].items():
+        assert float(a["state"][k]["step"]) == float(st["step"]), k
+        for s in ("exp_avg", "exp_avg_sq"):
+            w = st[s].float()  # (the weights differ by fp32 rounding after a step: so do later gradients)
+            torch.testing.assert_close(a["state"][k][s].float(), w, rtol=1e-4, atol=1e-4 * w.abs().max().item())
+
+
+def test_torch_adamw_options_it_does_not_take_over_are_torchs():
+    """``amsgrad`` (and the other options the store's step lacks): torch steps every parameter; a
+    ``fast_multilora.AdamW`` built later takes the arenas' states over and the first optimizer keeps stepping its
+    own copies."""
+    got, got_opt = _adamw_run(True, steps=2, amsgrad=True)
+    want, _ = _adamw_run(False, steps=2, amsgrad=True)
+    assert not _bridged(got_opt)
+    for (n, p), (_, q) in zip(got.named_parameters(), want.named_parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+    model, opt = _adamw_run(True, steps=2)
+    assert _bridged(opt)
+    held = {id(p) for a in AdapterStore.of(model).arenas.values() for _, _, p in a.blocks.values()}
+    fast_multilora.AdamW(model, lr=1e-3)  # takes the arenas over
+    ids = torch.randint(0, 97, (2, 6))
+    fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=["a0", "a0"]).logits, ids,
+                                    ["a0", "a0"]).backward()
+    opt.step()
+    assert not _bridged(opt)
+    for p, st in opt.state.items():
+        if id(p) in held:
+            assert all(v._base is None for v in st.values() if torch.is_tensor(v)), "still a view of an arena"

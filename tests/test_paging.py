@@ -46,8 +46,9 @@ def _schedule(names, steps, seed=0):
 
 
 def _model(device, k, backend="torch", **settings):
+    # (a paged model's torch.optim steps every parameter itself; the resident run too, so both round alike)
     model = many_model(N_ADAPTERS).to(device)
-    fast_multilora.patch(model, backend=backend, resident_adapters=k, **settings)
+    fast_multilora.patch(model, backend=backend, resident_adapters=k, store_optimizer=False, **settings)
     model.train()
     return model
 
@@ -269,7 +270,7 @@ def _moe_model(device, k):
     cfgs = {f"m{i}": LoraConfig(r=1 + i % 3, lora_alpha=2 + i, target_modules=["q_proj"] if i % 2 else [],
                                 target_parameters=EXPERTS, init_lora_weights=False) for i in range(6)}
     model = with_adapters(tiny_moe("qwen3_moe", "grouped_mm"), cfgs).to(device)
-    fast_multilora.patch(model, backend="torch", resident_adapters=k)
+    fast_multilora.patch(model, backend="torch", resident_adapters=k, store_optimizer=False)
     model.train()
     return model
 
