@@ -53,7 +53,8 @@ class PatchConfig:
     ``resident_adapters``: paging (``fast_multilora.paging``). ``None``: off, every adapter stays on its device.
     ``k``: the adapters of the batch (and those :func:`fast_multilora.prefetch` brought in) and at most ``k`` others,
     the most recently used, keep their weights and optimizer states on the device; every other adapter's live in
-    (pinned) host memory and come back at the forward that names them. Results equal a fully resident run's exactly.
+    (pinned) host memory and come back at the forward that names them. Results equal a fully resident run's exactly
+    (with ``store_optimizer=False`` there: under paging torch's optimizers step every parameter themselves).
     """
 
     backend: str = "auto"
