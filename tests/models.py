@@ -10,21 +10,23 @@ from peft import LoraConfig, get_peft_model
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def tiny_llama(seed=0, dtype=torch.float32):
+def tiny_llama(seed=0, dtype=torch.float32, layers=2):
+    """Two decoder layers by default; ``layers=1`` for tests of one layer call's paths, where a second layer of the
+    same shapes only repeats each launch (under the Triton interpreter, the launches are most of a CPU test's time)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=97, max_position_embeddings=64)
     return LlamaForCausalLM(cfg).to(dtype)
 
 
-def tiny_gpt2(seed=0, dtype=torch.float32):
+def tiny_gpt2(seed=0, dtype=torch.float32, layers=2):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    cfg = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=97, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-                     attn_pdrop=0.0)
+    cfg = GPT2Config(n_embd=32, n_layer=layers, n_head=4, vocab_size=97, n_positions=64, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
     return GPT2LMHeadModel(cfg).to(dtype)
 
 
@@ -44,8 +46,8 @@ def adapter_configs(arch, dropout=0.0):
     }
 
 
-def peft_model(arch="llama", dropout=0.0, dtype=torch.float32, seed=0, configs=None):
-    base = tiny_llama(seed, dtype) if arch == "llama" else tiny_gpt2(seed, dtype)
+def peft_model(arch="llama", dropout=0.0, dtype=torch.float32, seed=0, configs=None, layers=2):
+    base = tiny_llama(seed, dtype, layers) if arch == "llama" else tiny_gpt2(seed, dtype, layers)
     torch.manual_seed(seed + 1)
     return with_adapters(base, configs or adapter_configs(arch, dropout))
 

@@ -40,7 +40,7 @@ def _tiny_llama(bias: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=97, max_position_embeddings=64, attention_bias=bias,
                       mlp_bias=bias)
     return LlamaForCausalLM(cfg)
@@ -65,8 +65,9 @@ def configs(arch: str, dropout: float = 0.0) -> dict:
 
 
 def build(arch: str, dropout: float = 0.0):
-    """The five-adapter model (magnitudes perturbed) and its unpatched twin."""
-    base = tiny_gpt2() if arch == "gpt2" else _tiny_llama(bias=arch == "llama_bias")
+    """The five-adapter model (magnitudes perturbed) and its unpatched twin; one decoder layer (a second one of the
+    same shapes repeats every layer call)."""
+    base = tiny_gpt2(layers=1) if arch == "gpt2" else _tiny_llama(bias=arch == "llama_bias")
     torch.manual_seed(1)
     with torch.no_grad():  # GPT-2 and Llama initialise biases to zero: give DoRA's bias handling something to do
         for m in base.modules():

@@ -45,7 +45,7 @@ def _run(model, ids, w, seed=11):
 @pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["p0", "p0.3"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_fused_matches_per_module_path(backend, dropout, fused_calls, device):
-    fused = peft_model("llama", dropout=dropout).to(device)
+    fused = peft_model("llama", dropout=dropout, layers=1).to(device)  # its 7 LoRA Linears: every kind of call
     plain = twin(fused)
     fast_multilora.patch(fused, backend=backend)
     fast_multilora.patch(plain, backend=backend, fuse_base=False)
@@ -57,7 +57,7 @@ def test_fused_matches_per_module_path(backend, dropout, fused_calls, device):
     got = _run(fused, ids, w)
     n_fused = len(fused_calls)
     want = _run(plain, ids, w)
-    assert n_fused == 2 * 7 and len(fused_calls) == n_fused  # every LoRA Linear of both layers; none when off
+    assert n_fused == 7 and len(fused_calls) == n_fused  # every LoRA Linear of the layer; none when off
     def close(a, b, what):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(), msg=lambda m: f"{what}: {m}")
 

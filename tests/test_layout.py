@@ -77,11 +77,35 @@ def test_a_checkout_root_imports_peft_and_transformers_with_fast_multilora(tmp_p
     assert os.path.realpath(got["api"]) == os.path.realpath(os.path.join(KERNELS, "api.py"))
 
 
-def test_a_checkout_root_imports_fast_multilora_then_peft():
+# ``import fast_multilora`` alone, a line on each stream after it, then ``import peft, kernels``: one fresh interpreter
+# for the two checks below (each such interpreter costs seconds of a core: torch, transformers, peft)
+_THEN_PEFT = r"""
+import sys
+import fast_multilora
+print("@@imported", flush=True)
+print("@@imported", file=sys.stderr, flush=True)
+import json, peft, kernels
+print(json.dumps({"kernels": getattr(kernels, "__file__", None)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def fast_multilora_first():
+    """``python -W default -c _THEN_PEFT`` from the checkout's root, no PYTHONPATH or PYTHONWARNINGS:
+    (what ``import fast_multilora`` printed on stdout and on stderr, the JSON printed last)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH", "PYTHONWARNINGS")}
+    out = subprocess.run([sys.executable, "-W", "default", "-c", _THEN_PEFT], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "@@imported\n" in out.stdout and "@@imported\n" in out.stderr, (out.stdout[-2000:], out.stderr[-2000:])
+    return (out.stdout.split("@@imported\n")[0], out.stderr.split("@@imported\n")[0],
+            json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_a_checkout_root_imports_fast_multilora_then_peft(fast_multilora_first):
     """``import fast_multilora, peft`` from the checkout's root: the other order works too, and ``kernels`` there is
     PyPI's distribution where it is installed."""
-    got = _python("import json, fast_multilora, peft, kernels\n"
-                  "print(json.dumps({'kernels': getattr(kernels, '__file__', None)}))", ROOT)
+    got = fast_multilora_first[2]
     pypi = _pypi_kernels_file()
     if pypi is None:
         pytest.skip("PyPI's kernels is not installed (the stand-in check of the test above covers the root folder)")
@@ -127,12 +151,8 @@ def test_the_wheel_layout_imports_its_packaged_kernels(tmp_path):
     assert os.path.realpath(got["api"]) == os.path.realpath(site / "fast_multilora" / "kernels" / "api.py")
 
 
-def test_importing_fast_multilora_prints_nothing():
+def test_importing_fast_multilora_prints_nothing(fast_multilora_first):
     """``python -W default -c "import fast_multilora"`` prints nothing: what importing peft (transformers, torchao,
     bitsandbytes) logs or warns about the dependencies' own set-up is dropped (fast_multilora._third_party), and the
     library itself warns about nothing at import."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH", "PYTHONWARNINGS")}
-    out = subprocess.run([sys.executable, "-W", "default", "-c", "import fast_multilora"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert (out.stdout, out.stderr) == ("", "")
+    assert fast_multilora_first[:2] == ("", "")

@@ -4,7 +4,9 @@ Runs on CPU (Triton through the interpreter, tests/conftest.py) with ``backend="
 forward and backward graphs through the ops' fake implementations and runs them eagerly (Inductor and CUDA graphs
 are checked on the GPU, ``test_compile_gpu.py``). Graph breaks and recompilations are counted through
 ``torch._dynamo.utils.counters``: a patched model compiles to one graph, with no break, that serves every adapter
-mix of the same shapes (names, ``adapter_ids``, counts, order), in training and eval, on both backends.
+mix of the same shapes (names, ``adapter_ids``, counts, order), in training and eval, on both backends. The models
+have one decoder layer where a test allows: its seven LoRA layers (four shapes, four adapter tables) are every kind of
+layer call.
 """
 
 import pytest
@@ -123,7 +125,8 @@ def test_compiled_model_one_graph_for_every_mix(backend, train, packed, store, d
     """A patched tiny Llama under ``torch.compile(model, backend="aot_eager")``: one graph, no graph break, no
     recompilation over six adapter mixes; logits and LoRA grads equal eager's (fp32-tight). ``store``: both models'
     adapters in the adapter store (``fast_multilora.store``, the default), whose leaves the layers take; else
-    ``adapter_store=False``, every layer call taking PEFT's parameters."""
+    ``adapter_store=False``, every layer call taking PEFT's parameters. Two decoder layers: this fp32-tight bound
+    holds for them (with one, a cancelling entry of a LoRA grad differs by 7e-6 absolute, summation order)."""
     model = peft_model("llama").to(device)
     eager = twin(model)
     fast_multilora.patch(model, backend=backend, adapter_store=store)
@@ -151,7 +154,7 @@ def test_compiled_eval_of_few_rows_takes_the_decode_op(T, device, monkeypatch):
     the expand; one graph over the mixes, logits equal eager's (which takes the same kernels)."""
     from fast_multilora.kernels import api as K
 
-    model = peft_model("llama").to(device)
+    model = peft_model("llama", layers=1).to(device)
     eager = twin(model)
     for m in (model, eager):
         fast_multilora.patch(m, backend="triton")
@@ -180,7 +183,7 @@ def test_compiled_training_with_dropout(backend, device):
     """LoRA dropout under ``torch.compile``: still one graph for every mix (the seed is drawn on the device inside
     the graph, the torch backend's mask from torch's RNG); each step draws a new mask, and with the same RNG state
     two compiled steps agree."""
-    model = peft_model("llama", dropout=0.3).to(device)
+    model = peft_model("llama", dropout=0.3, layers=1).to(device)
     fast_multilora.patch(model, backend=backend)
     model.train()
     compiled = torch.compile(model, backend="aot_eager")
@@ -210,7 +213,7 @@ def test_compiled_graphs_hold_the_ops(device):
     the expand in both modes (fused base: write mode; a hooked base: add mode), one shrink per layer call."""
     from torch._dynamo.backends.common import aot_autograd
 
-    model = peft_model("llama").to(device)
+    model = peft_model("llama", layers=1).to(device)
     model.base_model.model.model.layers[0].mlp.down_proj.base_layer.register_forward_hook(lambda m, a, o: o)
     fast_multilora.patch(model, backend="triton")
     seen, shrinks = set(), []
@@ -231,8 +234,8 @@ def test_compiled_graphs_hold_the_ops(device):
     assert seen == {f"fast_multilora::{op}" for op in ("lora_shrink", "lora_expand", "lora_expand_bwd",
                                                        "lora_shrink_bwd")}
     assert _breaks_and_graphs() == (0, 1)
-    # every LoRA layer call shrinks its own input (no state passes between layer calls): 7 per decoder layer
-    assert len(shrinks) == 2 * 7, len(shrinks)
+    # every LoRA layer call shrinks its own input (no state passes between layer calls): 7 in the decoder layer
+    assert len(shrinks) == 7, len(shrinks)
 
 
 def test_compiled_training_on_the_adapter_store_reads_b_as_it_lies(device):
@@ -243,7 +246,7 @@ def test_compiled_training_on_the_adapter_store_reads_b_as_it_lies(device):
     gone); the gradients equal eager's."""
     from torch._dynamo.backends.common import aot_autograd
 
-    model = peft_model("llama").to(device)
+    model = peft_model("llama", layers=1).to(device)
     eager = twin(model)
     for m in (model, eager):
         fast_multilora.patch(m, backend="triton", adapter_store=True)
@@ -298,7 +301,7 @@ def test_compiled_graphs_take_the_entry_layout_and_copy_no_base_output(packed, d
     from fast_multilora.kernels import launch
     from torch._dynamo.backends.common import aot_autograd
 
-    model = peft_model("llama").to(device)
+    model = peft_model("llama", layers=1).to(device)
     fast_multilora.patch(model, backend="triton")
     model.train()
     marks, built = [], []
@@ -410,7 +413,7 @@ def test_static_cache_generation_compiles_once_for_every_mix(backend, device):
     beyond the first mix's (prefill and decode)."""
     from transformers import CompileConfig
 
-    model = peft_model("llama").to(device).eval()
+    model = peft_model("llama", layers=1).to(device).eval()
     fast_multilora.patch(model, backend=backend)
     ids = torch.randint(0, 97, (4, 6), generator=torch.Generator().manual_seed(4)).to(device)
     cc = CompileConfig(backend="aot_eager", fullgraph=False)
@@ -440,7 +443,7 @@ def test_static_cache_generation_on_the_adapter_store_reads_the_leaves_as_they_a
         graphs.append(gm)
         return gm.forward
 
-    model = peft_model("llama").to(device).eval()
+    model = peft_model("llama", layers=1).to(device).eval()
     report = fast_multilora.patch(model, backend="triton", adapter_store=True)
     assert report.config.adapter_store
     ids = torch.randint(0, 97, (4, 6), generator=torch.Generator().manual_seed(4)).to(device)
@@ -461,5 +464,5 @@ def test_static_cache_generation_on_the_adapter_store_reads_the_leaves_as_they_a
         assert [u.target for u in leaf.users] == [torch.ops.fast_multilora.lora_shrink_expand], leaf.users
     tables = {id(state.table) for state in _fast_states(model)}
     assert len([n for n in inputs if n.name.endswith("table_ranks")]) == len(tables)
-    # a0 on q/v, a1 on all seven, a2 on q/gate/up/down: q, v, {k, o} and {gate, up, down} -- 4 tables for 14 layers
+    # a0 on q/v, a1 on all seven, a2 on q/gate/up/down: q, v, {k, o} and {gate, up, down} -- 4 tables for 7 layers
     assert len(tables) == 4, len(tables)

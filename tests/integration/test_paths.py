@@ -5,7 +5,8 @@ Axes: kernel family (SGEMM: one segment per row; chunked: tokens grouped by adap
 Function or added to the base layer's output × weights: the adapter store's two leaves (the default), or PEFT's
 parameters read in place or concatenated (layers the store does not hold, DDP); packed rows (``adapter_ids``)
 take the chunked family. Under dropout, where PEFT draws other masks, the stored mask and the redrawn one must give
-the same results. A one-row or one-slot mistake on any path fails here.
+the same results. A one-row or one-slot mistake on any path fails here. One decoder layer: its seven projections
+(four shapes) are every layer call a second layer would repeat.
 """
 
 import contextlib
@@ -88,7 +89,7 @@ WEIGHTS = ["store", "in_place", "concatenated"]
 
 def _patched(family, fuse, weights):
     """The three-adapter model patched with these settings, and its unpatched twin (stock PEFT)."""
-    model = peft_model(configs=configs())
+    model = peft_model(configs=configs(), layers=1)
     ref = twin(model)
     fast_multilora.patch(model, backend="triton", family=family, fuse_base=fuse, adapter_store=weights == "store",
                          weights_in_place=weights == "in_place")
@@ -113,7 +114,7 @@ def test_path_matrix_matches_peft(family, fuse, weights):
 @pytest.mark.parametrize("store", [True, False], ids=["store", "params"])
 def test_packed_rows_match_peft(store):
     """Packed rows (``adapter_ids``): each row one adapter's tokens here, so stock PEFT per row is the oracle."""
-    model = peft_model(configs=configs())
+    model = peft_model(configs=configs(), layers=1)
     ref = twin(model)
     fast_multilora.patch(model, backend="triton", adapter_store=store)
     vocab = ["a2", "a0", "a1"]
@@ -129,7 +130,7 @@ def test_dropout_mask_stored_equals_redrawn(family, fuse, weights):
     and gradients, for the same RNG state."""
     results = []
     for store in (True, False):
-        model = peft_model(configs=configs(dropout=0.3))
+        model = peft_model(configs=configs(dropout=0.3), layers=1)
         fast_multilora.patch(model, backend="triton", family=family, fuse_base=fuse,
                              adapter_store=weights == "store", store_dropout_mask=store)
         model.train()
@@ -211,7 +212,7 @@ def test_eval_replays_launch_plans(family, fuse, weights, T, monkeypatch):
     _close(second, want, "replayed logits")
 
     # an in-place update (an optimizer step): the replay reads the new values, as the general path does
-    layer = model.base_model.model.model.layers[1].mlp.up_proj
+    layer = model.base_model.model.model.layers[0].mlp.up_proj
     with torch.no_grad():
         layer.lora_B["a2"].weight.mul_(3.0)
         layer.lora_A["a1"].weight.add_(0.5)
