@@ -650,7 +650,7 @@ def _store_of(opt) -> Optional[AdapterStore]:
     return None
 
 
-def _pre_step(opt, args, kwargs) -> None:
+def _pre_step(opt, args, kwargs):
     bridge = _BRIDGES.get(opt)
     if type(bridge) is not _Bridge:
         from .store import stores
@@ -665,6 +665,12 @@ def _pre_step(opt, args, kwargs) -> None:
             _BRIDGES[opt] = len(stores())
             return
         bridge = _BRIDGES[opt] = _Bridge(opt, store)
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # (args: the optimizer, then step's)
+    if closure is not None:  # the closure's backward comes first (torch calls it inside its step)
+        with torch.enable_grad():
+            loss = closure()
+        bridge.before(opt)
+        return args[:1], {"closure": lambda: loss}
     bridge.before(opt)
 
 
@@ -750,8 +756,8 @@ class _Bridge:
         if self.saved is not None:  # (a step that raised left the parameters hidden)
             self.after(opt)
         store, eng = self.store, self.engine
-        if store.owner is not eng:
-            self.detach(opt)
+        if store.owner is not eng or store.router.pager is not None or not store.router.config.store_optimizer:
+            self.detach(opt)  # (another optimizer took the states; paging or the setting came with a re-patch)
             return
         eng._prepare()  # the layout, the gradients into the arena, the chunk tables
         key = (store.version, tuple(tuple(map(id, g["params"])) for g in opt.param_groups))
@@ -789,6 +795,8 @@ class _Bridge:
         for a in self.aliased:
             for p in self.store.adapter_params.get(a, ((),))[0]:
                 st = opt.state.get(p)
-                if st:
-                    opt.state[p] = {k: v.clone() for k, v in st.items()}
+                if st:  # (a step count on the host, as torch keeps it, unless fused / capturable keep it on device)
+                    on_host = not any(g.get("fused") or g.get("capturable") for g in opt.param_groups)
+                    opt.state[p] = {k: torch.tensor(float(v), dtype=torch.float32) if k == "step" and on_host
+                                    else v.clone() for k, v in st.items()}
         _BRIDGES[opt] = False

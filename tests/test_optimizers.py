@@ -186,7 +186,7 @@ def _bridged(opt) -> bool:
     return type(optim._BRIDGES.get(opt)).__name__ == "_Bridge"
 
 
-def _adamw_run(store_optimizer: bool, steps=4, resume_at=None, same=False, **opt_kw):
+def _adamw_run(store_optimizer: bool, steps=4, resume_at=None, same=False, use_closure=False, **opt_kw):
     """``torch.optim.AdamW(model.parameters())`` (an lm_head weight trained too: a parameter outside the store) with
     an LR schedule over batches that leave ``a1`` out after the first step and ``a0`` in every other one; ``a2``
     frozen half-way. ``resume_at``: the optimizer's ``state_dict`` and the weights are saved after that step and
@@ -210,9 +210,18 @@ def _adamw_run(store_optimizer: bool, steps=4, resume_at=None, same=False, **opt
                 if ".a2." in n:
                     p.requires_grad_(False)
         ids = torch.randint(0, 97, (len(names), 6), generator=g)
-        opt.zero_grad()
-        fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=names).logits, ids, names).backward()
-        opt.step()
+
+        def closure(model=model, opt=opt, ids=ids, names=names):
+            opt.zero_grad()
+            loss = fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=names).logits, ids, names)
+            loss.backward()
+            return loss
+
+        if use_closure:  # torch calls it inside its step: the store's step must come after its backward
+            assert opt.step(closure) is not None
+        else:
+            closure()
+            opt.step()
         sched.step()
         if s == resume_at:
             saved = {k: v.clone() for k, v in model.state_dict().items()}
@@ -233,9 +242,11 @@ def _adamw_run(store_optimizer: bool, steps=4, resume_at=None, same=False, **opt
     return model, opt
 
 
-@pytest.mark.parametrize("resume_at,same", [(None, False), (1, False), (2, True)], ids=["run", "resume", "rollback"])
+@pytest.mark.parametrize("resume_at,same,use_closure", [(None, False, False), (1, False, False), (2, True, False),
+                                                         (None, False, True)],
+                         ids=["run", "resume", "rollback", "closure"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_torch_adamw_steps_held_parameters_through_the_store(resume_at, same, fused):
+def test_torch_adamw_steps_held_parameters_through_the_store(resume_at, same, use_closure, fused):
     """The user's own ``torch.optim.AdamW(model.parameters())`` steps the store's parameters with the store's step
     (``PatchConfig.store_optimizer``, on by default) and everything else with torch's: weights, ``state_dict``
     (the same entries: an adapter never stepped has none; step counts per parameter) and the LR schedule equal torch
@@ -248,7 +259,7 @@ def test_torch_adamw_steps_held_parameters_through_the_store(resume_at, same, fu
     real = cpu_ops.adamw_step
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu_ops, "adamw_step", lambda *a, **k: calls.append(1) or real(*a, **k))
-        got, got_opt = _adamw_run(True, resume_at=resume_at, same=same, fused=fused)
+        got, got_opt = _adamw_run(True, resume_at=resume_at, same=same, use_closure=use_closure, fused=fused)
     want, want_opt = _adamw_run(False, fused=fused)
     assert _bridged(got_opt) and not _bridged(want_opt)
     assert len(calls) == 4 + same  # one store step per optimizer step (one arena)
