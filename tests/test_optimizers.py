@@ -327,3 +327,40 @@ def test_torch_adamw_steps_expert_lora_through_the_store():
     # a different fraction of lr -- the bound is 4e-3 of the largest move (lr 1e-2 x 3 steps), as in test_store
     for (n, p), (_, q) in zip(got.named_parameters(), want.named_parameters(), strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1.2e-4, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_torch_adamw_follows_adapters_added_and_deleted():
+    """An adapter added to the model and to the optimizer (``add_param_group``, its own lr) is stepped through the
+    store from its first step; a deleted one's parameters leave; equal to torch stepping every parameter itself."""
+    from peft import LoraConfig
+
+    def run(flag):
+        model = peft_model("llama")
+        fast_multilora.patch(model, backend="torch", store_optimizer=flag)
+        model.train()
+        opt = torch.optim.AdamW([p for _, p in _lora(model)], lr=1e-2, weight_decay=0.1)
+        g = torch.Generator().manual_seed(9)
+        for s, names in enumerate((["a0", "a1", "a2"], ["a1", "a2", "a0"], ["n", "a0", "n"], ["n", "a2"])):
+            if s == 2:
+                model.delete_adapter("a1")
+                model.add_adapter("n", LoraConfig(r=3, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+                torch.manual_seed(0)  # (both runs draw the same new weights)
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        if ".n." in n:
+                            p.copy_(torch.randn_like(p) * 0.1)
+                            p.requires_grad_(True)
+                opt.add_param_group({"params": [p for n, p in model.named_parameters() if ".n." in n], "lr": 3e-2})
+            ids = torch.randint(0, 97, (len(names), 6), generator=g)
+            opt.zero_grad()
+            fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=names).logits, ids, names).backward()
+            opt.step()
+        return model, opt
+
+    got, got_opt = run(True)
+    want, _ = run(False)
+    assert _bridged(got_opt)
+    new = [p for n, p in got.named_parameters() if ".n." in n]
+    assert new and all(got_opt.state[p]["exp_avg"]._base is not None for p in new)  # stepped by the store
+    for (n, p), (_, q) in zip(got.named_parameters(), want.named_parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1.2e-4, msg=lambda m, n=n: f"{n}: {m}")
