@@ -881,8 +881,14 @@ def _host_work(n, change):
     import fast_multilora.store as store_mod
 
     model, opt, names = _trained(n, seed=21)
-    counts = {"entries": 0, "full_states": 0, "signatures": 0, "store_keys": 0, "pieces": 0, "tables": 0}
+    counts = {"entries": 0, "full_states": 0, "signatures": 0, "store_keys": 0, "pieces": 0, "tables": 0,
+              "store_tables": 0, "slot_reads": 0}
     real = {}
+
+    class CountingSlots(dict):  # the routing's adapter -> slot map, its reads counted
+        def __getitem__(self, name):
+            counts["slot_reads"] += 1
+            return dict.__getitem__(self, name)
 
     def counting(mod, attr, key):
         fn = real[(mod, attr)] = getattr(mod, attr)
@@ -895,15 +901,56 @@ def _host_work(n, change):
     change(model)  # (a change alone reads nothing: the next forward follows it)
     watched = ((patching_mod, "lora_dropout_rate", "entries"), (patching_mod, "_build_state", "full_states"),
                (patching_mod, "_state_signature", "signatures"), (store_mod, "_layer_key", "store_keys"),
-               (store_mod, "_piece", "pieces"), (patching_mod, "_table", "tables"))
+               (store_mod, "_piece", "pieces"), (patching_mod, "_table", "tables"),
+               (patching_mod, "_edited_table", "tables"), (store_mod, "_store_table", "store_tables"))
     for mod, attr, key in watched:
         counting(mod, attr, key)
+    router = model.__dict__[patching_mod._ROUTER_ATTR]
+    slot_of = router.slot_of
+    router.slot_of = CountingSlots(slot_of)
     try:
         model(input_ids=torch.zeros(1, 3, dtype=torch.long), adapter_names=[names[0]]).logits.sum().backward()
     finally:
         for (mod, attr), fn in real.items():
             setattr(mod, attr, fn)
+        router.slot_of = dict(router.slot_of)
+    _assert_states_and_store_tables_equal_fresh_ones(model)
     return counts
+
+
+def _assert_states_and_store_tables_equal_fresh_ones(model):
+    """Every store layer's table (derived by edits along the changes) equals the one a full build gives, and every
+    layer state's tuples and table equal a fresh build's; layer states with equal adapters that a change edited share
+    their per-adapter tuples (one edit's result, not one copy per layer)."""
+    import fast_multilora.patching as patching_mod
+    import fast_multilora.store as store_mod
+
+    router = model.__dict__[patching_mod._ROUTER_ATTR]
+    store = router.store
+    for s in store.slots.values():
+        fresh = store_mod._store_table(s.state, s.offsets, s.cap, {})
+        assert (s.table.host, s.table.slots, s.table.total_rank, s.table.max_rank, s.table.experts) == \
+            (fresh.host, fresh.slots, fresh.total_rank, fresh.max_rank, fresh.experts)
+        for f in ("ranks", "offsets", "scales", "dropout"):
+            assert torch.equal(getattr(s.table, f), getattr(fresh, f)), f
+    by_present = {}
+    for layer in router.fast_layers:
+        st = layer.__dict__.get(patching_mod._STATE_ATTR)
+        if st is None:
+            continue
+        fresh = patching_mod._build_state(layer, router.slot_names, {})
+        for f in ("present", "ranks", "rates", "a_dtypes", "a_modules", "b_modules"):
+            assert getattr(st, f) == getattr(fresh, f), f
+        assert (st.table.host, st.table.slots, st.table.max_rank, st.table.total_rank, st.table.has_dropout) == \
+            (fresh.table.host, fresh.table.slots, fresh.table.max_rank, fresh.table.total_rank,
+             fresh.table.has_dropout)
+        for f in ("ranks", "offsets", "scales", "dropout"):
+            assert torch.equal(getattr(st.table, f), getattr(fresh.table, f)), f
+        if st.delta is not None and st.present != st.delta[0].present:  # edited by the change
+            by_present.setdefault(st.present, []).append(st)
+    assert by_present
+    for states in by_present.values():
+        assert all(st.present is states[0].present and st.ranks is states[0].ranks for st in states)
 
 
 def _assert_tables_equal_a_fresh_build(opt, where=None):
@@ -945,6 +992,8 @@ def test_a_change_of_one_adapter_reads_that_adapter_only(what, tmp_path):
     small, large = _host_work(24, change), _host_work(48, change)
     assert small == large, (small, large)
     assert small["full_states"] == small["signatures"] == small["store_keys"] == 0, small
+    # the changed layers' store tables derived from their old ones by the edit (no full build), the others' kept
+    assert small["store_tables"] == 0, small
     layers = 2 * 2  # 2 decoder layers x the adapter's 2 target modules (added: q, v; m003: k, down)
     added = what.startswith("add") or what == "load"
     assert small["entries"] == (layers if added else 0), small
