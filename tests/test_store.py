@@ -1265,3 +1265,37 @@ def test_adapters_churning_keep_their_step_counts_slots_and_updates(dev):
                        for p in g["params"])
         _assert_tables_equal_a_fresh_build(ours, k)
     assert ours._n_slots() < made  # the slots were renumbered (most were free)
+
+
+def test_a_short_list_of_blocks_is_cut_as_the_vectorised_cut_does(monkeypatch):
+    """``kernels.adamw.chunk_table`` cuts a short host list of blocks (the optimizer's table edits: the blocks of the
+    adapters that changed) in plain Python: the same table, field by field, as its vectorised cut, over random block
+    sets (empty blocks, blocks longer than a chunk, unaligned ones, adapters in any order) -- and the same errors."""
+    from fast_multilora.kernels import adamw as adamw_mod
+
+    g = torch.Generator().manual_seed(5)
+    for case in range(40):
+        n_blocks = int(torch.randint(0, 12, (1,), generator=g))
+        chunk = [16, 64, 1024][case % 3]
+        sizes = torch.randint(0, 200, (n_blocks,), generator=g).tolist()
+        gaps = torch.randint(0, 40, (n_blocks,), generator=g).tolist()
+        u = (1, 16, 4, 8)[case % 4]  # every start and length a multiple of u (the alignment hint)
+        sizes, gaps = [-(-s // u) * u for s in sizes], [-(-x // u) * u for x in gaps]
+        blocks, at = [], 0
+        for size, gap in zip(sizes, gaps, strict=True):
+            at += gap
+            blocks.append((at, size, int(torch.randint(0, 7, (1,), generator=g))))
+            at += size
+        order = torch.randperm(len(blocks), generator=g).tolist()
+        blocks = [blocks[i] for i in order]
+        small = adamw_mod.chunk_table(blocks, 7, at + 5, "cpu", chunk=chunk)
+        monkeypatch.setattr(adamw_mod, "SMALL_BLOCKS", -1)
+        full = adamw_mod.chunk_table(blocks, 7, at + 5, "cpu", chunk=chunk)
+        monkeypatch.undo()
+        for f in full._fields:
+            a, b = getattr(small, f), getattr(full, f)
+            assert (torch.equal(a, b) and a.dtype == b.dtype) if isinstance(b, torch.Tensor) else a == b, (case, f)
+    for blocks, match in [([(0, 4, 0), (3, 2, 1)], "overlap"), ([(8, 4, 0)], "outside"), ([(0, 2, 7)], "outside"),
+                          ([(-1, 2, 0)], "outside"), ([(0, -2, 0)], "outside")]:
+        with pytest.raises(ValueError, match=match):
+            adamw_mod.chunk_table(blocks, 7, 10, "cpu")
