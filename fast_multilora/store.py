@@ -365,6 +365,22 @@ def _spliced(seq, rm: list, at: list, values) -> list:
     return out
 
 
+def _spliced_pair(seq, n: int, rm: list, at: list, a_values, b_values) -> tuple:
+    """A layer's entries ``seq`` -- ``n`` per adapter of its A parameters, then ``n`` of its B parameters -- with both
+    halves spliced as :func:`_spliced` does, as a tuple (one copy of the entries, not one per half and step)."""
+    out = list(seq)
+    for i in reversed(rm):
+        del out[n + i]
+    for i in reversed(rm):
+        del out[i]
+    for i, v in zip(at, a_values, strict=True):
+        out.insert(i, v)
+    m = n - len(rm) + len(at)  # (the B half's start now)
+    for i, v in zip(at, b_values, strict=True):
+        out.insert(m + i, v)
+    return tuple(out)
+
+
 def _take_back_moved(old: LayerSlots, cells: list, arena: Arena) -> None:
     """A parameter of ``old`` whose ``.data`` was replaced: its new values into its piece, which becomes its
     ``.data`` again."""
@@ -405,8 +421,7 @@ def _delta_key(layer, st, old: LayerSlots, names, slot_of: dict) -> Optional[tup
     for i, a, b in zip(at, A, B, strict=True):
         if not (_holdable(a, dtype, device, (ranks[i], K)) and _holdable(b, dtype, device, (N, ranks[i]))):
             return None
-    ids = old.key[6]
-    ids = tuple(_spliced(ids[:n], rm, at, map(id, A)) + _spliced(ids[n:], rm, at, map(id, B)))
+    ids = _spliced_pair(old.key[6], n, rm, at, map(id, A), map(id, B))
     return (present, ranks, dtype, device, K, N, ids)
 
 
@@ -937,13 +952,10 @@ class AdapterStore:
             at = list(idx)
             ins = list(map(by_name.__getitem__, check))
 
-            def edited(seq, get):
-                return _spliced(seq, rm, at, map(get, ins))
-
-            params = tuple(edited(old.params[:n_old], _CELL_A) + edited(old.params[n_old:], _CELL_B))
-            views_t = tuple(edited(old.views[:n_old], lambda c: views[id(c[3])]) +
-                            edited(old.views[n_old:], lambda c: views[id(c[4])]))
-            offsets = tuple(edited(old.offsets, _CELL_OFFSET))
+            params = _spliced_pair(old.params, n_old, rm, at, map(_CELL_A, ins), map(_CELL_B, ins))
+            views_t = _spliced_pair(old.views, n_old, rm, at, (views[id(c[3])] for c in ins),
+                                    (views[id(c[4])] for c in ins))
+            offsets = tuple(_spliced(old.offsets, rm, at, map(_CELL_OFFSET, ins)))
         else:
             ordered = list(map(by_name.__getitem__, present))
             params = tuple(map(_CELL_A, ordered)) + tuple(map(_CELL_B, ordered))
@@ -1049,9 +1061,8 @@ class AdapterStore:
                 continue
             old, rm, at = e  # old's indices with the changed adapters' taken out and put in at their positions
             n_old, n = len(old.names), len(s.names)
-            a = _spliced(old.held_idx[:n_old], rm, at, (index_of[id(s.params[i])] for i in at))
-            b = _spliced(old.held_idx[n_old:], rm, at, (index_of[id(s.params[n + i])] for i in at))
-            s.held_idx = tuple(a + b)
+            s.held_idx = _spliced_pair(old.held_idx, n_old, rm, at, (index_of[id(s.params[i])] for i in at),
+                                       (index_of[id(s.params[n + i])] for i in at))
         self._compact = None
         self._new_index()
         self._watch()
