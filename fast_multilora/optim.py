@@ -49,6 +49,14 @@ _FREE = ("",)  # a free step slot's adapter (no group's: groups' adapters are na
 _FREE_ROW = (0.0, 0.9, 0.999, 1e-8, 0.0)  # a free slot's hyperparameters (never stepped)
 
 
+def _index(seq, item) -> Optional[int]:
+    """``seq.index(item)``, or ``None`` where ``item`` is not in ``seq`` (one C-level scan)."""
+    try:
+        return seq.index(item)
+    except ValueError:
+        return None
+
+
 def _tally(blocks: torch.Tensor, n_slots: int, chunk: int) -> torch.Tensor:
     """int64 ``[n_slots, 2]`` (host): per slot the chunks and the elements of ``blocks`` (``[n, 3]`` rows
     ``(start, numel, slot)``), as ``kernels.adamw.chunk_table`` cuts them."""
@@ -210,7 +218,14 @@ class AdamW(torch.optim.Optimizer):
             return False
         configs = getattr(router.tuner, "peft_config", {})
         affected = {name for _, name, *_ in placed} | {name for _, name in released}
-        index = dict(zip(map(_ADAPTER, groups), range(len(groups)), strict=True))
+        index = {}  # the affected adapters' groups, found through their slots (no map of every group built)
+        for name in affected:
+            s = _index(self._slot_names, name)
+            i = _index(slot, s) if s is not None else None
+            if i is not None:
+                if groups[i]["adapter"] != name:  # (slots out of step with the groups: the full follow)
+                    return False
+                index[name] = i
         for name in affected:
             cfg = configs.get(name)
             if name not in index and (cfg is None or getattr(cfg, "use_dora", False) or any(
@@ -345,9 +360,8 @@ class AdamW(torch.optim.Optimizer):
 
         store = self.store
         S, names = self._n_slots(), self._slot_names
-        if flagged:
-            slot_of = dict(zip(names, range(S), strict=True))
-            dirty = dirty | {slot_of[n] for n in flagged if n in slot_of}
+        if flagged:  # (their slots looked up by name: no map of every slot built)
+            dirty = dirty | {_index(names, n) for n in flagged} - {None}
         pattern, index_of = store.pattern, store.index_of
         blocks: dict = {key: [] for key in store.arenas}
         for s in sorted(dirty):
@@ -369,19 +383,25 @@ class AdamW(torch.optim.Optimizer):
             dev = t.start.device
             if old.shape[0] < S:
                 old = torch.cat([old, torch.zeros(S - old.shape[0], 2, dtype=torch.int64)])
-            b = torch.tensor(blocks[key], dtype=torch.int64).reshape(-1, 3)
+            b = blocks[key]
             add = chunk_table(b, S, arena.used, arena.device, chunk=t.chunk)
             kept_tally = old.masked_fill(drop[:, None], 0)
-            new = kept_tally + _tally(b, S, t.chunk)
             n_old, n_add = t.start.numel(), add.start.numel()
             n_keep = int(kept_tally[:, 0].sum())
+            with_chunks = kept_tally[:, 0].nonzero()
+            inc: dict = {}  # slot -> (chunks, elements) of its new blocks (as _tally counts them)
+            for _, numel, slot in b:
+                c, e = inc.get(slot, (0, 0))
+                inc[slot] = (c + -(-numel // t.chunk), e + numel)
+            new = kept_tally  # (the kept counts read above: added to in place)
+            if inc:
+                new[list(inc)] += torch.tensor(list(inc.values()), dtype=torch.int64)
             kept = (t.start, t.length, t.adapter)
             if n_keep < n_old:  # the dirty slots' chunks dropped
                 at = torch.nonzero_static(drop.to(dev)[t.adapter.long()].logical_not(), size=n_keep).squeeze(1)
                 kept = tuple(f[at] for f in kept)
             added = (add.start, add.length, add.adapter)
-            with_chunks = kept_tally[:, 0].nonzero()
-            if not n_add or int(b[:, 2].min()) > (int(with_chunks[-1]) if with_chunks.numel() else -1):
+            if not n_add or min(x[2] for x in b) > (int(with_chunks[-1]) if with_chunks.numel() else -1):
                 out = [torch.cat(f) for f in zip(kept, added, strict=True)]  # (the new slots after every kept one)
             else:  # the kept chunks and the new ones, each sorted by slot, merged (no slot has both)
                 pos_k = torch.arange(n_keep, device=dev) + torch.searchsorted(add.adapter, kept[2])

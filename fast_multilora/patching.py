@@ -31,6 +31,7 @@ by the base layer), then one ``LoraLinear`` -- on the adapter store's two leaves
 from __future__ import annotations
 
 import bisect
+import operator
 import sys
 import warnings
 from contextlib import contextmanager
@@ -299,36 +300,72 @@ def _table(ranks: list, scales: list, ps: list, slots: list, device, tables: dic
     return table
 
 
+def _edited_table(t: AdapterTable, touched: dict, slots: tuple, device, tables: dict) -> AdapterTable:
+    """:func:`_table` of ``t``'s entries with the slots ``touched`` (slot -> ``(rank, scale, rate)``) written, slots
+    ``slots`` present: the host tuples copied and edited, the device tensors ``t``'s with the touched entries written
+    (the offsets their running sum, on the device) -- no host-to-device copy of every slot's entries."""
+    h_r, h_s, h_p = list(t.host[0]), list(t.host[2]), list(t.host[3])
+    for s, (r, c, p) in touched.items():
+        h_r[s], h_s[s], h_p[s] = r, c, p
+    offsets = list(accumulate(h_r, initial=0))
+    total = offsets.pop()
+    host = (tuple(h_r), tuple(offsets), tuple(h_s), tuple(h_p))
+    key = _table_key(host, slots, device)
+    table = tables.get(key)
+    if table is None:
+        n = len(h_r)
+        idx = to_device(torch.tensor(list(touched), dtype=torch.int64), t.ranks.device)
+        vals = list(touched.values())
+        ints = torch.empty(2, n, dtype=torch.int32, device=t.ranks.device)
+        ints[0] = t.ranks
+        ints[0, idx] = to_device(torch.tensor([v[0] for v in vals], dtype=torch.int32), t.ranks.device)
+        torch.cumsum(ints[0], 0, dtype=torch.int32, out=ints[1])
+        ints[1] -= ints[0]
+        fl = torch.empty(2, n, dtype=torch.float32, device=t.ranks.device)
+        fl[0], fl[1] = t.scales, t.dropout
+        fl[:, idx] = to_device(torch.tensor([[v[1] for v in vals], [v[2] for v in vals]], dtype=torch.float32),
+                               t.ranks.device)
+        table = tables[key] = AdapterTable(
+            ranks=ints[0], offsets=ints[1], scales=fl[0], dropout=fl[1], max_rank=max(h_r), total_rank=total,
+            has_dropout=max(h_p, default=0.0) > 0, slots=tuple(slots), host=host,
+        )
+    return table
+
+
 def _share_table(tables: dict, st: Optional[LayerState]) -> None:
     """Offer the table of a layer state that stands to the layers rebuilt after it (``tables``, as ``_table``)."""
     if st is not None:
         tables.setdefault(_table_key(st.table.host, st.table.slots, st.table.ranks.device), st.table)
 
 
+def _edited(seq, rm: list, at: list, values) -> tuple:
+    """``seq`` with the items at positions ``rm`` (ascending) taken out, then ``values`` put in at positions ``at``
+    (ascending, in the result)."""
+    out = list(seq)
+    for i in reversed(rm):
+        del out[i]
+    for i, v in zip(at, values, strict=True):
+        out.insert(i, v)
+    return tuple(out)
+
+
 def _update_state(layer, st: LayerState, slot_names: tuple, slot_of: dict, names, tables: dict):
     """``st`` with the entries of adapters ``names`` read again from the layer (added, removed or changed); the
     other adapters' entries are taken as they are (C-level copies: the work is the changed adapters'). Returns
     ``None`` where only a full build (:func:`_build_state`) tells: a state with lora_bias, DoRA or variant adapters,
-    a changed slot count, an adapter on another device."""
+    a changed slot count, an adapter on another device. Layers whose states share their per-adapter tuples (and
+    table) and take the same edit share the results (``tables``, by the edit): only the modules are per layer."""
     if st is None or st.has_bias or st.dora is not None or st.variants or len(st.table.host[0]) != len(slot_names):
         return None
     lv, lb = layer.lora_variant, layer.lora_bias
     if any(n in lv or lb.get(n) for n in names):
         return None
     paged = _paged_out(layer)
-    present, ranks, rates, dtypes = list(st.present), list(st.ranks), list(st.rates), list(st.a_dtypes)
-    a_mods, b_mods, slots = list(st.a_modules), list(st.b_modules), list(st.table.slots)
-    h_r, h_s, h_p = list(st.table.host[0]), list(st.table.host[2]), list(st.table.host[3])
+    present, slots = st.present, st.table.slots
     a_dict, b_dict = layer.lora_A._modules, layer.lora_B._modules
-    touched = []  # the table's slots this change writes
-    for name in names:  # out first (a slot freed by one adapter may be taken by another of ``names``)
-        if name in present:
-            i = present.index(name)
-            s = slots[i]
-            for lst in (present, ranks, rates, dtypes, a_mods, b_mods, slots):
-                del lst[i]
-            h_r[s], h_s[s], h_p[s] = 0, 0.0, 0.0
-            touched.append(s)
+    rm = sorted(present.index(n) for n in names if n in present)  # out first (a freed slot may be taken again)
+    touched = dict.fromkeys(map(slots.__getitem__, rm), (0, 0.0, 0.0))  # the table's slots written: their entries
+    ins = []  # (slot, name, rank, rate, A dtype, A module, B module) of the adapters that stay or came
     for name in names:
         a = a_dict.get(name)
         if a is None or name in paged or name not in slot_of:
@@ -337,32 +374,47 @@ def _update_state(layer, st: LayerState, slot_names: tuple, slot_of: dict, names
         if w.device != st.device:
             return None
         s = slot_of[name]
-        i = bisect.bisect_left(slots, s)
         r, p = layer.r[name], lora_dropout_rate(layer.lora_dropout[name])
-        for lst, v in ((present, name), (ranks, r), (rates, p), (dtypes, w.dtype), (a_mods, a),
-                       (b_mods, b_dict[name]), (slots, s)):
-            lst.insert(i, v)
-        h_r[s], h_s[s], h_p[s] = r, float(layer.scaling[name]), p
-        touched.append(s)
-    if not present:
+        touched[s] = (r, float(layer.scaling[name]), p)
+        ins.append((s, name, r, p, w.dtype, a, b_dict[name]))
+    if len(present) - len(rm) + len(ins) == 0:
         return False  # no adapter left: the layer's state is None
+    ins.sort(key=lambda e: e[0])
+    gone = sorted(map(slots.__getitem__, rm))
+    # each one's position among the adapters that stay (those before its slot) and the ones put in before it
+    at = [bisect.bisect_left(slots, e[0]) - bisect.bisect_left(gone, e[0]) + k for k, e in enumerate(ins)]
     st.delta = None  # (the store follows one change at a time; one it missed: a full check of the layer)
+    was = (present, st.ranks, st.rates, st.a_dtypes, slots)
+    if not rm and not ins:  # (none of ``names`` in the layer: its tuples stand)
+        tuples = was
+    else:  # layers whose tuples were one and take the same edit share the edited ones, found by the edit
+        key = ("state", *map(id, was), tuple(rm), tuple(at), tuple(e[:5] for e in ins))
+        hit = tables.get(key)
+        if hit is not None and all(map(operator.is_, hit[0], was)):
+            tuples = hit[1]
+        else:
+            tuples = tuple(_edited(seq, rm, at, map(operator.itemgetter(j), ins))
+                           for seq, j in zip(was, (1, 2, 3, 4, 0), strict=True))
+            tuples = tables.setdefault(("tuples", tuples), tuples)  # (equal ones shared: their next edits are found)
+            tables[key] = (was, tuples)
+    new_present, new_ranks, new_rates, new_dtypes, new_slots = tuples
     if not touched:  # (PEFT's delete_adapter writes to every layer's dicts: most layers had no such adapter)
         table = st.table
     else:  # layers that shared the old table and take the same edit share the new one, found by the edit (the
         # first one builds it, and hashes the whole table to share it with equal ones): the others' work is the edit's
-        edit = ("edit", id(st.table), tuple((s, h_r[s], h_s[s], h_p[s]) for s in sorted(set(touched))))
+        edit = ("edit", id(st.table), tuple((s, *touched[s]) for s in sorted(touched)))
         hit = tables.get(edit)
         if hit is not None and hit[0] is st.table:
             table = hit[1]
         else:
-            table = _table(h_r, h_s, h_p, slots, st.device, tables)
+            table = _edited_table(st.table, touched, new_slots, st.device, tables)
             tables[edit] = (st.table, table)
     return LayerState(
-        table=table, present=tuple(present), ranks=tuple(ranks),
-        rates=tuple(rates), a_dtypes=tuple(dtypes), device=st.device, has_bias=False, variants=(), bias_map=None,
-        clone_base_output=st.clone_base_output, a_modules=tuple(a_mods), b_modules=tuple(b_mods), dora=None,
-        delta=(st, frozenset(names)),
+        table=table, present=new_present, ranks=new_ranks, rates=new_rates, a_dtypes=new_dtypes, device=st.device,
+        has_bias=False, variants=(), bias_map=None, clone_base_output=st.clone_base_output,
+        a_modules=_edited(st.a_modules, rm, at, map(operator.itemgetter(5), ins)) if rm or ins else st.a_modules,
+        b_modules=_edited(st.b_modules, rm, at, map(operator.itemgetter(6), ins)) if rm or ins else st.b_modules,
+        dora=None, delta=(st, frozenset(names)),
     )
 
 

@@ -40,7 +40,6 @@ store with a warning (their optimizer states start over).
 
 from __future__ import annotations
 
-import bisect
 import functools
 import itertools
 import operator
@@ -366,6 +365,22 @@ def _spliced(seq, rm: list, at: list, values) -> list:
     return out
 
 
+def _spliced_pair(seq, n: int, rm: list, at: list, a_values, b_values) -> tuple:
+    """A layer's entries ``seq`` -- ``n`` per adapter of its A parameters, then ``n`` of its B parameters -- with both
+    halves spliced as :func:`_spliced` does, as a tuple (one copy of the entries, not one per half and step)."""
+    out = list(seq)
+    for i in reversed(rm):
+        del out[n + i]
+    for i in reversed(rm):
+        del out[i]
+    for i, v in zip(at, a_values, strict=True):
+        out.insert(i, v)
+    m = n - len(rm) + len(at)  # (the B half's start now)
+    for i, v in zip(at, b_values, strict=True):
+        out.insert(m + i, v)
+    return tuple(out)
+
+
 def _take_back_moved(old: LayerSlots, cells: list, arena: Arena) -> None:
     """A parameter of ``old`` whose ``.data`` was replaced: its new values into its piece, which becomes its
     ``.data`` again."""
@@ -387,34 +402,27 @@ def _take_back_moved(old: LayerSlots, cells: list, arena: Arena) -> None:
 
 def _delta_key(layer, st, old: LayerSlots, names, slot_of: dict) -> Optional[tuple]:
     """:func:`_layer_key` of a layer whose state ``st`` differs from ``old.state`` in adapters ``names`` only: the
-    others' parameters are taken from ``old`` (list edits in slot order), the changed ones read and checked."""
-    n = len(old.names)
-    present, A, B = list(old.names), list(old.params[:n]), list(old.params[n:])
-    for i in sorted((old.names.index(nm) for nm in names if nm in old.by_name), reverse=True):
-        del present[i], A[i], B[i]
-    try:
-        slots = list(map(slot_of.__getitem__, present))
-    except KeyError:  # (an adapter the routing does not know: read everything)
-        return _layer_key(layer, st, old)
+    others' entries are ``old``'s key's (spliced at the changed positions: no read of the others' parameters or
+    slots), the changed ones read and checked."""
+    n, by_name, present = len(old.names), old.by_name, st.present
+    rm = sorted(old.names.index(nm) for nm in names if nm in by_name)
     a_mods, b_mods = layer.lora_A._modules, layer.lora_B._modules
-    new = sorted((nm for nm in names if nm in a_mods and nm in slot_of and nm in st.present), key=slot_of.__getitem__)
-    for nm in new:
-        i = bisect.bisect_left(slots, slot_of[nm])
-        slots.insert(i, slot_of[nm])
-        present.insert(i, nm)
-        A.insert(i, a_mods[nm]._parameters["weight"])
-        B.insert(i, b_mods[nm]._parameters["weight"])
-    if tuple(present) != st.present:
+    new = sorted((nm for nm in names if nm in a_mods and nm in slot_of and nm in present), key=present.index)
+    at = list(map(present.index, new))
+    # the adapters that stay keep their order (else the slot order moved: everything is read)
+    if n - len(rm) + len(at) != len(present) or tuple(_spliced(old.names, rm, at, new)) != present:
         return _layer_key(layer, st, old)
-    p0 = old.params[0] if old.params else A[0]
+    A = [a_mods[nm]._parameters["weight"] for nm in new]
+    B = [b_mods[nm]._parameters["weight"] for nm in new]
+    p0 = old.params[0]
     dtype, device = p0.dtype, p0.device
     K, N = layer.in_features, layer.out_features
     ranks = st.ranks
-    for nm in new:
-        i = present.index(nm)
-        if not (_holdable(A[i], dtype, device, (ranks[i], K)) and _holdable(B[i], dtype, device, (N, ranks[i]))):
+    for i, a, b in zip(at, A, B, strict=True):
+        if not (_holdable(a, dtype, device, (ranks[i], K)) and _holdable(b, dtype, device, (N, ranks[i]))):
             return None
-    return (st.present, ranks, dtype, device, K, N, tuple(map(id, A + B)))
+    ids = _spliced_pair(old.key[6], n, rm, at, map(id, A), map(id, B))
+    return (present, ranks, dtype, device, K, N, ids)
 
 
 def _delta_moves(slots: LayerSlots, st, names) -> bool:
@@ -464,6 +472,42 @@ def _store_table(state, offsets: tuple, cap: int, tables: dict):
             tables.clear()
         offsets = to_device(torch.tensor(host_offsets, dtype=torch.int32), t.offsets.device)
         out = tables[key] = t._replace(offsets=offsets, total_rank=cap, host=host, experts=E)
+    return out
+
+
+def _store_table_edit(old: LayerSlots, state, rm: list, at: list, offsets: tuple, cap: int, tables: dict):
+    """:func:`_store_table` of ``state`` derived from ``old.table`` by an edit: the slots of ``old``'s adapters at
+    positions ``rm`` cleared, those of ``state``'s at ``at`` (``offsets``: the present adapters', slot order) set --
+    the changed adapters' entries written, nothing of the others read. Layers whose old tables were one and take the
+    same edit share the result (``tables``, by the edit: the first one builds it and offers it to equal ones by the
+    whole table, as :func:`_store_table`). ``None`` where only a full build tells (experts, another slot count or
+    region size, a table not made from ``old.state``'s)."""
+    t_old, t = old.table, state.table
+    was = old.state.table
+    if t_old is None or getattr(state, "experts", 1) != 1 or t_old.experts != 1 or old.cap != cap or \
+            len(t.host[0]) != len(t_old.host[1]) or t.offsets.device != t_old.offsets.device or \
+            not (old.table_of is was.host or old.table_of == was.host):
+        return None
+    edits = dict.fromkeys(map(was.slots.__getitem__, rm), 0)
+    edits.update(zip(map(t.slots.__getitem__, at), map(offsets.__getitem__, at), strict=True))
+    edit = ("edit", id(t_old), id(t), tuple(sorted(edits.items())))
+    hit = tables.get(edit)
+    if hit is not None and hit[0] is t_old and hit[1] is t:
+        return hit[2]
+    host_offsets = list(t_old.host[1])
+    any(map(host_offsets.__setitem__, edits, edits.values()))
+    host = (t.host[0], tuple(host_offsets), t.host[2], t.host[3])
+    key = (host, t.slots, cap, t.offsets.device, 1)
+    out = tables.get(key)
+    if out is None:
+        if len(tables) > 4096:  # (as _store_table)
+            tables.clear()
+        dev = t_old.offsets.clone()
+        if edits:
+            ev = to_device(torch.tensor([list(edits), list(edits.values())], dtype=torch.int64), dev.device)
+            dev[ev[0]] = ev[1].to(dev.dtype)
+        out = tables[key] = t._replace(offsets=dev, total_rank=cap, host=host, experts=1)
+    tables[edit] = (t_old, t, out)
     return out
 
 
@@ -908,13 +952,10 @@ class AdapterStore:
             at = list(idx)
             ins = list(map(by_name.__getitem__, check))
 
-            def edited(seq, get):
-                return _spliced(seq, rm, at, map(get, ins))
-
-            params = tuple(edited(old.params[:n_old], _CELL_A) + edited(old.params[n_old:], _CELL_B))
-            views_t = tuple(edited(old.views[:n_old], lambda c: views[id(c[3])]) +
-                            edited(old.views[n_old:], lambda c: views[id(c[4])]))
-            offsets = tuple(edited(old.offsets, _CELL_OFFSET))
+            params = _spliced_pair(old.params, n_old, rm, at, map(_CELL_A, ins), map(_CELL_B, ins))
+            views_t = _spliced_pair(old.views, n_old, rm, at, (views[id(c[3])] for c in ins),
+                                    (views[id(c[4])] for c in ins))
+            offsets = tuple(_spliced(old.offsets, rm, at, map(_CELL_OFFSET, ins)))
         else:
             ordered = list(map(by_name.__getitem__, present))
             params = tuple(map(_CELL_A, ordered)) + tuple(map(_CELL_B, ordered))
@@ -928,7 +969,11 @@ class AdapterStore:
                          end=end, cells=cells, views=views_t, offsets=offsets, by_name=by_name, holes=holes, lid=lid,
                          edit=(old, rm, at) if splice else None, left=left, experts=getattr(st, "experts", 1))
         out._shape(old if splice else None, k0)
-        self._retable(out)
+        table = _store_table_edit(old, st, rm, at, offsets, cap, self.tables) if splice else None
+        if table is None:
+            self._retable(out)
+        else:
+            out.table, out.table_of = table, st.table.host
         return out
 
     @property
@@ -1016,9 +1061,8 @@ class AdapterStore:
                 continue
             old, rm, at = e  # old's indices with the changed adapters' taken out and put in at their positions
             n_old, n = len(old.names), len(s.names)
-            a = _spliced(old.held_idx[:n_old], rm, at, (index_of[id(s.params[i])] for i in at))
-            b = _spliced(old.held_idx[n_old:], rm, at, (index_of[id(s.params[n + i])] for i in at))
-            s.held_idx = tuple(a + b)
+            s.held_idx = _spliced_pair(old.held_idx, n_old, rm, at, (index_of[id(s.params[i])] for i in at),
+                                       (index_of[id(s.params[n + i])] for i in at))
         self._compact = None
         self._new_index()
         self._watch()

@@ -18,6 +18,8 @@ torch's result to the last bit or so. 16-bit arenas keep every intermediate in f
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import NamedTuple
 
 import torch
@@ -64,6 +66,49 @@ class ChunkTable(NamedTuple):
     align: int
 
 
+# A host list of at most this many blocks is cut in plain Python (:func:`_chunk_table_small`): the vectorised cut's
+# twenty-odd host tensor ops cost more than the loop for the few blocks of an adapter that came or changed (the
+# optimizer's table edits), while the result is the same.
+SMALL_BLOCKS = 64
+
+
+def _chunk_table_small(blocks, n_adapters: int, numel: int, device, chunk: int) -> "ChunkTable":
+    """:func:`chunk_table` of a short host list of blocks, cut in Python (the same table, the same errors)."""
+    rows = [tuple(map(int, x)) for x in blocks]
+    rows = [x for x in rows if x[1] != 0]
+    for x in rows:
+        start, size, adapter = x
+        if start < 0 or size < 0 or start + size > numel or adapter < 0 or adapter >= n_adapters:
+            raise ValueError(f"chunk_table: block {x} is outside the arena [0, {numel}) or its adapter outside "
+                             f"[0, {n_adapters})")
+    by_pos = sorted(rows, key=lambda x: x[0])
+    for x, y in zip(by_pos, by_pos[1:], strict=False):
+        if y[0] < x[0] + x[1]:
+            raise ValueError(f"chunk_table: blocks {x} and {y} overlap")
+    starts, lengths, owners, counts, covered = [], [], [], [0] * n_adapters, 0
+    for start, size, adapter in sorted(rows, key=lambda x: (x[2], x[0])):  # by adapter, then position
+        for off in range(0, size, chunk):
+            starts.append(start + off)
+            lengths.append(min(chunk, size - off))
+            owners.append(adapter)
+        counts[adapter] += -(-size // chunk)
+        covered += size
+    if len(starts) >= 2**31:  # pragma: no cover - (a short list of blocks)
+        raise ValueError(f"chunk_table: {len(starts)} chunks do not fit int32 indices; use a larger chunk")
+    g = math.gcd(*starts, *lengths)
+    align = MAX_ALIGN
+    while align > 1 and g % align != 0:
+        align //= 2
+    ptr = list(itertools.accumulate(counts, initial=0))
+    return ChunkTable(
+        start=to_device(torch.tensor(starts, dtype=torch.int64), device),
+        length=to_device(torch.tensor(lengths, dtype=torch.int32), device),
+        adapter=to_device(torch.tensor(owners, dtype=torch.int32), device),
+        adapter_ptr=to_device(torch.tensor(ptr, dtype=torch.int32), device),
+        n_adapters=n_adapters, numel=numel, chunk=chunk, max_chunks=max(counts, default=0), covered=covered,
+        align=align)
+
+
 def chunk_table(blocks, n_adapters: int, numel: int, device, chunk: int = CHUNK) -> ChunkTable:
     """The :class:`ChunkTable` of ``blocks``, a host list of ``(start, numel, adapter)`` (or an int tensor
     ``[n, 3]`` of them): any sizes (empty blocks are
@@ -73,6 +118,8 @@ def chunk_table(blocks, n_adapters: int, numel: int, device, chunk: int = CHUNK)
             and isinstance(numel, int) and numel >= 0):
         raise ValueError(f"chunk_table: chunk={chunk!r}, n_adapters={n_adapters!r}, numel={numel!r} must be ints "
                          "(chunk >= 1, the others >= 0)")
+    if not torch.is_tensor(blocks) and len(blocks) <= SMALL_BLOCKS:
+        return _chunk_table_small(blocks, n_adapters, numel, device, chunk)
     b = blocks.to(torch.int64).cpu() if torch.is_tensor(blocks) else \
         torch.tensor([tuple(x) for x in blocks], dtype=torch.int64)
     b = b.reshape(-1, 3)

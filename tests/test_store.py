@@ -881,8 +881,14 @@ def _host_work(n, change):
     import fast_multilora.store as store_mod
 
     model, opt, names = _trained(n, seed=21)
-    counts = {"entries": 0, "full_states": 0, "signatures": 0, "store_keys": 0, "pieces": 0, "tables": 0}
+    counts = {"entries": 0, "full_states": 0, "signatures": 0, "store_keys": 0, "pieces": 0, "tables": 0,
+              "store_tables": 0, "slot_reads": 0}
     real = {}
+
+    class CountingSlots(dict):  # the routing's adapter -> slot map, its reads counted
+        def __getitem__(self, name):
+            counts["slot_reads"] += 1
+            return dict.__getitem__(self, name)
 
     def counting(mod, attr, key):
         fn = real[(mod, attr)] = getattr(mod, attr)
@@ -895,15 +901,56 @@ def _host_work(n, change):
     change(model)  # (a change alone reads nothing: the next forward follows it)
     watched = ((patching_mod, "lora_dropout_rate", "entries"), (patching_mod, "_build_state", "full_states"),
                (patching_mod, "_state_signature", "signatures"), (store_mod, "_layer_key", "store_keys"),
-               (store_mod, "_piece", "pieces"), (patching_mod, "_table", "tables"))
+               (store_mod, "_piece", "pieces"), (patching_mod, "_table", "tables"),
+               (patching_mod, "_edited_table", "tables"), (store_mod, "_store_table", "store_tables"))
     for mod, attr, key in watched:
         counting(mod, attr, key)
+    router = model.__dict__[patching_mod._ROUTER_ATTR]
+    slot_of = router.slot_of
+    router.slot_of = CountingSlots(slot_of)
     try:
         model(input_ids=torch.zeros(1, 3, dtype=torch.long), adapter_names=[names[0]]).logits.sum().backward()
     finally:
         for (mod, attr), fn in real.items():
             setattr(mod, attr, fn)
+        router.slot_of = dict(router.slot_of)
+    _assert_states_and_store_tables_equal_fresh_ones(model)
     return counts
+
+
+def _assert_states_and_store_tables_equal_fresh_ones(model):
+    """Every store layer's table (derived by edits along the changes) equals the one a full build gives, and every
+    layer state's tuples and table equal a fresh build's; layer states with equal adapters that a change edited share
+    their per-adapter tuples (one edit's result, not one copy per layer)."""
+    import fast_multilora.patching as patching_mod
+    import fast_multilora.store as store_mod
+
+    router = model.__dict__[patching_mod._ROUTER_ATTR]
+    store = router.store
+    for s in store.slots.values():
+        fresh = store_mod._store_table(s.state, s.offsets, s.cap, {})
+        assert (s.table.host, s.table.slots, s.table.total_rank, s.table.max_rank, s.table.experts) == \
+            (fresh.host, fresh.slots, fresh.total_rank, fresh.max_rank, fresh.experts)
+        for f in ("ranks", "offsets", "scales", "dropout"):
+            assert torch.equal(getattr(s.table, f), getattr(fresh, f)), f
+    by_present = {}
+    for layer in router.fast_layers:
+        st = layer.__dict__.get(patching_mod._STATE_ATTR)
+        if st is None:
+            continue
+        fresh = patching_mod._build_state(layer, router.slot_names, {})
+        for f in ("present", "ranks", "rates", "a_dtypes", "a_modules", "b_modules"):
+            assert getattr(st, f) == getattr(fresh, f), f
+        assert (st.table.host, st.table.slots, st.table.max_rank, st.table.total_rank, st.table.has_dropout) == \
+            (fresh.table.host, fresh.table.slots, fresh.table.max_rank, fresh.table.total_rank,
+             fresh.table.has_dropout)
+        for f in ("ranks", "offsets", "scales", "dropout"):
+            assert torch.equal(getattr(st.table, f), getattr(fresh.table, f)), f
+        if st.delta is not None and st.present != st.delta[0].present:  # edited by the change
+            by_present.setdefault(st.present, []).append(st)
+    assert by_present
+    for states in by_present.values():
+        assert all(st.present is states[0].present and st.ranks is states[0].ranks for st in states)
 
 
 def _assert_tables_equal_a_fresh_build(opt, where=None):
@@ -945,6 +992,8 @@ def test_a_change_of_one_adapter_reads_that_adapter_only(what, tmp_path):
     small, large = _host_work(24, change), _host_work(48, change)
     assert small == large, (small, large)
     assert small["full_states"] == small["signatures"] == small["store_keys"] == 0, small
+    # the changed layers' store tables derived from their old ones by the edit (no full build), the others' kept
+    assert small["store_tables"] == 0, small
     layers = 2 * 2  # 2 decoder layers x the adapter's 2 target modules (added: q, v; m003: k, down)
     added = what.startswith("add") or what == "load"
     assert small["entries"] == (layers if added else 0), small
@@ -1216,3 +1265,37 @@ def test_adapters_churning_keep_their_step_counts_slots_and_updates(dev):
                        for p in g["params"])
         _assert_tables_equal_a_fresh_build(ours, k)
     assert ours._n_slots() < made  # the slots were renumbered (most were free)
+
+
+def test_a_short_list_of_blocks_is_cut_as_the_vectorised_cut_does(monkeypatch):
+    """``kernels.adamw.chunk_table`` cuts a short host list of blocks (the optimizer's table edits: the blocks of the
+    adapters that changed) in plain Python: the same table, field by field, as its vectorised cut, over random block
+    sets (empty blocks, blocks longer than a chunk, unaligned ones, adapters in any order) -- and the same errors."""
+    from fast_multilora.kernels import adamw as adamw_mod
+
+    g = torch.Generator().manual_seed(5)
+    for case in range(40):
+        n_blocks = int(torch.randint(0, 12, (1,), generator=g))
+        chunk = [16, 64, 1024][case % 3]
+        sizes = torch.randint(0, 200, (n_blocks,), generator=g).tolist()
+        gaps = torch.randint(0, 40, (n_blocks,), generator=g).tolist()
+        u = (1, 16, 4, 8)[case % 4]  # every start and length a multiple of u (the alignment hint)
+        sizes, gaps = [-(-s // u) * u for s in sizes], [-(-x // u) * u for x in gaps]
+        blocks, at = [], 0
+        for size, gap in zip(sizes, gaps, strict=True):
+            at += gap
+            blocks.append((at, size, int(torch.randint(0, 7, (1,), generator=g))))
+            at += size
+        order = torch.randperm(len(blocks), generator=g).tolist()
+        blocks = [blocks[i] for i in order]
+        small = adamw_mod.chunk_table(blocks, 7, at + 5, "cpu", chunk=chunk)
+        monkeypatch.setattr(adamw_mod, "SMALL_BLOCKS", -1)
+        full = adamw_mod.chunk_table(blocks, 7, at + 5, "cpu", chunk=chunk)
+        monkeypatch.undo()
+        for f in full._fields:
+            a, b = getattr(small, f), getattr(full, f)
+            assert (torch.equal(a, b) and a.dtype == b.dtype) if isinstance(b, torch.Tensor) else a == b, (case, f)
+    for blocks, match in [([(0, 4, 0), (3, 2, 1)], "overlap"), ([(8, 4, 0)], "outside"), ([(0, 2, 7)], "outside"),
+                          ([(-1, 2, 0)], "outside"), ([(0, -2, 0)], "outside")]:
+        with pytest.raises(ValueError, match=match):
+            adamw_mod.chunk_table(blocks, 7, 10, "cpu")
