@@ -299,6 +299,26 @@ def test_torch_adamw_options_it_does_not_take_over_are_torchs():
             assert all(v._base is None for v in st.values() if torch.is_tensor(v)), "still a view of an arena"
 
 
+def _step_on(model, opt, names, g):
+    """One step of ``opt`` on rows ``names`` (random tokens from ``g``), ``per_adapter_loss``."""
+    ids = torch.randint(0, 97, (len(names), 6), generator=g)
+    opt.zero_grad()
+    fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=names).logits, ids, names).backward()
+    opt.step()
+
+
+def _assert_store_stepped_like_torch(got, got_opt, want, stepped):
+    """``got_opt`` took the store's step (the ``stepped`` parameters' states are arena views) and ``got`` equals
+    ``want``, the same run stepped by torch itself. Adam moves an element by about lr whatever its gradient's size:
+    one whose gradient is near the rounding noise (the runs' weights differ by fp32 rounding after a step) moves by a
+    different fraction of lr, so the bound is 1e-3 of the largest moves (lr up to 3e-2, a few steps), as in
+    test_store."""
+    assert _bridged(got_opt)
+    assert stepped and all(got_opt.state[p]["exp_avg"]._base is not None for p in stepped)
+    for (n, p), (_, q) in zip(got.named_parameters(), want.named_parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1.2e-4, msg=lambda m, n=n: f"{n}: {m}")
+
+
 def test_torch_adamw_steps_expert_lora_through_the_store():
     """MoE expert LoRA (held by the store as adapters of rank ``E*r``) under the user's ``torch.optim.AdamW``: the
     store's step equals torch's, the expert parameters' states are arena views."""
@@ -311,22 +331,13 @@ def test_torch_adamw_steps_expert_lora_through_the_store():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         g = torch.Generator().manual_seed(2)
         for names in (["a0", "a1", "a2", "__base__"], ["a1", "a1", "a0"], ["a0", "a2"]):
-            ids = torch.randint(0, 97, (len(names), 6), generator=g)
-            opt.zero_grad()
-            fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=names).logits, ids, names).backward()
-            opt.step()
+            _step_on(model, opt, names, g)
         return model, opt
 
     got, got_opt = run(True)
     want, _ = run(False)
-    assert _bridged(got_opt)
     experts = [p for n, p in got.named_parameters() if ".experts" in n and "lora_" in n]
-    assert experts and all(got_opt.state[p]["exp_avg"]._base is not None for p in experts)
-    # Adam moves an element by about lr whatever its gradient's size: an expert seldom routed has gradients near
-    # the rounding noise after the first step (the two runs' weights differ by fp32 rounding), so its element moves by
-    # a different fraction of lr -- the bound is 4e-3 of the largest move (lr 1e-2 x 3 steps), as in test_store
-    for (n, p), (_, q) in zip(got.named_parameters(), want.named_parameters(), strict=True):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1.2e-4, msg=lambda m, n=n: f"{n}: {m}")
+    _assert_store_stepped_like_torch(got, got_opt, want, experts)
 
 
 def test_torch_adamw_follows_adapters_added_and_deleted():
@@ -351,16 +362,9 @@ def test_torch_adamw_follows_adapters_added_and_deleted():
                             p.copy_(torch.randn_like(p) * 0.1)
                             p.requires_grad_(True)
                 opt.add_param_group({"params": [p for n, p in model.named_parameters() if ".n." in n], "lr": 3e-2})
-            ids = torch.randint(0, 97, (len(names), 6), generator=g)
-            opt.zero_grad()
-            fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=names).logits, ids, names).backward()
-            opt.step()
+            _step_on(model, opt, names, g)
         return model, opt
 
     got, got_opt = run(True)
     want, _ = run(False)
-    assert _bridged(got_opt)
-    new = [p for n, p in got.named_parameters() if ".n." in n]
-    assert new and all(got_opt.state[p]["exp_avg"]._base is not None for p in new)  # stepped by the store
-    for (n, p), (_, q) in zip(got.named_parameters(), want.named_parameters(), strict=True):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1.2e-4, msg=lambda m, n=n: f"{n}: {m}")
+    _assert_store_stepped_like_torch(got, got_opt, want, [p for n, p in got.named_parameters() if ".n." in n])
