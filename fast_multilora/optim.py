@@ -714,6 +714,7 @@ class _Bridge:
         self.key = None  # (store version, the optimizer's parameters) when mapped
         self.owned: dict = {}  # adapter -> index of the optimizer's group holding its held parameters
         self.pairs: list = []  # (engine group, optimizer group) per owned adapter: the hyperparameters copied
+        self.hyper = None  # the optimizer's groups' hyperparameters when last copied
         self.others: list = []  # per optimizer group, its parameters torch steps
         self.saved = None  # the groups' parameter lists while hidden
         self.aliased: set = set()  # adapters whose parameters' optimizer states are the arena's
@@ -780,15 +781,20 @@ class _Bridge:
             self.detach(opt)  # (another optimizer took the states; paging or the setting came with a re-patch)
             return
         eng._prepare()  # the layout, the gradients into the arena, the chunk tables
-        key = (store.version, tuple(tuple(map(id, g["params"])) for g in opt.param_groups))
+        groups = opt.param_groups
+        # (per group its parameter list and length: add_param_group makes a list, an append changes the length)
+        key = (store.version, tuple((id(g["params"]), len(g["params"])) for g in groups))
         if key != self.key:
             self._map(opt)
-            self.key = key
+            self.key, self.hyper = key, None
         if not self.owned:
             return
-        for dst, src in self.pairs:  # (an LR scheduler writes the optimizer's groups)
-            dst["lr"], dst["betas"], dst["eps"], dst["weight_decay"] = src["lr"], src["betas"], src["eps"], \
-                src["weight_decay"]
+        hyper = [(g["lr"], g["betas"], g["eps"], g["weight_decay"]) for g in groups]  # (LR schedulers write them)
+        if hyper != self.hyper:
+            for dst, src in self.pairs:
+                dst["lr"], dst["betas"], dst["eps"], dst["weight_decay"] = src["lr"], src["betas"], src["eps"], \
+                    src["weight_decay"]
+            self.hyper = hyper
         adapter_of = store.adapter_of
         active = frozenset(self.owned).intersection(map(adapter_of.__getitem__, store.attached))
         if active - self.aliased:
@@ -799,7 +805,6 @@ class _Bridge:
             self.mask = mask = (active, list(eng._slot_names), eng._trained, to_device(host, eng._counts.device) &
                                 eng._trained)
         eng._step_arenas(mask[3])
-        groups = opt.param_groups
         self.saved = [g["params"] for g in groups]
         for g, others in zip(groups, self.others, strict=True):
             g["params"] = others

@@ -368,3 +368,24 @@ def test_torch_adamw_follows_adapters_added_and_deleted():
     got, got_opt = run(True)
     want, _ = run(False)
     _assert_store_stepped_like_torch(got, got_opt, want, [p for n, p in got.named_parameters() if ".n." in n])
+
+
+def test_torch_adamw_takes_over_an_adapter_added_to_its_groups_later():
+    """An optimizer first over one adapter, then given another existing adapter (``add_param_group``, no change to
+    the model): the store steps the second from then on, equal to torch stepping it."""
+    def run(flag):
+        model = peft_model("llama")
+        fast_multilora.patch(model, backend="torch", store_optimizer=flag)
+        model.train()
+        of = lambda a: [p for n, p in _lora(model) if f".{a}." in n]  # noqa: E731
+        opt = torch.optim.AdamW(of("a0"), lr=1e-2)
+        g = torch.Generator().manual_seed(4)
+        _step_on(model, opt, ["a0", "a1"], g)
+        opt.add_param_group({"params": of("a1"), "lr": 2e-2})
+        _step_on(model, opt, ["a1", "a0"], g)
+        _step_on(model, opt, ["a1", "a1"], g)
+        return model, opt, of("a1")
+
+    got, got_opt, a1 = run(True)
+    want, _, _ = run(False)
+    _assert_store_stepped_like_torch(got, got_opt, want, a1)
