@@ -777,8 +777,10 @@ class _Bridge:
         if self.saved is not None:  # (a step that raised left the parameters hidden)
             self.after(opt)
         store, eng = self.store, self.engine
-        if store.owner is not eng or store.router.pager is not None or not store.router.config.store_optimizer:
-            self.detach(opt)  # (another optimizer took the states; paging or the setting came with a re-patch)
+        if store.owner is not eng or getattr(store, "retired", False) or store.router.pager is not None or \
+                not store.router.config.store_optimizer:
+            # (another optimizer took the states; the model was unpatched; paging or the setting came with a re-patch)
+            self.detach(opt)
             return
         eng._prepare()  # the layout, the gradients into the arena, the chunk tables
         groups = opt.param_groups

@@ -886,6 +886,7 @@ def unpatch(model: torch.nn.Module) -> None:
         from .store import release
 
         release(router.store.held)
+        router.store.retired = True  # (an optimizer stepping it hands its states back to torch)
     for module in model.modules():
         if _is_patched(module):
             module.__class__ = type(module)._fml_base

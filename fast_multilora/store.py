@@ -543,8 +543,8 @@ _STORES: list = []  # weak references to the stores built (an optimizer's parame
 
 
 def stores() -> list:
-    """The adapter stores alive."""
-    live = [s for s in map(lambda r: r(), _STORES) if s is not None]
+    """The adapter stores alive (of patched models: ``unpatch`` retires a model's store)."""
+    live = [s for s in map(lambda r: r(), _STORES) if s is not None and not getattr(s, "retired", False)]
     if len(live) != len(_STORES):
         _STORES[:] = [weakref.ref(s) for s in live]
     return live
@@ -555,6 +555,7 @@ class AdapterStore:
 
     def __init__(self, router):
         self.router = router
+        self.retired = False  # its model was unpatched
         _STORES.append(weakref.ref(self))
         self.arenas: dict = {}  # (dtype, device) -> Arena
         self.slots: dict = {}  # id(layer) -> LayerSlots

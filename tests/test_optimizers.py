@@ -389,3 +389,20 @@ def test_torch_adamw_takes_over_an_adapter_added_to_its_groups_later():
     got, got_opt, a1 = run(True)
     want, _, _ = run(False)
     _assert_store_stepped_like_torch(got, got_opt, want, a1)
+
+
+def test_unpatch_hands_a_store_stepped_optimizer_back_to_torch():
+    """After ``unpatch`` the optimizer that stepped through the store keeps stepping, as torch, its own copies of the
+    states, and a new optimizer is torch's alone: stock behaviour."""
+    model, opt = _adamw_run(True, steps=2)
+    assert _bridged(opt)
+    fast_multilora.unpatch(model)
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, 97, (2, 6), generator=g)
+    model.set_adapter("a0")
+    for o in (opt, torch.optim.AdamW(model.parameters(), lr=1e-2)):
+        o.zero_grad()
+        model(input_ids=ids).logits.float().pow(2).mean().backward()
+        o.step()
+        assert not _bridged(o)
+        assert all(v._base is None for st in o.state.values() for v in st.values() if torch.is_tensor(v))
