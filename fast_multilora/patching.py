@@ -53,6 +53,7 @@ from .kernels.decode import DECODE_MAX_ROWS
 from .kernels.launch import set_enabled as set_fast_launch
 from .kernels.segments import AdapterTable, to_device
 from .plan import ALL, BASE, CHANGES, DIRTY_ATTR, FULL, Router, mark_changed, mark_dirty
+from .store import _spliced
 
 _ROUTER_ATTR = "_fml_router"
 _HOOKS_ATTR = "_fml_hooks"
@@ -338,17 +339,6 @@ def _share_table(tables: dict, st: Optional[LayerState]) -> None:
         tables.setdefault(_table_key(st.table.host, st.table.slots, st.table.ranks.device), st.table)
 
 
-def _edited(seq, rm: list, at: list, values) -> tuple:
-    """``seq`` with the items at positions ``rm`` (ascending) taken out, then ``values`` put in at positions ``at``
-    (ascending, in the result)."""
-    out = list(seq)
-    for i in reversed(rm):
-        del out[i]
-    for i, v in zip(at, values, strict=True):
-        out.insert(i, v)
-    return tuple(out)
-
-
 def _update_state(layer, st: LayerState, slot_names: tuple, slot_of: dict, names, tables: dict):
     """``st`` with the entries of adapters ``names`` read again from the layer (added, removed or changed); the
     other adapters' entries are taken as they are (C-level copies: the work is the changed adapters'). Returns
@@ -393,7 +383,7 @@ def _update_state(layer, st: LayerState, slot_names: tuple, slot_of: dict, names
         if hit is not None and all(map(operator.is_, hit[0], was)):
             tuples = hit[1]
         else:
-            tuples = tuple(_edited(seq, rm, at, map(operator.itemgetter(j), ins))
+            tuples = tuple(tuple(_spliced(seq, rm, at, map(operator.itemgetter(j), ins)))
                            for seq, j in zip(was, (1, 2, 3, 4, 0), strict=True))
             tuples = tables.setdefault(("tuples", tuples), tuples)  # (equal ones shared: their next edits are found)
             tables[key] = (was, tuples)
@@ -412,8 +402,10 @@ def _update_state(layer, st: LayerState, slot_names: tuple, slot_of: dict, names
     return LayerState(
         table=table, present=new_present, ranks=new_ranks, rates=new_rates, a_dtypes=new_dtypes, device=st.device,
         has_bias=False, variants=(), bias_map=None, clone_base_output=st.clone_base_output,
-        a_modules=_edited(st.a_modules, rm, at, map(operator.itemgetter(5), ins)) if rm or ins else st.a_modules,
-        b_modules=_edited(st.b_modules, rm, at, map(operator.itemgetter(6), ins)) if rm or ins else st.b_modules,
+        a_modules=tuple(_spliced(st.a_modules, rm, at, map(operator.itemgetter(5), ins))) if rm or ins
+        else st.a_modules,
+        b_modules=tuple(_spliced(st.b_modules, rm, at, map(operator.itemgetter(6), ins))) if rm or ins
+        else st.b_modules,
         dora=None, delta=(st, frozenset(names)),
     )
 
