@@ -670,6 +670,13 @@ def _store_of(opt) -> Optional[AdapterStore]:
     return None
 
 
+def _steps_optimizers(store: AdapterStore) -> bool:
+    """Whether ``store`` takes the steps of a ``torch.optim.AdamW`` now: its model patched (not unpatched), without
+    paging, ``PatchConfig.store_optimizer`` on."""
+    router = store.router
+    return not getattr(store, "retired", False) and router.pager is None and router.config.store_optimizer
+
+
 def _pre_step(opt, args, kwargs):
     bridge = _BRIDGES.get(opt)
     if type(bridge) is not _Bridge:
@@ -679,9 +686,9 @@ def _pre_step(opt, args, kwargs):
         if bridge is False or bridge == len(stores()) or not _bridgeable(opt):
             return
         store = _store_of(opt)
-        cfg = store.router.config if store is not None else None
-        if store is None or not cfg.store_optimizer or store.router.pager is not None or \
-                (store.owner is not None and store.owner.store is store and not isinstance(store.owner, _Engine)):
+        # (not over a user's fast_multilora.AdamW: it owns the arenas' states)
+        if store is None or not _steps_optimizers(store) or \
+                (store.owner is not None and not isinstance(store.owner, _Engine)):
             _BRIDGES[opt] = len(stores())
             return
         bridge = _BRIDGES[opt] = _Bridge(opt, store)
@@ -744,9 +751,9 @@ class _Bridge:
         self.others = [[p for p in g["params"] if id(p) not in owned_ids] for g in opt.param_groups]
         by_adapter = {g["adapter"]: (i, g) for i, g in enumerate(eng.param_groups)}
         self.pairs = [(by_adapter[a][1], opt.param_groups[gi]) for a, gi in self.owned.items() if a in by_adapter]
-        had = {a for a in self.owned if any(opt.state.get(p) for p in store.adapter_params.get(a, ((),))[0])}
-        self.aliased = set()
-        self._alias(opt, (self.aliased | had) & set(self.owned), adopt=True)
+        self.aliased = set()  # (the owned adapters with states -- aliased before, or torch's made or loaded -- again)
+        self._alias(opt, {a for a in self.owned if any(map(opt.state.get, store.adapter_params.get(a, ((),))[0]))},
+                    adopt=True)
 
     def _alias(self, opt, names, adopt: bool = False) -> None:
         """The optimizer's states of adapters ``names``' trained parameters: the engine's (arena views); with
@@ -777,8 +784,7 @@ class _Bridge:
         if self.saved is not None:  # (a step that raised left the parameters hidden)
             self.after(opt)
         store, eng = self.store, self.engine
-        if store.owner is not eng or getattr(store, "retired", False) or store.router.pager is not None or \
-                not store.router.config.store_optimizer:
+        if store.owner is not eng or not _steps_optimizers(store):
             # (another optimizer took the states; the model was unpatched; paging or the setting came with a re-patch)
             self.detach(opt)
             return
