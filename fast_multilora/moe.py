@@ -186,7 +186,7 @@ def refresh(entry: dict, wrapper, slot_names, entries) -> None:
     wrappers, experts = chain(wrapper)
     projs = {w.parameter_name: entries(w).get("proj") for w in wrappers}
     projs = {k: v for k, v in projs.items() if v is not None}
-    key = (len(slot_names), tuple(map(id, projs.values())))
+    key = (len(slot_names), tuple(projs.values()))  # (by identity: ProjState compares as its object)
     if entry.get("chain") == key:
         return
     device = next(iter(projs.values())).table.ranks.device if projs else torch.device("cpu")
