@@ -3,7 +3,8 @@
 ``out = base(x) + sum over segments of scale_a * dropout_a(x_seg) @ A_a^T @ B_a^T`` -- one Function,
 :class:`LoraLinear`, for every patched layer call, parameterised by its :class:`LayerCall`:
 
-* ``fused``: the base is a frozen ``nn.Linear`` whose GEMM runs inside the Function (SGEMM family, eager: the expand
+* ``fused``: the base is a frozen ``nn.Linear`` (or, in training, a bitsandbytes 4-bit layer: ``base_weight``
+  dequantizes its weight) whose GEMM runs inside the Function (SGEMM family, eager: the expand
   writes the delta, the bias folded in, and cuBLAS accumulates ``x Wᵀ`` into it; chunked family and compiled: the
   GEMM first, the delta added into it -- :func:`base_first`; backward: eager, the shrink backward's ``dx`` and cuBLAS
   accumulating ``dy W`` into it, compiled the reverse); otherwise the base layer
@@ -280,6 +281,9 @@ class LayerCall:
     # few rows with autograd off (decode steps): shrink and expand in one launch, no ``h`` (``kernels.decode``); no
     # dropout, no ``lora_bias``
     decode: bool = False
+    # fused over a quantized base: the GEMM's ``[N, K]`` weight from the passed one, ``base_weight(W, dtype)``, in the
+    # forward and again in the backward (bitsandbytes 4-bit: dequantized; only the packed weight is kept)
+    base_weight: object = None
     # a list the forward appends ``(keep, seed)`` of its dropout draw to (``keep``: the shrink's mask, or ``None``
     # where the backward redraws it from ``seed``): DoRA's base term reads the same dropped input
     keep_out: Optional[list] = None
@@ -382,10 +386,12 @@ class LoraLinear(torch.autograd.Function):
             call.keep_out.append((keep, call.seed))
         B = _b_weight(call, weights[n_a : n_a + n])
         if call.fused:
+            W_base = W if call.base_weight is None else call.base_weight(W, x.dtype)  # not kept for the backward
             rows = linear_with_delta(
-                x, W, b, lambda y, acc, bias: be.expand(h, B, segs, table, y, 1, 0, accumulate=acc, bias=bias,
-                                                        record=rec), base_first(segs))
-            out = rows.view(*x_in.shape[:-1], W.shape[0])
+                x, W_base, b, lambda y, acc, bias: be.expand(h, B, segs, table, y, 1, 0, accumulate=acc, bias=bias,
+                                                             record=rec), base_first(segs))
+            del W_base
+            out = rows.view(*x_in.shape[:-1], rows.shape[1])
         else:
             out, rows = _delta_target(ctx, y_in)
             be.expand(h, B, segs, table, rows, 1, 0, record=rec)
@@ -429,6 +435,8 @@ class LoraLinear(torch.autograd.Function):
                 for i, g in enumerate(_bias_grad(dy, call)):
                     grads[n_a + n + i] = g.to(w_dtypes[n_a + n + i])
         base_dx = call.fused and need_dx and dy is not None
+        if base_dx and call.base_weight is not None:
+            W = call.base_weight(W, dy.dtype)
         if base_dx and _compiling():
             # the base part first, the shrink backward adds its terms into it: a traced ``addmm_`` onto the
             # kernel's dx (below, eager) would become an ``addmm`` that copies its input first

@@ -105,7 +105,9 @@ class LayerState:
     has_bias: bool  # lora_bias
     variants: tuple  # adapters of the layer with a LoRA variant other than DoRA (not in the table)
     bias_map: Optional[torch.Tensor]  # lora_bias: int64 [n_slots + 1], slot -> row among present (n = none)
-    clone_base_output: bool = False  # a bitsandbytes 4-bit base: the delta goes into a copy of its output, as PEFT's
+    # a bitsandbytes 4-bit base: fused into the op in training (its weight dequantized, as bitsandbytes' own autograd
+    # function does); else run by itself and the delta added to a copy of its output, as PEFT's bnb layer does
+    bnb4: bool = False
     plans: dict = field(default_factory=dict)  # function.LaunchPlan s of eager no-grad calls, by run_layer's key
     a_modules: tuple = ()  # the present adapters' lora_A / lora_B modules (part of the state's signature)
     b_modules: tuple = ()
@@ -277,7 +279,7 @@ def _build_state(layer, slot_names, tables: dict) -> Optional[LayerState]:
         table=table, present=tuple(present), ranks=tuple(layer.r[n] for n in present),
         rates=tuple(ps[s] for s in slots), a_dtypes=tuple(w.dtype for w in a_weights), device=device,
         has_bias=has_bias, variants=variants, bias_map=bias_map,
-        clone_base_output=type(layer.get_base_layer()).__name__ == "Linear4bit",
+        bnb4=type(layer.get_base_layer()).__name__ == "Linear4bit",
         a_modules=tuple(layer.lora_A[n] for n in present), b_modules=tuple(layer.lora_B[n] for n in present),
         dora=dora,
     )
@@ -401,7 +403,7 @@ def _update_state(layer, st: LayerState, slot_names: tuple, slot_of: dict, names
             tables[edit] = (st.table, table)
     return LayerState(
         table=table, present=new_present, ranks=new_ranks, rates=new_rates, a_dtypes=new_dtypes, device=st.device,
-        has_bias=False, variants=(), bias_map=None, clone_base_output=st.clone_base_output,
+        has_bias=False, variants=(), bias_map=None, bnb4=st.bnb4,
         a_modules=tuple(_spliced(st.a_modules, rm, at, map(operator.itemgetter(5), ins))) if rm or ins
         else st.a_modules,
         b_modules=tuple(_spliced(st.b_modules, rm, at, map(operator.itemgetter(6), ins))) if rm or ins
@@ -508,10 +510,10 @@ class _FastLinearMixin(_TrackedMixin):
         segs = router.segments(routing, x)
         base = _fused_base(self, x, args, kwargs, state, config)
         if base is not None:  # the base GEMM runs inside the Function (function.linear_with_delta)
-            y, W, b, x_d = None, base._parameters["weight"], base._parameters.get("bias"), x
+            (W, b, base_weight), y, x_d = base, None, x
         else:
-            y, W, b = self.base_layer(x, *args, **kwargs), None, None
-            if state.clone_base_output:  # PEFT's bnb 4-bit layer adds to a copy: never write into bnb's output
+            y, W, b, base_weight = self.base_layer(x, *args, **kwargs), None, None, None
+            if state.bnb4:  # PEFT's bnb 4-bit layer adds to a copy: never write into bnb's output
                 y = y.clone()
             cast = state.lora_dtype
             x_d = x.to(cast) if x.dtype == torch.float32 and cast in (torch.float16, torch.bfloat16) else x
@@ -543,7 +545,7 @@ class _FastLinearMixin(_TrackedMixin):
         def call(record):  # the LayerCall of this call (built only when no launch plan replays it)
             return LayerCall(
                 backend=backend, segs=segs, table=state.table if slots is None else slots.table, ranks=state.ranks,
-                fused=base is not None,
+                fused=base is not None, base_weight=base_weight,
                 in_place=config.weights_in_place and backend.name == "triton", has_bias=has_bias,
                 bias_rows=state.bias_map[segs.token_slots.long()] if has_bias else None,
                 seed=backend.draw_seed(x) if state.table.has_dropout and not decode else None,
@@ -586,27 +588,65 @@ def _in_ddp_forward(layer) -> bool:
 
 
 def _fused_base(layer, x, args, kwargs, state: LayerState, config: PatchConfig):
-    """The base ``nn.Linear`` when this call can run its GEMM inside the Function, else ``None``: a plain,
-    hook-free, frozen ``torch.nn.Linear`` of the input's dtype and device, without autocast, adapters without
-    ``lora_bias`` that need no input cast. Anything else runs the base layer itself and adds the delta."""
+    """``(W, b, base_weight)`` when this call can run the base GEMM inside the Function, else ``None``: a plain,
+    hook-free, frozen ``torch.nn.Linear`` of the input's dtype and device (``base_weight`` ``None``: ``W`` is the
+    GEMM's weight), or in training a bitsandbytes ``Linear4bit`` computing in the input's dtype (``base_weight``
+    dequantizes its packed ``W`` in the forward and again in the backward, as bitsandbytes' own autograd function
+    does: the same GEMMs, without the copy of the base output and the separate sum of the two ``dx`` parts of the
+    unfused path); without autocast, adapters without ``lora_bias`` that need no input cast. Anything else runs the
+    base layer itself and adds the delta (so do 4-bit bases in eval and decode, where bitsandbytes' own 4-bit GEMM
+    kernels serve few rows)."""
     if not config.fuse_base or args or kwargs or state.has_bias:
         return None
     base = layer._modules["base_layer"]
-    if type(base) is not torch.nn.Linear or "forward" in base.__dict__:  # accelerate hooks replace forward
+    kind = type(base)
+    if kind is not torch.nn.Linear and not (state.bnb4 and torch.is_grad_enabled()):
+        return None
+    if "forward" in base.__dict__:  # accelerate hooks replace forward
         return None
     if base._forward_hooks or base._forward_pre_hooks or _nn_module._global_forward_hooks or \
             _nn_module._global_forward_pre_hooks:
         return None
     W, b = base._parameters["weight"], base._parameters.get("bias")
-    if W.requires_grad or (b is not None and b.requires_grad) or type(W) is not torch.nn.Parameter:
+    if W.requires_grad or (b is not None and b.requires_grad) or x.device != W.device:
         return None
-    if x.dtype != W.dtype or x.device != W.device or (b is not None and b.dtype != W.dtype):
+    if b is not None and b.dtype != x.dtype:
         return None
+    if kind is torch.nn.Linear:
+        if type(W) is not torch.nn.Parameter or x.dtype != W.dtype:
+            return None
+        base_weight = None
+    else:
+        base_weight = _bnb4_base(base, x)
+        if base_weight is None:
+            return None
     if torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(x.device.type):
         return None
     if x.dtype == torch.float32 and state.lora_dtype in (torch.float16, torch.bfloat16):
         return None  # PEFT feeds the adapters a cast input: the unfused path does the same
-    return base
+    return W, b, base_weight
+
+
+def _bnb4_base(base, x):
+    """The dequantizing weight function of a bitsandbytes ``Linear4bit`` base for input ``x``, or ``None`` where its
+    forward would do other than ``linear(x, dequantize_4bit(W).to(x.dtype), b)`` (a compute dtype other than ``x``'s,
+    no quantization state yet, ``torch.compile`` tracing). Settles the compute dtype on the first call as its forward
+    does (``set_compute_type``: a float32 or bfloat16 input becomes the compute dtype)."""
+    if torch.compiler.is_compiling() or getattr(base.weight, "quant_state", None) is None:
+        return None
+    if not base.compute_type_is_set:
+        base.set_compute_type(x)
+        base.compute_type_is_set = True
+    if base.compute_dtype != x.dtype:
+        return None
+    return _dequantize_4bit
+
+
+def _dequantize_4bit(W: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bitsandbytes 4-bit weight as the ``[N, K]`` matrix its GEMMs use, in ``dtype``."""
+    import bitsandbytes.functional as bnb_functional
+
+    return bnb_functional.dequantize_4bit(W.data, W.quant_state).to(dtype)
 
 
 class _ExpertsMixin(_TrackedMixin):

@@ -1,9 +1,11 @@
-"""QLoRA: PEFT's LoRA layers over bitsandbytes 4-bit (nf4, fp4 with double quantization) and 8-bit bases run our
-layer Function (the base layer opaque, the delta added), on CPU (bitsandbytes runs its 4-bit and 8-bit layers
-there). Parity with stock PEFT running each sample with its adapter alone: outputs, input and LoRA gradients, train
-and eval, three adapters with different ranks and targets, ``__base__`` rows; the report lists the quantized layers
-as patched. Tolerance: fp32 compute, the same quantized base in both runs, so fp32-tight (1e-4 of the largest entry:
-the delta is added once in fp32, PEFT's per-adapter path sums in another order).
+"""QLoRA: PEFT's LoRA layers over bitsandbytes 4-bit (nf4, fp4 with double quantization) and 8-bit bases run our layer
+Function (in training a 4-bit base whose compute dtype is the input's is fused into it, its weight dequantized as
+bitsandbytes' autograd function does; otherwise the base layer runs opaque and the delta is added), on CPU
+(bitsandbytes runs its 4-bit and 8-bit layers there). Parity with stock PEFT running each sample with its adapter
+alone: outputs, input and LoRA gradients, train and eval, three adapters with different ranks and targets,
+``__base__`` rows; the report lists the quantized layers as patched. Tolerance: fp32 compute, the same quantized base
+in both runs, so fp32-tight (1e-4 of the largest entry: the delta is added once in fp32, PEFT's per-adapter path sums
+in another order).
 
 16-bit compute dtypes (bf16 on the torch backend only: the Triton interpreter cannot do bf16 dots) and 16-bit
 activations or adapters: each layer's output dtype equals PEFT's, and ours and PEFT's results are compared with the
@@ -93,6 +95,56 @@ def with_adapters(base, lora_dtype=None, b_scale=1.0):
         if "lora_" in n and lora_dtype is not None:
             p.data = p.data.to(lora_dtype)
     return model
+
+
+@needs_bnb
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_qlora_4bit_base_fused_in_training_only(checkpoint, monkeypatch):
+    """A 4-bit base runs inside the layer op in training (bitsandbytes' own forward is not called, its weight is
+    dequantized once per layer call in the forward and once in the backward), and runs itself in eval; the fused
+    step equals the unfused one (``PatchConfig(fuse_base=False)``) up to the fp32 order of the sums (the delta
+    written first and the GEMM accumulated onto it, against the GEMM's output plus the delta)."""
+    import fast_multilora.patching as patching
+
+    ids = torch.randint(0, 97, (len(NAMES), 6), generator=torch.Generator().manual_seed(0))
+    bnb_calls, dequant = [0], [0]
+    forward, dequantize = bnb.nn.Linear4bit.forward, patching._dequantize_4bit
+
+    def counted_forward(self, x):
+        bnb_calls[0] += 1
+        return forward(self, x)
+
+    def counted_dequantize(W, dtype):
+        dequant[0] += 1
+        return dequantize(W, dtype)
+
+    monkeypatch.setattr(bnb.nn.Linear4bit, "forward", counted_forward)
+    monkeypatch.setattr(patching, "_dequantize_4bit", counted_dequantize)
+    runs = {}
+    for fuse in (True, False):
+        model = qlora_model(checkpoint, "nf4")
+        fast_multilora.patch(model, fast_multilora.PatchConfig(backend="torch", fuse_base=fuse))
+        model.train()
+        bnb_calls[0] = dequant[0] = 0
+        emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+        out = model(inputs_embeds=emb, adapter_names=NAMES).logits
+        assert (bnb_calls[0], dequant[0]) == ((0, 7) if fuse else (7, 0))
+        out.square().mean().backward()
+        assert dequant[0] == (14 if fuse else 0)  # the backward's dx of each fused layer
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        assert grads.keys() == {n for n, p in model.named_parameters() if p.requires_grad}  # every adapter trains
+        runs[fuse] = (out.detach(), emb.grad, grads)
+        model.eval()
+        bnb_calls[0] = dequant[0] = 0
+        with torch.no_grad():
+            model(input_ids=ids, adapter_names=NAMES)
+        assert (bnb_calls[0], dequant[0]) == (7, 0)
+    (out, dx, grads), (out_u, dx_u, grads_u) = runs[True], runs[False]
+    torch.testing.assert_close(out, out_u, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx, dx_u, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == grads_u.keys()
+    for n in grads:
+        torch.testing.assert_close(grads[n], grads_u[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
 @needs_bnb
