@@ -626,6 +626,7 @@ class AdamW(torch.optim.Optimizer):
 # ``amsgrad``, ``maximize``, ``differentiable``, ``capturable``, tensor hyperparameters, an adapter split over groups
 # or only partly in the optimizer, paging, ``PatchConfig(store_optimizer=False)``; a second optimizer on the same
 # store, or a ``fast_multilora.AdamW`` built later, takes the arenas' states over (the first then steps as torch).
+# bitsandbytes' blockwise 8-bit Adam family is stepped the same way by ``optim_bnb.BnbBridge`` (its own buffers).
 
 _BRIDGES = None  # weakref.WeakKeyDictionary: torch optimizer -> _Bridge, the store count when found unheld, or False
 _BRIDGE_HOOKS: list = []
