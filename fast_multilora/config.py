@@ -47,8 +47,9 @@ class PatchConfig:
 
     ``store_optimizer``: a ``torch.optim.AdamW`` holding the store's parameters (``model.parameters()``) steps them
     through the store -- one launch per arena instead of torch's per-tensor work -- with its own hyperparameters and
-    states (``optimizer.state``, ``state_dict`` as usual; ``fast_multilora.optim`` says when it does not); ``False``:
-    torch steps them.
+    states (``optimizer.state``, ``state_dict`` as usual; ``fast_multilora.optim`` says when it does not), and
+    bitsandbytes' blockwise 8-bit Adam in a few calls per arena (``fast_multilora.optim_bnb``); ``False``: the
+    optimizers step them per tensor.
 
     ``resident_adapters``: paging (``fast_multilora.paging``). ``None``: off, every adapter stays on its device.
     ``k``: the adapters of the batch (and those :func:`fast_multilora.prefetch` brought in) and at most ``k`` others,

@@ -24,7 +24,7 @@ from typing import Callable, Mapping, NamedTuple, Optional
 import torch
 from torch.optim.adamw import adamw as _adamw
 
-from . import cpu_ops, reference
+from . import cpu_ops, optim_bnb, reference
 from .kernels.segments import to_device
 from .plan import BASE
 from .store import AdapterStore, _grow
@@ -626,6 +626,7 @@ class AdamW(torch.optim.Optimizer):
 # ``amsgrad``, ``maximize``, ``differentiable``, ``capturable``, tensor hyperparameters, an adapter split over groups
 # or only partly in the optimizer, paging, ``PatchConfig(store_optimizer=False)``; a second optimizer on the same
 # store, or a ``fast_multilora.AdamW`` built later, takes the arenas' states over (the first then steps as torch).
+# bitsandbytes' blockwise 8-bit Adam family is stepped the same way by ``optim_bnb.BnbBridge`` (its own buffers).
 
 _BRIDGES = None  # weakref.WeakKeyDictionary: torch optimizer -> _Bridge, the store count when found unheld, or False
 _BRIDGE_HOOKS: list = []
@@ -679,19 +680,22 @@ def _steps_optimizers(store: AdapterStore) -> bool:
 
 def _pre_step(opt, args, kwargs):
     bridge = _BRIDGES.get(opt)
-    if type(bridge) is not _Bridge:
+    if type(bridge) not in _BRIDGE_TYPES:
         from .store import stores
 
         # (False: its states were handed to another optimizer for good; an int: the stores when none held it)
-        if bridge is False or bridge == len(stores()) or not _bridgeable(opt):
+        if bridge is False or bridge == len(stores()):
+            return
+        kind = _Bridge if _bridgeable(opt) else optim_bnb.BnbBridge if optim_bnb.bridgeable(opt) else None
+        if kind is None:
             return
         store = _store_of(opt)
-        # (not over a user's fast_multilora.AdamW: it owns the arenas' states)
+        # (a torch.optim.AdamW not over a user's fast_multilora.AdamW: it owns the arenas' states)
         if store is None or not _steps_optimizers(store) or \
-                (store.owner is not None and not isinstance(store.owner, _Engine)):
+                (kind is _Bridge and store.owner is not None and not isinstance(store.owner, _Engine)):
             _BRIDGES[opt] = len(stores())
             return
-        bridge = _BRIDGES[opt] = _Bridge(opt, store)
+        bridge = _BRIDGES[opt] = kind(opt, store)
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # (args: the optimizer, then step's)
     if closure is not None:  # the closure's backward comes first (torch calls it inside its step)
         with torch.enable_grad():
@@ -703,7 +707,7 @@ def _pre_step(opt, args, kwargs):
 
 def _post_step(opt, args, kwargs) -> None:
     bridge = _BRIDGES.get(opt)
-    if type(bridge) is _Bridge:
+    if type(bridge) in _BRIDGE_TYPES:
         bridge.after(opt)
 
 
@@ -833,3 +837,6 @@ class _Bridge:
                     opt.state[p] = {k: torch.tensor(float(v), dtype=torch.float32) if k == "step" and on_host
                                     else v.clone() for k, v in st.items()}
         _BRIDGES[opt] = False
+
+
+_BRIDGE_TYPES = (_Bridge, optim_bnb.BnbBridge)
