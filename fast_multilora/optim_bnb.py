@@ -87,6 +87,15 @@ class _Arena:
         self.g_stage = torch.zeros(stage, dtype=dtype, device=device)
 
 
+def _part(buf: torch.Tensor, lo: int, hi: int, shape=None) -> torch.Tensor:
+    """``buf[lo:hi]`` (viewed as ``shape``), marked paged as ``buf`` is (bitsandbytes tells a paged tensor, CUDA
+    managed memory that torch sees on the CPU, by these attributes, which a view does not inherit)."""
+    part = buf[lo:hi] if shape is None else buf[lo:hi].view(shape)
+    if getattr(buf, "is_paged", False):
+        part.is_paged, part.page_deviceid = True, buf.page_deviceid
+    return part
+
+
 class _Piece:
     """One parameter the bridge steps: where it lies in its arena and in the bridge's state buffers."""
 
@@ -218,7 +227,7 @@ class BnbBridge:
     def _views(a: _Arena, pc: _Piece) -> dict:
         lo, n, shape = pc.offset, pc.numel, pc.param.shape
         b0, nb = lo // BLOCK, -(-n // BLOCK)
-        return {"state1": a.state1[lo : lo + n].view(shape), "state2": a.state2[lo : lo + n].view(shape),
+        return {"state1": _part(a.state1, lo, lo + n, shape), "state2": _part(a.state2, lo, lo + n, shape),
                 "absmax1": a.absmax1[b0 : b0 + nb], "absmax2": a.absmax2[b0 : b0 + nb]}
 
     def _new_state(self, opt, pc: _Piece) -> dict:
@@ -326,7 +335,7 @@ class BnbBridge:
             b0, b1 = lo // BLOCK, hi // BLOCK
             q1, q2 = self._qmaps(opt, a.key[1])
             F.optimizer_update_8bit_blockwise(
-                opt.optimizer_name, g, p, a.state1[lo:hi], a.state2[lo:hi], betas[0], betas[1],
+                opt.optimizer_name, g, p, _part(a.state1, lo, hi), _part(a.state2, lo, hi), betas[0], betas[1],
                 betas[2] if len(betas) >= 3 else 0.0, group.get("alpha", 0.0), group["eps"], steps[first] + 1,
                 group["lr"], q1, q2, a.absmax1[b0:b1], a.absmax2[b0:b1], group["weight_decay"], gnorm_scale=1.0,
                 skip_zeros=opt.args.skip_zeros)
