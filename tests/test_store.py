@@ -1204,11 +1204,11 @@ def test_the_step_after_a_change_reads_the_changed_adapters_entries_only(what):
     assert small["items"] > 0 and (small["states"] > 0) == (what != "refreeze"), small  # (a flag lays nothing out)
     _assert_tables_equal_a_fresh_build(opt)
     store = opt.store
-    for s in store.slots.values():  # the spliced per-layer entries are those a fresh layout gives
-        assert s.held_idx == tuple(store.index_of[id(p)] for p in s.params)
+    for s in store.slots.values():  # the per-layer entries edited in place are those a fresh layout gives
+        assert s.held_idx == [store.index_of[id(p)] for p in s.params]
         assert all(store._views[i] is v for i, v in zip(s.held_idx, s.views, strict=True))
-        assert s.offsets == tuple(s.by_name[n][2] for n in s.names)
-        assert s.params == tuple(s.by_name[n][3] for n in s.names) + tuple(s.by_name[n][4] for n in s.names)
+        assert s.offsets == [s.by_name[n][2] for n in s.names]
+        assert s.params == [s.by_name[n][3] for n in s.names] + [s.by_name[n][4] for n in s.names]
 
 
 @pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
