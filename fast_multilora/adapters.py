@@ -986,24 +986,33 @@ def load_adapters(model, sources: Mapping, *, is_trainable: bool = False, torch_
         cfg.inference_mode = not is_trainable
         configs[name] = cfg
     add_adapters(model, configs, autocast_adapter_dtype=autocast_adapter_dtype)
+    found = _adapter_keys(model, list(sources))  # (None: a model whose keys only its state dict tells)
     if is_trainable:
-        model.set_requires_grad(list(configs))
+        if found is None:
+            model.set_requires_grad(list(configs))
+        else:  # PEFT's set_requires_grad on each tuner layer, at the new adapters' entries only
+            _set_requires_grad(found[4], list(configs))
     if torch_device is None:
         from peft.utils.other import infer_device
 
         torch_device = infer_device()
 
-    keyed, shared, aux = _tuner_prefixes(model)
-    own = {n: [] for n in sources}
-    shared_keys = []
-    model_keys = list(model.state_dict().keys())
-    for key in model_keys:
-        _, adapter = _owner(key, keyed, shared)
-        if adapter in own:
-            own[adapter].append(key)
-        elif adapter is None and _under(key, shared):
-            shared_keys.append(key)
-    requires_prefix = any(n.startswith("base_model.model.") for n, _ in model.named_parameters())
+    if found is None:
+        keyed, shared, aux = _tuner_prefixes(model)
+        own = {n: [] for n in sources}
+        shared_keys = []
+        model_keys = list(model.state_dict().keys())
+        for key in model_keys:
+            _, adapter = _owner(key, keyed, shared)
+            if adapter in own:
+                own[adapter].append(key)
+            elif adapter is None and _under(key, shared):
+                shared_keys.append(key)
+        requires_prefix = any(n.startswith("base_model.model.") for n, _ in model.named_parameters())
+        known = set(model_keys)
+    else:
+        own, shared_keys, requires_prefix, aux = found[0], found[1], found[2], set()
+        known = _KnownKeys(model, set(shared_keys).union(*own.values()))
     lora_cls = type(tuner)
     merged, results = {}, {}
     for name, path in sources.items():
@@ -1022,8 +1031,7 @@ def load_adapters(model, sources: Mapping, *, is_trainable: bool = False, torch_
             state = {k.removeprefix("base_model.model."): v for k, v in state.items()}
         merged.update(state)
         results[name] = state
-    _load_state(model, merged)
-    known = set(model_keys)
+    _load_state(model, merged, None if found is None else found[3])
     out = {}
     for name, state in results.items():
         out[name] = _IncompatibleKeys([k for k in own[name] if k not in state], [k for k in state if k not in known])
@@ -1034,12 +1042,140 @@ def load_adapters(model, sources: Mapping, *, is_trainable: bool = False, torch_
     return out
 
 
-def _load_state(model, state) -> None:
+_CONTAINERS = (nn.ModuleDict, nn.ParameterDict)
+
+
+def _is_container(m) -> bool:
+    return isinstance(m, _CONTAINERS) or type(m).__name__ == "BufferDict"
+
+
+def _hooks_of(m) -> bool:
+    return bool(m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks or m._state_dict_hooks
+                or m._state_dict_pre_hooks)
+
+
+def _adapter_keys(model, names: list):
+    """What :func:`load_adapters` reads from the whole model's state dict (:func:`_tuner_prefixes`, :func:`_owner`),
+    for adapters ``names`` only: one walk of the model that enters no other adapter's entries of the tuner layers'
+    per-adapter containers, so its work is the model's structure and these adapters', not the registry. Returns
+    ``(own, shared_keys, requires_prefix, hooked, tuner_layers)`` -- ``own``: {name: its keys}, ``shared_keys``: the
+    keys of the tuner layers' shared attributes, ``hooked``: whether a module walked has load hooks -- or ``None``
+    where the whole state dict is read (auxiliary wrappers, a module with state-dict hooks of its own: they may rename
+    keys)."""
+    from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    own = {n: [] for n in names}
+    shared_keys, layers = [], []
+    hooked, first = False, None
+    seen, stack = set(), [("", model)]
+    while stack:  # (pre-order, as the state dict: a module's own tensors, then its children in order)
+        key, module = stack.pop()
+        if type(module) is tuple:  # keys of a tuner layer's attribute, in their place in the order
+            owner, keys = module
+            (own[owner] if owner is not None else shared_keys).extend(keys)
+            continue
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        if isinstance(module, AuxiliaryTrainingWrapper) or module._state_dict_hooks or module._state_dict_pre_hooks:
+            return None
+        hooked = hooked or _hooks_of(module)
+        pre = key + "." if key else ""
+        if first is None:
+            first = next((pre + n for n, p in module._parameters.items() if p is not None), None)
+        tuner = isinstance(module, (BaseTuner, BaseTunerLayer))
+        if isinstance(module, BaseTunerLayer):
+            layers.append(module)
+        if tuner:  # its own tensors: shared keys
+            shared_keys += [pre + n for n, t in module._parameters.items() if t is not None]
+            shared_keys += [pre + n for n, t in module._buffers.items()
+                            if t is not None and n not in module._non_persistent_buffers_set]
+        children = []
+        for n, c in module._modules.items():
+            if c is None:
+                continue
+            if not tuner or n in ("base_layer", "model"):
+                children.append((pre + n, c))
+                continue
+            if not _is_container(c):  # a shared attribute: its keys are the tuner layer's shared keys
+                for m in c.modules():
+                    if m._state_dict_hooks or m._state_dict_pre_hooks or isinstance(m, BaseTunerLayer):
+                        return None
+                    hooked = hooked or _hooks_of(m)
+                children.append(("", (None, list(c.state_dict(prefix=f"{pre}{n}.", keep_vars=True)))))
+                continue
+            hooked = hooked or _hooks_of(c)  # keyed: only the entries of the adapters loaded, in the container's order
+            if c._state_dict_hooks or c._state_dict_pre_hooks:
+                return None
+            for a in names:  # (each adapter's keys are its own list: their order among adapters does not matter)
+                sub = c._modules.get(a)
+                if sub is not None:
+                    for m in sub.modules():
+                        if m._state_dict_hooks or m._state_dict_pre_hooks:
+                            return None
+                        hooked = hooked or _hooks_of(m)
+                    keys = list(sub.state_dict(prefix=f"{pre}{n}.{a}.", keep_vars=True))
+                elif c._parameters.get(a) is not None or (c._buffers.get(a) is not None
+                                                          and a not in c._non_persistent_buffers_set):
+                    keys = [f"{pre}{n}.{a}"]
+                else:
+                    keys = []
+                children.append(("", (a, keys)))
+        stack.extend(reversed(children))
+    if first is None:
+        first = next((n for n, _ in model.named_parameters()), "")
+    return own, shared_keys, first.startswith("base_model.model."), hooked, layers
+
+
+class _KnownKeys:
+    """Membership in the model's state-dict keys, without the whole state dict: ``keys`` (found by
+    :func:`_adapter_keys`), else a parameter or persistent buffer at the key's path."""
+
+    def __init__(self, model, keys: set):
+        self.model, self.keys = model, keys
+
+    def __contains__(self, key) -> bool:
+        if key in self.keys:
+            return True
+        path, _, leaf = key.rpartition(".")
+        try:
+            module = self.model.get_submodule(path)
+        except AttributeError:
+            return False
+        if module._parameters.get(leaf) is not None:
+            return True
+        return module._buffers.get(leaf) is not None and leaf not in module._non_persistent_buffers_set
+
+
+def _set_requires_grad(layers, names: list) -> None:
+    """PEFT's ``set_requires_grad(names, True)`` on each tuner layer (``BaseTunerLayer.set_requires_grad``), reading
+    the adapters ``names`` of its per-adapter containers only (PEFT's loops over every entry)."""
+    from peft.utils.other import _set_layer_requires_grad
+
+    want = set(names)
+    for layer in layers:
+        for attr in layer.adapter_layer_names:
+            container = getattr(layer, attr, None)
+            if container is None:
+                continue
+            for n in names:
+                if n in container:
+                    _set_layer_requires_grad(container[n], True)
+        freeze = getattr(layer, "_freeze_non_trainable_peft_weights", None)
+        if freeze is not None:
+            freeze(want)
+
+
+def _load_state(model, state, hooked=None) -> None:
     """``model.load_state_dict(state, strict=False)``, module by module: torch's recursion filters a container's
     entries once per child, which is quadratic in the adapters of a layer. Each tensor goes through its own module's
     ``load_state_dict`` (its ``_load_from_state_dict`` and hooks); where a module of the model has load hooks of its
-    own (they may rename keys for their subtree), the whole model's ``load_state_dict`` instead."""
-    if any(m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks for m in model.modules()):
+    own (they may rename keys for their subtree), the whole model's ``load_state_dict`` instead. ``hooked``: whether
+    one has, when known (:func:`_adapter_keys`' walk)."""
+    if hooked is None:
+        hooked = any(m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks for m in model.modules())
+    if hooked:
         model.load_state_dict(state, strict=False)
         return
     groups = collections.defaultdict(dict)

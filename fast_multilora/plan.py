@@ -187,25 +187,28 @@ class Router:
             before = held_by.get(id(layer), set())
             if full or dirty is ALL:
                 now = _names_of(layer)
-                changed = now ^ before
-            else:
-                changed = dirty
-                now = set(before)
+                entered = now - before
+                left = before - now
+                held_by[id(layer)] = now
+            else:  # the layer's set edited at the marked adapters (no copy of the adapters it holds)
+                now = held_by.setdefault(id(layer), before)
+                entered, left = [], []
                 for n in dirty:
-                    if _holds(layer, n):
+                    has = _holds(layer, n)
+                    if has and n not in now:
                         now.add(n)
-                    else:
+                        entered.append(n)
+                    elif not has and n in now:
                         now.discard(n)
-            for n in changed:
-                if n in now and n not in before:
-                    holders[n] = holders.get(n, 0) + 1
-                    came.add(n)
-                elif n in before and n not in now:
-                    holders[n] -= 1
-                    if holders[n] == 0:
-                        del holders[n]
-                        went.add(n)
-            held_by[id(layer)] = now
+                        left.append(n)
+            for n in entered:
+                holders[n] = holders.get(n, 0) + 1
+                came.add(n)
+            for n in left:
+                holders[n] -= 1
+                if holders[n] == 0:
+                    del holders[n]
+                    went.add(n)
         if full:  # the slots of adapters no layer holds now are freed, those of new ones assigned below
             went = set(self.slot_of) - set(holders)
             came = set(holders) - set(self.slot_of)

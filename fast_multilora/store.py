@@ -228,10 +228,10 @@ class LayerSlots:
     N: int
     a_leaf: torch.Tensor  # [cap, K]
     b_leaf: torch.Tensor  # [cap * N]
-    params: tuple  # (A params..., B params...) slot order
+    params: list  # (A params..., B params...) slot order (lists: a layout edits them in place at the changed slots)
     key: tuple  # _layer_key when laid out
     state: object  # the layer's patching.LayerState it was checked against (a new one: the key is checked again)
-    held_idx: tuple = ()  # each parameter's index in the store's ``_held`` (params' order)
+    held_idx: list = field(default_factory=list)  # each parameter's index in the store's ``_held`` (params' order)
     table: object = None  # kernels.segments.AdapterTable: the state's, with the cells' offsets
     arena: Optional[Arena] = None
     a0: int = 0
@@ -239,8 +239,8 @@ class LayerSlots:
     cap: int = 0
     end: int = 0
     cells: list = field(default_factory=list)
-    views: tuple = ()  # (A grad pieces..., B grad pieces...) slot order
-    offsets: tuple = ()  # the present adapters' first rows in the region, slot order
+    views: list = field(default_factory=list)  # (A grad pieces..., B grad pieces...) slot order
+    offsets: list = field(default_factory=list)  # the present adapters' first rows in the region, slot order
     table_of: tuple = ()  # the host tuples of the state table ``table`` was made from
     by_name: dict = field(default_factory=dict)  # adapter -> its cell
     holes: dict = field(default_factory=dict)  # rank -> the cells of that rank no adapter holds
@@ -379,6 +379,30 @@ def _spliced_pair(seq, n: int, rm: list, at: list, a_values, b_values) -> tuple:
     for i, v in zip(at, b_values, strict=True):
         out.insert(m + i, v)
     return tuple(out)
+
+
+def _splice_pair_into(out: list, n: int, rm: list, at: list, a_values, b_values) -> list:
+    """:func:`_spliced_pair` in place on the list ``out`` (its entries moved by ``del`` / ``insert``: a shift of the
+    pointers, no copy of the entries -- a layer's per-adapter list edited at the changed adapters). Returns ``out``."""
+    for i in reversed(rm):
+        del out[n + i]
+    for i in reversed(rm):
+        del out[i]
+    for i, v in zip(at, a_values, strict=True):
+        out.insert(i, v)
+    m = n - len(rm) + len(at)
+    for i, v in zip(at, b_values, strict=True):
+        out.insert(m + i, v)
+    return out
+
+
+def _splice_into(out: list, rm: list, at: list, values) -> list:
+    """:func:`_spliced` in place on the list ``out``. Returns ``out``."""
+    for i in reversed(rm):
+        del out[i]
+    for i, v in zip(at, values, strict=True):
+        out.insert(i, v)
+    return out
 
 
 def _take_back_moved(old: LayerSlots, cells: list, arena: Arena) -> None:
@@ -953,15 +977,16 @@ class AdapterStore:
             at = list(idx)
             ins = list(map(by_name.__getitem__, check))
 
-            params = _spliced_pair(old.params, n_old, rm, at, map(_CELL_A, ins), map(_CELL_B, ins))
-            views_t = _spliced_pair(old.views, n_old, rm, at, (views[id(c[3])] for c in ins),
-                                    (views[id(c[4])] for c in ins))
-            offsets = tuple(_spliced(old.offsets, rm, at, map(_CELL_OFFSET, ins)))
+            # (old is given up: its lists are edited in place and become the new slots')
+            params = _splice_pair_into(old.params, n_old, rm, at, map(_CELL_A, ins), map(_CELL_B, ins))
+            views_t = _splice_pair_into(old.views, n_old, rm, at, [views[id(c[3])] for c in ins],
+                                        [views[id(c[4])] for c in ins])
+            offsets = _splice_into(old.offsets, rm, at, map(_CELL_OFFSET, ins))
         else:
             ordered = list(map(by_name.__getitem__, present))
-            params = tuple(map(_CELL_A, ordered)) + tuple(map(_CELL_B, ordered))
-            views_t = tuple(map(views.__getitem__, map(id, params)))
-            offsets = tuple(map(_CELL_OFFSET, ordered))
+            params = list(map(_CELL_A, ordered)) + list(map(_CELL_B, ordered))
+            views_t = list(map(views.__getitem__, map(id, params)))
+            offsets = list(map(_CELL_OFFSET, ordered))
         a_leaf = _piece(arena.data, a0, (cap, K))
         b_leaf = _piece(arena.data, b0, (cap * N,))
         a_leaf.grad = _piece(arena.grad, a0, (cap, K))
@@ -1006,7 +1031,7 @@ class AdapterStore:
             held += chain(zip(s.params[:n], s.params[n:], strict=True))
             views += chain(zip(s.views[:n], s.views[n:], strict=True))
             adapter_of += chain(zip(s.names, s.names, strict=True))
-            s.held_idx = tuple(range(base, base + 2 * n, 2)) + tuple(range(base + 1, base + 2 * n, 2))
+            s.held_idx = list(range(base, base + 2 * n, 2)) + list(range(base + 1, base + 2 * n, 2))
             leaf_of += [(s.lid, 0), (s.lid, 1)] * n  # each adapter's A, then B: its leaves' keys (as ``watch``)
         self._held, self._views, self.adapter_of, self.leaf_of = held, views, adapter_of, leaf_of
         self.index_of = dict(zip(map(id, held), range(len(held)), strict=True))
@@ -1058,12 +1083,12 @@ class AdapterStore:
         for s in fresh:
             e, s.edit = s.edit, None
             if e is None:
-                s.held_idx = tuple(map(index_of.__getitem__, map(id, s.params)))
+                s.held_idx = list(map(index_of.__getitem__, map(id, s.params)))
                 continue
             old, rm, at = e  # old's indices with the changed adapters' taken out and put in at their positions
-            n_old, n = len(old.names), len(s.names)
-            s.held_idx = _spliced_pair(old.held_idx, n_old, rm, at, (index_of[id(s.params[i])] for i in at),
-                                       (index_of[id(s.params[n + i])] for i in at))
+            n_old, n = len(old.names), len(s.names)  # (old is given up: its list is edited in place)
+            s.held_idx = _splice_pair_into(old.held_idx, n_old, rm, at, [index_of[id(s.params[i])] for i in at],
+                                           [index_of[id(s.params[n + i])] for i in at])
         self._compact = None
         self._new_index()
         self._watch()

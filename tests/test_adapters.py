@@ -312,6 +312,44 @@ def test_load_adapters_equals_peft_loop(tmp_path, trainable):
                 assert torch.equal(got_model.get_parameter(n.replace(f".{saved}.", f".{k}.")), p), n
 
 
+
+def test_loading_beside_present_adapters_equals_peft_and_walks_none_of_them(tmp_path):
+    """Adapters loaded into a model holding others (churn in a trained model): the model ends as PEFT's
+    ``load_adapter`` loop leaves it, and the call reads none of the present adapters' modules: as many module visits
+    with 8 as with 32 adapters present (the whole model's state dict grows with them)."""
+    src = base_model(seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast_multilora.add_adapters(src, {"p": LoraConfig(r=3, target_modules=["q_proj"],
+                                                          init_lora_weights=False),
+                                          "d": LoraConfig(r=2, target_modules=["v_proj"], use_dora=True,
+                                                          init_lora_weights=False)})
+        src.save_pretrained(tmp_path)
+    sources = {"lp": tmp_path / "p", "ld": tmp_path / "d"}
+
+    def build(n):
+        torch.manual_seed(2)
+        model = base_model()
+        fast_multilora.add_adapters(model, {f"t{i}": LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
+                                            for i in range(n)})
+        model.get_parameter("base_model.model.model.layers.0.self_attn.q_proj.lora_A.t1.weight").requires_grad_(True)
+        return model
+
+    visits = {}
+    for n in (8, 32):
+        want, got = build(n), build(n)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            keys = {k: want.load_adapter(p, adapter_name=k, is_trainable=True) for k, p in sources.items()}
+            out = {}
+            visits[n] = _count_module_visits(lambda got=got, out=out: out.update(
+                fast_multilora.load_adapters(got, sources, is_trainable=True)))
+        assert_same_state(model_state(got), model_state(want))
+        for k in sources:
+            assert out[k].unexpected_keys == keys[k].unexpected_keys == []
+            assert out[k].missing_keys == []
+    assert visits[8] == visits[32], visits
+
 def test_bad_input_errors(tmp_path):
     model = base_model()
     before = model_state(model)

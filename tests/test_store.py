@@ -10,6 +10,7 @@ import collections
 import copy
 import io
 import pickle
+import random
 
 import pytest
 import torch
@@ -1204,11 +1205,11 @@ def test_the_step_after_a_change_reads_the_changed_adapters_entries_only(what):
     assert small["items"] > 0 and (small["states"] > 0) == (what != "refreeze"), small  # (a flag lays nothing out)
     _assert_tables_equal_a_fresh_build(opt)
     store = opt.store
-    for s in store.slots.values():  # the spliced per-layer entries are those a fresh layout gives
-        assert s.held_idx == tuple(store.index_of[id(p)] for p in s.params)
+    for s in store.slots.values():  # the per-layer entries edited in place are those a fresh layout gives
+        assert s.held_idx == [store.index_of[id(p)] for p in s.params]
         assert all(store._views[i] is v for i, v in zip(s.held_idx, s.views, strict=True))
-        assert s.offsets == tuple(s.by_name[n][2] for n in s.names)
-        assert s.params == tuple(s.by_name[n][3] for n in s.names) + tuple(s.by_name[n][4] for n in s.names)
+        assert s.offsets == [s.by_name[n][2] for n in s.names]
+        assert s.params == [s.by_name[n][3] for n in s.names] + [s.by_name[n][4] for n in s.names]
 
 
 @pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -1299,3 +1300,33 @@ def test_a_short_list_of_blocks_is_cut_as_the_vectorised_cut_does(monkeypatch):
                           ([(-1, 2, 0)], "outside"), ([(0, -2, 0)], "outside")]:
         with pytest.raises(ValueError, match=match):
             adamw_mod.chunk_table(blocks, 7, 10, "cpu")
+
+
+def test_slot_sync_edits_each_layers_adapters_in_place_as_a_full_read_finds_them():
+    """``Router.sync_slots`` after adapters are deleted, re-added under the same name, added to some layers only:
+    each layer's set of adapters (edited in place at the marked adapters) and the holder counts equal a full read,
+    and the slots are the adapters the layers hold."""
+    from fast_multilora.patching import _ROUTER_ATTR
+    from fast_multilora.plan import _names_of
+
+    model = many_model(6)
+    fast_multilora.patch(model, backend="torch")
+    router = model.__dict__[_ROUTER_ATTR]
+    rng = random.Random(3)
+    for k in range(12):
+        names = sorted(model.peft_config)
+        if k % 3 == 2 or len(names) < 3:
+            name = f"r{k % 4}" if f"r{k % 4}" not in names else f"n{k}"  # (names deleted before come back)
+            targets = rng.choice([["q_proj"], ["v_proj"], ["q_proj", "v_proj"]])
+            model.add_adapter(name, LoraConfig(r=2, target_modules=targets))
+        else:
+            model.delete_adapter(rng.choice(names))
+        router.sync_slots()
+        held = {id(layer): _names_of(layer) for layer in router.layers}
+        assert router._held_by == held, k
+        counts = {}
+        for s in held.values():
+            for n in s:
+                counts[n] = counts.get(n, 0) + 1
+        assert router._holders == counts, k
+        assert set(router.slot_of) == set(counts) == set(model.peft_config), k
