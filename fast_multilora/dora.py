@@ -13,8 +13,11 @@ magnitudes get their gradients, the LoRA weights and the input theirs through ``
 
     out = y + (g - 1) * (y - b + (x~ - x) W^T)         (the last term only with dropout, in training)
 
-``g - 1`` is gathered per row from a ``[n_dora, N]`` table by a one-hot matmul (zero for ``__base__`` rows and plain
-LoRA adapters' rows), so the magnitudes' gradient is a matmul too (deterministic, no atomics). The weight norms are
+``g - 1`` is taken per row from a ``[n_dora, N]`` table by a one-hot matmul (zero for ``__base__`` rows and plain
+LoRA adapters' rows), so the magnitudes' gradient is a matmul too (deterministic, no atomics): one row of it per
+sample, broadcast over the sample's tokens, when the batch names an adapter per sample (per token for packed rows),
+in the output's dtype when that is 16-bit (as PEFT scales); the dropped input's term is built in the input's dtype
+from the op's packed mask by byte arithmetic. The weight norms are
 computed once per layer call for each DoRA adapter the batch names (not per row): ``||W_i + s (B A)_i||^2 =
 ||W_i||^2 + 2 s (W A^T)_i . B_i + s^2 B_i (A A^T) B_i^T``, one GEMM ``W A_D^T`` for all of the layer's DoRA adapters
 and no ``[N, K]`` temporary per adapter. Layers without DoRA adapters never reach this module.
@@ -74,13 +77,17 @@ def weight_norms(W: torch.Tensor, As: list, Bs: list, scales: tuple) -> torch.Te
 
 
 def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, table, names_in_batch,
-          keep_out: Optional[list], absent_grads: bool = False) -> torch.Tensor:
+          keep_out: Optional[list], absent_grads: bool = False, row_slots: Optional[torch.Tensor] = None
+          ) -> torch.Tensor:
     """DoRA's output from the layer op's ``out = base(x) + LoRA delta`` (module docstring). ``x``: the input the LoRA
     part read; ``names_in_batch``: the adapters the batch names (``None``: all of the layer's, while tracing);
     ``keep_out``: what the op's forward reported of its dropout draw (``[(keep, seed)]``), ``None`` without dropout
     in this call; ``absent_grads``: the magnitudes of adapters the batch does not name get zero gradients (the
     per-parameter path, where DDP needs one for every parameter) instead of none (the adapter store's path, as
-    stock PEFT: an adapter without rows gets no gradient)."""
+    stock PEFT: an adapter without rows gets no gradient); ``row_slots``: the slot of each row of ``out`` (its first
+    dimension) where the batch names one adapter per row -- then ``g - 1`` is a ``[rows, N]`` table broadcast over
+    each row's tokens (no ``[tokens, N]`` one; its gradient a sum over each row's tokens), else gathered per token.
+    With 16-bit outputs ``g - 1`` is applied in the output's dtype, as PEFT applies its scale."""
     N = out.shape[-1]
     a_mods, b_mods = layer.lora_A._modules, layer.lora_B._modules
     mags = layer.lora_magnitude_vector._modules
@@ -98,28 +105,41 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
 
     gm1 = torch.stack([mags[n].weight.float() / next(norms) - 1 if n in live else absent(n)
                        for n in dora.names])  # [n_dora, N]
-    ts = token_slots(segs)
-    row = dora.rows[ts]  # [S]
-    onehot = (row[:, None] == torch.arange(len(dora.names), device=row.device)).to(gm1.dtype)  # [S, n_dora]
-    y = out.reshape(-1, N)
+    per_row = row_slots is not None and out.dim() >= 2 and out.shape[0] == row_slots.numel()
+    ts = token_slots(segs) if keep_out is not None or not per_row else None
+    row = dora.rows[row_slots.long() if per_row else ts]  # [rows] or [S]
+    onehot = (row[:, None] == torch.arange(len(dora.names), device=row.device)).to(gm1.dtype)  # [., n_dora]
+    g = onehot @ gm1  # [rows, N] or [S, N]: a matmul, so the magnitudes' gradient is one too (no atomics)
+    y = out if per_row else out.reshape(-1, N)
+    if per_row:
+        g = g.view(out.shape[0], *([1] * (out.dim() - 2)), N)
+    if out.dtype in (torch.float16, torch.bfloat16):
+        g = g.to(out.dtype)
     bias = layer.get_base_layer().bias
     z = y if bias is None else y - bias
     if keep_out is not None:  # training under dropout: PEFT's base term reads the dropped input
         xr = x.reshape(-1, x.shape[-1])
         keep = _keep_mask(keep_out, segs, table, xr)
         p = torch.where(ts >= 0, table.dropout[ts.clamp(min=0)], 0.0)
-        factor = keep.to(xr.dtype) / (1 - p).to(xr.dtype)[:, None] - 1  # x~ - x = x * factor
-        z = z + torch.nn.functional.linear(xr * factor, W.to(xr.dtype))
-    res = torch.addcmul(y, onehot @ gm1, z)
+        # x~ - x = x * (keep / (1 - p) - 1): the factor per element is 1 / (1 - p) - 1 where kept, else -1
+        factor = torch.where(keep, (1 / (1 - p) - 1).to(xr.dtype)[:, None], torch.tensor(-1.0, dtype=xr.dtype,
+                                                                                         device=xr.device))
+        z = z + torch.nn.functional.linear(xr * factor, W.to(xr.dtype)).view(z.shape)
+    res = torch.addcmul(y, g, z)
     return res.to(out.dtype).view(out.shape)
 
 
 def _keep_mask(keep_out: list, segs, table, x: torch.Tensor) -> torch.Tensor:
     """The boolean ``[S, K]`` keep-mask the layer op's LoRA part used: the torch backend's mask, the Triton
-    kernels' stored bits unpacked, or their draw for the call's seed redrawn (``kernels.dropout``)."""
-    from .kernels.dropout import dropout_keep_mask, unpack_keep_bits
+    kernels' stored bits unpacked (byte arithmetic), or their draw for the call's seed redrawn
+    (``kernels.dropout``)."""
+    from .kernels.dropout import dropout_keep_mask
 
     keep, seed = keep_out[-1]  # the layer call's forward ran (a call under dropout never replays a launch plan)
     if keep is not None:
-        return keep if keep.dtype == torch.bool else unpack_keep_bits(keep, x.shape[1])
+        if keep.dtype == torch.bool:
+            return keep
+        shifts = torch.arange(8, dtype=torch.uint8, device=keep.device)
+        bits = (keep[:, :, None] >> shifts) & 1  # [S, K/8, 8] uint8: bit i of byte j is column 8 j + i
+        return bits.view(keep.shape[0], -1)[:, : x.shape[1]] != 0
     return dropout_keep_mask(seed, segs, table, x.shape[1])  # a host seed: such calls run eagerly (patching)

@@ -568,7 +568,8 @@ def _dora_call(layer, dora, state: LayerState, routing, args: tuple, keep_out) -
     out = run_layer(*args)
     in_batch = None if torch.compiler.is_compiling() else routing.names  # traced: every DoRA adapter of the layer
     return dora_mod.apply(layer, dora, out, args[5], args[2], state.table, in_batch, keep_out,
-                          absent_grads=args[3] is None or _in_ddp_forward(layer))
+                          absent_grads=args[3] is None or _in_ddp_forward(layer),
+                          row_slots=routing.row_slots if routing.per_row else None)
 
 
 @torch.compiler.disable

@@ -19,6 +19,11 @@ pytestmark = pytest.mark.gpu
 liger = pytest.importorskip("liger_kernel.transformers")
 
 NAMES = ["a1", "__base__", "a0", "a2", "a0", "a1"]
+# The labels= gradients: Liger's fused linear cross-entropy (its own chunked fp32 softmax and matmuls over the
+# vocabulary) against PyTorch's cross_entropy of the oracle's full logits -- two fp32 computations of the loss gradient
+# in different orders, through two layers' backward, where the other checks compare one computation each: 2.9e-5 of
+# the largest entry measured on an H200 (LoRA B of a rank-1 adapter), 5x the fp32 tolerance of one computation.
+LABELS_TOL = 1e-4
 T = 12
 
 
@@ -120,5 +125,7 @@ def test_liger_and_patch_compose(arch, order):
     torch.testing.assert_close(res.loss.detach(), want_loss, rtol=2e-5, atol=0)
     got = _lora_grads(model)
     assert set(got) == set(want_grads)
-    for n, gw in want_grads.items():
-        assert_close_max(got[n], gw, torch.float32, f"{n} (labels=)")
+    for n, gw in want_grads.items():  # (see LABELS_TOL)
+        err = (got[n].double() - gw.double()).abs().max().item()
+        assert err <= LABELS_TOL * gw.abs().max().item(), f"{n} (labels=): max err {err:.3e}"
+
