@@ -150,6 +150,34 @@ def test_training_step_matches_peft(path, arch):
     _assert_matches(got, want, model, NAMES)
 
 
+def _rel_rmse(got, truth) -> float:
+    return ((got.double() - truth.double()).norm() / truth.double().norm()).item()
+
+
+def test_bf16_training_step_within_twice_peft_error():
+    """16-bit (the model in bf16, torch backend): ours and stock PEFT per adapter, each against the fp32 truth of the
+    same weights (PEFT in fp32); ours at most twice PEFT's own error plus bf16's unit roundoff (2^-8), in relative
+    RMSE of the logits, the input's gradient and every LoRA / DoRA gradient (test_errors.py's rule). The path that
+    applies each sample's ``g - 1`` in the output's dtype runs only here."""
+    model, ref = build("llama_bias")
+    truth = twin(ref)
+    model.to(torch.bfloat16)
+    ref.to(torch.bfloat16)
+    _patch(model, "torch")
+    for m in (model, ref, truth):
+        m.train()
+    ids, w = _inputs()
+    got = _step(model, ids, w, adapter_names=NAMES)
+    low = _peft_by_adapter(ref, ids, w, NAMES)
+    exact = _peft_by_adapter(truth, ids, w, NAMES)
+    u = 2.0**-8
+    for what, g, lo, ex in (("logits", got[0], low[0], exact[0]), ("input grad", got[1], low[1], exact[1])):
+        assert _rel_rmse(g, ex) <= 2 * _rel_rmse(lo, ex) + u, what
+    assert got[2].keys() == exact[2].keys()
+    for n, ex in exact[2].items():
+        assert _rel_rmse(got[2][n], ex) <= 2 * _rel_rmse(low[2][n], ex) + u, n
+
+
 def _recording_masks(monkeypatch):
     """Record, per patched layer, the keep-mask DoRA's base term read (module name filled in by the caller)."""
     seen, current = [], [None]
