@@ -20,7 +20,9 @@ def _f(v, d=1):
 
 
 def tables(res: dict, scenarios=None) -> str:
-    """One markdown table per scenario: wall / GPU / host ms, × frozen, × peft_single, peak MiB, status or note."""
+    """One markdown table per scenario: wall / GPU / host ms, × frozen, × peft_single, peak MiB, status or note. A
+    row merged from another run than its scenario's (``extra["run"]``) names that run; ratios are always within a
+    row's own run."""
     out = []
     for sc, rec in res["scenarios"].items():
         if scenarios and sc not in scenarios:
@@ -38,6 +40,9 @@ def tables(res: dict, scenarios=None) -> str:
             note = r["reason"] or ""
             if r["status"] == "ok":
                 note = _note(r["extra"], ratios)
+            other = r.get("extra", {}).get("run")
+            if other:  # merged from another run (its own process and machine): its ratios are that run's
+                note = f"run `{other.get('commit')}` {other.get('date_utc')}" + (f"; {note}" if note else "")
             elif r["status"] != "ok":
                 note = f"**{r['status']}**: {note}"
             out.append(f"| {key} | {_f(r['wall_ms'])} | {_f(r['gpu_ms'])} | {_f(r['host_ms'])} | "
