@@ -28,7 +28,8 @@ class PatchConfig:
 
     ``fuse_base``: a layer whose base is a plain frozen ``nn.Linear`` runs the base GEMM inside the layer Function:
     the expand writes the delta (base rows: the bias or zero) and cuBLAS accumulates ``x Wᵀ`` into it; backward
-    likewise for ``dx``.
+    likewise for ``dx``. In training a bitsandbytes 4-bit base computing in the input's dtype too, its weight
+    dequantized in the forward and the backward (as bitsandbytes' own autograd function does).
 
     ``weights_in_place``: eager Triton calls read each adapter's weights where they are (``kernels.SlotWeights``)
     instead of concatenating them per call (``torch.compile`` always concatenates: the ops take tensors).
