@@ -61,19 +61,50 @@ def base_weight(layer) -> torch.Tensor:
 @torch.no_grad()
 def weight_norms(W: torch.Tensor, As: list, Bs: list, scales: tuple) -> torch.Tensor:
     """float32 ``[n, N]``: row ``a`` is ``||W + scales[a] B_a A_a||`` over each output row, for ``W[N, K]``,
-    ``A_a[r_a, K]``, ``B_a[N, r_a]``; no gradient."""
+    ``A_a[r_a, K]``, ``B_a[N, r_a]``; no gradient. A fixed number of ops whatever the adapter count: the adapters'
+    ``A`` rows and ``B`` columns concatenated, ``W A^T`` one GEMM, the Gram matrix ``A A^T`` masked to its diagonal
+    blocks, and the per-adapter sums over each block's columns one matmul with the columns' owner one-hot."""
     w_sq = torch.linalg.vector_norm(W, dim=1, dtype=torch.float32).square()  # [N]
-    A_all = torch.cat(As, 0)
-    P = (W @ A_all.to(W.dtype).t()).float()  # [N, sum r]: W A_a^T of every adapter in one GEMM
-    out, off = [], 0
-    for A, B, s in zip(As, Bs, scales, strict=True):
-        r = A.shape[0]
-        A32, B32 = A.float(), B.float()
-        cross = (P[:, off : off + r] * B32).sum(1)
-        quad = ((B32 @ (A32 @ A32.t())) * B32).sum(1)
-        out.append(w_sq + (2 * s) * cross + (s * s) * quad)
-        off += r
-    return torch.stack(out).clamp_min_(0).sqrt_()
+    A_all = torch.cat(As, 0)  # [R, K]
+    B_all = torch.cat(Bs, 1).float()  # [N, R]
+    owner, s = _owners(tuple(A.shape[0] for A in As), scales, W.device)  # [R, n] one-hot, [n]
+    P = (W @ A_all.to(W.dtype).t()).float()  # [N, R]: W A_a^T of every adapter in one GEMM
+    A32 = A_all.float()
+    gram = (A32 @ A32.t()) * (owner @ owner.t())  # [R, R]: A_a A_a^T on the diagonal blocks
+    cross = (P * B_all) @ owner  # [N, n]: (W A_a^T)_i . B_a,i
+    quad = ((B_all @ gram) * B_all) @ owner  # [N, n]: B_a,i (A_a A_a^T) B_a,i^T
+    return (w_sq[:, None] + (2 * s) * cross + (s * s) * quad).t().clamp_min_(0).sqrt_()
+
+
+def _owners(ranks: tuple, scales: tuple, device) -> tuple:
+    """``(one-hot [R, n] of each concatenated rank row's adapter, float32 scales [n])`` on ``device``, kept per
+    (ranks, scales, device): built once, not per layer call."""
+    key = (ranks, scales, device)
+    hit = _OWNERS.get(key)
+    if hit is None:
+        if len(_OWNERS) >= 256:
+            _OWNERS.clear()
+        idx = torch.repeat_interleave(torch.arange(len(ranks)), torch.tensor(ranks))
+        hit = _OWNERS[key] = ((idx[:, None] == torch.arange(len(ranks))[None, :]).float().to(device),
+                              torch.tensor(scales, dtype=torch.float32).to(device))
+    return hit
+
+
+_OWNERS: dict = {}
+
+
+def _index(rows: tuple, device) -> torch.Tensor:
+    """``rows`` as an int64 tensor on ``device``, kept per (rows, device)."""
+    key = (rows, device)
+    hit = _INDEX.get(key)
+    if hit is None:
+        if len(_INDEX) >= 256:
+            _INDEX.clear()
+        hit = _INDEX[key] = torch.tensor(rows, dtype=torch.int64).to(device)
+    return hit
+
+
+_INDEX: dict = {}
 
 
 def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, table, names_in_batch,
@@ -93,18 +124,27 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
     mags = layer.lora_magnitude_vector._modules
     live = [n for n in dora.names if names_in_batch is None or n in names_in_batch]
     W = base_weight(layer)
-    norms = iter(weight_norms(W, [a_mods[n].weight for n in live], [b_mods[n].weight for n in live],
-                              tuple(s for n, s in zip(dora.names, dora.scales, strict=True) if n in live))
-                 if live else ())
+    norms = weight_norms(W, [a_mods[n].weight for n in live], [b_mods[n].weight for n in live],
+                         tuple(s for n, s in zip(dora.names, dora.scales, strict=True) if n in live)) if live else ()
     # g - 1 per DoRA adapter; an adapter the batch does not name gets a row no token reads: a constant (its magnitude
     # gets no gradient, as its LoRA weights on the store's path), or its magnitude times 0 (an exact zero gradient,
     # as its LoRA weights on the per-parameter path)
-    def absent(n):
-        m = mags[n].weight
-        return m.float() * 0 if absent_grads else torch.zeros(m.shape, dtype=torch.float32, device=m.device)
+    if live and len(live) == len(dora.names):
+        gm1 = torch.stack([mags[n].weight for n in live]).float() / norms - 1  # [n_dora, N]
+    elif not absent_grads:  # the batch's adapters' rows placed among zero rows (no gradient for the others)
+        at = _index(tuple(i for i, n in enumerate(dora.names) if n in live), out.device)
+        gm1_live = torch.stack([mags[n].weight for n in live]).float() / norms - 1 if live else None
+        gm1 = torch.zeros(len(dora.names), N, dtype=torch.float32, device=out.device)
+        if live:
+            gm1 = gm1.index_copy(0, at, gm1_live)
+    else:
+        def absent(n):
+            m = mags[n].weight
+            return m.float() * 0 if absent_grads else torch.zeros(m.shape, dtype=torch.float32, device=m.device)
 
-    gm1 = torch.stack([mags[n].weight.float() / next(norms) - 1 if n in live else absent(n)
-                       for n in dora.names])  # [n_dora, N]
+        norms = iter(norms)
+        gm1 = torch.stack([mags[n].weight.float() / next(norms) - 1 if n in live else absent(n)
+                           for n in dora.names])  # [n_dora, N]
     per_row = row_slots is not None and out.dim() >= 2 and out.shape[0] == row_slots.numel()
     ts = token_slots(segs) if keep_out is not None or not per_row else None
     row = dora.rows[row_slots.long() if per_row else ts]  # [rows] or [S]

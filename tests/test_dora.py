@@ -150,6 +150,22 @@ def test_training_step_matches_peft(path, arch):
     _assert_matches(got, want, model, NAMES)
 
 
+@pytest.mark.parametrize("names", [["d1", "l1", "__base__", "d0", "d1", "l0"], ["d2", "l1", "d1", "__base__", "d2"]],
+                         ids=["d2-absent", "d0-absent"])
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_training_step_matches_peft_with_a_dora_adapter_absent(path, names):
+    """A batch naming some of a layer's DoRA adapters (d0 is on every layer, d1 and d2 on some): the named ones'
+    ``g - 1`` rows placed among the absent ones' zero rows, values and gradients as stock PEFT's."""
+    model, ref = build("llama")
+    _patch(model, path)
+    model.train()
+    ref.train()
+    ids, w = _inputs(rows=len(names))
+    got = _step(model, ids, w, adapter_names=names)
+    want = _peft_by_adapter(ref, ids, w, names)
+    _assert_matches(got, want, model, names)
+
+
 def _rel_rmse(got, truth) -> float:
     return ((got.double() - truth.double()).norm() / truth.double().norm()).item()
 
