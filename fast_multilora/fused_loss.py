@@ -6,11 +6,15 @@ the cross-entropy run together, a block at a time:
 
 * forward, in chunks of tokens: the chunk's logits ``[chunk, V]`` (the head's dtype, then fp32), their logsumexp and
   the target logit; per token it keeps ``ce`` (the output) and ``lse`` (for the backward), nothing of size ``V``.
-* backward, in blocks of the vocabulary: the block's logits ``[N, V_blk]`` again, ``d logits = (softmax - onehot) *
-  g`` from the saved ``lse`` (``g``: the per-token upstream gradient), then ``dW[blk] = d logits^T @ hidden`` and
-  ``db[blk]`` written once each, and ``d hidden += d logits @ W[blk]`` summed in fp32 over the blocks in order. No
-  atomics and no accumulation into ``dW``: each row block of ``dW`` is one matmul over all tokens, as in the
-  unfused path, so the result does not depend on the chunking.
+* with a frozen head (LoRA training: only the hidden states need a gradient), the forward also makes each chunk's
+  ``d ce / d hidden = (softmax - onehot) @ W`` from the logits at hand (one more matmul per chunk, a ``[N, H]``
+  result kept), and the backward multiplies it by the per-token upstream gradient: the head's matmul runs twice per
+  step, as on the unfused path (logits, then ``d hidden``), not three times.
+* backward, with a trained head (or bias), in blocks of the vocabulary: the block's logits ``[N, V_blk]`` again,
+  ``d logits = (softmax - onehot) * g`` from the saved ``lse`` (``g``: the per-token upstream gradient), then
+  ``dW[blk] = d logits^T @ hidden`` and ``db[blk]`` written once each, and ``d hidden += d logits @ W[blk]`` summed
+  in fp32 over the blocks in order. No atomics and no accumulation into ``dW``: each row block of ``dW`` is one
+  matmul over all tokens, as in the unfused path, so the result does not depend on the chunking.
 
 In ``transformers.Trainer``, :class:`fast_multilora.training.PerAdapterLoss` with ``fused=True`` (the default of
 :func:`fast_multilora.trainer_kwargs`) takes this path through the model's own forward: :func:`logits_free_head`
@@ -83,22 +87,46 @@ class LinearCrossEntropy(torch.autograd.Function):
         ce = torch.empty(N, dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
         lse = torch.empty_like(ce)
         target = labels.clamp(0, V - 1)
+        # only the hidden states need a gradient (a frozen head: LoRA training): each chunk's d ce / d hidden is made
+        # here from the logits at hand, and the backward scales it by the upstream gradient -- no second pass of the
+        # head's matmul (a trained head's dW needs every token's upstream gradient first: the backward recomputes)
+        early = ctx.needs_input_grad[0] and not any(ctx.needs_input_grad[1:3])
+        dh_unit = None
         for s in range(0, N, chunk):
-            z, _, _ = _logits(hidden[s:s + chunk], weight, bias, scale, softcap)  # [chunk, V] fp32
+            z, t, mm_dtype = _logits(hidden[s:s + chunk], weight, bias, scale, softcap)  # [chunk, V] fp32
             lse[s:s + chunk] = torch.logsumexp(z, 1)
             ce[s:s + chunk] = lse[s:s + chunk] - z.gather(1, target[s:s + chunk, None])[:, 0]
-            del z
+            if early:
+                dz = _dlogits(z, t, lse[s:s + chunk], labels[s:s + chunk], 0, V, None, scale, softcap, mm_dtype)
+                del z, t
+                part = dz @ weight  # [chunk, H], the head matmul's dtype (as the unfused path's d hidden)
+                if dh_unit is None:
+                    dh_unit = torch.empty(N, part.shape[1], dtype=part.dtype, device=part.device)
+                dh_unit[s:s + chunk] = part
+                del dz, part
+            else:
+                del z, t
         in_range = (labels >= 0) & (labels < V)
         ce = torch.where(labels == ignore_index, 0.0, torch.where(in_range, ce, float("nan")))
-        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        if early:
+            ctx.save_for_backward(dh_unit, labels, lse)
+        else:
+            ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.early = early
         ctx.settings = (ignore_index, chunk, scale, softcap)
         dev = hidden.device.type  # the backward recomputes the logits under the forward's autocast, on any device
         ctx.amp = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        ctx.hidden_dtype = hidden.dtype
         return ce
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_ce):
+        if ctx.early:  # d hidden = upstream gradient x the forward's d ce / d hidden, per token
+            dh_unit, labels, lse = ctx.saved_tensors
+            g = torch.where(labels == ctx.settings[0], 0.0, grad_ce.to(lse.dtype))  # [N]
+            dh = (dh_unit.to(lse.dtype) * g[:, None]).to(ctx.hidden_dtype)
+            return dh, None, None, None, None, None, None, None
         dev, enabled, dtype = ctx.amp
         with torch.autocast(dev, dtype=dtype, enabled=enabled):
             return LinearCrossEntropy._backward(ctx, grad_ce)
@@ -120,21 +148,14 @@ class LinearCrossEntropy(torch.autograd.Function):
             v1 = min(v0 + block, V)
             w_blk, b_blk = weight[v0:v1], (None if bias is None else bias[v0:v1])
             z, t, mm_dtype = _logits(hidden, w_blk, b_blk, scale, softcap)  # [N, blk] fp32
-            p = z.sub_(lse[:, None]).exp_()  # softmax
-            # - onehot: one write per row (deterministic), 0 for labels outside this block
-            at = (labels - v0).clamp_(0, v1 - v0 - 1)[:, None]
-            here = ((labels >= v0) & (labels < v1)).to(p.dtype)[:, None]
-            p.scatter_(1, at, p.gather(1, at) - here)
-            p.mul_(g[:, None])
-            if softcap is not None:
-                p.mul_(t.mul_(t).neg_().add_(1.0))  # d tanh = 1 - tanh^2
-            if scale != 1.0:
-                p.mul_(scale)
-            del z, t
             if need_b:
+                p = _dlogits(z, t, lse, labels, v0, v1, g, scale, softcap, None)  # fp32
                 db[v0:v1] = p.sum(0)
-            dz = p.to(mm_dtype)  # d logits in the head matmul's dtype, as the unfused path's gradient
-            del p
+                dz = p.to(mm_dtype)  # d logits in the head matmul's dtype, as the unfused path's gradient
+                del p
+            else:
+                dz = _dlogits(z, t, lse, labels, v0, v1, g, scale, softcap, mm_dtype)
+            del z, t
             if need_w:
                 if dw.dtype == dz.dtype == hidden.dtype:
                     torch.mm(dz.t(), hidden, out=dw[v0:v1])
@@ -144,6 +165,25 @@ class LinearCrossEntropy(torch.autograd.Function):
                 dh += dz @ w_blk
             del dz  # before the next block's logits
         return (None if dh is None else dh.to(hidden.dtype)), dw, db, None, None, None, None, None
+
+
+def _dlogits(z, t, lse, labels, v0: int, v1: int, g, scale: float, softcap: Optional[float], dtype):
+    """``d ce / d raw logits`` of the vocabulary block ``[v0, v1)``, from its fp32 logits ``z`` (overwritten),
+    the post-head transform's ``t`` and the rows' ``lse``: ``softmax - onehot`` (times the per-row upstream gradient
+    ``g`` when given), through the softcap's and the scale's chain rule; in ``dtype`` (the head matmul's, for the
+    next matmul) or, ``None``, fp32."""
+    p = z.sub_(lse[:, None]).exp_()  # softmax
+    # - onehot: one write per row (deterministic), 0 for labels outside this block
+    at = (labels - v0).clamp_(0, v1 - v0 - 1)[:, None]
+    here = ((labels >= v0) & (labels < v1)).to(p.dtype)[:, None]
+    p.scatter_(1, at, p.gather(1, at) - here)
+    if g is not None:
+        p.mul_(g[:, None])
+    if softcap is not None:
+        p.mul_(t.mul_(t).neg_().add_(1.0))  # d tanh = 1 - tanh^2
+    if scale != 1.0:
+        p.mul_(scale)
+    return p if dtype is None else p.to(dtype)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

@@ -75,11 +75,23 @@ CASES = [  # (token routing, bias, chunk_size, (logit_scale, softcap))
 ]
 
 
+@pytest.mark.parametrize("head", ["trained", "frozen"])  # frozen: d hidden made in the forward
 @pytest.mark.parametrize("packed, bias, chunk, transform", CASES)
-def test_equals_per_adapter_loss_fp32(device, packed, bias, chunk, transform):
+def test_equals_per_adapter_loss_fp32(device, packed, bias, chunk, transform, head):
     hidden, weight, b, labels, routing = _batch(device, packed=packed, bias=bias)
     scale, softcap = transform
-    leaves = (hidden, weight, b)
+    if head == "frozen":
+        weight.requires_grad_(False)
+        if b is not None:
+            b.requires_grad_(False)
+    leaves = (hidden, weight, b) if head == "trained" else (hidden,)
+    if head == "frozen":
+        loss, per = _fused(hidden, weight, b, labels, routing, scale, softcap, chunk_size=chunk, return_dict=True)
+        want, want_per = _unfused(hidden, weight, b, labels, routing, scale, softcap, return_dict=True)
+        torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+        (got,), (ref,) = _grads(loss, leaves), _grads(want, leaves)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6 * ref.abs().max().item(), msg="hidden")
+        return
     loss, per = _fused(*leaves, labels, routing, scale, softcap, chunk_size=chunk, return_dict=True)
     want, want_per = _unfused(*leaves, labels, routing, scale, softcap, return_dict=True)
     torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
@@ -152,6 +164,21 @@ def test_autocast_equals_the_unfused_head_under_autocast(device):
         assert err_unfused > 0, name  # autocast did round
         assert err_fused <= 2 * err_unfused + 1e-6 * exact.abs().max().item(), (name, err_fused, err_unfused)
         assert got.dtype == exact.dtype, name
+
+
+@pytest.mark.parametrize("transform", [(1.0, None), (0.6, 1.5)], ids=["plain", "scale-softcap"])
+def test_gradcheck_float64_frozen_head(transform):
+    """A frozen head (only the hidden states need a gradient: d hidden made in the forward, scaled by each token's
+    upstream gradient in the backward) against finite differences."""
+    g = torch.Generator().manual_seed(2)
+    scale, softcap = transform
+    hidden = torch.randn(7, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 3, generator=g, dtype=torch.float64)
+    bias = torch.randn(11, generator=g, dtype=torch.float64)
+    labels = torch.tensor([3, -100, 0, 10, 5, 5, 10])
+    assert torch.autograd.gradcheck(
+        lambda h: linear_cross_entropy(h, weight, bias, labels, chunk_size=2, logit_scale=scale, softcap=softcap),
+        (hidden,))
 
 
 @pytest.mark.parametrize("transform", [(1.0, None), (0.6, 1.5)], ids=["plain", "scale-softcap"])
