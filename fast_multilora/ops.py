@@ -25,11 +25,15 @@ Op schemas take tensors and host scalars only: ``Segments`` and ``AdapterTable``
 (``_layout``), in two list arguments -- the tensors, then the host ints with the op's own ints after them -- because an
 op call's dispatch costs host time per schema argument (``torch.library.custom_op``'s version bump of a mutable op even
 walked the schema once per argument: 0.12 ms per call at 23 arguments). ``Segments.cache`` does not cross the
-boundary: each op call gets a cache of its own for the derived device tables (the backward's chunk tables, a few small
-device ops, no host sync), which are therefore rebuilt inside every op call and belong to whatever graph is traced or
-captured -- a table kept across calls would freeze one layout into a captured CUDA graph, and one allocated while CUDA
-graph trees warm up lives in the graph's memory pool, which they refuse ("tensors in the cudagraph pool not tracked
-as outputs", measured on the H200). Only the launchers' validation memos (host values) are shared between the op
+boundary: each op call gets a cache of its own for the derived device tables, which are therefore built inside the op
+call and belong to whatever graph is traced or captured -- a table kept across calls would freeze one layout into a
+captured CUDA graph, and one allocated while CUDA graph trees warm up lives in the graph's memory pool, which they
+refuse ("tensors in the cudagraph pool not tracked as outputs", measured on the H200). The backward's chunk tables
+cross it as layout tensors instead: a training call's entry layout carries them (``Segments.chunk_tables``, built by
+``Router.begin`` outside the graph, one launch for every chunk length: ``kernels.backward.with_tables``), so they
+are graph inputs like the layout's own tensors and each backward op call slices its own out of them; a layout
+without them (built inside a graph) has each backward op call build its two. Only the launchers' validation memos
+(host values) are shared between the op
 calls of one kind of layout (:func:`_shared_memos`), so a layout and a kind of layer table are checked once, as in
 eager mode. The eager path (``function.TritonBackend`` outside ``torch.compile``) calls the launchers directly and
 keeps its per-``Segments`` cache.
@@ -57,11 +61,13 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 def _layout(segs: Segments, table: AdapterTable, *extra: int) -> tuple[list, list]:
     """The op arguments of a layout as two lists (an op call's host cost grows with its schema's argument count):
-    the tensors of ``Segments`` (less its cache) and of the ``AdapterTable`` the kernels read (not ``slots``: the ops
-    take concatenated weights), then its host ints followed by the op's own ``extra`` ints."""
+    the tensors of ``Segments`` (less its cache; its chunk tables, if any, last) and of the ``AdapterTable`` the
+    kernels read (not ``slots``: the ops take concatenated weights), then its host ints followed by the op's own
+    ``extra`` ints."""
     order, bounds = segs.grouping if segs.grouping is not None else (None, None)
+    info, cptr = segs.chunk_tables if segs.chunk_tables is not None else (None, None)
     tensors = [segs.indptr, segs.slot, segs.perm, order, bounds, table.ranks, table.offsets, table.scales,
-               table.dropout, segs.token_slots]
+               table.dropout, segs.token_slots, info, cptr]
     ints = [segs.max_len, segs.num_tokens, segs.base_max_len, table.max_rank, table.total_rank,
             int(table.has_dropout), table.experts, *(int(e) for e in extra)]
     return tensors, ints
@@ -74,12 +80,12 @@ _MAX_RANK, _TOTAL_RANK, _HAS_DROPOUT = 3, 4, 5  # positions in ``ints`` (the fak
 def _unpack(tensors: list, ints: list) -> tuple[Segments, AdapterTable, list]:
     """Inverse of ``_layout`` inside an op: a ``Segments`` with a per-call cache holding the layout's shared
     validation memos (:func:`_shared_memos`), the ``AdapterTable`` and the op's own ints."""
-    indptr, slot, perm, order, bounds, ranks, offsets, scales, dropout, token_slots = tensors
+    indptr, slot, perm, order, bounds, ranks, offsets, scales, dropout, token_slots, info, cptr = tensors
     max_len, num_tokens, base_max_len, max_rank, total_rank, has_dropout, experts = ints[:_N_LAYOUT_INTS]
     grouping = (order, bounds) if order is not None else None
     cache = dict(_shared_memos(tensors[:5], (max_len, num_tokens, base_max_len)))
-    segs = Segments(indptr, slot, perm, max_len, num_tokens, cache, base_max_len, token_slots=token_slots,
-                    grouping=grouping)
+    segs = Segments(indptr, slot, perm, max_len, num_tokens, cache, base_max_len, token_slots, grouping,
+                    (info, cptr) if info is not None else None)
     table = AdapterTable(ranks, offsets, scales, dropout, max_rank, total_rank, bool(has_dropout), experts=experts)
     return segs, table, ints[_N_LAYOUT_INTS:]
 

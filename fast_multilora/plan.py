@@ -24,6 +24,8 @@ from typing import Optional, Sequence
 import torch
 
 from .config import PatchConfig
+from .function import get_backend
+from .kernels.backward import with_tables
 from .kernels.segments import Segments, grouped_segments, row_segments, to_device
 
 BASE = "__base__"
@@ -311,15 +313,33 @@ class Router:
 
     def _prebuild(self, routing: Routing, lead: tuple, device) -> None:
         """Build (eagerly) and cache the layout of token shape ``lead``, when the routing fits it; a shape it does
-        not fit is left to the layers, which raise the error that names the mismatch."""
+        not fit is left to the layers, which raise the error that names the mismatch. With autograd on, the layout
+        carries the backward's chunk tables (``kernels.backward.with_tables``: one launch, where each layer call's
+        backward under ``torch.compile`` would build its own two); with it off, none. Whether it has them follows
+        this call's grad mode only, never an earlier call's (a compiled graph guards on their presence)."""
         key = (lead, device)
-        if key in routing.layouts or not lead:
-            return
-        if routing.per_row and lead[0] != routing.rows:
-            return
-        if not routing.per_row and lead != tuple(routing.token_slots.shape):
-            return
-        self._store(routing, key, self._build(routing, lead, device))
+        segs = routing.layouts.get(key)
+        if segs is None:
+            if not lead:
+                return
+            if routing.per_row and lead[0] != routing.rows:
+                return
+            if not routing.per_row and lead != tuple(routing.token_slots.shape):
+                return
+            segs = self._build(routing, lead, device)
+        want = torch.is_grad_enabled() and self._triton(device)
+        if want != (segs.chunk_tables is not None):
+            segs = with_tables(segs) if want else segs._replace(chunk_tables=None)  # (the same cache)
+        if routing.layouts.get(key) is not segs:
+            self._store(routing, key, segs)
+
+    def _triton(self, device) -> bool:
+        """Whether the layers' backend on ``device`` is the Triton one (the chunk tables' only reader); ``False``
+        where it cannot run, which the layers' first call reports."""
+        try:
+            return get_backend(self.config.backend, torch.device(device)).name == "triton"
+        except (RuntimeError, ValueError):
+            return False
 
     @torch.compiler.disable
     def routing_for_names(self, names, device) -> Routing:

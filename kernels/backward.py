@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunks import chunk_table
+from .chunks import chunk_table, chunk_tables, table_level
 from .configs import block_config, target_for
 from .dropout import check_keep_bits, check_seed, keep_block, unpack_keep
 from .launch import CHECK_KEYS, cdiv, checked, launch, mark_checked, next_power_of_2
@@ -134,17 +134,36 @@ def _grouping(segs: Segments, n_slots: int):
 def _chunks(segs: Segments, n_slots: int, chunk: int):
     """``(info, cptr, order, capacity)``: per chunk int32 ``info[c] = (slot, start, end)`` (logical positions into
     ``order``; unused capacity has slot -1 and no rows), and ``cptr`` (int32 ``[n_slots + 2]``): chunks of slot
-    ``a`` are ``cptr[a+1] .. cptr[a+2]``, in ascending row order. Cached per ``(n_slots, chunk)``."""
+    ``a`` are ``cptr[a+1] .. cptr[a+2]``, in ascending row order: slices of the layout's ``chunk_tables`` where it
+    has them (:func:`with_tables`), else built (one launch). Cached per ``(n_slots, chunk)``."""
     key = ("bwd_chunks", n_slots, chunk)
     hit = segs.cache.get(key)
     if hit is not None:
         return hit
-    order, bounds = _grouping(segs, n_slots)
     capacity = segs.num_tokens // chunk + n_slots + 1  # >= sum of ceil(len / chunk) over the n_slots + 1 groups
-    info, cptr = chunk_table(bounds, chunk, capacity, first_id=-1)  # groups: slot -1 first
-    hit = (info, cptr, order, capacity)
+    tables = segs.chunk_tables
+    level = None
+    if tables is not None and tables[1].shape[1] == n_slots + 2:  # built with the layout (with_tables)
+        level = table_level(chunk, tables[1].shape[0])
+    if level is not None:
+        hit = (tables[0][level], tables[1][level], segs.grouping[0], capacity)  # (rows past capacity unread)
+    else:
+        order, bounds = _grouping(segs, n_slots)
+        info, cptr = chunk_table(bounds, chunk, capacity, first_id=-1)  # groups: slot -1 first
+        hit = (info, cptr, order, capacity)
     segs.cache[key] = hit
     return hit
+
+
+def with_tables(segs: Segments) -> Segments:
+    """``segs`` with its backward chunk tables (``Segments.chunk_tables``) for every chunk length the launchers may
+    take, built from its row grouping in one launch (``chunks.chunk_tables``): for a layout built once per forward
+    call whose layer calls cannot share a cache (``fast_multilora.ops``: every custom-op call under
+    ``torch.compile``), each backward call then slices its tables out of them. A layout without a grouping is
+    returned as it is."""
+    if segs.grouping is None or segs.chunk_tables is not None:
+        return segs
+    return segs._replace(chunk_tables=chunk_tables(segs.grouping[1], segs.num_tokens, first_id=-1))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -40,6 +40,10 @@ class Segments(NamedTuple):
     # (order int32 [S], bounds int64 [n_slots + 2]): rows stable-sorted by slot and where each slot's rows start
     # (slot -1 first), for the backward launchers; built with the layout, so per-call ops need not sort again
     grouping: Optional[tuple] = None
+    # (info int32 [levels, rows, 3], cptr int32 [levels, n_slots + 2]): the backward's chunk tables of ``grouping``
+    # for every chunk length ``chunks.CHUNK0 << l`` (``chunks.chunk_tables``, slot ids first), built with the layout
+    # once per forward call (``backward.with_tables``) so the backward launchers need not build their own
+    chunk_tables: Optional[tuple] = None
 
     @property
     def covers_all_rows(self) -> bool:

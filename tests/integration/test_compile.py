@@ -85,6 +85,58 @@ def test_opcheck(op, grouped, device):
     assert set(result.values()) == {"SUCCESS"}, result
 
 
+@pytest.mark.parametrize("grouped", FAMILIES)
+def test_backward_ops_read_the_layouts_chunk_tables(grouped, device):
+    """The backward ops given the layout's chunk tables (``backward.with_tables``, as ``Router.begin`` builds them
+    for a training call) return what they return building their own, with no chunk table built; and they read them:
+    slot 1's chunks marked unused in the tables leave its tokens' ``dh`` and ``dx`` rows zero (the other rows
+    unchanged), so a table that misses one slot's rows fails here."""
+    from fast_multilora.kernels import backward as kb
+
+    g = torch.Generator().manual_seed(8)
+    S, R = 150, sum(RANKS)  # slots of 30-40 rows: several chunks each at the interpreter's 16- and 32-row chunks
+    ts = torch.randint(-1, len(RANKS), (S,), generator=g)
+    t = {"x": torch.randn(S, K, generator=g), "A": torch.randn(R, K, generator=g) / K**0.5,
+         "B": torch.randn(N, R, generator=g), "h": torch.randn(S, max(RANKS), generator=g),
+         "dy": torch.randn(S, N, generator=g)}
+    t = {k: v.to(device) for k, v in t.items()}
+    table = make_table(RANKS, dropout=DROPOUT, device=device)
+    segs = make_segments(ts, grouped, device=device)
+    segs = segs._replace(grouping=kb._grouping(segs, len(RANKS)), cache={})  # as the device builders carry it
+    seed = torch.tensor([99], dtype=torch.int32, device=device)
+
+    def run(s):
+        dh, dB = ops.lora_expand_bwd(t["dy"], t["h"], t["B"], s, table)
+        dx, dA = ops.lora_shrink_bwd(dh, t["x"], t["A"], s, table, seed=seed)
+        return dh, dB, dx, dA
+
+    want = run(segs)
+    with_tables = kb.with_tables(segs)
+    info, cptr = with_tables.chunk_tables
+    assert info.shape[0] > 1, info.shape  # several chunk lengths: the launchers' picks are among them
+    built = []
+    real = kb.chunk_table
+    kb.chunk_table = lambda *a, **k: built.append(a[1]) or real(*a, **k)
+    try:
+        got = run(with_tables)
+        assert not built, built
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+        bad = info.clone()
+        bad[..., 0][bad[..., 0] == 1] = -1  # slot 1's chunks: unused
+        s_bad = with_tables._replace(chunk_tables=(bad, cptr), cache={})
+        dh, _ = ops.lora_expand_bwd(t["dy"], t["h"], t["B"], s_bad, table)
+        dx = torch.zeros_like(t["x"])  # added into: rows no chunk reaches keep their zero
+        ops.lora_shrink_bwd(dh, t["x"], t["A"], s_bad, table, seed=seed, dx_acc=dx)
+    finally:
+        kb.chunk_table = real
+    rows = (ts == 1).to(device)
+    assert rows.any() and (want[0][rows] != 0).any() and (want[2][rows] != 0).any()
+    assert (dh[rows] == 0).all() and (dx[rows] == 0).all()
+    assert torch.equal(dh[~rows], want[0][~rows])
+    torch.testing.assert_close(dx[~rows], want[2][~rows])  # (added to zero: fp32 rounding of the sum)
+
+
 def _breaks_and_graphs():
     return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
 
@@ -293,9 +345,10 @@ def test_compiled_graphs_take_the_entry_layout_and_copy_no_base_output(packed, d
     searchsorted (the layout builders' ops) in the traced graphs -- built per layer, the 8-layer benchmark model's
     eval graph ran 56 sorts. And no ``addmm``: a fused layer's base GEMM runs first and the LoRA ops add into it,
     where a traced ``addmm_`` would become an ``addmm`` that copies its input. The op calls of one layout share its
-    validation memos (``ops._shared_memos``): each kind of (layout, layer table) is checked once, as in eager mode,
-    while the chunk tables are built inside every op call (a cached device table would freeze one layout into a
-    captured CUDA graph, or live in CUDA graph trees' memory pool). The shared memos hold no table."""
+    validation memos (``ops._shared_memos``): each kind of (layout, layer table) is checked once, as in eager mode.
+    The backward's chunk tables come with the entry layout (``backward.with_tables``, graph inputs like the
+    layout's own tensors): no op call builds one, and another mix (other tables) runs the same graph. The shared
+    memos hold no table."""
     from fast_multilora.kernels import backward as kb
     from fast_multilora.kernels import forward as kf
     from fast_multilora.kernels import launch
@@ -310,8 +363,11 @@ def test_compiled_graphs_take_the_entry_layout_and_copy_no_base_output(packed, d
         real_mark = mod.mark_checked
         monkeypatch.setattr(mod, "mark_checked",
                             lambda s, t, k, real=real_mark: marks.append((k, launch._table_key(t))) or real(s, t, k))
-    real_chunk_table = kb.chunk_table
+    real_chunk_table, real_tables = kb.chunk_table, kb.chunk_tables
     monkeypatch.setattr(kb, "chunk_table", lambda *a, **k: built.append(a[1]) or real_chunk_table(*a, **k))
+    entry = []  # the entry's tables: called eagerly by Router.begin, once per forward call with a new routing
+    monkeypatch.setattr(kb, "chunk_tables", lambda *a, **k: entry.append(torch.compiler.is_compiling())
+                        or real_tables(*a, **k))
     ops_seen = []
 
     def record(gm, _example_inputs):
@@ -329,14 +385,19 @@ def test_compiled_graphs_take_the_entry_layout_and_copy_no_base_output(packed, d
     assert any("lora_shrink_bwd" in o for o in ops_seen), "no backward graph recorded"
     bad = sorted({o for o in ops_seen if any(k in o for k in ("aten.sort", "searchsorted", "aten.addmm"))})
     assert not bad, bad
-    n_bwd_ops = sum("lora_expand_bwd" in o or "lora_shrink_bwd" in o for o in ops_seen)
-    assert len(built) == n_bwd_ops, (len(built), n_bwd_ops)
+    assert not built, built  # every backward op call sliced the entry layout's tables
+    assert entry == [False], entry
     # each kind of layer table checked once per layout and direction (unshared: by every op call of its layer)
     assert marks and len(marks) == len(set(marks)), sorted(marks)
     if not packed:  # the same names again: the same routing and layout, nothing checked twice
         marks.clear()
         compiled(input_ids=ids, **kw).logits.sum().backward()
         assert not marks, marks
+        kw = dict(adapter_names=MIXES[3])
+    else:
+        kw["adapter_ids"] = kw["adapter_ids"].flip(1)
+    compiled(input_ids=ids, **kw).logits.sum().backward()  # another mix: its own tables, the same graph
+    assert _breaks_and_graphs() == (0, 1) and not built and entry == [False, False], (entry, built)
     held = [e for memos in ops._SHARED.values() for memo in memos.values() for e in memo]
     assert held and all(type(e) is tuple and not any(torch.is_tensor(v) for v in e) for e in held), \
         "a shared memo holds a table"
