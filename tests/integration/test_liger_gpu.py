@@ -27,6 +27,26 @@ LABELS_TOL = 1e-4
 T = 12
 
 
+@pytest.fixture(autouse=True)
+def _undo_liger_patches():
+    """Liger's ``apply_liger_kernel_to_*`` also patches transformers' modules for the whole process (their RMSNorm,
+    MLP and RoPE names, the causal-LM class's ``forward``): restored after each test, so later tests in the process
+    (e.g. the compiled-model ones, where Liger's dispatch would break the graph) see stock transformers."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2 import modeling_qwen2
+
+    saved = []
+    for module in (modeling_llama, modeling_qwen2):
+        saved.append((module, dict(vars(module))))
+        saved += [(cls, dict(vars(cls))) for cls in vars(module).values()
+                  if isinstance(cls, type) and cls.__module__ == module.__name__]
+    yield
+    for obj, attrs in saved:
+        for name, value in attrs.items():
+            if name not in ("__dict__", "__weakref__") and vars(obj).get(name, None) is not value:
+                setattr(obj, name, value)
+
+
 def _base(arch):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
