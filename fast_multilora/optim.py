@@ -817,15 +817,10 @@ class _Bridge:
             self.mask = mask = (active, list(eng._slot_names), eng._trained, to_device(host, eng._counts.device) &
                                 eng._trained)
         eng._step_arenas(mask[3])
-        self.saved = [g["params"] for g in groups]
-        for g, others in zip(groups, self.others, strict=True):
-            g["params"] = others
+        hide(self, groups)
 
     def after(self, opt) -> None:
-        saved, self.saved = self.saved, None
-        if saved is not None:
-            for g, params in zip(opt.param_groups, saved, strict=True):
-                g["params"] = params
+        give_back(self, opt)
 
     def detach(self, opt) -> None:
         """Another optimizer owns the arenas' states now: this one's states become its own copies (torch steps)."""
@@ -837,6 +832,22 @@ class _Bridge:
                     opt.state[p] = {k: torch.tensor(float(v), dtype=torch.float32) if k == "step" and on_host
                                     else v.clone() for k, v in st.items()}
         _BRIDGES[opt] = False
+
+
+def hide(bridge, groups: list) -> None:
+    """A bridge's stepped parameters out of the optimizer's groups (``bridge.others``: each group's other
+    parameters) for the optimizer's own step, kept in ``bridge.saved``; :func:`give_back` returns them."""
+    bridge.saved = [g["params"] for g in groups]
+    for g, others in zip(groups, bridge.others, strict=True):
+        g["params"] = others
+
+
+def give_back(bridge, opt) -> None:
+    """The groups' parameters as they were before :func:`hide` (nothing if none are hidden)."""
+    saved, bridge.saved = bridge.saved, None
+    if saved is not None:
+        for g, params in zip(opt.param_groups, saved, strict=True):
+            g["params"] = params
 
 
 _BRIDGE_TYPES = (_Bridge, optim_bnb.BnbBridge)

@@ -386,15 +386,14 @@ class BnbBridge:
         stepped = list(map(store.attached.__contains__, self.index))
         if any(stepped):
             self._step(opt, stepped)
-        self.saved = [g["params"] for g in groups]
-        for g, others in zip(groups, self.others, strict=True):
-            g["params"] = others
+        from .optim import hide
+
+        hide(self, groups)
 
     def after(self, opt) -> None:
-        saved, self.saved = self.saved, None
-        if saved is not None:
-            for g, params in zip(opt.param_groups, saved, strict=True):
-                g["params"] = params
+        from .optim import give_back
+
+        give_back(self, opt)
 
     def detach(self, opt) -> None:
         """The optimizer's states of the bridge's parameters become their own tensors; bitsandbytes steps them."""

@@ -368,17 +368,7 @@ def _spliced(seq, rm: list, at: list, values) -> list:
 def _spliced_pair(seq, n: int, rm: list, at: list, a_values, b_values) -> tuple:
     """A layer's entries ``seq`` -- ``n`` per adapter of its A parameters, then ``n`` of its B parameters -- with both
     halves spliced as :func:`_spliced` does, as a tuple (one copy of the entries, not one per half and step)."""
-    out = list(seq)
-    for i in reversed(rm):
-        del out[n + i]
-    for i in reversed(rm):
-        del out[i]
-    for i, v in zip(at, a_values, strict=True):
-        out.insert(i, v)
-    m = n - len(rm) + len(at)  # (the B half's start now)
-    for i, v in zip(at, b_values, strict=True):
-        out.insert(m + i, v)
-    return tuple(out)
+    return tuple(_splice_pair_into(list(seq), n, rm, at, a_values, b_values))
 
 
 def _splice_pair_into(out: list, n: int, rm: list, at: list, a_values, b_values) -> list:
@@ -390,7 +380,7 @@ def _splice_pair_into(out: list, n: int, rm: list, at: list, a_values, b_values)
         del out[i]
     for i, v in zip(at, a_values, strict=True):
         out.insert(i, v)
-    m = n - len(rm) + len(at)
+    m = n - len(rm) + len(at)  # (the B half's start now)
     for i, v in zip(at, b_values, strict=True):
         out.insert(m + i, v)
     return out

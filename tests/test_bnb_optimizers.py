@@ -8,11 +8,10 @@ the CPU, so weights and states are compared for equality, not closeness).
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from models import peft_model
+from test_optimizers import resume
 
 import fast_multilora
 from fast_multilora import optim, optim_bnb
@@ -87,21 +86,7 @@ def _run(store_optimizer: bool, cls="AdamW8bit", steps=4, resume_at=None, same=F
                 calls.append(counter.n - before)
             sched.step()
             if s == resume_at:
-                saved = {k: v.clone() for k, v in model.state_dict().items()}
-                state = copy.deepcopy(opt.state_dict())
-                sched_state = sched.state_dict()
-                if same:  # a step more, then rolled back: the same model and optimizer load what was saved
-                    fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=names).logits, ids,
-                                                    names).backward()
-                    opt.step()
-                else:
-                    model, opt, sched = fresh()
-                model.load_state_dict(saved)
-                for n, p in model.named_parameters():
-                    if ".a2." in n and s >= 2:
-                        p.requires_grad_(False)
-                opt.load_state_dict(state)
-                sched.load_state_dict(sched_state)
+                model, opt, sched = resume(model, opt, sched, fresh, same, ids, names, frozen_a2=s >= 2)
             if s == unpatch_at:
                 fast_multilora.unpatch(model)
     return model, opt

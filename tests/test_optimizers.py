@@ -224,21 +224,7 @@ def _adamw_run(store_optimizer: bool, steps=4, resume_at=None, same=False, use_c
             opt.step()
         sched.step()
         if s == resume_at:
-            saved = {k: v.clone() for k, v in model.state_dict().items()}
-            state = copy.deepcopy(opt.state_dict())
-            sched_state = sched.state_dict()
-            if same:  # a step more, then rolled back: the same model and optimizer load what was saved
-                fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=names).logits, ids,
-                                                names).backward()
-                opt.step()
-            else:
-                model, opt, sched = fresh()
-            model.load_state_dict(saved)
-            for n, p in model.named_parameters():
-                if ".a2." in n and s >= 2:
-                    p.requires_grad_(False)
-            opt.load_state_dict(state)
-            sched.load_state_dict(sched_state)
+            model, opt, sched = resume(model, opt, sched, fresh, same, ids, names, frozen_a2=s >= 2)
     return model, opt
 
 
@@ -406,3 +392,24 @@ def test_unpatch_hands_a_store_stepped_optimizer_back_to_torch():
         o.step()
         assert not _bridged(o)
         assert all(v._base is None for st in o.state.values() for v in st.values() if torch.is_tensor(v))
+
+
+def resume(model, opt, sched, fresh, same: bool, ids, names, frozen_a2: bool):
+    """The weights, the optimizer's ``state_dict`` and the schedule's saved, then loaded back: into a fresh model,
+    optimizer and schedule (``fresh()``), or (``same``) into these after one more step (a rollback); ``a2``'s
+    parameters frozen again where they were. Returns what the run goes on with."""
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    state = copy.deepcopy(opt.state_dict())
+    sched_state = sched.state_dict()
+    if same:
+        fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=names).logits, ids, names).backward()
+        opt.step()
+    else:
+        model, opt, sched = fresh()
+    model.load_state_dict(saved)
+    for n, p in model.named_parameters():
+        if ".a2." in n and frozen_a2:
+            p.requires_grad_(False)
+    opt.load_state_dict(state)
+    sched.load_state_dict(sched_state)
+    return model, opt, sched
