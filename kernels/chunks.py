@@ -104,8 +104,10 @@ def chunk_tables(bounds: torch.Tensor, n_pos: int, first_id: int = 0) -> tuple:
         raise ValueError(f"chunk_tables: n_groups={n_groups}, n_pos={n_pos}")
     levels = table_levels(n_pos)
     BLOCK_G = next_power_of_2(n_groups)
-    BLOCK_C = max(16, min(1024, 4096 // BLOCK_G))
-    n_prog = max(1, cdiv(n_pos // CHUNK0 + n_groups, BLOCK_C))  # the shortest chunk's capacity
+    capacity = n_pos // CHUNK0 + n_groups  # the shortest chunk's (every level's table is that many rows)
+    # (no wider than the capacity: a small layout's tables stay small -- a cached training routing holds them)
+    BLOCK_C = max(16, min(1024, 4096 // BLOCK_G, next_power_of_2(capacity)))
+    n_prog = max(1, cdiv(capacity, BLOCK_C))
     info = torch.empty(levels, n_prog * BLOCK_C, 3, dtype=torch.int32, device=bounds.device)
     cptr = torch.empty(levels, n_groups + 1, dtype=torch.int32, device=bounds.device)
     launch(_chunk_table_kernel, (n_prog, levels), (bounds, info, cptr, n_groups, CHUNK0, first_id, info.stride(0),
