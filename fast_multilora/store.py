@@ -747,13 +747,14 @@ class AdapterStore:
             return True
         if names is None:
             return any(s.moved() for s in self.slots.values())
-        for name in names:
+        found = False
+        for name in names:  # every moved adapter of the call, not the first: the layout reads those (``moved``)
             entry = self.adapter_params.get(name)
             if entry is not None and tuple(map(_DATA_PTR, entry[0])) != \
                     tuple(itertools.chain.from_iterable(s.expected(off) for s, off in entry[1])):
                 self.moved.add(name)
-                return True
-        return False
+                found = True
+        return found
 
     def _retable(self, slots: LayerSlots) -> None:
         slots.table = _store_table(slots.state, slots.offsets, slots.cap, self.tables)

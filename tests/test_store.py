@@ -734,6 +734,33 @@ def test_a_moved_parameter_of_an_adapter_outside_the_batch_is_read_when_it_retur
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m, what=what: f"{what}: {m}")
 
 
+def test_every_moved_adapter_of_a_forward_is_read_again():
+    """Several adapters' parameters given new ``.data`` at once (as a framework's set-up may do after the store was
+    built), then one forward naming them all: each of them is read again and its parameters are arena views again
+    (the check stopped at the first moved adapter: the others kept storage the layer op no longer read, and an
+    optimizer's updates of them were lost -- in an order that followed the names' hash order). Oracle: the same edit
+    on the per-parameter path."""
+    def run(store):
+        model = many_model(4)
+        fast_multilora.patch(model, backend="torch", adapter_store=store)
+        model.eval()
+        names = sorted(model.peft_config)
+        ids = torch.randint(0, 97, (4, 5), generator=torch.Generator().manual_seed(41))
+        model(input_ids=ids, adapter_names=names)
+        g = torch.Generator().manual_seed(42)
+        for n, p in model.named_parameters():
+            if "lora_" in n and any(f".{a}." in n for a in names[:3]):
+                p.data = p.data + 0.1 * torch.randn(p.shape, generator=g)
+        out = model(input_ids=ids, adapter_names=names).logits
+        if store:
+            held = model.__dict__[fast_multilora.patching._ROUTER_ATTR].store
+            arenas = {a.data.untyped_storage().data_ptr() for a in held.arenas.values()}
+            assert all(p.untyped_storage().data_ptr() in arenas for p in held.held), "a held parameter left the arena"
+        return out
+
+    torch.testing.assert_close(run(True), run(False), rtol=1e-5, atol=1e-6)
+
+
 CHURN = [  # between steps: (adapters added: name -> (rank, targets)), (adapters deleted)
     ({"m010a": (4, ["q_proj", "v_proj"]), "m000a": (3, LLAMA_TARGETS), "zz0": (2, ["o_proj", "k_proj"])}, ()),
     ({f"m03{i}c": (4, ["q_proj", "gate_proj"]) for i in range(10)}, ()),  # more than the layers' spare rows
