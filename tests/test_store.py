@@ -705,6 +705,18 @@ def test_eval_on_the_store_replays_and_matches_peft(T):
     _close(first, want, "logits")
 
 
+def _laid_out(n: int, store: bool, seed: int):
+    """``many_model(n)`` patched on the torch backend (``adapter_store=store``), in eval mode, after one forward naming
+    every adapter (the store laid out): ``(model, names, ids)``."""
+    model = many_model(n)
+    fast_multilora.patch(model, backend="torch", adapter_store=store)
+    model.eval()
+    names = sorted(model.peft_config)
+    ids = torch.randint(0, 97, (n, 5), generator=torch.Generator().manual_seed(seed))
+    model(input_ids=ids, adapter_names=names)
+    return model, names, ids
+
+
 @pytest.mark.parametrize("data", ["replaced", "assigned_parameter"])
 def test_a_moved_parameter_of_an_adapter_outside_the_batch_is_read_when_it_returns(data):
     """A forward checks the addresses of the adapters it names only: an absent adapter whose parameter's ``.data``
@@ -712,12 +724,7 @@ def test_a_moved_parameter_of_an_adapter_outside_the_batch_is_read_when_it_retur
     the kernels read none of its rows -- and is re-laid out, its new values read, by the first forward that names it.
     Oracle: the same model and edit on the per-parameter path."""
     def run(store):
-        model = many_model(3)
-        fast_multilora.patch(model, backend="torch", adapter_store=store)
-        model.eval()
-        names = sorted(model.peft_config)
-        ids = torch.randint(0, 97, (3, 5), generator=torch.Generator().manual_seed(31))
-        model(input_ids=ids, adapter_names=names)
+        model, names, ids = _laid_out(3, store, seed=31)
         layer = next(m for m in model.modules() if names[2] in getattr(m, "lora_B", {}))
         w = layer.lora_B[names[2]].weight
         new = torch.randn(w.shape, generator=torch.Generator().manual_seed(32))
@@ -741,12 +748,7 @@ def test_every_moved_adapter_of_a_forward_is_read_again():
     optimizer's updates of them were lost -- in an order that followed the names' hash order). Oracle: the same edit
     on the per-parameter path."""
     def run(store):
-        model = many_model(4)
-        fast_multilora.patch(model, backend="torch", adapter_store=store)
-        model.eval()
-        names = sorted(model.peft_config)
-        ids = torch.randint(0, 97, (4, 5), generator=torch.Generator().manual_seed(41))
-        model(input_ids=ids, adapter_names=names)
+        model, names, ids = _laid_out(4, store, seed=41)
         g = torch.Generator().manual_seed(42)
         for n, p in model.named_parameters():
             if "lora_" in n and any(f".{a}." in n for a in names[:3]):
