@@ -79,32 +79,29 @@ def weight_norms(W: torch.Tensor, As: list, Bs: list, scales: tuple) -> torch.Te
 def _owners(ranks: tuple, scales: tuple, device) -> tuple:
     """``(one-hot [R, n] of each concatenated rank row's adapter, float32 scales [n])`` on ``device``, kept per
     (ranks, scales, device): built once, not per layer call."""
-    key = (ranks, scales, device)
-    hit = _OWNERS.get(key)
-    if hit is None:
-        if len(_OWNERS) >= 256:
-            _OWNERS.clear()
+    def build():
         idx = torch.repeat_interleave(torch.arange(len(ranks)), torch.tensor(ranks))
-        hit = _OWNERS[key] = ((idx[:, None] == torch.arange(len(ranks))[None, :]).float().to(device),
-                              torch.tensor(scales, dtype=torch.float32).to(device))
-    return hit
+        return ((idx[:, None] == torch.arange(len(ranks))[None, :]).float().to(device),
+                torch.tensor(scales, dtype=torch.float32).to(device))
 
-
-_OWNERS: dict = {}
+    return _kept(("owners", ranks, scales, device), build)
 
 
 def _index(rows: tuple, device) -> torch.Tensor:
     """``rows`` as an int64 tensor on ``device``, kept per (rows, device)."""
-    key = (rows, device)
-    hit = _INDEX.get(key)
+    return _kept(("index", rows, device), lambda: torch.tensor(rows, dtype=torch.int64).to(device))
+
+
+_KEPT: dict = {}  # host-made constants of layer calls on their device, by what they are made from (bounded)
+
+
+def _kept(key, build):
+    hit = _KEPT.get(key)
     if hit is None:
-        if len(_INDEX) >= 256:
-            _INDEX.clear()
-        hit = _INDEX[key] = torch.tensor(rows, dtype=torch.int64).to(device)
+        if len(_KEPT) >= 512:
+            _KEPT.clear()
+        hit = _KEPT[key] = build()
     return hit
-
-
-_INDEX: dict = {}
 
 
 def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, table, names_in_batch,
@@ -137,13 +134,9 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
         gm1 = torch.zeros(len(dora.names), N, dtype=torch.float32, device=out.device)
         if live:
             gm1 = gm1.index_copy(0, at, gm1_live)
-    else:
-        def absent(n):
-            m = mags[n].weight
-            return m.float() * 0 if absent_grads else torch.zeros(m.shape, dtype=torch.float32, device=m.device)
-
+    else:  # the per-parameter path: the absent ones' magnitudes times 0 (exact zero gradients)
         norms = iter(norms)
-        gm1 = torch.stack([mags[n].weight.float() / next(norms) - 1 if n in live else absent(n)
+        gm1 = torch.stack([mags[n].weight.float() / next(norms) - 1 if n in live else mags[n].weight.float() * 0
                            for n in dora.names])  # [n_dora, N]
     per_row = row_slots is not None and out.dim() >= 2 and out.shape[0] == row_slots.numel()
     ts = token_slots(segs) if keep_out is not None or not per_row else None
@@ -173,13 +166,9 @@ def _keep_mask(keep_out: list, segs, table, x: torch.Tensor) -> torch.Tensor:
     """The boolean ``[S, K]`` keep-mask the layer op's LoRA part used: the torch backend's mask, the Triton
     kernels' stored bits unpacked (byte arithmetic), or their draw for the call's seed redrawn
     (``kernels.dropout``)."""
-    from .kernels.dropout import dropout_keep_mask
+    from .kernels.dropout import dropout_keep_mask, unpack_keep_bits
 
     keep, seed = keep_out[-1]  # the layer call's forward ran (a call under dropout never replays a launch plan)
     if keep is not None:
-        if keep.dtype == torch.bool:
-            return keep
-        shifts = torch.arange(8, dtype=torch.uint8, device=keep.device)
-        bits = (keep[:, :, None] >> shifts) & 1  # [S, K/8, 8] uint8: bit i of byte j is column 8 j + i
-        return bits.view(keep.shape[0], -1)[:, : x.shape[1]] != 0
+        return keep if keep.dtype == torch.bool else unpack_keep_bits(keep, x.shape[1])
     return dropout_keep_mask(seed, segs, table, x.shape[1])  # a host seed: such calls run eagerly (patching)

@@ -357,12 +357,7 @@ def _holdable(p, dtype, device, shape) -> bool:
 def _spliced(seq, rm: list, at: list, values) -> list:
     """``seq`` as a list with the items at positions ``rm`` (ascending) taken out, then ``values`` put in at
     positions ``at`` (ascending, in the result): a layer's per-adapter entries after some adapters changed."""
-    out = list(seq)
-    for i in reversed(rm):
-        del out[i]
-    for i, v in zip(at, values, strict=True):
-        out.insert(i, v)
-    return out
+    return _splice_into(list(seq), rm, at, values)
 
 
 def _spliced_pair(seq, n: int, rm: list, at: list, a_values, b_values) -> tuple:

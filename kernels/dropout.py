@@ -120,10 +120,11 @@ def pack_keep_bits(keep: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_keep_bits(bits: torch.Tensor, K: int) -> torch.Tensor:
-    """Host-side inverse of the kernels' packing (for tests): uint8 ``[S, cdiv(K, 8)]`` -> boolean ``[S, K]``."""
-    shifts = torch.arange(8, device=bits.device, dtype=torch.int32)
-    full = (bits.to(torch.int32)[:, :, None] >> shifts) & 1
-    return full.reshape(bits.shape[0], -1)[:, :K].bool()
+    """The kernels' packing inverted by torch ops (tests, DoRA's dropped-input term): uint8 ``[S, cdiv(K, 8)]`` ->
+    boolean ``[S, K]``, in byte arithmetic (no wider intermediate than the ``[S, K]`` bytes)."""
+    shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
+    full = (bits[:, :, None] >> shifts) & 1  # [S, K/8, 8]: bit i of byte j is column 8 j + i
+    return full.reshape(bits.shape[0], -1)[:, :K] != 0
 
 
 # a stack's slice s draws its mask with key seed ^ (s << 24) (31-bit seeds stay 31-bit); the kernels spell it
