@@ -36,6 +36,7 @@ _hint_patch_in_peft_training_error()  # PEFT's refusal of `adapter_names` in tra
 
 from .adapters import add_adapters, delete_adapters, load_adapters, save_adapters  # noqa: E402
 from .config import PatchConfig  # noqa: E402
+from .ddp import fsdp_ignored_params  # noqa: E402
 from .fused_loss import fused_causal_lm_loss, per_adapter_loss_from_hidden  # noqa: E402
 from .loss import per_adapter_loss, per_adapter_mean  # noqa: E402
 from .optim import AdamW  # noqa: E402
@@ -46,6 +47,7 @@ from .training import trainer_kwargs  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["AdamW", "BASE", "PatchConfig", "PatchReport", "add_adapters", "delete_adapters", "fused_causal_lm_loss",
-           "load_adapters", "mark_changed", "patch", "per_adapter_loss", "per_adapter_loss_from_hidden",
-           "per_adapter_mean", "prefetch", "route", "save_adapters", "trainer_kwargs", "unpatch"]
+__all__ = ["AdamW", "BASE", "PatchConfig", "PatchReport", "add_adapters", "delete_adapters", "fsdp_ignored_params",
+           "fused_causal_lm_loss", "load_adapters", "mark_changed", "patch", "per_adapter_loss",
+           "per_adapter_loss_from_hidden", "per_adapter_mean", "prefetch", "route", "save_adapters", "trainer_kwargs",
+           "unpatch"]

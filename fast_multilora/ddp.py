@@ -33,8 +33,18 @@ arena leaves instead (``fast_multilora.store``), whose gradients never pass thro
 The store's gradients are reduced once per backward, after it ends, not bucket by bucket during it as DDP's are: one
 all-reduce per arena. DDP's communication hooks (``register_comm_hook``) do not apply to them. A backward that
 continues after the reduce (a second backward through one forward) raises, as does the next forward after a backward
-that ended with a noted leaf still waiting (a layer output that never reached the loss). FSDP2 is left as it is:
-its parameters are ``DTensor`` shards, which the store does not hold.
+that ended with a noted leaf still waiting (a layer output that never reached the loss).
+
+**FSDP2** (``torch.distributed.fsdp.fully_shard``). The adapters are replicated and the base sharded: the store's
+parameters are passed to ``fully_shard`` as ``ignored_params`` (:func:`fsdp_ignored_params`), so FSDP2 neither
+shards nor reduces them, and the store does, as under DDP: a forward of a model with ``DTensor`` parameters (FSDP2's
+shards, found once per layout and model class: ``fully_shard`` swaps the class) takes the leaves in every held
+layer; the arenas are broadcast at its first forward and all-reduced (averaged: FSDP2's default) at the end of each
+backward over every dimension of the shards' device mesh, in turn -- skipped while
+``set_requires_gradient_sync(False)`` holds (read from FSDP2's state, a private attribute; where it is absent every
+backward reduces, which gives the same gradients: the average of the already-averaged part is itself). Sharded
+adapter parameters (``fully_shard`` without ``ignored_params``) leave the store with a warning naming the fix and
+take the per-parameter path, on which FSDP2 reduces them.
 
 **torch.compile.** ``torch.compile(DDP(model))`` (accelerate's order), ``model.compile()`` before ``DDP(model)`` and
 ``DDP(torch.compile(model))`` (DDP reads the names through the compile wrapper and names the parameters under it:
@@ -57,6 +67,88 @@ import torch
 
 def _active_ddp():
     return torch.nn.parallel.DistributedDataParallel._active_ddp_module
+
+
+def fsdp_ignored_params(model) -> set:
+    """The parameters of patched ``model`` to pass to FSDP2 as ``fully_shard(..., ignored_params=...)`` -- to every
+    ``fully_shard`` call on the model or its submodules -- so that the adapter store keeps holding them, replicated
+    on every rank, while FSDP2 shards the base: the LoRA weights of every layer the store holds (after ``patch``,
+    before ``fully_shard``). The store then broadcasts and all-reduces them itself (the module docstring). Empty
+    when the model has no store (``PatchConfig(adapter_store=False)``)."""
+    from .patching import _ROUTER_ATTR
+    from .store import AdapterStore
+
+    router = model.__dict__.get(_ROUTER_ATTR)
+    if router is None:
+        raise ValueError("fast_multilora.fsdp_ignored_params: the model is not patched; call "
+                         "fast_multilora.patch(model) before fully_shard")
+    if not router.config.adapter_store:
+        return set()
+    store = AdapterStore.of(model)
+    if store.stale():
+        store.layout()
+    store.ddp.given |= {id(p) for p in store.held}
+    return set(store.held)
+
+
+class _Fsdp:
+    """A model under FSDP2, as one forward finds it: the process groups to reduce over, the FSDP modules whose gradient
+    sync flag is read."""
+
+    def __init__(self, mesh, modules):
+        self.mesh = mesh
+        self.groups = tuple(mesh.get_group(d) for d in range(mesh.ndim))
+        self.modules = [weakref.ref(m) for m in modules]
+
+    def reduces(self) -> bool:
+        """FSDP2's ``set_requires_gradient_sync``: off on the root (or the first FSDP module) skips the reduce. The
+        flag lives in FSDP2's private state; without it every backward reduces (the same gradients, more traffic)."""
+        for ref in self.modules:
+            m = ref()
+            try:
+                for group in m._get_fsdp_state()._fsdp_param_groups:
+                    return bool(group.reduce_grads)
+            except AttributeError:
+                return True
+        return True
+
+
+def _unreduced(root, store, given) -> tuple:
+    """Under FSDP2, the parameters the store reduces that it does not hold: those handed out by
+    :func:`fsdp_ignored_params` that left it, and every trained parameter FSDP2 does not manage -- a plain tensor (not
+    a shard) of a module ``fully_shard`` left out (e.g. ignored by a name pattern, as accelerate's ``ignored_modules``,
+    in a layer the store cannot hold) -- which FSDP2 would leave unreduced. FSDP2 marks the modules it manages
+    (``_is_fsdp_managed_module``, set for Dynamo)."""
+    from torch.distributed.tensor import DTensor
+
+    held = {id(p) for p in store.held}
+    out, seen = [], set()
+    for m in root.modules():
+        managed = getattr(m, "_is_fsdp_managed_module", False)
+        for p in m._parameters.values():
+            if p is None or id(p) in held or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if id(p) in given or (not managed and p.requires_grad and not isinstance(p, DTensor)):
+                out.append(p)
+    return tuple(out)
+
+
+def _find_fsdp(root):
+    """``_Fsdp`` of ``root`` when FSDP2 shards a parameter of it (a ``DTensor`` parameter), else ``None``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None
+    mesh = None
+    for p in root.parameters():
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            break
+    if mesh is None:
+        return None
+    return _Fsdp(mesh, [m for m in root.modules() if isinstance(m, FSDPModule)])
 
 
 # DDP(torch.compile(model)): DDP reads the model's names through torch.compile's wrapper (``OptimizedModule`` hands
@@ -120,8 +212,8 @@ class StoreSync:
         self.key = None  # (DDP module ref, held list, its length) the layers were computed for
         self.orphans: tuple = ()  # parameters DDP ignores for the store that the store no longer holds
         self.given: set = set()  # ids of the parameters whose names DDP was handed
-        self.started = None  # ref to the DDP module whose first forward broadcast the arenas
-        self.sync = None  # ref to the DDP module whose backward is to reduce the arenas
+        self.started = None  # ref to the DDP module (FSDP2: device mesh) whose first forward broadcast the arenas
+        self.sync = None  # the process groups over which the next backward reduces the arenas (None: it does not)
         self.expect: set = set()  # ids of the leaves taken since the last reduce whose gradient has not arrived yet
         # ids of the leaves the layer calls of the last forward took (take), moved to ``expect`` when its backward
         # starts; empty at each forward's entry, so a compiled graph, which guards on the set it adds to, keeps one
@@ -130,6 +222,8 @@ class StoreSync:
         self.queued = False  # the reduce is queued on the running backward
         self.done = False  # the reduce ran since the last forward
         self.warned = None
+        self.fsdp = None  # _Fsdp of the model, or None: not under FSDP2
+        self.fsdp_key = None  # (held list, its length, the model's class) ``fsdp`` was found for
 
     # -- names ----------------------------------------------------------------------------------------------------
     def ignored_names(self, store, earlier=()) -> list:
@@ -169,22 +263,65 @@ class StoreSync:
         if self.arrived and self.expect:
             self.arrived, self.expect = False, set()
             raise RuntimeError(
-                "fast_multilora: under DistributedDataParallel a backward ended before every adapter-store leaf "
-                "taken in the forward got its gradient (a LoRA layer's output did not reach the loss, or it ran under "
-                "no_grad), so the store did not all-reduce its gradients; use every patched layer's output, or "
+                "fast_multilora: under DistributedDataParallel or FSDP2 a backward ended before every adapter-store "
+                "leaf taken in the forward got its gradient (a LoRA layer's output did not reach the loss, or it ran "
+                "under no_grad), so the store did not all-reduce its gradients; use every patched layer's output, or "
                 "fast_multilora.patch(model, adapter_store=False)")
         ddp = _active_ddp()
         self.done = False
-        self.active = ddp is not None
         if ddp is None:
+            fsdp = self._fsdp(store)
+            self.active = fsdp is not None
             if training:
-                self.sync = None
+                self.sync = fsdp.groups if fsdp is not None and self.layers and fsdp.reduces() else None
             return
+        self.active = True
         key = self.key
         if key is None or key[0]() is not ddp or key[1] is not store.held or key[2] != len(store.held):
             self._check(store, ddp)
         if training:
-            self.sync = weakref.ref(ddp) if self.layers and ddp.require_backward_grad_sync else None
+            self.sync = (ddp.process_group,) if self.layers and ddp.require_backward_grad_sync else None
+
+    def _fsdp(self, store):
+        """The model's FSDP2 state (``None`` outside FSDP2), found again when the layout or the model's class changed;
+        under it every held layer takes the store's leaves."""
+        root = store.router.root
+        key = self.fsdp_key
+        if key is not None and key[0] is store.held and key[1] == len(store.held) and key[2] is type(root):
+            return self.fsdp
+        fsdp = _find_fsdp(root)
+        if fsdp is not None and store.router.pager is not None:
+            raise ValueError("fast_multilora: paging (PatchConfig.resident_adapters) does not run under FSDP2, whose "
+                             "all-gathers and reduce-scatters span every rank's adapters; patch without it")
+        self.fsdp, self.fsdp_key = fsdp, (store.held, len(store.held), type(root))
+        self.key = None  # DDP's layers are computed again if DDP wraps the model later
+        if fsdp is None:
+            self.layers = frozenset()
+            return None
+        self.layers = frozenset(store.slots)
+        self.orphans = _unreduced(root, store, self.given)
+        if self._sharded_adapters(store) and self.warned is not _Fsdp:
+            self.warned = _Fsdp
+            warnings.warn(
+                "fast_multilora: FSDP2 shards the LoRA parameters, so their layers take the slower per-parameter path; "
+                "pass ignored_params=fast_multilora.fsdp_ignored_params(model) to every fully_shard call (after "
+                "fast_multilora.patch): the adapters are then replicated and the store reduces them", stacklevel=4)
+        if self.layers and (self.started is None or self.started() is not fsdp.mesh):
+            self.started = weakref.ref(fsdp.mesh) if _weakrefable(fsdp.mesh) else (lambda m=fsdp.mesh: m)
+            for group in fsdp.groups:
+                self._broadcast(store, group)
+        return fsdp
+
+    @staticmethod
+    def _sharded_adapters(store) -> bool:
+        from torch.distributed.tensor import DTensor
+
+        for layer in store.router.store_layers:
+            for name in ("lora_A", "lora_B"):
+                d = getattr(layer, name, None)
+                if isinstance(d, torch.nn.ModuleDict) and any(isinstance(p, DTensor) for p in d.parameters()):
+                    return True
+        return False
 
     def _check(self, store, ddp) -> None:
         reduced = getattr(ddp, "_module_parameters", None)  # what DDP's reducer may hold (None: not a torch DDP)
@@ -243,9 +380,9 @@ class StoreSync:
         graph task this gradient belongs to)."""
         if self.done:
             raise RuntimeError(
-                "fast_multilora: under DistributedDataParallel the adapter store all-reduces its gradients when the "
-                "backward ends, and this backward continued after that (a second backward through one forward, or a "
-                "layer used in two reentrant checkpointed blocks); run one backward per forward, or "
+                "fast_multilora: under DistributedDataParallel or FSDP2 the adapter store all-reduces its gradients "
+                "when the backward ends, and this backward continued after that (a second backward through one "
+                "forward, or a layer used in two reentrant checkpointed blocks); run one backward per forward, or "
                 "fast_multilora.patch(model, adapter_store=False)")
         if self.sync is None:
             return
@@ -263,26 +400,38 @@ class StoreSync:
         self._collect()
         if self.expect:  # a nested backward (reentrant checkpointing) ended: the rest come in later ones
             return
-        ddp = self.sync() if self.sync is not None else None
+        groups = self.sync
         self.sync, self.arrived, self.done = None, False, True
-        if ddp is None:
+        if groups is None:
             return
-        group = ddp.process_group
-        world = dist.get_world_size(group)
         with torch.no_grad():
             attach_views(store)
-            works, grads = [], [a.grad for a in store.arenas.values()]
+            grads = [a.grad for a in store.arenas.values()]
+            for p in self.orphans:  # (every rank reduces the same list: a missing gradient is zeros)
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
             grads += [p.grad for p in self.orphans if p.grad is not None]
-            for g in grads:
-                g.div_(world)
-                works.append(dist.all_reduce(g, group=group, async_op=True))
             seen = store.seen.to(torch.int32) if store.seen is not None else None
-            if seen is not None:
-                works.append(dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group, async_op=True))
-            for w in works:
-                w.wait()
+            for group in groups:  # (several: each dimension of an FSDP2 mesh in turn, summing over all of it)
+                world = dist.get_world_size(group)
+                works = []
+                for g in grads:
+                    g.div_(world)
+                    works.append(dist.all_reduce(g, group=group, async_op=True))
+                if seen is not None:
+                    works.append(dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group, async_op=True))
+                for w in works:
+                    w.wait()
             if seen is not None:
                 store.seen.copy_(seen.bool())
+
+
+def _weakrefable(obj) -> bool:
+    try:
+        weakref.ref(obj)
+        return True
+    except TypeError:
+        return False
 
 
 def attach_views(store) -> None:

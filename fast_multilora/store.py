@@ -34,8 +34,9 @@ keep their own parameters and take the per-parameter path (the optimizer steps t
 ``DistributedDataParallel`` the store's parameters are left out of DDP's reducer (all but one anchor layer's) and the
 store all-reduces its gradient arenas once per synchronised backward (``fast_multilora.ddp``); a layer whose
 parameters DDP does reduce takes the per-parameter path, on which their gradients still land in the gradient arena
-(their ``.grad`` are views of it). Sharding a model after its store was built (FSDP2) takes its layers out of the
-store with a warning (their optimizer states start over).
+(their ``.grad`` are views of it). Under FSDP2 the store's parameters are left out of the sharding
+(``fully_shard(..., ignored_params=fast_multilora.fsdp_ignored_params(model))``) and reduced by the store likewise;
+sharding them takes their layers out of the store with a warning (their optimizer states start over).
 """
 
 from __future__ import annotations
@@ -777,10 +778,11 @@ class AdapterStore:
         moved = self.moved  # adapters ``stale`` found with a replaced ``.data``: their layers are read again
         left = [lid for lid in self.slots if lid not in wanted]
         if left and any(type(p.data) is not torch.Tensor for layer in self.router.store_layers if id(layer) in left
-                        for p in layer.parameters()):
+                        for d in (layer.lora_A, layer.lora_B) for p in d.parameters()):
             warnings.warn("fast_multilora: parameters held by the adapter store were replaced by other tensor types "
-                          "(FSDP2's shards?): they leave the store and their optimizer states start over",
-                          stacklevel=3)
+                          "(FSDP2's shards?): they leave the store, their optimizer states start over and their "
+                          "layers take the slower per-parameter path; under FSDP2 pass "
+                          "ignored_params=fast_multilora.fsdp_ignored_params(model) to fully_shard", stacklevel=3)
         full = full or self.copied or any(a.dropped * 3 > a.used for a in self.arenas.values())
         self.copied = False
         old_slots, old_arenas = self.slots, self.arenas

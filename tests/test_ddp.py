@@ -214,6 +214,110 @@ def test_ddp_parameters_leaving_the_store_after_the_wrap_are_reduced_by_it(one_r
     assert all(sum(t is p.grad for t in reduced) == 1 for p in left)
 
 
+def _fully_shard(model, ignored):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, ignored_params=ignored)
+    return model
+
+
+def test_fsdp2_with_the_store_parameters_ignored_takes_the_leaves(one_rank, calls, monkeypatch):
+    """FSDP2 with ``ignored_params=fast_multilora.fsdp_ignored_params(model)`` (one rank): the base is sharded, every
+    layer call takes the store's leaves, the store reduces its gradient arena once per backward (none under
+    ``set_requires_gradient_sync(False)``), and the gradients equal a plain backward. (Two ranks:
+    ``tests/integration/test_accelerate.py``.)"""
+    from torch.distributed.tensor import DTensor
+
+    ids, labels, names, ref, model, store = _reference_and_model()
+    ignored = fast_multilora.fsdp_ignored_params(model)
+    assert ignored and {id(p) for p in ignored} == {id(p) for p in store.held}
+    _fully_shard(model, ignored)
+    assert not any(isinstance(p, DTensor) for p in ignored)
+    assert any(isinstance(p, DTensor) for p in model.parameters())
+    reduced = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: (reduced.append(t), real(t, *a, **k))[1])
+    model.train()
+    calls.clear()
+    with warnings_as_errors():
+        model.set_requires_gradient_sync(False)
+        _step(model, ids, labels, names)
+        assert calls == {"stored": calls["stored"]} and calls["stored"] > 0 and not reduced
+        model.set_requires_gradient_sync(True)
+        _step(model, ids, labels, names)
+    grads = [a.grad for a in store.arenas.values()]
+    assert sum(any(t is g for g in grads) for t in reduced) == len(grads) and store.ddp.orphans == ()
+    for n, p in ref.named_parameters():
+        if p.grad is not None:
+            got = dict(model.named_parameters())[n].grad
+            torch.testing.assert_close(got, 2 * p.grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_fsdp2_reduces_trained_parameters_it_leaves_out_and_the_store_does_not_hold(one_rank, monkeypatch):
+    """Adapters left out of FSDP2 by a name pattern (accelerate's ``ignored_modules``, here every ``lora_A`` /
+    ``lora_B``), one of whose layers the store cannot hold (its adapters mix dtypes): FSDP2 reduces neither, so the
+    store all-reduces that layer's gradients too, once per backward."""
+    from accelerate.utils.fsdp_utils import get_parameters_from_modules
+
+    ids, labels, names = ddp_worker.batches()[0]
+    model = peft_model("llama")
+    fast_multilora.patch(model, backend="torch")
+    layer = model.base_model.model.model.layers[1].self_attn.q_proj
+    layer.lora_A["a0"].to(torch.bfloat16)
+    layer.lora_B["a0"].to(torch.bfloat16)
+    fast_multilora.mark_changed()
+    store = AdapterStore.of(model)
+    _fully_shard(model, get_parameters_from_modules(r".*\.lora_(A|B)", model, None))
+    reduced = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: (reduced.append(t), real(t, *a, **k))[1])
+    model.train()
+    _step(model, ids, labels, names)
+    left = [p for p in layer.parameters() if p.requires_grad]
+    assert left and all(p.grad is not None for p in left)
+    assert not any(any(p is q for q in store.held) for p in left)
+    assert {id(p) for p in store.ddp.orphans} == {id(p) for p in left}
+    assert all(sum(t is p.grad for t in reduced) == 1 for p in left)
+
+
+def test_fsdp2_sharding_the_adapters_warns_with_the_fix(one_rank, calls):
+    """``fully_shard`` without ``ignored_params``: the adapters are shards, which the store cannot hold; the layer calls
+    take PEFT's (unsharded) parameters, FSDP2 reduces them, and a warning names ``fsdp_ignored_params``."""
+    ids, labels, names, ref, model, store = _reference_and_model()
+    _fully_shard(model, None)
+    model.train()
+    calls.clear()
+    with pytest.warns(UserWarning, match="fsdp_ignored_params"):
+        _step(model, ids, labels, names)
+    assert calls.get("params", 0) > 0 and "stored" not in calls
+
+
+def test_fsdp2_errors_name_the_way_out(one_rank):
+    """``fsdp_ignored_params`` of an unpatched model, and paging under FSDP2: errors that say what to do."""
+    with pytest.raises(ValueError, match=r"not patched; call fast_multilora.patch\(model\) before fully_shard"):
+        fast_multilora.fsdp_ignored_params(peft_model("llama"))
+    ids, labels, names = ddp_worker.batches()[0]
+    model = peft_model("llama")
+    fast_multilora.patch(model, backend="torch", resident_adapters=1)
+    _fully_shard(model, fast_multilora.fsdp_ignored_params(model))
+    model.train()
+    with pytest.raises(ValueError, match="does not run under FSDP2"):
+        _step(model, ids, labels, names)
+
+
+@contextlib.contextmanager
+def warnings_as_errors():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        yield
+
+
 # torch.compile with DDP, the orders torch 2.13 supports: compiling the DDP module (accelerate's order, with a
 # dynamo_backend: Dynamo compiles the module under DDP's forward, DDPOptimizer splits its graph at DDP's buckets),
 # compiling the model in place before DDP (``model.compile()``, torch's "where to apply torch.compile" page), and DDP
@@ -420,7 +524,10 @@ def test_ddp_two_ranks_match_one_process_and_the_parameter_path(tmp_path, compil
             assert params["none"] == [] == fast["none"]
             runs += [(params, refs["torch"]), (fast, refs["fast"])]
             for n, w in params["weights"].items():
-                torch.testing.assert_close(store["weights"][n], w, rtol=1e-5, atol=1e-7,
+                # the two paths sum the same gradients in another order; Adam's g / (sqrt(v) + eps) amplifies that
+                # rounding where a gradient is near zero (seen: 2.4e-7 after 3 steps of lr 1e-2, torch 2.13 CPU);
+                # a missing or doubled update differs by ~1e-2
+                torch.testing.assert_close(store["weights"][n], w, rtol=1e-5, atol=1e-6,
                                            msg=lambda m, n=n: f"{n}: {m}")
         for run, (weights, first) in runs:
             assert set(run["grads"]) == set(first)
