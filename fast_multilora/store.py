@@ -528,6 +528,16 @@ class _ByAdapter:
 
     def __init__(self, store, where: bool):
         self.store, self.where, self.cache = store, where, {}
+        self.expect: dict = {}  # name -> its parameters' expected addresses (``addresses``)
+
+    def addresses(self, name, hit) -> tuple:
+        """Where adapter ``name``'s parameters' ``.data`` are when they are their pieces (``hit``: its entry). Kept
+        for the layout's life: arenas move (grow, compact) only in a layout, which makes a new ``_ByAdapter`` (were
+        one to move otherwise, its parameters would be found moved and laid out again, from their values)."""
+        got = self.expect.get(name)
+        if got is None:
+            got = self.expect[name] = tuple(itertools.chain.from_iterable(s.expected(off) for s, off in hit[1]))
+        return got
 
     def get(self, name, default=None):
         hit = self.cache.get(name)
@@ -604,6 +614,7 @@ class AdapterStore:
         self.tables: dict = {}  # the layers' store tables (_store_table), shared among equal ones
         self.delta = None  # during a layout's owner._follow: (parameters on new pieces, parameters that left)
         self.ddp = StoreSync()  # under DistributedDataParallel (fast_multilora.ddp)
+        self._layers_checked = None  # (store_layers, version) for which every held layer was found a store layer
         self.layout(full=True)
 
     def __setstate__(self, state):
@@ -616,6 +627,7 @@ class AdapterStore:
         state["ddp"] = StoreSync()
         state["copied"] = True
         state["_compact"] = None
+        state["_layers_checked"] = None
         return state
 
     # -- attaching ------------------------------------------------------------------------------------------------
@@ -725,10 +737,13 @@ class AdapterStore:
                 slots.state = st
                 if st.table.host != slots.table_of:  # the slot order moved: the store's table follows
                     self._retable(slots)
-            if layer.lora_A[slots.names[0]].weight is not slots.params[0]:
+            if layer._modules["lora_A"]._modules[slots.names[0]]._parameters["weight"] is not slots.params[0]:
                 return True
-        if not set(self.slots) <= {id(layer) for layer in self.router.store_layers}:
-            return True
+        layers = self.router.store_layers  # (a list patch() replaces, never edits)
+        if self._layers_checked != (layers, self.version):
+            if not set(self.slots) <= {id(layer) for layer in layers}:
+                return True
+            self._layers_checked = (layers, self.version)
         if self.ids_read != FULL[0]:  # after mark_changed (a change of unknown extent): every weight still held?
             for layer in self.router.store_layers:
                 slots = self.slots.get(id(layer))
@@ -744,10 +759,10 @@ class AdapterStore:
         if names is None:
             return any(s.moved() for s in self.slots.values())
         found = False
+        by_adapter = self.adapter_params
         for name in names:  # every moved adapter of the call, not the first: the layout reads those (``moved``)
-            entry = self.adapter_params.get(name)
-            if entry is not None and tuple(map(_DATA_PTR, entry[0])) != \
-                    tuple(itertools.chain.from_iterable(s.expected(off) for s, off in entry[1])):
+            entry = by_adapter.get(name)
+            if entry is not None and tuple(map(_DATA_PTR, entry[0])) != by_adapter.addresses(name, entry):
                 self.moved.add(name)
                 found = True
         return found
