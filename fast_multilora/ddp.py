@@ -37,12 +37,13 @@ that ended with a noted leaf still waiting (a layer output that never reached th
 
 **FSDP2** (``torch.distributed.fsdp.fully_shard``). The adapters are replicated and the base sharded: the store's
 parameters are passed to ``fully_shard`` as ``ignored_params`` (:func:`fsdp_ignored_params`), so FSDP2 neither
-shards nor reduces them, and the store does, as under DDP: a forward of a model with ``DTensor`` parameters (FSDP2's
-shards, found once per layout and model class: ``fully_shard`` swaps the class) takes the leaves in every held
-layer; the arenas are broadcast at its first forward and all-reduced (averaged: FSDP2's default) at the end of each
-backward over every dimension of the shards' device mesh, in turn -- skipped while
-``set_requires_gradient_sync(False)`` holds (read from FSDP2's state, a private attribute; where it is absent every
-backward reduces, which gives the same gradients: the average of the already-averaged part is itself). Sharded
+shards nor reduces them, and the store does, as under DDP: a forward of a model ``fully_shard`` was applied to (or
+to modules inside it; looked for when the model's class changes, which ``fully_shard`` on the model does: apply it
+before the first forward) takes the leaves in every held layer; the arenas are broadcast at its first forward and
+all-reduced (averaged: FSDP2's default) at the end of each backward over every dimension of FSDP2's device mesh, in
+turn -- skipped while ``set_requires_gradient_sync(False)`` holds. FSDP2's mesh and that flag are read from its
+state (private attributes; without them: a sharded parameter's mesh or the default group, and a reduce at every
+backward, which gives the same gradients: the average of the already-averaged part is itself). Sharded
 adapter parameters (``fully_shard`` without ``ignored_params``) leave the store with a warning naming the fix and
 take the per-parameter path, on which FSDP2 reduces them.
 
@@ -135,20 +136,31 @@ def _unreduced(root, store, given) -> tuple:
 
 
 def _find_fsdp(root):
-    """``_Fsdp`` of ``root`` when FSDP2 shards a parameter of it (a ``DTensor`` parameter), else ``None``."""
+    """``_Fsdp`` of ``root`` when ``fully_shard`` was applied to it or to modules inside it, else ``None``. The mesh:
+    FSDP2's record of it (a private attribute), else a sharded parameter's (at a forward's entry the root's own group
+    is already unsharded, the layers' not yet), else the default process group's (``fully_shard``'s default mesh)."""
     try:
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed
         return None
-    mesh = None
+    modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        return None
+    for m in modules:
+        try:
+            group = m._get_fsdp_state()._fsdp_param_group
+        except AttributeError:
+            continue
+        if group is not None:
+            return _Fsdp(group.mesh_info.mesh, modules)
     for p in root.parameters():
         if isinstance(p, DTensor):
-            mesh = p.device_mesh
-            break
-    if mesh is None:
-        return None
-    return _Fsdp(mesh, [m for m in root.modules() if isinstance(m, FSDPModule)])
+            return _Fsdp(p.device_mesh, modules)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return _Fsdp(init_device_mesh(next(root.parameters()).device.type, (torch.distributed.get_world_size(),)),
+                 modules)
 
 
 # DDP(torch.compile(model)): DDP reads the model's names through torch.compile's wrapper (``OptimizedModule`` hands
@@ -283,21 +295,26 @@ class StoreSync:
             self.sync = (ddp.process_group,) if self.layers and ddp.require_backward_grad_sync else None
 
     def _fsdp(self, store):
-        """The model's FSDP2 state (``None`` outside FSDP2), found again when the layout or the model's class changed;
-        under it every held layer takes the store's leaves."""
+        """The model's FSDP2 state (``None`` outside FSDP2), found when the model's class changed (``fully_shard``
+        swaps it: apply it before the first forward) -- a walk over every module, so not at each layout; under FSDP2
+        every held layer takes the store's leaves, found again per layout."""
         root = store.router.root
         key = self.fsdp_key
-        if key is not None and key[0] is store.held and key[1] == len(store.held) and key[2] is type(root):
-            return self.fsdp
-        fsdp = _find_fsdp(root)
-        if fsdp is not None and store.router.pager is not None:
-            raise ValueError("fast_multilora: paging (PatchConfig.resident_adapters) does not run under FSDP2, whose "
-                             "all-gathers and reduce-scatters span every rank's adapters; patch without it")
-        self.fsdp, self.fsdp_key = fsdp, (store.held, len(store.held), type(root))
-        self.key = None  # DDP's layers are computed again if DDP wraps the model later
+        if key is None or key[2] is not type(root):
+            self.fsdp = _find_fsdp(root)
+            key = None
+        fsdp = self.fsdp
         if fsdp is None:
+            self.fsdp_key = (None, 0, type(root))
             self.layers = frozenset()
             return None
+        if key is not None and key[0] is store.held and key[1] == len(store.held):
+            return fsdp
+        if store.router.pager is not None:
+            raise ValueError("fast_multilora: paging (PatchConfig.resident_adapters) does not run under FSDP2, whose "
+                             "all-gathers and reduce-scatters span every rank's adapters; patch without it")
+        self.fsdp_key = (store.held, len(store.held), type(root))
+        self.key = None  # DDP's layers are computed again if DDP wraps the model later
         self.layers = frozenset(store.slots)
         self.orphans = _unreduced(root, store, self.given)
         if self._sharded_adapters(store) and self.warned is not _Fsdp:
