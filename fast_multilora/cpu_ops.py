@@ -78,6 +78,13 @@ def _as(t: torch.Tensor, dtype) -> torch.Tensor:
     return (t if t.dtype == dtype else t.to(dtype)).contiguous()
 
 
+def _b(B: torch.Tensor, off: int, r: int, N: int) -> torch.Tensor:
+    """A slot's ``[N, r]`` expand weight: columns ``off:off+r`` of ``B_cat[N, total_rank]``, or of the adapter
+    store's packed block (1-D: each adapter's ``[N, r]`` contiguous from element ``off * N``), read where it lies
+    (copying the whole block into ``B_cat`` per call costs the registry, not the batch)."""
+    return B[off * N : (off + r) * N].view(N, r) if B.dim() == 1 else B[:, off : off + r]
+
+
 def _dropped(x: torch.Tensor, keep: Optional[torch.Tensor], rows, p: float) -> torch.Tensor:
     if keep is None or p == 0.0:
         return x
@@ -97,15 +104,16 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, keep=None) -> 
 def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, accumulate: bool = True,
                 bias: Optional[torch.Tensor] = None):
     """:func:`reference.lora_expand` (one slice): in place ``y[t] += scale_a * h[t, :r] @ B_a^T`` on adapter rows;
-    ``accumulate=False`` writes ``bias`` (or zero) on every row first, the product added to it on adapter rows."""
-    acc = h.dtype
+    ``accumulate=False`` writes ``bias`` (or zero) on every row first, the product added to it on adapter rows.
+    ``B_cat``: ``[N, total_rank]`` or the store's packed block (:func:`_b`)."""
+    acc, N = h.dtype, y.shape[1]
     if not accumulate:
         if bias is None:
             y.zero_()
         else:
             y.copy_(bias.to(y.dtype).expand_as(y))
     for _, r, off, c, _, rows in _slot_rows(segs, table):
-        delta = c * (_as(_take(h, rows)[:, :r], acc) @ _as(B_cat[:, off : off + r], acc).T)
+        delta = c * (_as(_take(h, rows)[:, :r], acc) @ _as(_b(B_cat, off, r, N), acc).T)
         if accumulate:
             out = _as(_take(y, rows), acc) + delta
         else:
@@ -121,15 +129,16 @@ def lora_shrink_expand(x, A_cat, B_cat, segs: Segments, table: AdapterTable, y):
 
 def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, dh: Optional[torch.Tensor] = None):
     """:func:`reference.lora_expand_bwd` (one slice): ``(dh, dB_cat)``; a given ``dh`` gets each adapter row's first
-    ``r`` columns written, the rest kept."""
-    acc = _acc_dtype(dy)
+    ``r`` columns written, the rest kept. A packed ``B_cat`` (1-D, :func:`_b`) gets its gradient in its own layout."""
+    acc, N = _acc_dtype(dy), dy.shape[1]
     if dh is None:
         dh = torch.zeros(dy.shape[0], table.max_rank, dtype=acc, device=dy.device)
-    dB = torch.zeros(B_cat.shape[0], table.total_rank, dtype=acc, device=dy.device)
+    packed = B_cat.dim() == 1
+    dB = torch.zeros(B_cat.shape[0] if packed else (N, table.total_rank), dtype=acc, device=dy.device)
     for _, r, off, c, _, rows in _slot_rows(segs, table):
         g = _as(_take(dy, rows), acc)
-        _put(dh[:, :r], rows, c * (g @ _as(B_cat[:, off : off + r], acc)))
-        dB[:, off : off + r] = c * (g.T @ _as(_take(h, rows)[:, :r], acc))
+        _put(dh[:, :r], rows, c * (g @ _as(_b(B_cat, off, r, N), acc)))
+        _b(dB, off, r, N).copy_(c * (g.T @ _as(_take(h, rows)[:, :r], acc)))
     return dh, dB
 
 

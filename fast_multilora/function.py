@@ -585,11 +585,12 @@ def _a_weight(call: LayerCall, ws):
 
 def _b_weight(call: LayerCall, ws):
     """The expand weight: the store's packed block as it is (Triton, eager or compiled: every expand kernel reads it
-    without a table or a copy, ``kernels.segments.packed_b``), its ``B_cat`` for the torch backend; or the adapters'
-    weights as the backend takes them."""
+    without a table or a copy, ``kernels.segments.packed_b``; the torch backend's CPU ops likewise, but for an
+    experts layer), its ``B_cat`` for the torch backend's reference ops; or the adapters' weights as the backend
+    takes them."""
     if call.stored is None:
         return call.backend.weights(ws, call.table, 1, call.in_place)
-    if call.backend.name == "triton":
+    if call.backend.name == "triton" or (call.stored.experts == 1 and cpu_ops.applies(ws[0])):
         return ws[0]
     return call.stored.b_cat(ws[0])
 

@@ -2,7 +2,9 @@
 slot over all rows, masked), float64 (only summation order differs) and float32, at odd shapes: rank 1, ranks past
 the max rank of other slots, rank-0 slots, slots without rows, one-row slots, unsorted interleaved rows, contiguous
 runs (slices) and scattered rows (index tensors), 128 adapters, dropout masks, write-mode expand with a bias, a given
-``dh`` whose other columns must survive."""
+``dh`` whose other columns must survive, the adapter store's packed expand weight (read and written in its layout)."""
+
+import itertools
 
 import pytest
 import torch
@@ -37,6 +39,13 @@ def _inputs(case, dtype, dropout, seed=0):
     return ts, table, t, keep
 
 
+def _packed(B_cat: torch.Tensor, table) -> torch.Tensor:
+    """``B_cat[N, total_rank]`` as the adapter store packs it: each slot's ``[N, r]`` flat, in offset order."""
+    pieces = sorted((off, r) for r, off in zip(table.ranks.tolist(), table.offsets.tolist(), strict=True) if r > 0)
+    assert [off for off, _ in pieces] == list(itertools.accumulate([0] + [r for _, r in pieces[:-1]]))
+    return torch.cat([B_cat[:, off : off + r].reshape(-1) for off, r in pieces])
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("dropout", [False, True], ids=["p0", "dropout"])
 @pytest.mark.parametrize("case", list(CASES))
@@ -60,6 +69,14 @@ def test_ops_match_the_reference(case, grouped, dropout, dtype):
     dh_ref, dB_ref = ref.lora_expand_bwd(t["dy"], h_ref, B, segs_ref, table)
     assert_close_max(dh, dh_ref, dtype, "dh")
     assert_close_max(dB, dB_ref, dtype, "dB")
+    # the adapter store's packed block (1-D, slot a's [N, r] contiguous from element N * offset), read in place
+    packed = _packed(B, table)
+    y = cpu_ops.lora_expand(h_ref, packed, segs, table, t["y"].clone())
+    assert_close_max(y, ref.lora_expand(h_ref, B, segs_ref, table, t["y"].clone()), dtype, "y (packed B)")
+    dh, dB = cpu_ops.lora_expand_bwd(t["dy"], h_ref, packed, segs, table)
+    assert dB.shape == packed.shape
+    assert_close_max(dh, dh_ref, dtype, "dh (packed B)")
+    assert_close_max(dB, _packed(dB_ref.to(dB.dtype), table), dtype, "dB (packed B)")
     for need_dx in (True, False):
         dx, dA = cpu_ops.lora_shrink_bwd(dh_ref, x, A, segs, table, keep=keep, need_dx=need_dx)
         dx_ref, dA_ref = ref.lora_shrink_bwd(dh_ref, x, A, segs_ref, table, keep=keep, need_dx=need_dx)

@@ -325,7 +325,7 @@ def test_triton_function_with_nan_filled_allocations(grouped, stored, monkeypatc
             return out.detach(), torch.autograd.grad(out, (xx, *As, *Bs), dy)
         # the adapter store's two leaves: A_cat [total_rank, K] and the packed B block (adapter a's [N, r_a] at N * off)
         present = [r for r in ranks if r > 0]
-        slots = SimpleNamespace(ranks=tuple(present), N=N, b_cat=lambda b: torch.cat(
+        slots = SimpleNamespace(ranks=tuple(present), N=N, experts=1, b_cat=lambda b: torch.cat(
             [p.view(N, r) for p, r in zip(b.split([N * r for r in present]), present, strict=True)], 1),
             packed_grad=lambda g: torch.cat([p.reshape(-1) for p in g.split(present, 1)]))
         a_leaf = torch.cat([a.detach() for a in A2]).requires_grad_()
