@@ -127,29 +127,40 @@ def lora_shrink_expand(x, A_cat, B_cat, segs: Segments, table: AdapterTable, y):
     return lora_expand(lora_shrink(x, A_cat, segs, table), B_cat, segs, table, y)
 
 
-def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, dh: Optional[torch.Tensor] = None):
+def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, dh: Optional[torch.Tensor] = None,
+                    dB_add: Optional[torch.Tensor] = None):
     """:func:`reference.lora_expand_bwd` (one slice): ``(dh, dB_cat)``; a given ``dh`` gets each adapter row's first
-    ``r`` columns written, the rest kept. A packed ``B_cat`` (1-D, :func:`_b`) gets its gradient in its own layout."""
+    ``r`` columns written, the rest kept. A packed ``B_cat`` (1-D, :func:`_b`) gets its gradient in its own layout.
+    ``dB_add`` (in ``B_cat``'s layout, any float dtype): each slot with rows gets its gradient added there (summed in
+    the accumulation dtype, rounded once), the others' left as they are; returned as ``dB_cat``."""
     acc, N = _acc_dtype(dy), dy.shape[1]
     if dh is None:
         dh = torch.zeros(dy.shape[0], table.max_rank, dtype=acc, device=dy.device)
     packed = B_cat.dim() == 1
-    dB = torch.zeros(B_cat.shape[0] if packed else (N, table.total_rank), dtype=acc, device=dy.device)
+    dB = dB_add if dB_add is not None else \
+        torch.zeros(B_cat.shape[0] if packed else (N, table.total_rank), dtype=acc, device=dy.device)
     for _, r, off, c, _, rows in _slot_rows(segs, table):
         g = _as(_take(dy, rows), acc)
         _put(dh[:, :r], rows, c * (g @ _as(_b(B_cat, off, r, N), acc)))
-        _b(dB, off, r, N).copy_(c * (g.T @ _as(_take(h, rows)[:, :r], acc)))
+        _added(_b(dB, off, r, N), c * (g.T @ _as(_take(h, rows)[:, :r], acc)), dB_add is not None)
     return dh, dB
 
 
-def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, keep=None, need_dx: bool = True):
-    """:func:`reference.lora_shrink_bwd` (one slice): ``(dx or None, dA_cat)``, ``dx`` zero on base rows."""
+def _added(out: torch.Tensor, value: torch.Tensor, accumulate: bool) -> None:
+    """``out = value``, or ``out += value`` in ``value``'s dtype, rounded once to ``out``'s."""
+    out.copy_(out.to(value.dtype) + value if accumulate else value)
+
+
+def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, keep=None, need_dx: bool = True,
+                    dA_add: Optional[torch.Tensor] = None):
+    """:func:`reference.lora_shrink_bwd` (one slice): ``(dx or None, dA_cat)``, ``dx`` zero on base rows. ``dA_add``:
+    as ``lora_expand_bwd``'s ``dB_add``."""
     acc = _acc_dtype(x)
     g_x = torch.zeros(x.shape, dtype=acc, device=x.device) if need_dx else None
-    dA = torch.zeros(table.total_rank, x.shape[1], dtype=acc, device=x.device)
+    dA = dA_add if dA_add is not None else torch.zeros(table.total_rank, x.shape[1], dtype=acc, device=x.device)
     for _, r, off, _, p, rows in _slot_rows(segs, table):
         g = _as(_take(dh, rows)[:, :r], acc)
-        dA[off : off + r] = g.T @ _dropped(_as(_take(x, rows), acc), keep, rows, p)
+        _added(dA[off : off + r], g.T @ _dropped(_as(_take(x, rows), acc), keep, rows, p), dA_add is not None)
         if need_dx:
             _put(g_x, rows, _dropped(g @ _as(A_cat[off : off + r], acc), keep, rows, p))
     return (g_x.to(x.dtype) if need_dx else None), dA

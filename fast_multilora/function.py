@@ -98,18 +98,25 @@ class TorchBackend:
             return cpu_ops.lora_shrink_expand(x, A_cat, B_cat, segs, table, y)
         return reference.lora_shrink_expand(x, A_cat, B_cat, segs, table, y)
 
+    @staticmethod
+    def adds_grads(x, stored) -> bool:
+        """Whether the backward of a stored call can add its weight gradients into the arena (``grad_out``): the CPU
+        ops, packed expand weights (not an experts layer's)."""
+        return cpu_ops.applies(x) and stored.experts == 1
+
     @_no_autocast
-    def expand_bwd(self, dy, h, B_cat, segs, table, stack_num, slice_idx, dh=None, grad_dtype=None):
-        # grad_dtype: a hint the reference does not take (its weight gradients stay float32 [N, total_rank])
+    def expand_bwd(self, dy, h, B_cat, segs, table, stack_num, slice_idx, dh=None, grad_dtype=None, grad_out=None):
+        # grad_dtype: a hint the reference does not take (its weight gradients stay float32 [N, total_rank]);
+        # grad_out: the CPU ops only (adds_grads)
         if cpu_ops.applies(dy, stack_num):
-            return cpu_ops.lora_expand_bwd(dy, h, B_cat, segs, table, dh=dh)
+            return cpu_ops.lora_expand_bwd(dy, h, B_cat, segs, table, dh=dh, dB_add=grad_out)
         return reference.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx, dh=dh)
 
     @_no_autocast
     def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx, keep=None, grad_dtype=None,
-                   dx_acc=None):
+                   dx_acc=None, grad_out=None):
         if cpu_ops.applies(x, stack_num):
-            dx, dA = cpu_ops.lora_shrink_bwd(dh, x, A_cat, segs, table, keep=keep, need_dx=need_dx)
+            dx, dA = cpu_ops.lora_shrink_bwd(dh, x, A_cat, segs, table, keep=keep, need_dx=need_dx, dA_add=grad_out)
         else:
             dx, dA = reference.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, keep=keep,
                                                need_dx=need_dx)
@@ -189,35 +196,44 @@ class TritonBackend:
             record["decode"] = launches[0]
         return y
 
-    def expand_bwd(self, dy, h, B_cat, segs, table, stack_num, slice_idx, dh=None, grad_dtype=None):
+    @staticmethod
+    def adds_grads(x, stored) -> bool:
+        """Whether the backward of a stored call can add its weight gradients into the arena (``grad_out``): eager."""
+        return not _compiling()
+
+    def expand_bwd(self, dy, h, B_cat, segs, table, stack_num, slice_idx, dh=None, grad_dtype=None, grad_out=None):
         """``(dh, dB)``; a given ``dh`` is the starting content (written in place in eager mode). With
         ``grad_dtype`` (eager only), ``dB`` comes in that dtype as one contiguous ``[N, r_a]`` block per adapter,
         flat (``_split_grads`` takes it apart without a copy), and a new ``dh`` is not zero-filled: only the cells
         the shrink backward reads (adapter rows, their rank's columns) are written, as the kernel tests check with
-        NaN in the rest; otherwise float32 ``[N, total_rank]`` and a zero-filled ``dh``."""
+        NaN in the rest; otherwise float32 ``[N, total_rank]`` and a zero-filled ``dh``. ``grad_out`` (eager, in
+        that blocked layout): the slots with tokens get their gradient added there, the others' left as they are
+        (returned as ``dB``)."""
         if _compiling():
             return self.ops.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx,
                                             dh=dh)
-        if grad_dtype is None:
+        if grad_dtype is None and grad_out is None:
             return self.k.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx, dh=dh)
-        dB = torch.empty(table.total_rank * dy.shape[1], dtype=grad_dtype, device=dy.device)
+        dB = grad_out if grad_out is not None else \
+            torch.empty(table.total_rank * dy.shape[1], dtype=grad_dtype, device=dy.device)
         if dh is None:  # for this backend's shrink backward, which reads only the cells the expand writes
             dh = torch.empty(dy.shape[0], stack_num * table.max_rank, dtype=h.dtype, device=dy.device)
         return self.k.lora_expand_bwd(dy, h, B_cat, segs, table, stack_num=stack_num, slice_idx=slice_idx,
-                                      dh=dh, dB_out=dB, dB_blocked=True)
+                                      dh=dh, dB_out=dB, dB_blocked=True, accumulate_dB=grad_out is not None)
 
     def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx, keep=None, grad_dtype=None,
-                   dx_acc=None):
+                   dx_acc=None, grad_out=None):
         """``(dx, dA)``; with ``grad_dtype`` (eager only) ``dA`` comes in that dtype, else float32. ``dx_acc``: the
-        dx terms are added into it (returned as ``dx``)."""
+        dx terms are added into it (returned as ``dx``). ``grad_out``: as :meth:`expand_bwd`'s."""
         if _compiling():
             return self.ops.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed,
                                             need_dx=need_dx, keep=keep, dx_acc=dx_acc)
-        dA = None if grad_dtype is None else torch.empty(stack_num * table.total_rank, x.shape[1],
-                                                         dtype=grad_dtype, device=x.device)
+        dA = grad_out if grad_out is not None else None if grad_dtype is None else \
+            torch.empty(stack_num * table.total_rank, x.shape[1], dtype=grad_dtype, device=x.device)
         acc = need_dx and dx_acc is not None
         return self.k.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed, need_dx=need_dx,
-                                      keep=keep, dA_out=dA, dx_out=dx_acc if acc else None, accumulate_dx=acc)
+                                      keep=keep, dA_out=dA, dx_out=dx_acc if acc else None, accumulate_dx=acc,
+                                      accumulate_dA=grad_out is not None)
 
 
 _BACKENDS: dict = {}
@@ -419,15 +435,22 @@ class LoraLinear(torch.autograd.Function):
         need_b, need_bias = any(needs[5 + n_a : 5 + n_a + n]), any(needs[5 + n_a + n :])
         grads = [None] * len(w_dtypes)
         dx = d_y = dy = dh = None
+        # the store's leaves: each slot's weight gradient added into the gradient arena where it lies, no leaf
+        # gradient (whose size is the registry's: every adapter of the layer); the leaves' hooks run here instead
+        add_a = add_b = False
         if d_out is not None:
+            add_a, add_b = _adds(call, x, need_a, 0), _adds(call, x, need_b, 1)
             dy = d_out.reshape(-1, N).contiguous()
             d_y = None if call.fused else d_out  # out = y + delta: the identity for y
             if need_dx or need_a or need_b:
                 B = _b_weight(call, weights[n_a : n_a + n])
                 dh, dB = be.expand_bwd(dy, h, B, segs, table, 1, 0,
                                        grad_dtype=_grad_dtype(w_dtypes[n_a : n_a + n])
-                                       if call.experts == 1 or call.stored is not None else None)
-                if need_b and call.stored is not None:  # the packed block's gradient, whole
+                                       if call.experts == 1 or call.stored is not None else None,
+                                       grad_out=call.stored.b_leaf.grad if add_b else None)
+                if need_b and add_b:  # added into the arena
+                    pass
+                elif need_b and call.stored is not None:  # the packed block's gradient, whole
                     grads[n_a] = (dB if dB.dim() == 1 else call.stored.packed_grad(dB)).to(w_dtypes[n_a])
                 elif need_b:
                     grads[n_a : n_a + n] = _split_grads(dB, call.ranks, w_dtypes[n_a : n_a + n], dim=1, n_rows=N)
@@ -444,8 +467,11 @@ class LoraLinear(torch.autograd.Function):
         if dh is not None and (need_dx or need_a):
             A = _a_weight(call, weights[:n_a])
             dx, dA = be.shrink_bwd(dh, x, A, segs, table, 1, call.seed, need_dx, keep,
-                                   grad_dtype=_grad_dtype(w_dtypes[:n_a]), dx_acc=dx)
-            if need_a and call.stored is not None:
+                                   grad_dtype=_grad_dtype(w_dtypes[:n_a]), dx_acc=dx,
+                                   grad_out=call.stored.a_leaf.grad if add_a else None)
+            if need_a and add_a:  # added into the arena
+                pass
+            elif need_a and call.stored is not None:
                 grads[0] = dA.to(w_dtypes[0])
             elif need_a:
                 grads[:n_a] = _split_grads(dA, call.ranks, w_dtypes[:n_a], dim=0)
@@ -454,6 +480,31 @@ class LoraLinear(torch.autograd.Function):
         if dx is not None:
             dx = dx.view(x_shape)
         return (dx, d_y, None, None, None, *grads)
+
+
+def _adds(call: LayerCall, x, need: bool, part: int) -> bool:
+    """Whether this backward adds the stored leaf ``part``'s (0: A, 1: B) gradient into the arena itself: eager, the
+    backend able to (``adds_grads``), the leaf's gradient accumulator to run in this backward (not
+    ``torch.autograd.grad``, whose caller takes the gradients; not ``create_graph``); the leaf's hook then runs
+    first (``AdapterStore._hook``: the views of the pending adapters zeroed, DDP noted), as it would before a leaf
+    gradient accumulated."""
+    stored = call.stored
+    if not need or stored is None or torch.is_grad_enabled():
+        return False
+    on = getattr(stored, "on_grad", None)
+    if on is None or on[part] is None or not call.backend.adds_grads(x, stored):
+        return False
+    hook, node = on[part]
+    leaf = stored.b_leaf if part else stored.a_leaf
+    if leaf.grad is None:
+        return False
+    try:
+        if not torch._C._will_engine_execute_node(node):
+            return False
+    except RuntimeError:  # torch.autograd.grad(): its caller takes the gradients
+        return False
+    hook(None)
+    return True
 
 
 class _NoGradCtx:

@@ -13,9 +13,12 @@ bookkeeping, a gradient split and the optimizer's per-tensor work. An :class:`Ad
   stay the model's parameters (names, ``state_dict``, ``save_pretrained``) and share the arena's memory: their
   ``.data`` is their piece of it, so an update of either is an update of both.
 * **Autograd.** A layer call takes the layer's two blocks as two leaf tensors (:class:`LayerSlots`), whatever the
-  number of adapters; its backward returns each block's whole gradient, which autograd adds in place into the
-  gradient arena (the leaves' ``.grad`` are views of it, as are the parameters' ``.grad``: ``clip_grad_norm_`` and
-  any code reading ``p.grad`` see the gradients).
+  number of adapters; in eager mode its backward adds the gradients of the adapters with rows in the batch into the
+  gradient arena where they lie (the leaves' ``.grad`` are views of it, as are the parameters' ``.grad``:
+  ``clip_grad_norm_`` and any code reading ``p.grad`` see the gradients) and gives the leaves none -- a leaf's
+  gradient is every adapter of the layer, the registry's size -- running the leaves' hooks itself. Traced by
+  ``torch.compile``, under ``torch.autograd.grad`` or ``create_graph`` it returns each block's whole gradient
+  instead, which autograd adds into the arena (or hands to the caller).
 * **Optimizer.** :class:`fast_multilora.optim.AdamW` steps each arena in one launch (per-adapter hyperparameters from
   its param groups); adapters that were in no batch since the last ``zero_grad`` are not stepped (``seen``), as an
   adapter without gradients is not stepped by ``torch.optim``.
@@ -256,6 +259,14 @@ class LayerSlots:
     # MoE experts (``moe.ProjState``): each cell holds an adapter of rank ``E * r`` in PEFT's layout -- B ``[N, r*E]``
     # with expert ``e`` in the columns ``j*E + e`` -- which the kernels read as it is (``AdapterTable.experts``)
     experts: int = 1
+    # per leaf (A, B): the store's hook its gradient runs (AdapterStore._hook), also called by a layer call's backward
+    # that adds the gradients into the arena itself (function.LoraLinear); with the leaf's gradient-accumulator node
+    on_grad: list = field(default_factory=lambda: [None, None])
+
+    def __getstate__(self):  # a copy's leaves are other tensors, with their own hooks (a copied store lays out again)
+        state = dict(self.__dict__)
+        state["on_grad"] = [None, None]
+        return state
 
     def _shape(self, old: Optional["LayerSlots"] = None, k0: int = 0) -> None:
         """:attr:`split` and :attr:`uniform` from the cells (once per layout of the layer, not per call); ``old``:
@@ -1145,7 +1156,9 @@ class AdapterStore:
                 if leaf.requires_grad != req:
                     leaf.requires_grad_(req)
                     if req and id(leaf) not in self.hooked:  # once per leaf (a frozen tensor takes no hook)
-                        leaf.register_hook(self._hook(s, part))
+                        hook = self._hook(s, part)
+                        leaf.register_hook(hook)
+                        s.on_grad[part.start != 0] = (hook, torch.autograd.graph.get_gradient_edge(leaf).node)
                         self.hooked.add(id(leaf))
         if not changed:
             return False
@@ -1164,7 +1177,8 @@ class AdapterStore:
         one gets its view back, its piece zeroed, when its adapter is in a call whose backward is starting
         (``pending``), else keeps ``None`` -- an adapter with no rows since its gradient was dropped has no gradient,
         as under stock PEFT, so ``torch.optim`` skips it (no weight decay, no momentum step). A frozen parameter has
-        no ``.grad``. Runs before the leaves' gradients accumulate (a hook on each leaf, see :meth:`_hook`), before
+        no ``.grad``. Runs before the leaves' gradients accumulate (a hook on each leaf, see :meth:`_hook`, which a
+        layer call's backward that adds the gradients itself runs too), before
         an optimizer step of ours, after ``model.zero_grad()`` and when a ``requires_grad`` changed.
 
         Its work grows with the batch, not with the registry: it reads the parameters whose view it left attached

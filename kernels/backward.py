@@ -242,24 +242,28 @@ def _finish_db_tile(
     stride_dys, stride_dyn, stride_hs, stride_hr, stride_dbn, stride_dbr, stride_pbc, stride_pbn, stride_pbr,
     FROM_PARTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DB_BLOCKED: tl.constexpr,
-    EXPERTS: tl.constexpr,
+    EXPERTS: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     """dB[n, off+i] = c * sum over the slot's chunks (ascending) of part_dB, or of dy[chunk]^T h[chunk] (unfused).
 
     Summed in h's (float) dtype, stored in dB's. ``DB_BLOCKED``: dB is flat, the slot's ``[N, rank]`` gradient one
     contiguous block at ``off * N`` (a parameter's own layout: no copy after); with ``EXPERTS = E > 1`` the slot of
     expert ``e = slot // spe`` writes the strided columns ``j*E + e`` of its adapter's PEFT weight at
-    ``(off - e*rank) * N`` (``segments.packed_b``): the E slots of an adapter interleave, each element stored once."""
+    ``(off - e*rank) * N`` (``segments.packed_b``): the E slots of an adapter interleave, each element stored once.
+    ``ACCUMULATE``: dB (+)= the sum, added in h's dtype and rounded once; slots without tokens leave dB as it is."""
     rank = tl.load(ranks + slot)
-    if rank > 0:
+    c0 = tl.load(cptr + slot + 1).to(tl.int64)  # int64 loop index: partial offsets can pass 2**31
+    c1 = tl.load(cptr + slot + 2)
+    live = rank > 0
+    if ACCUMULATE:
+        live = live & (c1 > c0)
+    if live:
         off = tl.load(offsets + slot).to(tl.int64)
         scale = tl.load(scales + slot)
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         o_r = tl.arange(0, BLOCK_R)
         m_n = o_n < N
         m_r = o_r < rank
-        c0 = tl.load(cptr + slot + 1).to(tl.int64)  # int64 loop index: partial offsets can pass 2**31
-        c1 = tl.load(cptr + slot + 2)
         b_db = tl.zeros([BLOCK_N, BLOCK_R], dtype=h.dtype.element_ty)  # [BLOCK_N, BLOCK_R], fp32 (fp64)
         for i_c in range(c0, c1):  # fixed order: deterministic
             if FROM_PARTS:
@@ -284,7 +288,10 @@ def _finish_db_tile(
                 p_db = dB + off * N + o_n[:, None] * rank + o_r[None, :]
         else:
             p_db = dB + o_n[:, None] * stride_dbn + (off + o_r)[None, :] * stride_dbr
-        tl.store(p_db, (b_db * scale.to(b_db.dtype)).to(dB.dtype.element_ty), mask=m_n[:, None] & m_r[None, :])
+        b_db = b_db * scale.to(b_db.dtype)
+        if ACCUMULATE:
+            b_db += tl.load(p_db, mask=m_n[:, None] & m_r[None, :], other=0.0).to(b_db.dtype)
+        tl.store(p_db, b_db.to(dB.dtype.element_ty), mask=m_n[:, None] & m_r[None, :])
 
 
 @triton.jit
@@ -322,15 +329,16 @@ def _expand_bwd_finish(
     stride_pds, stride_pdt, stride_pdr, stride_pbc, stride_pbn, stride_pbr,
     FROM_PARTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DB_BLOCKED: tl.constexpr,
-    EXPERTS: tl.constexpr,
+    EXPERTS: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
-    """Programs [0, n_db_programs): dB tiles (slot, N tile), every column written; the rest: dh rows of one chunk."""
+    """Programs [0, n_db_programs): dB tiles (slot, N tile), every column written (``ACCUMULATE``: added to, those of
+    slots with tokens); the rest: dh rows of one chunk."""
     i_g = tl.program_id(0).to(tl.int64)
     if i_g < n_db_programs:
         _finish_db_tile(
             dy, h, dB, part_dB, order, info, cptr, ranks, offsets, scales, i_g // tiles_n, i_g % tiles_n, N, slice_idx,
             spe, stride_dys, stride_dyn, stride_hs, stride_hr, stride_dbn, stride_dbr, stride_pbc, stride_pbn,
-            stride_pbr, FROM_PARTS, DOT_PRECISION, BLOCK_S, BLOCK_N, BLOCK_R, DB_BLOCKED, EXPERTS,
+            stride_pbr, FROM_PARTS, DOT_PRECISION, BLOCK_S, BLOCK_N, BLOCK_R, DB_BLOCKED, EXPERTS, ACCUMULATE,
         )
     else:
         _finish_dh_chunk(
@@ -500,16 +508,20 @@ def _shrink_bwd_finish(
     dA, part_dA, cptr, ranks, offsets,
     K, stack_num,
     stride_dar, stride_dak, stride_pac, stride_par, stride_pak,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     """dA[stack*off + j, k] = sum over the slot's chunks (ascending) of part_dA[chunk, j, k]; zero without tokens.
-    Summed in the partials' dtype, stored in dA's."""
+    Summed in the partials' dtype, stored in dA's. ``ACCUMULATE``: dA (+)= the sum (added in the partials' dtype,
+    rounded once); slots without tokens leave dA as it is."""
     i_a = tl.program_id(0).to(tl.int64)
     i_r = tl.program_id(1).to(tl.int64)
     i_k = tl.program_id(2).to(tl.int64)
     n_r = stack_num * tl.load(ranks + i_a)
     if i_r * BLOCK_R >= n_r:
         return
+    if ACCUMULATE:
+        if tl.load(cptr + i_a + 2) == tl.load(cptr + i_a + 1):
+            return
     row0 = stack_num * tl.load(offsets + i_a).to(tl.int64)
     o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
     o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -520,8 +532,10 @@ def _shrink_bwd_finish(
     for i_c in range(c0, c1):
         p_pa = part_dA + i_c * stride_pac + o_r[:, None] * stride_par + o_k[None, :] * stride_pak
         b_da += tl.load(p_pa, mask=m_rk, other=0.0)
-    tl.store(dA + (row0 + o_r)[:, None] * stride_dar + o_k[None, :] * stride_dak, b_da.to(dA.dtype.element_ty),
-             mask=m_rk)
+    p_da = dA + (row0 + o_r)[:, None] * stride_dar + o_k[None, :] * stride_dak
+    if ACCUMULATE:
+        b_da += tl.load(p_da, mask=m_rk, other=0.0).to(b_da.dtype)
+    tl.store(p_da, b_da.to(dA.dtype.element_ty), mask=m_rk)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -594,7 +608,7 @@ def _weights(name: str, what: str, w, shape, dtypes, device, stack_num: int) -> 
 
 def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1, slice_idx: int = 0,
                     dh: Optional[torch.Tensor] = None, dB_out: Optional[torch.Tensor] = None,
-                    dB_blocked: Optional[bool] = None):
+                    dB_blocked: Optional[bool] = None, accumulate_dB: bool = False):
     """Returns ``(dh, dB_cat)``: ``dh`` float32 ``[S, stack_num*max_rank]`` (only this slice's columns of adapter
     tokens written; a given ``dh`` is filled in place) and ``dB_cat`` float32 ``[N, total_rank]`` (every column
     written, zero for slots without tokens). float64 ``dy`` gives float64 outputs. ``B_cat`` may be the store's
@@ -605,7 +619,9 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
     when ``B_cat`` is packed (the gradient in its weight's layout). With ``table.experts > 1`` the packed block and
     a blocked ``dB_cat`` are in PEFT's experts layout (``segments.packed_b``), whatever form ``B_cat`` has; the
     ``[N, total_rank]`` ``dB_cat`` stays expert-major, as a 2-D ``B_cat`` is. A given ``dB_out`` may be bfloat16 or
-    float16 (for float32 accumulation): the sums are rounded once, as they are stored."""
+    float16 (for float32 accumulation): the sums are rounded once, as they are stored. ``accumulate_dB``: the given
+    ``dB_out`` (+)= the gradients of the slots with tokens (added in float32, rounded once), the others' left as they
+    are (an adapter store's gradient arena: no work for the adapters outside the batch)."""
     name = "lora_expand_bwd"
     _check_common(name, dy, segs, table, stack_num)
     if not 0 <= slice_idx < stack_num:
@@ -628,12 +644,14 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
         dh = torch.zeros(S, stack_num * R, dtype=acc, device=dev)
     _check_tensor(name, "dh", dh, (S, stack_num * R), (acc,), dev)
     db_shape = (R_tot * N,) if dB_blocked else (N, R_tot)
+    if accumulate_dB and dB_out is None:
+        raise ValueError(f"{name}: accumulate_dB needs dB_out (the tensor the gradients are added to)")
     if dB_out is None:
         dB_out = torch.empty(db_shape, dtype=acc, device=dev)
     _check_tensor(name, "dB_out", dB_out, db_shape, _grad_dtypes(acc), dev)
     _check(not dB_blocked or dB_out.is_contiguous(), f"{name}: a blocked dB_out must be contiguous")
     if N == 0 or R_tot == 0 or n_slots == 0:
-        return dh, dB_out.zero_()
+        return dh, (dB_out if accumulate_dB else dB_out.zero_())
 
     BLOCK_R = _block_r(R)
     cfg = block_config("expand_bwd", width=N, dtype=dy.dtype, rank_tile=BLOCK_R, target=_config_target(dev))
@@ -668,21 +686,22 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
         *dy.stride(), *h.stride(), *((0, 0) if dB_blocked else dB_out.stride()),
         *dh.stride(), *pd_strides, *pb_strides,
     ), dict(FROM_PARTS=fused, DOT_PRECISION=prec, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_NF, BLOCK_R=BLOCK_R,
-            DB_BLOCKED=dB_blocked, EXPERTS=db_experts[0], num_warps=8))
+            DB_BLOCKED=dB_blocked, EXPERTS=db_experts[0], ACCUMULATE=accumulate_dB, num_warps=8))
     return dh, dB_out
 
 
 def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1,
                     seed=None, need_dx: bool = True, dx_out: Optional[torch.Tensor] = None,
                     dA_out: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None,
-                    accumulate_dx: bool = False):
+                    accumulate_dx: bool = False, accumulate_dA: bool = False):
     """Returns ``(dx, dA_cat)``: ``dx`` in ``x``'s dtype, every row written (zero for base tokens, slot -1 and rank
     0; ``None`` unless ``need_dx``) and ``dA_cat`` float32 ``[stack_num*total_rank, K]`` (every row written, zero for
     slots without tokens). ``accumulate_dx``: adapter rows' terms are added to the given ``dx_out`` (each rounded to
     ``x``'s dtype, as written, then summed in fp32 and rounded once), base rows keep what it holds. ``seed``
     (Philox, or ``None``) regenerates the forward's dropout mask; ``keep``, the packed mask ``lora_shrink(...,
     keep_out=)`` stored for the same seed, is read instead of drawn again. A given ``dA_out`` may be bfloat16 or
-    float16 (float32 accumulation): the sums are rounded once, as they are stored."""
+    float16 (float32 accumulation): the sums are rounded once, as they are stored. ``accumulate_dA``: the given
+    ``dA_out`` (+)= the gradients of the slots with tokens, the others' rows left as they are."""
     name = "lora_shrink_bwd"
     _check_common(name, x, segs, table, stack_num)
     S, K = x.shape
@@ -701,6 +720,8 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     if need_dx:
         dx = dx_out if dx_out is not None else torch.empty_like(x)
         _check_tensor(name, "dx_out", dx, (S, K), (x.dtype,), dev)
+    if accumulate_dA and dA_out is None:
+        raise ValueError(f"{name}: accumulate_dA needs dA_out (the tensor the gradients are added to)")
     if dA_out is None:
         dA_out = torch.empty(stack_num * R_tot, K, dtype=acc, device=dev)
     _check_tensor(name, "dA_out", dA_out, (stack_num * R_tot, K), _grad_dtypes(acc), dev)
@@ -748,6 +769,6 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
         launch(_shrink_bwd_finish, (n_slots, tiles_r, cdiv(K, BLOCK_KF)), (
             dA_out, part_dA, cptr, table.ranks, table.offsets, K, stack_num,
             *dA_out.stride(), *part_dA.stride(),
-        ), dict(BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_KF, num_warps=4))
+        ), dict(BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_KF, ACCUMULATE=accumulate_dA, num_warps=4))
     return dx, dA_out
 

@@ -228,6 +228,56 @@ def test_adamw_step_equals_torch_on_the_same_gradients(backend):
     adamw_against_torch(model, _hyper(names), _batches(names[:6], steps=3, seed=5), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_backward_adds_the_batch_gradients_into_the_arena_and_nothing_else(backend):
+    """A stored layer call's backward adds its adapters' weight gradients into the gradient arena itself -- its
+    leaves get no gradient (one of the registry's size per layer) -- so a second backward without ``zero_grad``
+    doubles the batch's adapters' gradients and leaves every other adapter's piece as it was; a backward that does
+    not fill ``.grad`` (``torch.autograd.grad``, ``backward(inputs=...)`` without the adapters) adds nothing."""
+    model = many_model(6)
+    fast_multilora.patch(model, backend=backend)
+    model.train()
+    store = AdapterStore.of(model)
+    names = sorted(model.peft_config)
+    ids = torch.randint(0, 97, (3, 5), generator=torch.Generator().manual_seed(0))
+    rows = [names[0], names[2], names[2]]
+
+    def loss():
+        out = model(input_ids=ids, adapter_names=rows).logits
+        return fast_multilora.per_adapter_loss(out, ids, rows)
+
+    loss().backward()
+    first = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert first and all(n.split(".")[-2] in (names[0], names[2]) for n in first)
+    arenas = {k: a.grad.clone() for k, a in store.arenas.items()}
+    leaf_grads = []
+    for s in store.slots.values():
+        for leaf in (s.a_leaf, s.b_leaf):
+            if leaf.requires_grad:
+                leaf.register_hook(lambda g: leaf_grads.append(tuple(g.shape)) if g is not None else None)
+    loss().backward()
+    assert leaf_grads == []
+    for n, p in model.named_parameters():
+        if n in first:
+            assert torch.equal(p.grad, 2 * first[n]), n
+        elif "lora_" in n:
+            assert p.grad is None, n
+    for k, a in store.arenas.items():  # the others' pieces (and the free rows) as they were
+        changed = a.grad != arenas[k]
+        batch = torch.zeros_like(changed)
+        for n, p in model.named_parameters():
+            if n in first:
+                batch.view(-1)[p.grad.storage_offset() - a.grad.storage_offset():][: p.numel()] = True
+        assert not changed[~batch].any()
+    emb = model.get_input_embeddings().weight
+    emb.requires_grad_(True)
+    arenas = {k: a.grad.clone() for k, a in store.arenas.items()}
+    (g,) = torch.autograd.grad(loss(), emb)
+    loss().backward(inputs=[emb])
+    assert g.abs().sum() > 0 and leaf_grads == []
+    assert all(torch.equal(a.grad, arenas[k]) for k, a in store.arenas.items())
+
+
 def test_adamw_follows_changed_hyperparameters():
     """Group settings changed between steps (what an LR scheduler does; also betas, eps, weight decay of one group)
     reach the next step: the device copy of the hyperparameters is not reused once they differ."""

@@ -238,6 +238,48 @@ def test_weight_grads_in_weight_dtype_and_blocked(case, dtype, grouped, device):
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
+@pytest.mark.parametrize("case,dtype", _params([Case(37, 45, 29, [3, 5, 0, 2, 16], empty_slots=(1,)), CASES[2]],
+                                               KERNEL_DTYPES))
+def test_weight_grads_accumulate_into_given_buffers(case, dtype, grouped, device):
+    """``accumulate_dB`` / ``accumulate_dA`` (an adapter store's gradient arena): each slot with tokens gets its
+    float32 gradient added to what the buffer holds, rounded once (bit for bit ``(held + grad).to(dtype)``); every
+    slot without tokens, of rank 0 or past the last slot keeps its values (no work for adapters outside the batch)."""
+    if dtype == torch.float64:
+        pytest.skip("float64 accumulates and stores in float64")
+    gen = torch.Generator().manual_seed(5)
+    d = build(case, dtype, grouped, device, gen)
+    N, K, R_tot = case.N, case.K, sum(case.ranks)
+    dh, dB32 = lora_expand_bwd(d["dy"], d["h"], d["B"], d["segs"], d["table"])
+    _, dA32 = lora_shrink_bwd(dh, d["x"], d["A"], d["segs"], d["table"], seed=d["seed"])
+    used = set(d["ts"][d["ts"] >= 0].tolist())
+    assert any(r > 0 and a not in used for a, r in enumerate(case.ranks)), "the case needs a slot without tokens"
+    for gdt in (torch.float32, dtype):
+        held_b = torch.randn(R_tot * N, generator=gen).to(gdt).to(device)
+        flat = held_b.clone()
+        _, got = lora_expand_bwd(d["dy"], d["h"], d["B"], d["segs"], d["table"], dB_out=flat, dB_blocked=True,
+                                 accumulate_dB=True)
+        assert got is flat
+        held_a = torch.randn(R_tot, K, generator=gen).to(gdt).to(device)
+        dA = held_a.clone()
+        _, got = lora_shrink_bwd(dh, d["x"], d["A"], d["segs"], d["table"], seed=d["seed"], dA_out=dA,
+                                 accumulate_dA=True)
+        assert got is dA
+        for a, r in enumerate(case.ranks):
+            off = sum(case.ranks[:a])
+            piece, before = flat[off * N : (off + r) * N].view(N, r), held_b[off * N : (off + r) * N].view(N, r)
+            rows, rows_before = dA[off : off + r], held_a[off : off + r]
+            if a in used:
+                assert torch.equal(piece, (before.float() + dB32[:, off : off + r]).to(gdt)), f"dB slot {a} ({gdt})"
+                assert torch.equal(rows, (rows_before.float() + dA32[off : off + r]).to(gdt)), f"dA slot {a} ({gdt})"
+            else:
+                assert torch.equal(piece, before) and torch.equal(rows, rows_before), f"slot {a} without tokens"
+    with pytest.raises(ValueError, match="accumulate_dB needs dB_out"):
+        lora_expand_bwd(d["dy"], d["h"], d["B"], d["segs"], d["table"], dB_blocked=True, accumulate_dB=True)
+    with pytest.raises(ValueError, match="accumulate_dA needs dA_out"):
+        lora_shrink_bwd(dh, d["x"], d["A"], d["segs"], d["table"], seed=d["seed"], accumulate_dA=True)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
 @pytest.mark.parametrize("case,dtype", _params([c for c in CASES if c.stack == 1] + [
     Case(41, 123, 30, [5, 16, 2], layout="runs", dropout=[0.5, 0.0, 0.2]),
 ], KERNEL_DTYPES))
