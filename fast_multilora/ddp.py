@@ -441,6 +441,7 @@ class StoreSync:
                     w.wait()
             if seen is not None:
                 store.seen.copy_(seen.bool())
+            store.dirty = None  # other ranks' adapters have gradients here now
 
 
 def _weakrefable(obj) -> bool:

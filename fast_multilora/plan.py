@@ -301,6 +301,8 @@ class Router:
             self.current = None
             if self.pager is not None:  # stock PEFT's forward reads the active adapters
                 self.pager.enter_active()
+            if self.store is not None and torch.is_grad_enabled():  # stock PEFT's path: its gradients may land in
+                self.store.dirty = None  # any adapter's pieces (attached .grad views), which zero_grad then clears
             return
         device = torch.device(device) if device is not None else self._weights_device()
         if adapter_ids is None:  # per-row names: reuse the routing (and its layouts) of an identical earlier call

@@ -605,6 +605,9 @@ class AdapterStore:
         self.ids_read = None  # plan.FULL when every held parameter's identity was last checked (stale)
         self.pending: set = set()  # adapters of the gradient-recording calls whose backward has not started yet
         self.trained: set = set()  # adapters of the gradient-recording calls since fast_multilora.AdamW's last step
+        # adapters whose gradient pieces may be nonzero since the last zero_grad (None: any -- at the start, after a
+        # data-parallel reduce, which brings other ranks' adapters): zero_grad zeroes theirs only
+        self.dirty: Optional[set] = None
         self.hooked: set = set()  # ids of the leaves that carry a hook (leaves live as long as their layout)
         self.flags_read = None  # plan.CHANGES when the held parameters' requires_grad were last read
         self.owner = None  # the fast_multilora.AdamW whose states the arenas hold (the latest one built)
@@ -639,6 +642,7 @@ class AdapterStore:
         state["copied"] = True
         state["_compact"] = None
         state["_layers_checked"] = None
+        state["dirty"] = None
         return state
 
     # -- attaching ------------------------------------------------------------------------------------------------
@@ -677,6 +681,8 @@ class AdapterStore:
                 self.sync_requires_grad()
             self.pending.update(routing.names)  # (packed rows: every adapter the call names)
             self.trained.update(routing.names)
+            if self.dirty is not None:
+                self.dirty.update(routing.names)
             self.mark_seen(routing)
 
     def mark_seen(self, routing) -> None:
@@ -1213,6 +1219,8 @@ class AdapterStore:
                     want = v
                 elif g is not None:  # a tensor put in place of the view: the whole gradient
                     want = v.copy_(g)
+                    if self.dirty is not None:
+                        self.dirty.add(self.adapter_of[i])
                 elif self.adapter_of[i] in pending:
                     want = v
                     zero.append(v)
@@ -1266,9 +1274,20 @@ class AdapterStore:
         return hook
 
     def zero_grad(self) -> None:
-        """Zero the gradient arena and ``seen`` (no per-parameter work: the parameters' ``.grad`` stay its views)."""
-        for arena in self.arenas.values():
-            arena.grad.zero_()
+        """Zero the gradient arena and ``seen`` (no per-parameter work: the parameters' ``.grad`` stay its views):
+        the pieces of the adapters that may hold a gradient (``dirty``: those of the gradient-recording calls and of
+        gradients copied in since the last zero_grad), or every arena when that is most of them -- the work of the
+        batches, not of the registry."""
+        dirty, self.dirty = self.dirty, set()
+        names = self.adapter_idx
+        if dirty is None or len(dirty) * 4 > len(self.router.slot_of):  # (the model's adapters)
+            for arena in self.arenas.values():
+                arena.grad.zero_()
+        else:
+            views = self._views
+            pieces = [views[i] for name in dirty for i in names.get(name, ())]
+            if pieces:
+                torch._foreach_zero_(pieces)
         self.clear_seen()
         self.prepare_grads()  # views a caller dropped or replaced since: attached again (their pieces are zero)
 

@@ -1218,6 +1218,9 @@ def _change_step_reads(n, what):
     model, opt, names = _trained(n, seed=5)
     store = opt.store
     rows = [names[0], names[1]]
+    # a last step on the same adapters whatever n: the next zero_grad clears the pieces of the adapters trained
+    # since the last one (the same set for both sizes)
+    _train(model, opt, [(torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(2)), rows)])
     if what in ("delete", "swap"):
         fast_multilora.delete_adapters(model, [names[3] if what == "delete" else names[n // 2]])
     if what in ("add", "swap"):
@@ -1233,8 +1236,9 @@ def _change_step_reads(n, what):
             for name, p in model.named_parameters():
                 if f".{names[5]}." in name:
                     p.requires_grad_(trainable)
-            if not trainable:
-                _train(model, opt, _batches(names, steps=1, seed=6))
+            if not trainable:  # (a batch of the same adapters whatever n, as above)
+                _train(model, opt, [(torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(6)),
+                                     [names[5], names[1]])])
     counts = {"flags": 0, "grads": 0, "blocks": 0}
     real = (store_mod._REQUIRES_GRAD, store_mod._GRAD, adamw_mod.chunk_table)
 
@@ -1265,6 +1269,61 @@ def _change_step_reads(n, what):
     counts["items"] = _CountingList.reads
     counts["states"] = _CountingState.reads
     return counts, model, opt
+
+
+def test_zero_grad_clears_the_pieces_gradients_reached(monkeypatch):
+    """``fast_multilora.AdamW.zero_grad`` zeroes the pieces of the adapters that may hold a gradient since the last
+    one -- those of the routed batches, one trained through stock PEFT's path (no ``adapter_names``: any piece may
+    have one), one whose ``.grad`` a caller set -- rather than the whole arena: afterwards every piece is zero."""
+    model = many_model(12)
+    fast_multilora.patch(model, backend="torch")
+    model.train()
+    opt = fast_multilora.AdamW(model, lr=1e-2)
+    store = opt.store
+    names = sorted(model.peft_config)
+    ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(0))
+    fills = []
+    real = torch._foreach_zero_
+    monkeypatch.setattr(torch, "_foreach_zero_", lambda ts: (fills.append(len(ts)), real(ts))[1])
+
+    def all_zero():
+        return all(not a.grad.any() for a in store.arenas.values())
+
+    def routed(rows):
+        out = model(input_ids=ids, adapter_names=rows).logits
+        fast_multilora.per_adapter_loss(out, ids, rows).backward()
+
+    routed([names[0], names[1]])
+    opt.step()
+    opt.zero_grad()  # the first: every arena (what came before is unknown)
+    assert all_zero()
+    routed([names[2], names[3]])
+    assert not all_zero() and store.dirty == {names[2], names[3]}
+    fills.clear()
+    opt.zero_grad()
+    assert all_zero() and fills and store.dirty == set()
+    routed([names[4], names[4]])
+    opt.zero_grad()  # (its views stay attached: stock PEFT's backward adds into them)
+    model.set_adapter(names[4])  # stock PEFT's path
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert not all_zero() and store.dirty is None
+    opt.zero_grad()
+    assert all_zero()
+    for n, q in model.named_parameters():  # (set_adapter froze the others)
+        if "lora_" in n:
+            q.requires_grad_(True)
+    p = next(q for n, q in model.named_parameters() if f".{names[5]}." in n)
+    p.grad = torch.ones_like(p)  # a caller's gradient, copied into the piece when its adapter is next in a batch
+    routed([names[5], names[0]])
+    assert names[5] in store.dirty
+    opt.zero_grad()
+    assert all_zero()
+    q = next(q for n, q in model.named_parameters() if f".{names[6]}." in n)
+    q.grad = torch.ones_like(q)  # copied in by a pass over every parameter (as under DDP), no batch naming it
+    store.prepare_grads(force=True)
+    assert not all_zero() and store.dirty == {names[6]}
+    opt.zero_grad()
+    assert all_zero()
 
 
 @pytest.mark.parametrize("what", ["add", "delete", "swap", "refreeze"])
