@@ -448,12 +448,12 @@ class LoraLinear(torch.autograd.Function):
                                        grad_dtype=_grad_dtype(w_dtypes[n_a : n_a + n])
                                        if call.experts == 1 or call.stored is not None else None,
                                        grad_out=call.stored.b_leaf.grad if add_b else None)
-                if need_b and add_b:  # added into the arena
-                    pass
-                elif need_b and call.stored is not None:  # the packed block's gradient, whole
-                    grads[n_a] = (dB if dB.dim() == 1 else call.stored.packed_grad(dB)).to(w_dtypes[n_a])
-                elif need_b:
-                    grads[n_a : n_a + n] = _split_grads(dB, call.ranks, w_dtypes[n_a : n_a + n], dim=1, n_rows=N)
+                if need_b and not add_b:  # (added: in the arena already)
+                    if call.stored is not None:  # the packed block's gradient, whole
+                        grads[n_a] = (dB if dB.dim() == 1 else call.stored.packed_grad(dB)).to(w_dtypes[n_a])
+                    else:
+                        grads[n_a : n_a + n] = _split_grads(dB, call.ranks, w_dtypes[n_a : n_a + n], dim=1,
+                                                            n_rows=N)
             if call.has_bias and need_bias:
                 for i, g in enumerate(_bias_grad(dy, call)):
                     grads[n_a + n + i] = g.to(w_dtypes[n_a + n + i])
@@ -469,12 +469,11 @@ class LoraLinear(torch.autograd.Function):
             dx, dA = be.shrink_bwd(dh, x, A, segs, table, 1, call.seed, need_dx, keep,
                                    grad_dtype=_grad_dtype(w_dtypes[:n_a]), dx_acc=dx,
                                    grad_out=call.stored.a_leaf.grad if add_a else None)
-            if need_a and add_a:  # added into the arena
-                pass
-            elif need_a and call.stored is not None:
-                grads[0] = dA.to(w_dtypes[0])
-            elif need_a:
-                grads[:n_a] = _split_grads(dA, call.ranks, w_dtypes[:n_a], dim=0)
+            if need_a and not add_a:  # (added: in the arena already)
+                if call.stored is not None:
+                    grads[0] = dA.to(w_dtypes[0])
+                else:
+                    grads[:n_a] = _split_grads(dA, call.ranks, w_dtypes[:n_a], dim=0)
         if base_dx and not _compiling():
             dx = dy @ W if dx is None else dx.addmm_(dy, W)  # cuBLAS accumulates the base part (beta 1)
         if dx is not None:
