@@ -497,10 +497,10 @@ def _adds(call: LayerCall, x, need: bool, part: int) -> bool:
     leaf = stored.b_leaf if part else stored.a_leaf
     if leaf.grad is None:
         return False
-    try:
+    try:  # (a private torch function, as torch.utils.checkpoint uses it; without it: whole-block gradients)
         if not torch._C._will_engine_execute_node(node):
             return False
-    except RuntimeError:  # torch.autograd.grad(): its caller takes the gradients
+    except (RuntimeError, AttributeError):  # RuntimeError: torch.autograd.grad(), its caller takes the gradients
         return False
     hook(None)
     return True

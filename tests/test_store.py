@@ -8,6 +8,7 @@ while training; ``save_pretrained`` files as stock PEFT writes them; gradient cl
 
 import collections
 import copy
+import functools
 import io
 import pickle
 import random
@@ -1269,6 +1270,34 @@ def _change_step_reads(n, what):
     counts["items"] = _CountingList.reads
     counts["states"] = _CountingState.reads
     return counts, model, opt
+
+
+def test_without_torchs_engine_query_the_leaves_take_whole_gradients(monkeypatch):
+    """Without ``torch._C._will_engine_execute_node`` (private) a stored call's backward gives its leaves their whole
+    gradients, which autograd adds into the arena: the same gradients as the in-place path."""
+    grads = []
+    for missing in (False, True):
+        if missing:
+            monkeypatch.delattr(torch._C, "_will_engine_execute_node")
+        model = many_model(4)
+        fast_multilora.patch(model, backend="torch")
+        model.train()
+        names = sorted(model.peft_config)
+        store = AdapterStore.of(model)
+        ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(0))
+        rows = [names[0], names[2]]
+        fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=rows).logits, ids, rows).backward()
+        leaf_grads = []
+        for s in store.slots.values():
+            for leaf in (s.a_leaf, s.b_leaf):
+                if leaf.requires_grad:
+                    leaf.register_hook(functools.partial(lambda seen, g: seen.append(g is not None), leaf_grads))
+        fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=rows).logits, ids, rows).backward()
+        assert any(leaf_grads) == missing
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, rtol=1e-6, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def test_zero_grad_clears_the_pieces_gradients_reached(monkeypatch):
