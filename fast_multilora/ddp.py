@@ -102,16 +102,25 @@ class _Fsdp:
         self.modules = [weakref.ref(m) for m in modules]
 
     def reduces(self) -> bool:
-        """FSDP2's ``set_requires_gradient_sync``: off on the root (or the first FSDP module) skips the reduce. The
-        flag lives in FSDP2's private state; without it every backward reduces (the same gradients, more traffic)."""
+        """FSDP2's ``set_requires_gradient_sync``: off on the root (or the first FSDP module with parameters) skips
+        the reduce. The flag lives in FSDP2's private state; without it every backward reduces (the same gradients,
+        more traffic)."""
         for ref in self.modules:
-            m = ref()
-            try:
-                for group in m._get_fsdp_state()._fsdp_param_groups:
-                    return bool(group.reduce_grads)
-            except AttributeError:
+            groups = _param_groups(ref())
+            if groups is None:
                 return True
+            if groups:
+                return bool(groups[0].reduce_grads)
         return True
+
+
+def _param_groups(module):
+    """FSDP2's parameter groups of ``module`` (private state, the list ``set_requires_gradient_sync`` writes), or
+    ``None`` where it is not there."""
+    try:
+        return module._get_fsdp_state()._fsdp_param_groups
+    except AttributeError:
+        return None
 
 
 def _unreduced(root, store, given) -> tuple:
@@ -148,12 +157,9 @@ def _find_fsdp(root):
     if not modules:
         return None
     for m in modules:
-        try:
-            group = m._get_fsdp_state()._fsdp_param_group
-        except AttributeError:
-            continue
-        if group is not None:
-            return _Fsdp(group.mesh_info.mesh, modules)
+        groups = _param_groups(m)
+        if groups:
+            return _Fsdp(groups[0].mesh_info.mesh, modules)
     for p in root.parameters():
         if isinstance(p, DTensor):
             return _Fsdp(p.device_mesh, modules)
@@ -324,7 +330,7 @@ class StoreSync:
                 "pass ignored_params=fast_multilora.fsdp_ignored_params(model) to every fully_shard call (after "
                 "fast_multilora.patch): the adapters are then replicated and the store reduces them", stacklevel=4)
         if self.layers and (self.started is None or self.started() is not fsdp.mesh):
-            self.started = weakref.ref(fsdp.mesh) if _weakrefable(fsdp.mesh) else (lambda m=fsdp.mesh: m)
+            self.started = weakref.ref(fsdp.mesh)
             for group in fsdp.groups:
                 self._broadcast(store, group)
         return fsdp
@@ -442,14 +448,6 @@ class StoreSync:
             if seen is not None:
                 store.seen.copy_(seen.bool())
             store.dirty = None  # other ranks' adapters have gradients here now
-
-
-def _weakrefable(obj) -> bool:
-    try:
-        weakref.ref(obj)
-        return True
-    except TypeError:
-        return False
 
 
 def attach_views(store) -> None:

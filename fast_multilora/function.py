@@ -99,10 +99,13 @@ class TorchBackend:
         return reference.lora_shrink_expand(x, A_cat, B_cat, segs, table, y)
 
     @staticmethod
-    def adds_grads(x, stored) -> bool:
-        """Whether the backward of a stored call can add its weight gradients into the arena (``grad_out``): the CPU
-        ops, packed expand weights (not an experts layer's)."""
+    def takes_packed(x, stored) -> bool:
+        """Whether a stored call takes the store's packed expand block as it is (``_b_weight``) and its backward can
+        add its weight gradients into the arena (``grad_out``): the CPU ops, but for an experts layer (whose block
+        ``LayerSlots.b_cat`` reorders for the reference ops)."""
         return cpu_ops.applies(x) and stored.experts == 1
+
+    adds_grads = takes_packed
 
     @_no_autocast
     def expand_bwd(self, dy, h, B_cat, segs, table, stack_num, slice_idx, dh=None, grad_dtype=None, grad_out=None):
@@ -195,6 +198,11 @@ class TritonBackend:
         if record is not None:
             record["decode"] = launches[0]
         return y
+
+    @staticmethod
+    def takes_packed(x, stored) -> bool:
+        """Every expand kernel reads the store's packed block as it is, eager or compiled."""
+        return True
 
     @staticmethod
     def adds_grads(x, stored) -> bool:
@@ -640,7 +648,7 @@ def _b_weight(call: LayerCall, ws):
     takes them."""
     if call.stored is None:
         return call.backend.weights(ws, call.table, 1, call.in_place)
-    if call.backend.name == "triton" or (call.stored.experts == 1 and cpu_ops.applies(ws[0])):
+    if call.backend.takes_packed(ws[0], call.stored):
         return ws[0]
     return call.stored.b_cat(ws[0])
 

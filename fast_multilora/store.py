@@ -1276,8 +1276,8 @@ class AdapterStore:
     def zero_grad(self) -> None:
         """Zero the gradient arena and ``seen`` (no per-parameter work: the parameters' ``.grad`` stay its views):
         the pieces of the adapters that may hold a gradient (``dirty``: those of the gradient-recording calls and of
-        gradients copied in since the last zero_grad), or every arena when that is most of them -- the work of the
-        batches, not of the registry."""
+        gradients copied in since the last zero_grad), or every arena when they are a quarter of the model's adapters
+        or more, or unknown -- the work of the batches, not of the registry."""
         dirty, self.dirty = self.dirty, set()
         names = self.adapter_idx
         if dirty is None or len(dirty) * 4 > len(self.router.slot_of):  # (the model's adapters)

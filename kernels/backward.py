@@ -519,15 +519,15 @@ def _shrink_bwd_finish(
     n_r = stack_num * tl.load(ranks + i_a)
     if i_r * BLOCK_R >= n_r:
         return
+    c0 = tl.load(cptr + i_a + 1).to(tl.int64)  # int64 loop index: partial offsets can pass 2**31
+    c1 = tl.load(cptr + i_a + 2)
     if ACCUMULATE:
-        if tl.load(cptr + i_a + 2) == tl.load(cptr + i_a + 1):
+        if c1 == c0:
             return
     row0 = stack_num * tl.load(offsets + i_a).to(tl.int64)
     o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
     o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
     m_rk = (o_r < n_r)[:, None] & (o_k < K)[None, :]
-    c0 = tl.load(cptr + i_a + 1).to(tl.int64)  # int64 loop index: partial offsets can pass 2**31
-    c1 = tl.load(cptr + i_a + 2)
     b_da = tl.zeros([BLOCK_R, BLOCK_K], dtype=part_dA.dtype.element_ty)
     for i_c in range(c0, c1):
         p_pa = part_dA + i_c * stride_pac + o_r[:, None] * stride_par + o_k[None, :] * stride_pak
