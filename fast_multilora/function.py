@@ -489,6 +489,9 @@ class LoraLinear(torch.autograd.Function):
         return (dx, d_y, None, None, None, *grads)
 
 
+_ADDING = object()  # what a layer call that adds a leaf's gradient itself passes the leaf's hook (the engine: None)
+
+
 def _adds(call: LayerCall, x, need: bool, part: int) -> bool:
     """Whether this backward adds the stored leaf ``part``'s (0: A, 1: B) gradient into the arena itself: eager, the
     backend able to (``adds_grads``), the leaf's gradient accumulator to run in this backward (not
@@ -510,7 +513,7 @@ def _adds(call: LayerCall, x, need: bool, part: int) -> bool:
             return False
     except (RuntimeError, AttributeError):  # RuntimeError: torch.autograd.grad(), its caller takes the gradients
         return False
-    hook(None)
+    hook(_ADDING)  # (the engine calls it again with None, which it skips)
     return True
 
 

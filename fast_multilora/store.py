@@ -604,6 +604,8 @@ class AdapterStore:
         self.adapter_params: dict = {}  # adapter -> (its held parameters, (its layers' slots, its first row)...)
         self.ids_read = None  # plan.FULL when every held parameter's identity was last checked (stale)
         self.pending: set = set()  # adapters of the gradient-recording calls whose backward has not started yet
+        self.started: set = set()  # the pending adapters of the last backward that started (a retained graph's again)
+        self.dropped = False  # views dropped with no adapter pending (model.zero_grad() after a backward)
         self.trained: set = set()  # adapters of the gradient-recording calls since fast_multilora.AdamW's last step
         # adapters whose gradient pieces may be nonzero since the last zero_grad (None: any -- at the start, after a
         # data-parallel reduce, which brings other ranks' adapters): zero_grad zeroes theirs only
@@ -1201,6 +1203,8 @@ class AdapterStore:
                 map(operator.is_, map(_GRAD, map(held.__getitem__, attached)), map(views.__getitem__, attached))):
             return
         self.pending = set()
+        if pending:
+            self.started = pending
         if force:
             check = range(len(held))
         else:
@@ -1253,22 +1257,35 @@ class AdapterStore:
         self.watch = {key: (tuple(map(held.__getitem__, ix)), tuple(map(views.__getitem__, ix)))
                       for key, ix in by_leaf.items()}
 
+    def _backward_starts(self) -> None:
+        """:meth:`prepare_grads` at a leaf of a backward that starts with adapters ``pending`` -- or with none
+        pending but views dropped since the last backward started (``zero_grad`` between two backwards through one
+        retained graph): then that backward's adapters (``started``) take their views back, zeroed, as stock PEFT's
+        parameters take the second backward's gradients."""
+        if not self.pending:
+            self.pending = set(self.started)
+        self.dropped = False
+        self.prepare_grads()
+
     def _hook(self, slots: LayerSlots, part: slice):
-        """A hook on one of a layer's leaves, run before its gradient accumulates into the arena: at a backward's
-        first leaf (adapters are pending), or when one of the leaf's attached parameters lost its view since (an
-        optimizer's ``zero_grad`` between the forward and the backward), :meth:`prepare_grads` first. A few identity
-        checks per leaf and backward otherwise (the leaf's parameters whose view is attached)."""
+        """A hook on one of a layer's leaves, run before its gradient accumulates into the arena (by the engine, or
+        first by a layer call that adds the gradient itself, see ``function._adds``): at a backward's first leaf
+        (adapters are pending), or when one of the leaf's attached parameters lost its view since (an optimizer's
+        ``zero_grad``), :meth:`_backward_starts`. A few identity checks per leaf and backward otherwise (the leaf's
+        parameters whose view is attached); none at the engine's call after a layer call added the gradient."""
         key = (slots.lid, 0 if part.start == 0 else 1)
 
         def hook(grad):
             if self.ddp.sync is not None or self.ddp.done:  # under DDP: the arenas' all-reduce, when the backward ends
                 self.ddp.leaf_hook(self, slots.a_leaf if part.start == 0 else slots.b_leaf)
-            if self.pending:
-                self.prepare_grads()
+            if self.pending or self.dropped:
+                self._backward_starts()
                 return None
+            if grad is None:  # the engine's call at a leaf whose gradient the layer call added (or none flows):
+                return None  # nothing accumulates; the layer call's own call (not None) checked the views
             params, views = self.watch.get(key, ((), ()))
-            if not all(map(operator.is_, [p.grad for p in params], views)):
-                self.prepare_grads()
+            if not all(map(operator.is_, [p.grad for p in params], views)):  # (an optimizer's zero_grad since)
+                self._backward_starts()
             return None
 
         return hook
@@ -1306,8 +1323,10 @@ def _zero_grad(model, set_to_none: bool = True) -> None:
     type(model).zero_grad(model, set_to_none=set_to_none)
     router = model.__dict__.get(_ROUTER_ATTR)
     if router is not None and router.store is not None:
-        router.store.prepare_grads()  # the views the stock zero_grad dropped, their pieces zeroed
-        router.store.clear_seen()
+        store = router.store
+        store.prepare_grads()  # the views the stock zero_grad dropped: attached again, zeroed, for pending adapters
+        store.dropped = store.dropped or (set_to_none and not store.pending)  # (a retained graph's next backward)
+        store.clear_seen()
 
 
 def _shadow_zero_grad(model, store: AdapterStore) -> None:

@@ -279,6 +279,49 @@ def test_backward_adds_the_batch_gradients_into_the_arena_and_nothing_else(backe
     assert all(torch.equal(a.grad, arenas[k]) for k, a in store.arenas.items())
 
 
+@pytest.mark.parametrize("zero", ["optimizer", "model", "none"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_retained_graphs_second_backward_gives_gradients_as_peft(backend, zero):
+    """``backward(retain_graph=True)``, a ``zero_grad`` (torch's optimizer's or the model's, to ``None``), a second
+    backward through the same graph: each trained parameter holds that backward's gradient, as under stock PEFT
+    (without the ``zero_grad``: the sum of both) -- the second backward starts with no adapter pending."""
+    model = many_model(4)
+    ref = copy.deepcopy(model)
+    fast_multilora.patch(model, backend=backend)
+    names = sorted(model.peft_config)
+    ids = torch.randint(0, 97, (3, 5), generator=torch.Generator().manual_seed(1))
+    rows = [names[1], names[3], names[1]]
+    got = {}
+    for m, kw in ((model, {"adapter_names": rows}), (ref, {})):
+        m.train()
+        opt = torch.optim.AdamW([p for n, p in m.named_parameters() if "lora_" in n])
+        if m is ref:  # stock PEFT: one graph of per-sample forwards, each row's adapter alone active
+            outs = []
+            for i, a in enumerate(rows):
+                m.set_adapter(a)
+                for n, p in m.named_parameters():
+                    p.requires_grad_("lora_" in n)  # (set_adapter freezes the others)
+                outs.append(m(input_ids=ids[i : i + 1]).logits)
+            out = torch.cat(outs)
+        else:
+            out = m(input_ids=ids, **kw).logits
+        loss = fast_multilora.per_adapter_loss(out, ids, rows)
+        loss.backward(retain_graph=True)
+        if zero == "optimizer":
+            opt.zero_grad(set_to_none=True)
+        elif zero == "model":
+            m.zero_grad(set_to_none=True)
+        loss.backward()
+        got[m is ref] = {n: p.grad for n, p in m.named_parameters() if "lora_" in n and p.grad is not None}
+    fast, peft = got[False], got[True]
+    assert fast and {n for n in fast if n.split(".")[-2] in rows} == {n for n in peft if n.split(".")[-2] in rows}
+    for n in fast:
+        if n.split(".")[-2] in rows:
+            _close(fast[n], peft[n], n)
+        else:  # (stock PEFT's per-sample graph leaves the others none; the mixed batch at most zeros)
+            assert torch.count_nonzero(fast[n]) == 0, n
+
+
 def test_adamw_follows_changed_hyperparameters():
     """Group settings changed between steps (what an LR scheduler does; also betas, eps, weight decay of one group)
     reach the next step: the device copy of the hyperparameters is not reused once they differ."""
