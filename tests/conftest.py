@@ -84,13 +84,8 @@ SLOW_CASES = (
     "test_moe.py::test_experts_in_the_store_train_like_peft_per_adapter[triton-",
     # the Triton AdamW against torch's over three steps (tests/kernels/test_adamw.py checks the kernel against the
     # reference, test_holes_and_spare_rows_train_alike_on_both_backends the store's Triton step against the torch
-    # backend's); torch.library.opcheck of each op with the chunked family's segments (each op's SGEMM case stays:
-    # the same registration, fake kernel and autograd formula, without the permutation argument)
+    # backend's); test_compile.py marks its chunked-family opchecks itself
     "test_store.py::test_adamw_step_equals_torch_on_the_same_gradients[triton]",
-    *(f"test_compile.py::test_opcheck[{op}-chunked]" for op in (
-        "lora_shrink", "lora_shrink_store", "lora_expand", "lora_expand_write", "lora_shrink_expand", "lora_shrink_bwd",
-        "lora_shrink_bwd_acc", "lora_shrink_bwd_keep", "lora_shrink_bwd_no_dx", "lora_expand_bwd",
-        "lora_expand_bwd_dh")),
 )
 
 

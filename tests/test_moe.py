@@ -422,7 +422,8 @@ def _held_ids(model) -> set:
 
 
 # equal ranks change only the torch backend's B_cat (one view instead of a piece per cell); the Triton kernels read
-# the packed block the same way for both, so they run the unequal case alone (two minutes of interpreter otherwise)
+# the packed block the same way for both, so they run the unequal case alone (~25 s of interpreter; with -m slow:
+# tests/conftest.py)
 @pytest.mark.parametrize("backend,uniform", [("torch", True), ("torch", False), ("triton", False)],
                          ids=["torch-equal-ranks", "torch-unequal-ranks", "triton-unequal-ranks"])
 def test_experts_in_the_store_train_like_peft_per_adapter(backend, uniform):
