@@ -613,8 +613,9 @@ class AdapterStore:
         self.hooked: set = set()  # ids of the leaves that carry a hook (leaves live as long as their layout)
         self.flags_read = None  # plan.CHANGES when the held parameters' requires_grad were last read
         self.owner = None  # the fast_multilora.AdamW whose states the arenas hold (the latest one built)
-        self.seen: Optional[torch.Tensor] = None  # bool [n_slots + 1]: index 0 base, 1 + slot an adapter (mark_seen)
+        self._seen: Optional[torch.Tensor] = None  # bool [n_slots + 1]: index 0 base, 1 + slot an adapter (mark_seen)
         self.seen_names: tuple = ()
+        self._unmarked: dict = {}  # id(index) -> index: the calls' slot indices since ``seen`` was last written
         self.pattern: list = []  # requires_grad of every held parameter, as last read (sync_requires_grad)
         self.unread: set = set()  # indices whose flag is to be read (parameters on new pieces)
         self.flips_read = None  # the position in ``_FLIPS`` up to which the store has read the flags changed
@@ -688,24 +689,47 @@ class AdapterStore:
             self.mark_seen(routing)
 
     def mark_seen(self, routing) -> None:
-        """``seen[slot]``: the adapter had a token in a gradient-recording call since the last ``zero_grad`` (device
-        ops only)."""
+        """Note that the adapters of ``routing`` had tokens in a gradient-recording call since the last ``zero_grad``
+        (read as :attr:`seen`). Only the routing's index is noted here (a dict entry; the routing keeps it for its
+        repeats): the flags are written when read, by ``fast_multilora.AdamW`` and under DDP, so a step with another
+        optimizer launches nothing for them."""
         slots = routing.row_slots if routing.per_row else routing.token_slots
         if slots is None or not self.arenas:
             return
-        if self.seen is None or self.seen.device != slots.device:
-            self.seen = torch.zeros(len(routing.slot_names) + 1, dtype=torch.bool, device=slots.device)
+        if self._seen is None or self._seen.device != slots.device:
+            self._seen = torch.zeros(len(routing.slot_names) + 1, dtype=torch.bool, device=slots.device)
             self.seen_names = routing.slot_names
+            self._unmarked = {}
         elif self.seen_names != routing.slot_names:  # adapters came or went: the others' flags stay (their slots do)
+            self._mark()  # (the noted indices are of the old slot order)
             old, new = self.seen_names, routing.slot_names
             seen = torch.zeros(len(new) + 1, dtype=torch.bool, device=slots.device)
             k = min(len(old), len(new))
-            seen[: k + 1] = self.seen[: k + 1]
+            seen[: k + 1] = self._seen[: k + 1]
             gone = list(itertools.compress(range(1, k + 1), map(operator.ne, old[:k], new[:k])))
             if gone:  # a slot now of another adapter (or free): not seen
                 seen.index_fill_(0, to_device(torch.tensor(gone, dtype=torch.int64), slots.device), False)
-            self.seen, self.seen_names = seen, new
-        self.seen.index_fill_(0, slots.reshape(-1).long() + 1, True)  # index 0: base tokens (slot -1)
+            self._seen, self.seen_names = seen, new
+        index = routing.seen_index
+        if index is None or index.device != slots.device:
+            index = routing.seen_index = slots.reshape(-1).long() + 1  # index 0: base tokens (slot -1)
+        if len(self._unmarked) >= 64:
+            self._mark()
+        self._unmarked[id(index)] = index
+
+    def _mark(self) -> None:
+        for index in self._unmarked.values():
+            self._seen.index_fill_(0, index, True)
+        self._unmarked = {}
+
+    @property
+    def seen(self) -> Optional[torch.Tensor]:
+        """bool ``[n_slots + 1]`` (``None`` before the first training call): ``seen[1 + slot]`` -- the adapter had a
+        token in a gradient-recording call since the last ``zero_grad``; index 0: base tokens. Slot order
+        ``seen_names``."""
+        if self._unmarked:
+            self._mark()
+        return self._seen
 
     # -- layout ---------------------------------------------------------------------------------------------------
     def _wanted(self, checked: bool) -> dict:
@@ -1309,8 +1333,9 @@ class AdapterStore:
         self.prepare_grads()  # views a caller dropped or replaced since: attached again (their pieces are zero)
 
     def clear_seen(self) -> None:
-        if self.seen is not None:
-            self.seen.zero_()
+        self._unmarked = {}
+        if self._seen is not None:
+            self._seen.zero_()
 
     def layer_slots(self, layer) -> Optional[LayerSlots]:
         return self.slots.get(id(layer))
