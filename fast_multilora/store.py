@@ -1237,31 +1237,34 @@ class AdapterStore:
                 check.update(self.adapter_idx.get(name, ()))
         pattern = self.pattern
         now, zero = set(), []
-        with torch.no_grad():
-            for i in check:
-                p, v = held[i], views[i]
-                g = p.grad
-                if not (pattern and pattern[i]):
-                    want = None
-                elif g is v:
-                    want = v
-                elif g is not None:  # a tensor put in place of the view: the whole gradient
+        adapter_of = self.adapter_of
+        for i in check:
+            p, v = held[i], views[i]
+            g = p.grad
+            if not (pattern and pattern[i]):
+                want = None
+            elif g is v:
+                want = v
+            elif g is not None:  # a tensor put in place of the view: the whole gradient
+                with torch.no_grad():
                     want = v.copy_(g)
-                    if self.dirty is not None:
-                        self.dirty.add(self.adapter_of[i])
-                elif self.adapter_of[i] in pending:
-                    want = v
-                    zero.append(v)
-                else:
-                    want = None
-                if g is not want:
-                    p.grad = want
-                if want is not None:
-                    now.add(i)
-            if zero:
+                if self.dirty is not None:
+                    self.dirty.add(adapter_of[i])
+            elif adapter_of[i] in pending:
+                want = v
+                zero.append(v)
+            else:
+                want = None
+            if g is not want:
+                p.grad = want
+            if want is not None:
+                now.add(i)
+        if zero:
+            with torch.no_grad():
                 torch._foreach_zero_(zero)
-        self.attached = now
-        self._watch()
+        if now != attached:  # (the same set: the hooks' ``watch`` holds; a layout rebuilds it itself)
+            self.attached = now
+            self._watch()
 
     def _watch(self) -> None:
         """``watch`` from ``attached``: per leaf, what its hook checks."""
