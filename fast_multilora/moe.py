@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 
 from .function import LayerCall, LoraLinear, get_backend, run
-from .kernels.segments import AdapterTable, grouped_segments
+from .kernels.segments import AdapterTable, grouped_segments, to_device
 
 # the experts modules' attributes this path reads (set by transformers' ``use_experts_implementation``);
 # ``has_post_expert_norm`` is read with a default of False: transformers releases before it (5.17) have no such norm
@@ -149,8 +149,8 @@ def _proj_state(wrapper, slot_names, E: int, absent=frozenset()) -> Optional[Pro
     device = a_mods[0].weight.device
     host = torch.tensor([ranks, offsets], dtype=torch.int32)
     table = AdapterTable(
-        ranks=host[0].to(device), offsets=host[1].to(device),
-        scales=torch.tensor(scales, dtype=torch.float32).to(device),
+        ranks=to_device(host[0], device), offsets=to_device(host[1], device),
+        scales=to_device(torch.tensor(scales, dtype=torch.float32), device),
         dropout=torch.zeros(n_v, dtype=torch.float32, device=device), max_rank=max(ranks), total_rank=acc,
         has_dropout=False, slots=None, host=(tuple(ranks), tuple(offsets), tuple(scales), (0.0,) * n_v),
     )

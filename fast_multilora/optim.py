@@ -128,7 +128,7 @@ class AdamW(torch.optim.Optimizer):
 
     def _slot_index(self) -> torch.Tensor:
         """int64 ``[groups]`` on the counts' device: each param group's slot (a per-slot tensor read by group)."""
-        return torch.tensor(self._slot, dtype=torch.int64).to(self._counts.device)
+        return to_device(torch.tensor(self._slot, dtype=torch.int64), self._counts.device)
 
     # -- groups ---------------------------------------------------------------------------------------------------
     def _params_of(self) -> dict:
@@ -398,7 +398,7 @@ class AdamW(torch.optim.Optimizer):
                 new[list(inc)] += torch.tensor(list(inc.values()), dtype=torch.int64)
             kept = (t.start, t.length, t.adapter)
             if n_keep < n_old:  # the dirty slots' chunks dropped
-                at = torch.nonzero_static(drop.to(dev)[t.adapter.long()].logical_not(), size=n_keep).squeeze(1)
+                at = torch.nonzero_static(to_device(drop, dev)[t.adapter.long()].logical_not(), size=n_keep).squeeze(1)
                 kept = tuple(f[at] for f in kept)
             added = (add.start, add.length, add.adapter)
             if not n_add or min(x[2] for x in b) > (int(with_chunks[-1]) if with_chunks.numel() else -1):
@@ -431,8 +431,8 @@ class AdamW(torch.optim.Optimizer):
             slots = torch.tensor(list(map(index.get, self._slot_names, itertools.repeat(0))), dtype=torch.int64)
             # frozen groups, free slots and those without a slot in ``seen`` (index 0 is the base tokens' flag) keep
             # their step count
-            keep = (slots > 0).to(store.seen.device) & self._trained
-            self._group_slots = (store.seen_names, slots.to(store.seen.device), keep)
+            keep = to_device(slots > 0, store.seen.device) & self._trained
+            self._group_slots = (store.seen_names, to_device(slots, store.seen.device), keep)
         return store.seen[self._group_slots[1]] & self._group_slots[2]
 
     def _hyper(self, device) -> torch.Tensor:
@@ -612,7 +612,8 @@ class AdamW(torch.optim.Optimizer):
                             self.state[p][s].copy_(src[s])
                     if "step" in src and not counted:  # one count per group (its parameters share it)
                         steps[i], counted = float(src["step"]), True
-            self._counts[self._slot_index()] = torch.tensor(steps, dtype=self._counts.dtype).to(self._counts.device)
+            counts = torch.tensor(steps, dtype=self._counts.dtype)
+            self._counts[self._slot_index()] = to_device(counts, self._counts.device)
 
 
 # -- torch.optim.AdamW on the store ------------------------------------------------------------------------------------

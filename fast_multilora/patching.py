@@ -262,16 +262,16 @@ def _build_state(layer, slot_names, tables: dict) -> Optional[LayerState]:
             if layer.lora_B[n].bias is None:
                 raise ValueError(f"adapter {n!r}: mixed lora_bias settings in one layer are not supported")
         row = {n: i for i, n in enumerate(present)}
-        bias_map = torch.tensor([row.get(n, len(present)) for n in slot_names] + [len(present)],
-                                dtype=torch.int64).to(device)
+        bias_map = to_device(torch.tensor([row.get(n, len(present)) for n in slot_names] + [len(present)],
+                                          dtype=torch.int64), device)
     dora_names = [n for n in present if n in layer.lora_variant]
     dora = None
     if dora_names:
         row = {n: i for i, n in enumerate(dora_names)}
         dora = dora_mod.DoraLayer(
             names=tuple(dora_names),
-            rows=torch.tensor([row.get(n, len(dora_names)) for n in slot_names] + [len(dora_names)],
-                              dtype=torch.int64).to(device),
+            rows=to_device(torch.tensor([row.get(n, len(dora_names)) for n in slot_names] + [len(dora_names)],
+                                        dtype=torch.int64), device),
             scales=tuple(float(layer.scaling[n]) for n in dora_names),
             dropout=any(ps[slot_names.index(n)] > 0 for n in dora_names),
         )
