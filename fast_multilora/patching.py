@@ -556,11 +556,16 @@ class _FastLinearMixin(_TrackedMixin):
         args = (plans, ("stored" if slots is not None else "params", decode), segs, slots, call,
                 x_d, y, W, b, a_ws, b_ws, biases)
         if dora is None:
-            return run_layer(*args)
-        if keep_out is not None and torch.compiler.is_compiling():
+            out = run_layer(*args)
+        elif keep_out is not None and torch.compiler.is_compiling():
             # the op's forward hands its dropout mask out, which a traced Function cannot: eager, a graph break
             return _eager(_dora_call, self, dora, state, routing, args, keep_out)
-        return _dora_call(self, dora, state, routing, args, keep_out)
+        else:
+            out = _dora_call(self, dora, state, routing, args, keep_out)
+        if not torch.compiler.is_compiling() and slots is not None and store.calls and store.calls[-1][1] is None \
+                and torch.is_grad_enabled():  # the forward call's first layer call: its graph node, for the store
+            store.note_node(out)
+        return out
 
 
 def _dora_call(layer, dora, state: LayerState, routing, args: tuple, keep_out) -> torch.Tensor:

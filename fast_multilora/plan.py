@@ -46,7 +46,7 @@ class Routing:
     token_slots: Optional[torch.Tensor] = None  # int32 [rows, T]: packed rows (adapter_ids)
     layouts: dict = field(default_factory=dict)  # eager: (lead shape, device) -> Segments
     rows: int = 0  # len(names): what the layers check (reading ``names`` would make a compiled graph guard on them)
-    seen_index: Optional[torch.Tensor] = None  # 1 + the slots of its tokens, int64 (``AdapterStore.mark_seen``)
+    seen_index: Optional[torch.Tensor] = None  # 1 + the slots of its tokens, int64 (``AdapterStore.seen_index``)
 
     def __post_init__(self):
         self.rows = len(self.names)

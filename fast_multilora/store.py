@@ -604,6 +604,9 @@ class AdapterStore:
         self.adapter_params: dict = {}  # adapter -> (its held parameters, (its layers' slots, its first row)...)
         self.ids_read = None  # plan.FULL when every held parameter's identity was last checked (stale)
         self.pending: set = set()  # adapters of the gradient-recording calls whose backward has not started yet
+        # per gradient-recording forward call since a backward last started: [its adapter names, a weak reference to
+        # one of its layer calls' autograd nodes (None: none yet; False: not weak-referenceable)] (``_armed``)
+        self.calls: list = []
         self.started: set = set()  # the pending adapters of the last backward that started (a retained graph's again)
         self.dropped = False  # views dropped with no adapter pending (model.zero_grad() after a backward)
         self.trained: set = set()  # adapters of the gradient-recording calls since fast_multilora.AdamW's last step
@@ -613,7 +616,7 @@ class AdapterStore:
         self.hooked: set = set()  # ids of the leaves that carry a hook (leaves live as long as their layout)
         self.flags_read = None  # plan.CHANGES when the held parameters' requires_grad were last read
         self.owner = None  # the fast_multilora.AdamW whose states the arenas hold (the latest one built)
-        self._seen: Optional[torch.Tensor] = None  # bool [n_slots + 1]: index 0 base, 1 + slot an adapter (mark_seen)
+        self._seen: Optional[torch.Tensor] = None  # bool [n_slots + 1]: index 0 base, 1 + slot an adapter (seen_index)
         self.seen_names: tuple = ()
         self._unmarked: dict = {}  # id(index) -> index: the calls' slot indices since ``seen`` was last written
         self.pattern: list = []  # requires_grad of every held parameter, as last read (sync_requires_grad)
@@ -683,25 +686,31 @@ class AdapterStore:
             if self.flags_read != CHANGES[0] or not SWAP_CLASS:  # a held flag may have changed (_HeldParameter)
                 self.sync_requires_grad()
             self.pending.update(routing.names)  # (packed rows: every adapter the call names)
+            if len(self.calls) >= 64:  # a loop of forwards with no backward: bounded
+                self._prune_calls()
+            self.calls.append([frozenset(routing.names), None, self.seen_index(routing)])
             self.trained.update(routing.names)
             if self.dirty is not None:
                 self.dirty.update(routing.names)
-            self.mark_seen(routing)
 
-    def mark_seen(self, routing) -> None:
-        """Note that the adapters of ``routing`` had tokens in a gradient-recording call since the last ``zero_grad``
-        (read as :attr:`seen`). Only the routing's index is noted here (a dict entry; the routing keeps it for its
-        repeats): the flags are written when read, by ``fast_multilora.AdamW`` and under DDP, so a step with another
-        optimizer launches nothing for them."""
+    def seen_index(self, routing) -> Optional[torch.Tensor]:
+        """The index into :attr:`seen` of ``routing``'s tokens (``1 + slot``; the routing keeps it for its repeats), or
+        ``None`` (no store arenas, no slots). The flags are set when the call's backward starts (:meth:`_armed`:
+        a forward never backwarded sets none) and written when read, by ``fast_multilora.AdamW`` and under DDP, so a
+        step with another optimizer launches nothing for them."""
         slots = routing.row_slots if routing.per_row else routing.token_slots
         if slots is None or not self.arenas:
-            return
+            return None
         if self._seen is None or self._seen.device != slots.device:
             self._seen = torch.zeros(len(routing.slot_names) + 1, dtype=torch.bool, device=slots.device)
             self.seen_names = routing.slot_names
             self._unmarked = {}
         elif self.seen_names != routing.slot_names:  # adapters came or went: the others' flags stay (their slots do)
-            self._mark()  # (the noted indices are of the old slot order)
+            for c in self.calls:  # (indices of the old slot order: set now, as if their backward had started)
+                if c[2] is not None:
+                    self._note_seen(c[2])
+                    c[2] = None
+            self._mark()
             old, new = self.seen_names, routing.slot_names
             seen = torch.zeros(len(new) + 1, dtype=torch.bool, device=slots.device)
             k = min(len(old), len(new))
@@ -713,6 +722,9 @@ class AdapterStore:
         index = routing.seen_index
         if index is None or index.device != slots.device:
             index = routing.seen_index = slots.reshape(-1).long() + 1  # index 0: base tokens (slot -1)
+        return index
+
+    def _note_seen(self, index: torch.Tensor) -> None:
         if len(self._unmarked) >= 64:
             self._mark()
         self._unmarked[id(index)] = index
@@ -1199,6 +1211,62 @@ class AdapterStore:
         self.prepare_grads(extra=changed)  # one that no longer trains loses its view
         return True
 
+    def _prune_calls(self) -> None:
+        """``calls`` without those whose graph is gone, the ones of unknown graph merged into one."""
+        live = [c for c in self.calls if c[1]]
+        live = [c for c in live if c[1]() is not None]
+        unknown = [c for c in self.calls if not c[1]]
+        if unknown:  # (they arm their adapters when a backward starts: their flags set now)
+            for c in unknown:
+                if c[2] is not None:
+                    self._note_seen(c[2])
+            live.append([frozenset().union(*(c[0] for c in unknown)), False, None])
+        self.calls[:] = live
+        self.pending = set().union(*(c[0] for c in live))  # (between calls it is their names)
+
+    def note_node(self, out: torch.Tensor) -> None:
+        """Keep a weak reference to ``out``'s autograd node as the last forward call's (its first layer call's output;
+        called by the layers while that call has none): :meth:`_armed` asks the engine whether it will run."""
+        c = self.calls[-1]
+        if c[1] is None and out.grad_fn is not None and not torch.compiler.is_compiling():
+            try:
+                c[1] = weakref.ref(out.grad_fn)
+            except TypeError:  # (a node of a compiled graph, of DoRA's ops: unknown, the call's adapters armed)
+                c[1] = False
+
+    def _armed(self, pending: set) -> tuple:
+        """``(armed, later)``: of the ``pending`` adapters, those whose gradients this backward may accumulate, and
+        the forward calls left pending. A forward call whose graph was freed without a backward (a metric computed
+        with autograd on) arms nothing -- its adapters keep ``None``, as under stock PEFT, so an optimizer does not
+        step them -- and one whose graph lives on but that this backward does not run (the engine's
+        ``_will_engine_execute_node``; a backward of another graph), or whose graph lives on when asked outside a
+        backward (a ``zero_grad``, an optimizer step), stays pending. Calls of unknown graph (no node kept) and
+        adapters pending otherwise (a retained graph's re-arm, DDP) are armed."""
+        calls = self.calls
+        if not calls:
+            return pending, []
+        armed = pending.difference(*(c[0] for c in calls))
+        later = []
+        for c in calls:
+            ref = c[1]
+            node = ref() if ref else None
+            if ref and node is None:  # its graph is gone: it will never run backward
+                continue
+            if node is not None:
+                try:  # (a private torch function, as torch.utils.checkpoint uses it)
+                    runs = torch._C._will_engine_execute_node(node)
+                except RuntimeError:  # not in a backward (a zero_grad, an optimizer step): its backward arms it
+                    runs = False
+                except (AttributeError, TypeError):  # (a torch without it)
+                    runs = True
+                if not runs:
+                    later.append(c)
+                    continue
+            armed |= c[0]
+            if c[2] is not None:
+                self._note_seen(c[2])
+        return armed, later
+
     def prepare_grads(self, force: bool = False, extra=None) -> None:
         """Give each held parameter the ``.grad`` stock PEFT would leave it, with the gradient in the arena.
 
@@ -1228,7 +1296,18 @@ class AdapterStore:
             return
         self.pending = set()
         if pending:
-            self.started = pending
+            if force:  # every call armed
+                for c in self.calls:
+                    if c[2] is not None:
+                        self._note_seen(c[2])
+                later = []
+            else:
+                pending, later = self._armed(pending)
+            self.calls[:] = later
+            if later:
+                self.pending = set().union(*(c[0] for c in later))
+            if pending:
+                self.started = pending
         if force:
             check = range(len(held))
         else:

@@ -322,6 +322,99 @@ def test_a_retained_graphs_second_backward_gives_gradients_as_peft(backend, zero
             assert torch.count_nonzero(fast[n]) == 0, n
 
 
+@pytest.mark.parametrize("graph", ["freed", "kept"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_forward_without_its_backward_leaves_its_adapters_as_peft(backend, graph):
+    """A gradient-recording forward with adapter ``a`` whose graph is not backwarded (freed: a metric computed with
+    autograd on; kept: another graph's backward runs first), then a training step on adapter ``b``: ``a``'s
+    parameters keep ``.grad is None`` and torch's AdamW leaves them as they were, as under stock PEFT (a zero
+    gradient would move them: momentum, weight decay); a kept graph's later backward gives ``a`` its gradients."""
+    model = many_model(4)
+    ref = copy.deepcopy(model)
+    fast_multilora.patch(model, backend=backend)
+    a, b = sorted(model.peft_config)[1:3]
+    ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(2))
+    got = {}
+    for m in (model, ref):
+        m.train()
+        lora = {n: p for n, p in m.named_parameters() if "lora_" in n}
+        opt = torch.optim.AdamW(lora.values(), lr=1e-2, weight_decay=0.1)
+
+        def loss_of(name, m=m, lora=lora):
+            if m is ref:  # stock PEFT: the adapter alone active
+                m.set_adapter(name)
+                for p in lora.values():
+                    p.requires_grad_(True)  # (set_adapter freezes the others)
+                out = m(input_ids=ids).logits
+            else:
+                out = m(input_ids=ids, adapter_names=[name, name]).logits
+            return fast_multilora.per_adapter_loss(out, ids, [name, name])
+
+        loss_of(a).backward()  # a step on ``a`` first: AdamW holds its moments
+        opt.step()
+        opt.zero_grad()
+        before = {n: p.detach().clone() for n, p in lora.items()}
+        kept = loss_of(a)
+        if graph == "freed":
+            del kept
+        loss_of(b).backward()
+        grads = {n: None if p.grad is None else p.grad.clone() for n, p in lora.items()}
+        opt.step()
+        moved = {n for n, p in lora.items() if not torch.equal(p, before[n])}
+        later = {}
+        if graph == "kept":
+            kept.backward()
+            later = {n: p.grad.clone() for n, p in lora.items() if f".{a}." in n}
+        got[m is ref] = grads, moved, later
+    (fast, fast_moved, fast_later), (peft, peft_moved, peft_later) = got[False], got[True]
+    assert {n for n, g in fast.items() if g is not None and f".{a}." in n} == set(), "a's gradients"
+    assert {n for n, g in peft.items() if g is not None and f".{a}." in n} == set()
+    for n, g in peft.items():
+        if g is not None:
+            _close(fast[n], g, n)
+    assert fast_moved == peft_moved and not any(f".{a}." in n for n in fast_moved), fast_moved ^ peft_moved
+    assert fast_later.keys() == peft_later.keys()
+    for n in peft_later:
+        _close(fast_later[n], peft_later[n], n)
+
+
+@pytest.mark.parametrize("graph", ["freed", "kept"])
+def test_fast_adamw_does_not_step_an_adapter_whose_forward_was_not_backwarded(graph):
+    """``fast_multilora.AdamW`` steps the adapters seen since its ``zero_grad``: those of the calls whose backward
+    started, not of a forward whose graph was freed unbackwarded or is still waiting for its backward; the kept
+    graph's backward then makes it seen, and the next step moves it."""
+    model = many_model(4)
+    fast_multilora.patch(model, backend="torch")
+    a, b = sorted(model.peft_config)[1:3]
+    ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(3))
+    model.train()
+    opt = fast_multilora.AdamW(model, lr=1e-2, weight_decay=0.1)
+
+    def loss_of(name):
+        out = model(input_ids=ids, adapter_names=[name, name]).logits
+        return fast_multilora.per_adapter_loss(out, ids, [name, name])
+
+    def params_of(name):
+        return {n: p.detach().clone() for n, p in model.named_parameters() if f".{name}." in n}
+
+    loss_of(a).backward()  # a step on ``a`` first: its moments would move it on a zero gradient
+    opt.step()
+    opt.zero_grad()
+    before_a, before_b = params_of(a), params_of(b)
+    kept = loss_of(a)
+    if graph == "freed":
+        del kept
+    loss_of(b).backward()
+    opt.step()
+    opt.zero_grad()
+    assert all(torch.equal(p, before_a[n]) for n, p in params_of(a).items()), "a stepped"
+    assert not any(torch.equal(p, before_b[n]) for n, p in params_of(b).items() if "lora_A" in n), "b not stepped"
+    if graph == "kept":
+        kept.backward()
+        opt.step()
+        assert not any(torch.equal(p, before_a[n]) for n, p in params_of(a).items() if "lora_A" in n), "a not stepped"
+
+
 def test_adamw_follows_changed_hyperparameters():
     """Group settings changed between steps (what an LR scheduler does; also betas, eps, weight decay of one group)
     reach the next step: the device copy of the hyperparameters is not reused once they differ."""
