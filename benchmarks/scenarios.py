@@ -83,7 +83,8 @@ SCENARIOS = {s.name: s for s in (
              "the README's quick-start step on a CPU: tiny Llama (hidden 64, 2 layers, vocab 256), adapters sql (r 8, "
              "all 7), chat (r 4, attention), code (r 16, MLP, dropout 0.1), 4 x 32 tokens, rows chat/sql/base/code; "
              "torch backend", ("frozen", "peft_single", "peft_mixed_loop", "fast_multilora",
-                               "fast_multilora_store_adamw"), ("", "per_adapter_loss"), default=False),
+                               "fast_multilora_store_adamw"), ("", "per_adapter_loss"), default=False,
+             timing="every row warm-up/iterations 3/21 (steps of milliseconds)"),
     Scenario("create_adapters", "create", "llama",
              f"{_LLAMA}, as a PeftModel holding one adapter; seconds to create n more (r=16 "
              "alpha 32 dropout 0.05 on all 7 projections, PEFT's default init, weights fp32 as PEFT's "
