@@ -604,8 +604,9 @@ class AdapterStore:
         self.adapter_params: dict = {}  # adapter -> (its held parameters, (its layers' slots, its first row)...)
         self.ids_read = None  # plan.FULL when every held parameter's identity was last checked (stale)
         self.pending: set = set()  # adapters of the gradient-recording calls whose backward has not started yet
-        # per gradient-recording forward call since a backward last started: [its adapter names, a weak reference to
-        # one of its layer calls' autograd nodes (None: none yet; False: not weak-referenceable)] (``_armed``)
+        # per gradient-recording forward call since a backward last started, and those a backward found it does not
+        # run: [its adapter names, a weak reference to one of its layer calls' autograd nodes (None: none yet;
+        # False: not weak-referenceable), its index into ``seen``, deferred (a backward did not run it)] (``_armed``)
         self.calls: list = []
         self.started: set = set()  # the pending adapters of the last backward that started (a retained graph's again)
         self.dropped = False  # views dropped with no adapter pending (model.zero_grad() after a backward)
@@ -688,7 +689,7 @@ class AdapterStore:
             self.pending.update(routing.names)  # (packed rows: every adapter the call names)
             if len(self.calls) >= 64:  # a loop of forwards with no backward: bounded
                 self._prune_calls()
-            self.calls.append([frozenset(routing.names), None, self.seen_index(routing)])
+            self.calls.append([frozenset(routing.names), None, self.seen_index(routing), False])
             self.trained.update(routing.names)
             if self.dirty is not None:
                 self.dirty.update(routing.names)
@@ -1220,9 +1221,20 @@ class AdapterStore:
             for c in unknown:
                 if c[2] is not None:
                     self._note_seen(c[2])
-            live.append([frozenset().union(*(c[0] for c in unknown)), False, None])
+            live.append([frozenset().union(*(c[0] for c in unknown)), False, None, False])
         self.calls[:] = live
         self.pending = set().union(*(c[0] for c in live))  # (between calls it is their names)
+
+    @staticmethod
+    def _runs(call) -> bool:
+        """Whether the backward running now runs forward ``call``'s graph (``False`` outside a backward, or gone)."""
+        node = call[1]() if call[1] else None
+        if node is None:
+            return False
+        try:
+            return torch._C._will_engine_execute_node(node)
+        except (RuntimeError, AttributeError, TypeError):
+            return False
 
     def note_node(self, out: torch.Tensor) -> None:
         """Keep a weak reference to ``out``'s autograd node as the last forward call's (its first layer call's output;
@@ -1260,6 +1272,7 @@ class AdapterStore:
                 except (AttributeError, TypeError):  # (a torch without it)
                     runs = True
                 if not runs:
+                    c[3] = True  # deferred: the hooks ask whether a backward runs it (_deferred_runs)
                     later.append(c)
                     continue
             armed |= c[0]
@@ -1303,9 +1316,7 @@ class AdapterStore:
                 later = []
             else:
                 pending, later = self._armed(pending)
-            self.calls[:] = later
-            if later:
-                self.pending = set().union(*(c[0] for c in later))
+            self.calls[:] = later  # (deferred: not pending, which would start every leaf's hook over)
             if pending:
                 self.started = pending
         if force:
@@ -1369,7 +1380,8 @@ class AdapterStore:
         retained graph): then that backward's adapters (``started``) take their views back, zeroed, as stock PEFT's
         parameters take the second backward's gradients."""
         if not self.pending:
-            self.pending = set(self.started)
+            runs = [c for c in self.calls if c[3] and self._runs(c)]
+            self.pending = set().union(*(c[0] for c in runs)) if runs else set(self.started)
         self.dropped = False
         self.prepare_grads()
 
@@ -1384,7 +1396,7 @@ class AdapterStore:
         def hook(grad):
             if self.ddp.sync is not None or self.ddp.done:  # under DDP: the arenas' all-reduce, when the backward ends
                 self.ddp.leaf_hook(self, slots.a_leaf if part.start == 0 else slots.b_leaf)
-            if self.pending or self.dropped:
+            if self.pending or self.dropped or (self.calls and any(c[3] and self._runs(c) for c in self.calls)):
                 self._backward_starts()
                 return None
             if grad is None:  # the engine's call at a leaf whose gradient the layer call added (or none flows):

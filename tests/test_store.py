@@ -415,6 +415,46 @@ def test_fast_adamw_does_not_step_an_adapter_whose_forward_was_not_backwarded(gr
         assert not any(torch.equal(p, before_a[n]) for n, p in params_of(a).items() if "lora_A" in n), "a not stepped"
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_graph_waiting_for_its_backward_costs_the_other_backwards_one_start(backend):
+    """While a forward's graph waits for its backward (kept, not run by the training backwards meanwhile), each of
+    those backwards starts once (one ``prepare_grads`` over the views), not at every leaf; the waiting graph's own
+    backward later starts it and gives its adapter the gradients."""
+    model = many_model(4)
+    fast_multilora.patch(model, backend=backend)
+    a, b = sorted(model.peft_config)[1:3]
+    ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(4))
+    model.train()
+    opt = torch.optim.AdamW([p for n, p in model.named_parameters() if "lora_" in n], lr=1e-2)
+    store = AdapterStore.of(model)
+    starts = []
+    real = store._backward_starts
+
+    def counting():
+        starts.append(1)
+        real()
+
+    store._backward_starts = counting
+
+    def loss_of(name):
+        out = model(input_ids=ids, adapter_names=[name, name]).logits
+        return fast_multilora.per_adapter_loss(out, ids, [name, name])
+
+    kept = loss_of(a)
+    for _ in range(3):
+        starts.clear()
+        loss_of(b).backward()
+        assert len(starts) == 1, len(starts)
+        opt.step()
+        opt.zero_grad()
+    assert all(p.grad is None for n, p in model.named_parameters() if f".{a}." in n)
+    starts.clear()
+    kept.backward()
+    assert len(starts) == 1, len(starts)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters()
+               if f".{a}." in n and "lora_B" in n)
+
+
 def test_adamw_follows_changed_hyperparameters():
     """Group settings changed between steps (what an LR scheduler does; also betas, eps, weight decay of one group)
     reach the next step: the device copy of the hyperparameters is not reused once they differ."""
