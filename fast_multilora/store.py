@@ -608,6 +608,7 @@ class AdapterStore:
         # run: [its adapter names, a weak reference to one of its layer calls' autograd nodes (None: none yet;
         # False: not weak-referenceable), its index into ``seen``, deferred (a backward did not run it)] (``_armed``)
         self.calls: list = []
+        self.last_armed: list = []  # the calls the last backward start armed, of known graph (clear_seen)
         self.started: set = set()  # the pending adapters of the last backward that started (a retained graph's again)
         self.dropped = False  # views dropped with no adapter pending (model.zero_grad() after a backward)
         self.trained: set = set()  # adapters of the gradient-recording calls since fast_multilora.AdamW's last step
@@ -650,6 +651,7 @@ class AdapterStore:
         state["_compact"] = None
         state["_layers_checked"] = None
         state["dirty"] = None
+        state["calls"], state["last_armed"] = [], []  # (weak references to this model's graphs: a copy has none)
         return state
 
     # -- attaching ------------------------------------------------------------------------------------------------
@@ -1278,6 +1280,8 @@ class AdapterStore:
             armed |= c[0]
             if c[2] is not None:
                 self._note_seen(c[2])
+            if ref:
+                self.last_armed.append(c)
         return armed, later
 
     def prepare_grads(self, force: bool = False, extra=None) -> None:
@@ -1309,10 +1313,12 @@ class AdapterStore:
             return
         self.pending = set()
         if pending:
+            self.last_armed = []
             if force:  # every call armed
                 for c in self.calls:
                     if c[2] is not None:
                         self._note_seen(c[2])
+                self.last_armed = [c for c in self.calls if c[1]]
                 later = []
             else:
                 pending, later = self._armed(pending)
@@ -1427,9 +1433,19 @@ class AdapterStore:
         self.prepare_grads()  # views a caller dropped or replaced since: attached again (their pieces are zero)
 
     def clear_seen(self) -> None:
+        """No adapter seen (a ``zero_grad``). The calls the last backward armed whose graph lives on (kept for a
+        second backward, ``retain_graph``) wait again, deferred: a backward through them arms them and marks them
+        seen again -- ``fast_multilora.AdamW``'s ``zero_grad`` keeps the views attached, so nothing else would."""
         self._unmarked = {}
         if self._seen is not None:
             self._seen.zero_()
+        if self.last_armed:
+            have = set(map(id, self.calls))
+            for c in self.last_armed:
+                if id(c) not in have and c[1]() is not None:
+                    c[3] = True
+                    self.calls.append(c)
+            self.last_armed = []
 
     def layer_slots(self, layer) -> Optional[LayerSlots]:
         return self.slots.get(id(layer))

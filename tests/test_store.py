@@ -455,6 +455,45 @@ def test_a_graph_waiting_for_its_backward_costs_the_other_backwards_one_start(ba
                if f".{a}." in n and "lora_B" in n)
 
 
+@pytest.mark.parametrize("zero", ["optimizer", "model"])
+def test_fast_adamw_steps_a_retained_graphs_second_backward_as_torch_on_peft(zero):
+    """``backward(retain_graph=True)``, ``fast_multilora.AdamW``'s (or the model's) ``zero_grad``, a second backward
+    through the same graph, a step: the adapter moves as torch's AdamW moves it on stock PEFT from the second
+    backward's gradients (the zero_grad clears ``seen``; the retained graph's calls wait again and its backward marks
+    them), the other adapters stay."""
+    model = many_model(4)
+    ref = copy.deepcopy(model)
+    fast_multilora.patch(model, backend="torch")
+    a = sorted(model.peft_config)[2]
+    ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(5))
+    ref.set_adapter(a)
+    init = {n: p.detach().clone() for n, p in ref.named_parameters() if "lora_" in n}
+    out = {}
+    for m in (model, ref):
+        m.train()
+        lora = {n: p for n, p in m.named_parameters() if "lora_" in n}
+        for p in lora.values():
+            p.requires_grad_(True)
+        if m is model:
+            opt = fast_multilora.AdamW(m, lr=1e-2, weight_decay=0.1)
+            logits = m(input_ids=ids, adapter_names=[a, a]).logits
+        else:
+            opt = torch.optim.AdamW(lora.values(), lr=1e-2, weight_decay=0.1)
+            logits = m(input_ids=ids).logits
+        loss = fast_multilora.per_adapter_loss(logits, ids, [a, a])
+        loss.backward(retain_graph=True)
+        (opt if zero == "optimizer" else m).zero_grad()
+        loss.backward()
+        opt.step()
+        out[m is ref] = {n: p.detach().clone() for n, p in lora.items()}
+    fast, peft = out[False], out[True]
+    for n in peft:
+        _close(fast[n], peft[n], n)
+    moved = {n for n in peft if not torch.equal(fast[n], init[n])}
+    assert moved == {n for n in peft if not torch.equal(peft[n], init[n])}
+    assert moved and all(f".{a}." in n for n in moved), moved
+
+
 def test_adamw_follows_changed_hyperparameters():
     """Group settings changed between steps (what an LR scheduler does; also betas, eps, weight decay of one group)
     reach the next step: the device copy of the hyperparameters is not reused once they differ."""
