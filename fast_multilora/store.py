@@ -573,6 +573,18 @@ class _ByAdapter:
 _STORES: list = []  # weak references to the stores built (an optimizer's parameters are looked up among them)
 
 
+def _engine_runs(node) -> Optional[bool]:
+    """Whether the backward running now runs autograd ``node`` (``torch._C._will_engine_execute_node``, a private
+    torch function, as torch.utils.checkpoint uses it); ``None`` outside a backward, ``True`` on a torch without it
+    (its adapters armed, as before the check)."""
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return None
+    except (AttributeError, TypeError):
+        return True
+
+
 def stores() -> list:
     """The adapter stores alive (of patched models: ``unpatch`` retires a model's store)."""
     live = [s for s in map(lambda r: r(), _STORES) if s is not None and not getattr(s, "retired", False)]
@@ -710,9 +722,8 @@ class AdapterStore:
             self._unmarked = {}
         elif self.seen_names != routing.slot_names:  # adapters came or went: the others' flags stay (their slots do)
             for c in self.calls:  # (indices of the old slot order: set now, as if their backward had started)
-                if c[2] is not None:
-                    self._note_seen(c[2])
-                    c[2] = None
+                self._note_seen(c[2])
+                c[2] = None
             self._mark()
             old, new = self.seen_names, routing.slot_names
             seen = torch.zeros(len(new) + 1, dtype=torch.bool, device=slots.device)
@@ -727,7 +738,10 @@ class AdapterStore:
             index = routing.seen_index = slots.reshape(-1).long() + 1  # index 0: base tokens (slot -1)
         return index
 
-    def _note_seen(self, index: torch.Tensor) -> None:
+    def _note_seen(self, index: Optional[torch.Tensor]) -> None:
+        """Set ``index``'s flags of :attr:`seen` (when next read); ``None``: nothing."""
+        if index is None:
+            return
         if len(self._unmarked) >= 64:
             self._mark()
         self._unmarked[id(index)] = index
@@ -1216,13 +1230,11 @@ class AdapterStore:
 
     def _prune_calls(self) -> None:
         """``calls`` without those whose graph is gone, the ones of unknown graph merged into one."""
-        live = [c for c in self.calls if c[1]]
-        live = [c for c in live if c[1]() is not None]
+        live = [c for c in self.calls if c[1] and c[1]() is not None]
         unknown = [c for c in self.calls if not c[1]]
         if unknown:  # (they arm their adapters when a backward starts: their flags set now)
             for c in unknown:
-                if c[2] is not None:
-                    self._note_seen(c[2])
+                self._note_seen(c[2])
             live.append([frozenset().union(*(c[0] for c in unknown)), False, None, False])
         self.calls[:] = live
         self.pending = set().union(*(c[0] for c in live))  # (between calls it is their names)
@@ -1231,12 +1243,7 @@ class AdapterStore:
     def _runs(call) -> bool:
         """Whether the backward running now runs forward ``call``'s graph (``False`` outside a backward, or gone)."""
         node = call[1]() if call[1] else None
-        if node is None:
-            return False
-        try:
-            return torch._C._will_engine_execute_node(node)
-        except (RuntimeError, AttributeError, TypeError):
-            return False
+        return node is not None and bool(_engine_runs(node))
 
     def note_node(self, out: torch.Tensor) -> None:
         """Keep a weak reference to ``out``'s autograd node as the last forward call's (its first layer call's output;
@@ -1250,12 +1257,12 @@ class AdapterStore:
 
     def _armed(self, pending: set) -> tuple:
         """``(armed, later)``: of the ``pending`` adapters, those whose gradients this backward may accumulate, and
-        the forward calls left pending. A forward call whose graph was freed without a backward (a metric computed
-        with autograd on) arms nothing -- its adapters keep ``None``, as under stock PEFT, so an optimizer does not
-        step them -- and one whose graph lives on but that this backward does not run (the engine's
+        the forward calls that wait. A forward call whose graph was freed without a backward (a metric computed with
+        autograd on) arms nothing -- its adapters keep ``None``, as under stock PEFT, so an optimizer does not step
+        them -- and one whose graph lives on but that this backward does not run (the engine's
         ``_will_engine_execute_node``; a backward of another graph), or whose graph lives on when asked outside a
-        backward (a ``zero_grad``, an optimizer step), stays pending. Calls of unknown graph (no node kept) and
-        adapters pending otherwise (a retained graph's re-arm, DDP) are armed."""
+        backward (a ``zero_grad``, an optimizer step), waits, deferred (out of ``pending``). Calls of unknown graph
+        (no node kept) and adapters pending otherwise (a retained graph's re-arm, DDP) are armed."""
         calls = self.calls
         if not calls:
             return pending, []
@@ -1266,20 +1273,13 @@ class AdapterStore:
             node = ref() if ref else None
             if ref and node is None:  # its graph is gone: it will never run backward
                 continue
-            if node is not None:
-                try:  # (a private torch function, as torch.utils.checkpoint uses it)
-                    runs = torch._C._will_engine_execute_node(node)
-                except RuntimeError:  # not in a backward (a zero_grad, an optimizer step): its backward arms it
-                    runs = False
-                except (AttributeError, TypeError):  # (a torch without it)
-                    runs = True
-                if not runs:
-                    c[3] = True  # deferred: the hooks ask whether a backward runs it (_deferred_runs)
-                    later.append(c)
-                    continue
+            # not run by this backward, or asked outside one (a zero_grad, an optimizer step): its backward arms it
+            if node is not None and not _engine_runs(node):
+                c[3] = True  # deferred: the leaves' hooks ask whether a backward runs it (_runs)
+                later.append(c)
+                continue
             armed |= c[0]
-            if c[2] is not None:
-                self._note_seen(c[2])
+            self._note_seen(c[2])
             if ref:
                 self.last_armed.append(c)
         return armed, later
@@ -1316,8 +1316,7 @@ class AdapterStore:
             self.last_armed = []
             if force:  # every call armed
                 for c in self.calls:
-                    if c[2] is not None:
-                        self._note_seen(c[2])
+                    self._note_seen(c[2])
                 self.last_armed = [c for c in self.calls if c[1]]
                 later = []
             else:
