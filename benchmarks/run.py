@@ -97,8 +97,9 @@ def child_argv(args, st, scenario, provider) -> list:
     return argv + (["--variants", args.variants] if args.variants else [])
 
 
-def measure_rows(args, st, sc, pairs, budget) -> dict:
-    """Rows of ``pairs`` (provider, variant) of scenario ``sc``, in this process or one process per provider."""
+def measure_rows(args, st, sc, pairs, budget, on_row=None) -> dict:
+    """Rows of ``pairs`` (provider, variant) of scenario ``sc``, in this process or one process per provider;
+    ``on_row(rows)`` after each row (a child writes its file then: a killed child keeps the rows it measured)."""
     from scenarios import Context, measure
 
     rows = {}
@@ -109,6 +110,8 @@ def measure_rows(args, st, sc, pairs, budget) -> dict:
             rows[key] = (measure(ctx, name, variant) if budget.allows()
                          else harness.make_row(name, variant, "skipped", "time budget"))
             report(sc.name, rows[key])
+            if on_row is not None:
+                on_row(rows)
         return rows
     for name in dict.fromkeys(n for n, _ in pairs):
         mine = [(n, v) for n, v in pairs if n == name]
@@ -124,12 +127,13 @@ def measure_rows(args, st, sc, pairs, budget) -> dict:
                     why = f"exit status {res.returncode}"
                 except subprocess.TimeoutExpired:
                     why = "time budget (the child was killed)"
-                if os.path.exists(out):
+                got = {}
+                if os.path.exists(out):  # complete, or the rows measured before a kill or a crash
                     with open(out) as f:
                         got = json.load(f)["rows"]
-                else:  # a crash (segfault, OOM kill) before the child wrote anything
-                    got = {harness.row_key(n, v): harness.make_row(n, v, "error", f"child process died: {why}")
-                           for n, v in mine}
+                for n, v in mine:  # killed (time budget), a crash (segfault, OOM kill) before the row was written
+                    if harness.row_key(n, v) not in got:
+                        got[harness.row_key(n, v)] = harness.make_row(n, v, "error", f"child process died: {why}")
         for key, row in got.items():
             row["fresh_process"] = True
             rows[key] = row  # the child printed it
@@ -215,9 +219,11 @@ def main(argv=None) -> int:
     budget = harness.Budget(args.budget_s)
     if args.child:
         sc = scs[0]
-        rows = measure_rows(argparse.Namespace(fresh_process=False), st, sc,
-                            rows_of(sc, provs, M.Sizes(st["size"]), variants), budget)
-        harness.write_json(args.out, {"rows": rows})
+        def write(rows):
+            harness.write_json(args.out, {"rows": rows})
+
+        write(measure_rows(argparse.Namespace(fresh_process=False), st, sc,
+                           rows_of(sc, provs, M.Sizes(st["size"]), variants), budget, on_row=write))
         return 0
     res = harness.load_results(args.out) if args.merge else {"schema": harness.SCHEMA, "scenarios": {}}
     rc = 0

@@ -241,3 +241,26 @@ def test_committed_results_follow_the_schema(name):
     key = "train_step_8" if name == "h200.json" else "readme_step_cpu"
     rows = res["scenarios"][key]["rows"]
     assert rows["frozen"]["status"] == "ok" and rows["fast_multilora"]["ratios"]["frozen"] > 0
+
+
+def test_a_killed_fresh_process_child_keeps_the_rows_it_measured(monkeypatch):
+    """A child killed at the time budget after measuring some of its variants: those rows are kept (the child writes
+    its file after every row), the rest are errors naming the kill."""
+    import argparse
+    import types
+
+    import run as run_py
+
+    def child(argv, cwd, timeout):  # measured n=8, killed during n=32
+        out = argv[argv.index("--out") + 1]
+        harness.write_json(out, {"rows": {"fast[n=8]": harness.make_row("fast", "n=8", wall_ms=2.0)}})
+        raise subprocess.TimeoutExpired(argv, timeout)
+
+    monkeypatch.setattr(run_py.subprocess, "run", child)
+    args = argparse.Namespace(fresh_process=True, threads=1, variants=None)
+    st = {"device": "cpu", "size": "tiny", "backend": "torch", "compile_backend": "aot_eager"}
+    rows = run_py.measure_rows(args, st, types.SimpleNamespace(name="s"), [("fast", "n=8"), ("fast", "n=32")],
+                               harness.Budget(100))
+    assert rows["fast[n=8]"]["status"] == "ok" and rows["fast[n=8]"]["wall_ms"] == 2.0
+    assert rows["fast[n=32]"]["status"] == "error" and "killed" in rows["fast[n=32]"]["reason"]
+    assert all(r["fresh_process"] for r in rows.values())
