@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from .kernels.segments import to_device
 from .reference import token_slots
 
 
@@ -81,15 +82,15 @@ def _owners(ranks: tuple, scales: tuple, device) -> tuple:
     (ranks, scales, device): built once, not per layer call."""
     def build():
         idx = torch.repeat_interleave(torch.arange(len(ranks)), torch.tensor(ranks))
-        return ((idx[:, None] == torch.arange(len(ranks))[None, :]).float().to(device),
-                torch.tensor(scales, dtype=torch.float32).to(device))
+        return (to_device((idx[:, None] == torch.arange(len(ranks))[None, :]).float(), device),
+                to_device(torch.tensor(scales, dtype=torch.float32), device))
 
     return _kept(("owners", ranks, scales, device), build)
 
 
 def _index(rows: tuple, device) -> torch.Tensor:
     """``rows`` as an int64 tensor on ``device``, kept per (rows, device)."""
-    return _kept(("index", rows, device), lambda: torch.tensor(rows, dtype=torch.int64).to(device))
+    return _kept(("index", rows, device), lambda: to_device(torch.tensor(rows, dtype=torch.int64), device))
 
 
 _KEPT: dict = {}  # host-made constants of layer calls on their device, by what they are made from (bounded)
@@ -155,8 +156,7 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
         keep = _keep_mask(keep_out, segs, table, xr)
         p = torch.where(ts >= 0, table.dropout[ts.clamp(min=0)], 0.0)
         # x~ - x = x * (keep / (1 - p) - 1): the factor per element is 1 / (1 - p) - 1 where kept, else -1
-        factor = torch.where(keep, (1 / (1 - p) - 1).to(xr.dtype)[:, None], torch.tensor(-1.0, dtype=xr.dtype,
-                                                                                         device=xr.device))
+        factor = torch.where(keep, (1 / (1 - p) - 1).to(xr.dtype)[:, None], -1.0)  # a Python scalar: no copy
         z = z + torch.nn.functional.linear(xr * factor, W.to(xr.dtype)).view(z.shape)
     res = torch.addcmul(y, g, z)
     return res.to(out.dtype).view(out.shape)

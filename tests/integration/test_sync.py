@@ -7,10 +7,12 @@ detector (``torch.cuda.set_sync_debug_mode("warn")``), against the same model's 
 baseline catches syncs of the model code itself). GPU only: the detector watches CUDA streams.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import sync_warnings
-from models import peft_model
+from models import adapter_configs, peft_model
 
 import fast_multilora
 
@@ -21,10 +23,19 @@ def _sync_warnings(fn) -> list:  # each with the Python line that synchronised, 
     return [f"{w.filename}:{w.lineno}: {w.message}" for w in sync_warnings(fn)]
 
 
+def _configs(dropout, dora):
+    configs = adapter_configs("llama", dropout)
+    if dora:  # two DoRA adapters beside a plain one (DoRA's dropped-input term reads the op's mask)
+        for name in ("a0", "a2"):
+            configs[name] = dataclasses.replace(configs[name], use_dora=True)
+    return configs
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["p0", "p0.1"])
-def test_training_step_makes_no_sync(dropout):
-    model = peft_model("llama", dropout=dropout).cuda()
+def test_training_step_makes_no_sync(dropout, dora):
+    model = peft_model("llama", configs=_configs(dropout, dora)).cuda()
     fast_multilora.patch(model)
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
