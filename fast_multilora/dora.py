@@ -16,8 +16,9 @@ magnitudes get their gradients, the LoRA weights and the input theirs through ``
 ``g - 1`` is taken per row from a ``[n_dora, N]`` table by a one-hot matmul (zero for ``__base__`` rows and plain
 LoRA adapters' rows), so the magnitudes' gradient is a matmul too (deterministic, no atomics): one row of it per
 sample, broadcast over the sample's tokens, when the batch names an adapter per sample (per token for packed rows),
-in the output's dtype when that is 16-bit (as PEFT scales); the dropped input's term is built in the input's dtype
-from the op's packed mask by byte arithmetic. The weight norms are
+in the output's dtype when that is 16-bit (as PEFT scales); the dropped input's term ``(x~ - x) W^T`` is built in the input's dtype
+from the op's packed mask in one kernel pass (its gradient another; nothing ``[tokens, K]`` kept for the backward),
+added to ``y - b`` in the GEMM's epilogue. The weight norms are
 computed once per layer call for each DoRA adapter the batch names (not per row): ``||W_i + s (B A)_i||^2 =
 ||W_i||^2 + 2 s (W A^T)_i . B_i + s^2 B_i (A A^T) B_i^T``, one GEMM ``W A_D^T`` for all of the layer's DoRA adapters
 and no ``[N, K]`` temporary per adapter. Layers without DoRA adapters never reach this module.
@@ -153,19 +154,49 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
     z = y if bias is None else y - bias
     if keep_out is not None:  # training under dropout: PEFT's base term reads the dropped input
         xr = x.reshape(-1, x.shape[-1])
-        keep = _keep_mask(keep_out, segs, table, xr)
         p = torch.where(ts >= 0, table.dropout[ts.clamp(min=0)], 0.0)
-        # x~ - x = x * (keep / (1 - p) - 1): the factor per element is 1 / (1 - p) - 1 where kept, else -1
-        factor = torch.where(keep, (1 / (1 - p) - 1).to(xr.dtype)[:, None], -1.0)  # a Python scalar: no copy
-        z = z + torch.nn.functional.linear(xr * factor, W.to(xr.dtype)).view(z.shape)
+        # x~ - x = x * f: f is 1 / (1 - p) - 1 where the mask keeps an element, else -1 (-1.0 a Python scalar: a
+        # tensor made here would be a blocking host->device copy per layer call)
+        kept = (1 / (1 - p) - 1).to(xr.dtype)
+        bits = keep_out[-1][0]
+        if bits is not None and bits.dtype == torch.uint8:  # the Triton kernels' stored mask: one pass over x
+            delta = _DroppedInputDelta.apply(xr if xr.stride(-1) == 1 else xr.contiguous(), bits, kept)
+        else:
+            delta = xr * torch.where(_keep_mask(keep_out, segs, table, xr), kept[:, None], -1.0)
+        Wx = W.to(xr.dtype)
+        if z.dtype == xr.dtype:  # z + delta W^T in the GEMM's epilogue
+            z = torch.addmm(z.reshape(-1, N), delta, Wx.t()).view(z.shape)
+        else:
+            z = z + torch.nn.functional.linear(delta, Wx).view(z.shape)
     res = torch.addcmul(y, g, z)
     return res.to(out.dtype).view(out.shape)
 
 
+class _DroppedInputDelta(torch.autograd.Function):
+    """``x~ - x = x * f`` from the layer op's packed keep-mask in one kernel pass (``kernels.dropout.scale_by_keep``):
+    ``x[S, K]``, ``bits`` uint8 ``[S, cdiv(K, 8)]``, ``kept[S]`` the factor of kept elements in ``x``'s dtype. ``f``
+    is elementwise and depends on the mask only, so the gradient is the same map of the output's gradient (nothing
+    ``[S, K]`` is kept for the backward but the packed mask)."""
+
+    @staticmethod
+    def forward(ctx, x, bits, kept):
+        from .kernels.dropout import scale_by_keep
+
+        ctx.save_for_backward(bits, kept)
+        return scale_by_keep(x, bits, kept)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from .kernels.dropout import scale_by_keep
+
+        bits, kept = ctx.saved_tensors
+        return scale_by_keep(grad.contiguous(), bits, kept), None, None
+
+
 def _keep_mask(keep_out: list, segs, table, x: torch.Tensor) -> torch.Tensor:
     """The boolean ``[S, K]`` keep-mask the layer op's LoRA part used: the torch backend's mask, the Triton
-    kernels' stored bits unpacked (byte arithmetic), or their draw for the call's seed redrawn
-    (``kernels.dropout``)."""
+    kernels' stored bits unpacked (byte arithmetic; :class:`_DroppedInputDelta` reads them without unpacking), or
+    their draw for the call's seed redrawn (``kernels.dropout``)."""
     from .kernels.dropout import dropout_keep_mask, unpack_keep_bits
 
     keep, seed = keep_out[-1]  # the layer call's forward ran (a call under dropout never replays a launch plan)

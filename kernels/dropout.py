@@ -92,6 +92,50 @@ def unpack_keep(packed, C: tl.constexpr):
     return tl.reshape(bits, (R, C)) != 0
 
 
+@triton.jit
+def _scale_by_keep_kernel(
+    out, x, bits, kept, S, K,
+    stride_os, stride_xs, stride_bs,
+    BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    i_s = tl.program_id(0).to(tl.int64)
+    i_k = tl.program_id(1).to(tl.int64)
+    o_s = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    o_b = i_k * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+    m_s = o_s < S
+    m = m_s[:, None] & (o_k[None, :] < K)
+    b_bits = tl.load(bits + o_s[:, None] * stride_bs + o_b[None, :], mask=m_s[:, None] & (o_b[None, :] < (K + 7) // 8),
+                     other=0)
+    b_keep = unpack_keep(b_bits, BLOCK_K)  # [BLOCK_S, BLOCK_K]
+    b_kept = tl.load(kept + o_s, mask=m_s, other=0.0)  # the row's factor, in x's dtype
+    b_x = tl.load(x + o_s[:, None] * stride_xs + o_k[None, :], mask=m, other=0.0)
+    f = tl.where(b_keep, b_kept[:, None], -1.0)
+    if b_x.dtype == tl.float64:
+        y = b_x * f.to(tl.float64)
+    else:  # the float32 product of two 16-bit values is exact: one rounding, as torch's
+        y = (b_x.to(tl.float32) * f.to(tl.float32)).to(b_x.dtype)
+    tl.store(out + o_s[:, None] * stride_os + o_k[None, :], y, mask=m)
+
+
+def scale_by_keep(x: torch.Tensor, bits: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """``x * f`` for ``x[S, K]`` (rows contiguous), ``f[t, k] = kept[t]`` where the packed keep-mask ``bits``
+    (uint8 ``[S, cdiv(K, 8)]``, :func:`keep_block_packed`'s format) keeps element ``(t, k)``, else ``-1``; ``kept``
+    is ``[S]`` in ``x``'s dtype. The product is rounded once, as torch's ``x * f`` in ``x``'s dtype: one pass over
+    ``x`` (DoRA's dropped-input term ``x~ - x`` with ``kept = p / (1 - p)``, and its own gradient)."""
+    S, K = x.shape
+    check_keep_bits("scale_by_keep", bits, x, 1)
+    if x.stride(-1) != 1 or kept.shape != (S,) or kept.dtype != x.dtype or kept.device != x.device:
+        raise ValueError(f"scale_by_keep: x must have contiguous rows and kept be [{S}] {x.dtype} on {x.device}, got "
+                         f"x strides {tuple(x.stride())}, kept {kept.dtype} {tuple(kept.shape)} on {kept.device}")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if S and K:
+        grid = (cdiv(S, 16), cdiv(K, 128))
+        _scale_by_keep_kernel[grid](out, x, bits, kept, S, K, out.stride(0), x.stride(0), bits.stride(0),
+                                    BLOCK_S=16, BLOCK_K=128)
+    return out
+
+
 def keep_bits_buffer(x: torch.Tensor) -> torch.Tensor:
     """An uninitialised buffer for the packed keep-mask of ``x[S, K]``: uint8 ``[S, cdiv(K, 8)]``."""
     return torch.empty(x.shape[0], cdiv(x.shape[1], 8), dtype=torch.uint8, device=x.device)

@@ -14,6 +14,7 @@ on the dropped input are both checked against the mask the kernels used.
 from __future__ import annotations
 
 import contextlib
+import types
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from test_paths import _peft_per_sample, _step  # (logits, input gradient, LoRA 
 
 import fast_multilora
 from fast_multilora import dora as dora_mod
+from fast_multilora.kernels.dropout import unpack_keep_bits
 
 NAMES = ["d0", "l1", "__base__", "d2", "d1", "l0", "d0", "d2"]
 T = 5
@@ -194,10 +196,11 @@ def test_bf16_training_step_within_twice_peft_error():
         assert _rel_rmse(got[2][n], ex) <= 2 * _rel_rmse(low[2][n], ex) + u, n
 
 
-def _recording_masks(monkeypatch):
-    """Record, per patched layer, the keep-mask DoRA's base term read (module name filled in by the caller)."""
+def _recording_masks(monkeypatch, routes=None):
+    """Record, per patched layer, the keep-mask DoRA's base term read (module name filled in by the caller), and in
+    ``routes`` how it read it: ``"bits"`` (the Triton kernels' stored mask, one kernel pass) or ``"mask"``."""
     seen, current = [], [None]
-    apply, keep_mask = dora_mod.apply, dora_mod._keep_mask
+    apply, keep_mask, delta = dora_mod.apply, dora_mod._keep_mask, dora_mod._DroppedInputDelta
 
     def rec_apply(layer, *args, **kwargs):
         current[0] = layer
@@ -206,10 +209,19 @@ def _recording_masks(monkeypatch):
     def rec_keep(*args, **kwargs):
         keep = keep_mask(*args, **kwargs)
         seen.append((current[0], keep.clone()))
+        if routes is not None:
+            routes.append("mask")
         return keep
+
+    def rec_delta(x, bits, kept):
+        seen.append((current[0], unpack_keep_bits(bits, x.shape[1])))
+        if routes is not None:
+            routes.append("bits")
+        return delta.apply(x, bits, kept)
 
     monkeypatch.setattr(dora_mod, "apply", rec_apply)
     monkeypatch.setattr(dora_mod, "_keep_mask", rec_keep)
+    monkeypatch.setattr(dora_mod, "_DroppedInputDelta", types.SimpleNamespace(apply=rec_delta))
     return seen
 
 
@@ -224,7 +236,8 @@ def test_training_under_dropout_matches_peft_with_the_same_masks(arch, path, sto
     _patch(model, path, store_dropout_mask=store_mask)
     model.train()
     ref.train()
-    seen = _recording_masks(monkeypatch)
+    routes = []
+    seen = _recording_masks(monkeypatch, routes)
     ids, w = _inputs()
     torch.manual_seed(11)
     got = _step(model, ids, w, adapter_names=NAMES)
@@ -232,6 +245,8 @@ def test_training_under_dropout_matches_peft_with_the_same_masks(arch, path, sto
     masks = {names_of[layer]: keep for layer, keep in seen}
     dora_layers = [m for m in model.modules() if getattr(m, "lora_magnitude_vector", None)]
     assert len(masks) == len(seen) == len(dora_layers)  # every layer (each holds d0) read its mask once
+    # the Triton kernels' stored mask is read in one kernel pass; the torch backend's and a redrawn mask as booleans
+    assert set(routes) == {"bits" if path.startswith("triton") and store_mask else "mask"}, routes
     d0_rows = [i for i, n in enumerate(NAMES) if n == "d0"]
     for keep in masks.values():  # a real draw at p = 0.25 on d0's rows
         assert 0.6 < keep.view(len(NAMES), T, -1)[d0_rows].float().mean() < 0.9

@@ -301,3 +301,29 @@ def test_many_adapter_mixes_take_their_shrink_tiles(grouped, monkeypatch):
         S_BLK, BLOCK_K, warps = cfg["BLOCK_S"], cfg["BLOCK_K"], cfg["num_warps"]
         assert (got[0], got[2], got[3]) == (kf._rows_block(segs, S_BLK), BLOCK_K, warps), (n, dropout, got)
         assert (segs.num_segments >= kf.SHRINK_MANY_SEGMENTS) == (n == 40), segs.num_segments
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float64, id="fp64"), *KERNEL_DTYPE_PARAMS])
+@pytest.mark.parametrize("S,K", [(37, 123), (1, 1), (5, 8), (40, 257), (0, 16)], ids=lambda v: str(v))
+def test_scale_by_keep_equals_torch(S, K, dtype):
+    """``scale_by_keep`` (DoRA's dropped-input term and its gradient) equals torch's ``x * where(keep, kept, -1)`` in
+    ``x``'s dtype bit for bit, from the packed mask; rows of ``x`` and of the mask strided inside wider buffers (a
+    kernel reading a row or byte off by one fails), K not a multiple of 8, one row, no rows. bf16 on the GPU only:
+    the interpreter's float32 -> bfloat16 cast truncates where the GPU's (and torch's) rounds to nearest."""
+    from fast_multilora.kernels.dropout import pack_keep_bits, scale_by_keep
+
+    g = torch.Generator().manual_seed(S * 1000 + K)
+    x = torch.randn(S, K + 5, generator=g).to(dtype).to(DEVICE)[:, 2:K + 2]  # rows strided, not at offset 0
+    keep = torch.rand(S, K, generator=g) < 0.7
+    wide = torch.randint(0, 256, (S, (K + 7) // 8 + 3), generator=g, dtype=torch.uint8)
+    if S:
+        wide[:, 1:(K + 7) // 8 + 1] = pack_keep_bits(keep)
+    bits = wide.to(DEVICE)[:, 1:(K + 7) // 8 + 1]
+    p = torch.rand(S, generator=g) * 0.5
+    kept = (1 / (1 - p) - 1).to(dtype).to(DEVICE)
+    got = scale_by_keep(x, bits, kept)
+    want = x * torch.where(keep.to(DEVICE), kept[:, None], -1.0)
+    assert got.dtype == dtype and got.shape == (S, K)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="kept be"):
+        scale_by_keep(x, bits, kept.float() if dtype != torch.float32 else kept.half())
