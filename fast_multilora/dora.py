@@ -8,17 +8,18 @@ PEFT computes, adapter alone::
 
 with ``x~ = x`` in eval or without dropout, else ``x~ = dropout(x)``, the mask the LoRA part drew (PEFT recomputes
 the base term on the dropped input then). The layer op computes ``y = base(x) + s * x~ A^T B^T`` for every row, as
-for plain LoRA; this module turns ``y`` into DoRA's output with plain torch ops, which autograd differentiates (the
-magnitudes get their gradients, the LoRA weights and the input theirs through ``y``)::
+for plain LoRA; this module turns ``y`` into DoRA's output, which autograd differentiates (the magnitudes get
+their gradients, the LoRA weights and the input theirs through ``y``)::
 
     out = y + (g - 1) * (y - b + (x~ - x) W^T)         (the last term only with dropout, in training)
 
 ``g - 1`` is taken per row from a ``[n_dora, N]`` table by a one-hot matmul (zero for ``__base__`` rows and plain
 LoRA adapters' rows), so the magnitudes' gradient is a matmul too (deterministic, no atomics): one row of it per
 sample, broadcast over the sample's tokens, when the batch names an adapter per sample (per token for packed rows),
-in the output's dtype when that is 16-bit (as PEFT scales); the dropped input's term ``(x~ - x) W^T`` is built in the input's dtype
-from the op's packed mask in one kernel pass (its gradient another; nothing ``[tokens, K]`` kept for the backward),
-added to ``y - b`` in the GEMM's epilogue. The weight norms are
+in the output's dtype when that is 16-bit (as PEFT scales). On the Triton backend the dropped input ``x~ - x`` is one
+kernel pass from the op's packed mask (its gradient another; nothing ``[tokens, K]`` kept for the backward), and
+``out`` and its gradients (``dg`` summed over each row's tokens in a fixed order) are one kernel pass each
+(``kernels/dora.py``); the torch backend and traced graphs use torch ops for the same expression. The weight norms are
 computed once per layer call for each DoRA adapter the batch names (not per row): ``||W_i + s (B A)_i||^2 =
 ||W_i||^2 + 2 s (W A^T)_i . B_i + s^2 B_i (A A^T) B_i^T``, one GEMM ``W A_D^T`` for all of the layer's DoRA adapters
 and no ``[N, K]`` temporary per adapter. Layers without DoRA adapters never reach this module.
@@ -107,8 +108,8 @@ def _kept(key, build):
 
 
 def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, table, names_in_batch,
-          keep_out: Optional[list], absent_grads: bool = False, row_slots: Optional[torch.Tensor] = None
-          ) -> torch.Tensor:
+          keep_out: Optional[list], absent_grads: bool = False, row_slots: Optional[torch.Tensor] = None,
+          kernels: bool = False) -> torch.Tensor:
     """DoRA's output from the layer op's ``out = base(x) + LoRA delta`` (module docstring). ``x``: the input the LoRA
     part read; ``names_in_batch``: the adapters the batch names (``None``: all of the layer's, while tracing);
     ``keep_out``: what the op's forward reported of its dropout draw (``[(keep, seed)]``), ``None`` without dropout
@@ -117,7 +118,8 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
     stock PEFT: an adapter without rows gets no gradient); ``row_slots``: the slot of each row of ``out`` (its first
     dimension) where the batch names one adapter per row -- then ``g - 1`` is a ``[rows, N]`` table broadcast over
     each row's tokens (no ``[tokens, N]`` one; its gradient a sum over each row's tokens), else gathered per token.
-    With 16-bit outputs ``g - 1`` is applied in the output's dtype, as PEFT applies its scale."""
+    With 16-bit outputs ``g - 1`` is applied in the output's dtype, as PEFT applies its scale. ``kernels`` (the
+    Triton backend): the combine and its gradient are one kernel pass each (:class:`_Combine`) instead of torch ops."""
     N = out.shape[-1]
     a_mods, b_mods = layer.lora_A._modules, layer.lora_B._modules
     mags = layer.lora_magnitude_vector._modules
@@ -145,13 +147,10 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
     row = dora.rows[row_slots.long() if per_row else ts]  # [rows] or [S]
     onehot = (row[:, None] == torch.arange(len(dora.names), device=row.device)).to(gm1.dtype)  # [., n_dora]
     g = onehot @ gm1  # [rows, N] or [S, N]: a matmul, so the magnitudes' gradient is one too (no atomics)
-    y = out if per_row else out.reshape(-1, N)
-    if per_row:
-        g = g.view(out.shape[0], *([1] * (out.dim() - 2)), N)
     if out.dtype in (torch.float16, torch.bfloat16):
         g = g.to(out.dtype)
     bias = layer.get_base_layer().bias
-    z = y if bias is None else y - bias
+    delta = Wx = None
     if keep_out is not None:  # training under dropout: PEFT's base term reads the dropped input
         xr = x.reshape(-1, x.shape[-1])
         p = torch.where(ts >= 0, table.dropout[ts.clamp(min=0)], 0.0)
@@ -164,12 +163,53 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
         else:
             delta = xr * torch.where(_keep_mask(keep_out, segs, table, xr), kept[:, None], -1.0)
         Wx = W.to(xr.dtype)
-        if z.dtype == xr.dtype:  # z + delta W^T in the GEMM's epilogue
+    if kernels and (delta is None or delta.dtype == out.dtype) and (bias is None or not bias.requires_grad) \
+            and not torch.compiler.is_compiling():
+        # one kernel pass for res = y + g (y - b + t) and one for its gradient (kernels/dora.py): rows of tokens
+        # sharing a g row (per sample), or one token per row (g per token); traced graphs keep the torch ops
+        R = out.shape[0] if per_row else g.shape[0]
+        y3 = out.reshape(R, -1, N)
+        t = None if delta is None else torch.mm(delta, Wx.t()).view(y3.shape)
+        return _Combine.apply(y3 if y3.is_contiguous() else y3.contiguous(), t, g.reshape(R, N), bias
+                              ).view(out.shape)
+    y = out if per_row else out.reshape(-1, N)
+    if per_row:
+        g = g.view(out.shape[0], *([1] * (out.dim() - 2)), N)
+    z = y if bias is None else y - bias
+    if delta is not None:
+        if z.dtype == delta.dtype:  # z + delta W^T in the GEMM's epilogue
             z = torch.addmm(z.reshape(-1, N), delta, Wx.t()).view(z.shape)
         else:
             z = z + torch.nn.functional.linear(delta, Wx).view(z.shape)
     res = torch.addcmul(y, g, z)
     return res.to(out.dtype).view(out.shape)
+
+
+class _Combine(torch.autograd.Function):
+    """``res = y + g (y - b + t)`` per row (``kernels.dora``): ``y[R, T, N]`` the op's output, ``t`` (or ``None``)
+    the dropped-input term, ``g[R, N]``, ``b`` the frozen base bias (or ``None``). The backward needs ``z = y - b + t``
+    for ``g``'s gradient: with ``t`` the forward writes it (``t`` and ``y`` are then not kept), else ``y`` is kept and
+    ``z`` recomputed."""
+
+    @staticmethod
+    def forward(ctx, y, t, g, bias):
+        from .kernels.dora import dora_combine
+
+        res, z = dora_combine(y, t, bias, g, keep_z=t is not None)
+        ctx.has_t = t is not None
+        if z is not None:
+            ctx.save_for_backward(z, g, None)
+        else:
+            ctx.save_for_backward(y, g, bias)
+        return res
+
+    @staticmethod
+    def backward(ctx, G):
+        from .kernels.dora import dora_combine_bwd
+
+        z, g, bias = ctx.saved_tensors
+        dy, dt, dg = dora_combine_bwd(G.contiguous(), z, None, bias, g, with_dt=ctx.has_t)
+        return dy, dt, dg, None
 
 
 class _DroppedInputDelta(torch.autograd.Function):

@@ -559,22 +559,23 @@ class _FastLinearMixin(_TrackedMixin):
             out = run_layer(*args)
         elif keep_out is not None and torch.compiler.is_compiling():
             # the op's forward hands its dropout mask out, which a traced Function cannot: eager, a graph break
-            return _eager(_dora_call, self, dora, state, routing, args, keep_out)
+            return _eager(_dora_call, self, dora, state, routing, args, keep_out, backend.name == "triton")
         else:
-            out = _dora_call(self, dora, state, routing, args, keep_out)
+            out = _dora_call(self, dora, state, routing, args, keep_out, backend.name == "triton")
         if not torch.compiler.is_compiling() and slots is not None and store.calls and store.calls[-1][1] is None \
                 and torch.is_grad_enabled():  # the forward call's first layer call: its graph node, for the store
             store.note_node(out)
         return out
 
 
-def _dora_call(layer, dora, state: LayerState, routing, args: tuple, keep_out) -> torch.Tensor:
-    """The layer op's ``base + delta``, then DoRA's output per row's adapter (``fast_multilora.dora``)."""
+def _dora_call(layer, dora, state: LayerState, routing, args: tuple, keep_out, kernels: bool) -> torch.Tensor:
+    """The layer op's ``base + delta``, then DoRA's output per row's adapter (``fast_multilora.dora``; ``kernels``:
+    the Triton backend's combine kernels)."""
     out = run_layer(*args)
     in_batch = None if torch.compiler.is_compiling() else routing.names  # traced: every DoRA adapter of the layer
     return dora_mod.apply(layer, dora, out, args[5], args[2], state.table, in_batch, keep_out,
                           absent_grads=args[3] is None or _in_ddp_forward(layer),
-                          row_slots=routing.row_slots if routing.per_row else None)
+                          row_slots=routing.row_slots if routing.per_row else None, kernels=kernels)
 
 
 @torch.compiler.disable

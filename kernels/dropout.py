@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import cdiv
+from .launch import cdiv, launch
 from .segments import AdapterTable, Segments
 
 
@@ -131,8 +131,8 @@ def scale_by_keep(x: torch.Tensor, bits: torch.Tensor, kept: torch.Tensor) -> to
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if S and K:
         grid = (cdiv(S, 16), cdiv(K, 128))
-        _scale_by_keep_kernel[grid](out, x, bits, kept, S, K, out.stride(0), x.stride(0), bits.stride(0),
-                                    BLOCK_S=16, BLOCK_K=128)
+        launch(_scale_by_keep_kernel, grid, (out, x, bits, kept, S, K, out.stride(0), x.stride(0), bits.stride(0)),
+               dict(BLOCK_S=16, BLOCK_K=128))
     return out
 
 

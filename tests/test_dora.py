@@ -139,9 +139,23 @@ def _patch(model, path, **settings):
     fast_multilora.patch(model, backend=backend, **{**extra, **settings})
 
 
+@pytest.fixture
+def combines(monkeypatch):
+    """The shapes ``(R, T, N)`` of each call of the Triton backend's combine kernels (``dora._Combine``), and whether
+    it had the dropped-input term."""
+    calls, real = [], dora_mod._Combine
+
+    def rec(y, t, g, bias):
+        calls.append((tuple(y.shape), t is not None))
+        return real.apply(y, t, g, bias)
+
+    monkeypatch.setattr(dora_mod, "_Combine", types.SimpleNamespace(apply=rec))
+    return calls
+
+
 @pytest.mark.parametrize("arch", ["llama", "llama_bias", "gpt2"])
 @pytest.mark.parametrize("path", list(PATHS))
-def test_training_step_matches_peft(path, arch):
+def test_training_step_matches_peft(path, arch, combines):
     model, ref = build(arch)
     _patch(model, path)
     model.train()
@@ -150,6 +164,8 @@ def test_training_step_matches_peft(path, arch):
     got = _step(model, ids, w, adapter_names=NAMES)
     want = _peft_by_adapter(ref, ids, w, NAMES)
     _assert_matches(got, want, model, NAMES)
+    # the Triton backend combines per sample ([rows, T, N]) in its kernels; the torch backend with torch ops
+    assert {(shape[:2], t) for shape, t in combines} == ({((len(NAMES), T), False)} if path != "torch" else set())
 
 
 @pytest.mark.parametrize("names", [["d1", "l1", "__base__", "d0", "d1", "l0"], ["d2", "l1", "d1", "__base__", "d2"]],
@@ -229,7 +245,7 @@ def _recording_masks(monkeypatch, routes=None):
     ("llama", "torch", True), ("gpt2", "torch", True), ("llama_bias", "triton", True), ("llama", "triton", False),
     ("gpt2", "triton-sgemm-added-params", True),
 ], ids=["llama-torch", "gpt2-torch", "llama_bias-triton-stored", "llama-triton-redrawn", "gpt2-triton-sgemm-added"])
-def test_training_under_dropout_matches_peft_with_the_same_masks(arch, path, store_mask, monkeypatch):
+def test_training_under_dropout_matches_peft_with_the_same_masks(arch, path, store_mask, monkeypatch, combines):
     """lora_dropout > 0 in training: PEFT's DoRA recomputes the base term on the dropped input; with our masks
     given to PEFT's dropout modules, every output and gradient matches."""
     model, ref = build(arch, dropout=P)
@@ -247,6 +263,7 @@ def test_training_under_dropout_matches_peft_with_the_same_masks(arch, path, sto
     assert len(masks) == len(seen) == len(dora_layers)  # every layer (each holds d0) read its mask once
     # the Triton kernels' stored mask is read in one kernel pass; the torch backend's and a redrawn mask as booleans
     assert set(routes) == {"bits" if path.startswith("triton") and store_mask else "mask"}, routes
+    assert {t for _, t in combines} == ({True} if path.startswith("triton") else set())
     d0_rows = [i for i, n in enumerate(NAMES) if n == "d0"]
     for keep in masks.values():  # a real draw at p = 0.25 on d0's rows
         assert 0.6 < keep.view(len(NAMES), T, -1)[d0_rows].float().mean() < 0.9
@@ -280,9 +297,9 @@ def _peft_eval(ref, ids, name):
     return ref(input_ids=ids).logits
 
 
-def test_packed_rows_match_peft():
+def test_packed_rows_match_peft(combines):
     """Packed rows (``adapter_ids``, the chunked family): each row one adapter's tokens, so PEFT per adapter is the
-    oracle."""
+    oracle; ``g`` per token, so the combine kernels run one token per row."""
     model, ref = build("llama")
     _patch(model, "triton")
     model.train()
@@ -292,6 +309,7 @@ def test_packed_rows_match_peft():
     ids, w = _inputs()
     got = _step(model, ids, w, adapter_names=vocab, adapter_ids=a_ids)
     _assert_matches(got, _peft_by_adapter(ref, ids, w, NAMES), model, NAMES)
+    assert combines and {(shape[:2], t) for shape, t in combines} == {((len(NAMES) * T, 1), False)}
 
 
 @pytest.mark.parametrize("store", [True, False], ids=["store", "params"])

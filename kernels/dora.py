@@ -1,0 +1,152 @@
+"""DoRA's per-row combine, ``res = y + g * (y - b + t)``, and its gradient in one pass each.
+
+``y[R, T, N]`` is the layer op's ``base(x) + LoRA delta`` (``R`` rows of ``T`` tokens), ``t[R, T, N]`` (optional) the
+dropped-input term ``(x~ - x) W^T``, ``b[N]`` (optional) the base bias and ``g[R, N]`` DoRA's ``magnitude / norm - 1``
+of each row's adapter (``fast_multilora.dora``). The backward writes ``dy = G (1 + g)``, ``dt = G g`` and
+``dg[r] = sum over the row's tokens of G (y - b + t)`` from one read of ``G``, ``y`` and ``t``: autograd's graph of
+the same expression takes about three times the memory traffic (``G g``, ``G z`` and its sum, and the sum of ``y``'s
+two gradients). ``dg``'s sums run over each row's tokens in a fixed order in one program (deterministic, no atomics).
+Arithmetic in float32 (float64 for float64 tensors), each result rounded once to its tensor's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import cdiv, launch, next_power_of_2
+
+BLOCK_N = 128  # columns per program; the rows' tokens run in tiles of up to 32 (BLOCK_T) inside it
+
+
+@triton.jit
+def _z(y, t, b, HAS_T: tl.constexpr, HAS_B: tl.constexpr):
+    z = y
+    if HAS_B:
+        z = z - b[None, :]
+    if HAS_T:
+        z = z + t
+    return z
+
+
+@triton.jit
+def _bias(b, o_n, m_n, HAS_B: tl.constexpr, ACC: tl.constexpr):
+    if HAS_B:
+        return tl.load(b + o_n, mask=m_n, other=0.0).to(ACC)
+    else:
+        return tl.zeros(o_n.shape, dtype=ACC)
+
+
+@triton.jit
+def _term(t, off, m, HAS_T: tl.constexpr, ACC: tl.constexpr):
+    if HAS_T:
+        return tl.load(t + off, mask=m, other=0.0).to(ACC)
+    else:
+        return tl.zeros(off.shape, dtype=ACC)
+
+
+@triton.jit
+def _combine_fwd_kernel(
+    res, zout, y, t, b, g, T, N,
+    HAS_T: tl.constexpr, HAS_B: tl.constexpr, WRITE_Z: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    i_r = tl.program_id(0).to(tl.int64)
+    i_n = tl.program_id(1).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    b_g = tl.load(g + i_r * N + o_n, mask=m_n, other=0.0).to(ACC)
+    b_b = _bias(b, o_n, m_n, HAS_B, ACC)
+    for t0 in range(0, T, BLOCK_T):
+        o_t = t0 + tl.arange(0, BLOCK_T)
+        m = (o_t < T)[:, None] & m_n[None, :]
+        off = (i_r * T + o_t)[:, None] * N + o_n[None, :]
+        b_y = tl.load(y + off, mask=m, other=0.0)
+        b_t = _term(t, off, m, HAS_T, ACC)
+        b_y32 = b_y.to(ACC)
+        z = _z(b_y32, b_t, b_b, HAS_T, HAS_B)
+        tl.store(res + off, (b_y32 + b_g[None, :] * z).to(b_y.dtype), mask=m)
+        if WRITE_Z:
+            tl.store(zout + off, z.to(b_y.dtype), mask=m)
+
+
+@triton.jit
+def _combine_bwd_kernel(
+    dy, dt, dg, G, y, t, b, g, T, N,
+    HAS_T: tl.constexpr, HAS_B: tl.constexpr, WRITE_DT: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    i_r = tl.program_id(0).to(tl.int64)
+    i_n = tl.program_id(1).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    b_g = tl.load(g + i_r * N + o_n, mask=m_n, other=0.0)
+    b_g32 = b_g.to(ACC)
+    b_b = _bias(b, o_n, m_n, HAS_B, ACC)
+    acc = tl.zeros((BLOCK_N,), dtype=ACC)
+    for t0 in range(0, T, BLOCK_T):
+        o_t = t0 + tl.arange(0, BLOCK_T)
+        m = (o_t < T)[:, None] & m_n[None, :]
+        off = (i_r * T + o_t)[:, None] * N + o_n[None, :]
+        b_G = tl.load(G + off, mask=m, other=0.0)
+        b_G32 = b_G.to(ACC)
+        b_y = tl.load(y + off, mask=m, other=0.0).to(ACC)
+        b_t = _term(t, off, m, HAS_T, ACC)
+        tl.store(dy + off, (b_G32 * (1.0 + b_g32[None, :])).to(b_G.dtype), mask=m)
+        if WRITE_DT:
+            tl.store(dt + off, (b_G32 * b_g32[None, :]).to(b_G.dtype), mask=m)
+        z = tl.where(m, _z(b_y, b_t, b_b, HAS_T, HAS_B), 0.0)
+        acc += tl.sum(b_G32 * z, axis=0)
+    tl.store(dg + i_r * N + o_n, acc.to(b_g.dtype), mask=m_n)
+
+
+def _check(y, t, b, g) -> tuple:
+    R, T, N = y.shape
+    ok = y.is_contiguous() and g.shape == (R, N) and g.is_contiguous() and g.device == y.device
+    ok = ok and (t is None or (t.shape == y.shape and t.is_contiguous() and t.dtype == y.dtype and t.device == y.device))
+    ok = ok and (b is None or (b.shape == (N,) and b.is_contiguous() and b.device == y.device))
+    if not ok:
+        raise ValueError(f"dora_combine: y must be a contiguous [R, T, N] tensor, t None or like y, b None or a "
+                         f"contiguous [N] vector and g a contiguous [R, N] tensor on y's device; got y "
+                         f"{tuple(y.shape)} {y.dtype}, t {None if t is None else (tuple(t.shape), t.dtype)}, b "
+                         f"{None if b is None else tuple(b.shape)}, g {tuple(g.shape)} on {g.device}")
+    acc = tl.float64 if y.dtype == torch.float64 else tl.float32
+    meta = dict(HAS_T=t is not None, HAS_B=b is not None, ACC=acc, BLOCK_T=min(32, next_power_of_2(max(T, 1))),
+                BLOCK_N=BLOCK_N)
+    return (R, cdiv(N, BLOCK_N)), meta
+
+
+def dora_combine(y: torch.Tensor, t: Optional[torch.Tensor], b: Optional[torch.Tensor], g: torch.Tensor,
+                 keep_z: bool = False) -> tuple:
+    """``(res, z)``: ``res = y + g[:, None, :] * z`` with ``z = y - b + t`` (module docstring), in ``y``'s dtype;
+    ``z`` itself (rounded to ``y``'s dtype) only with ``keep_z``, else ``None``."""
+    grid, meta = _check(y, t, b, g)
+    res = torch.empty_like(y)
+    z = torch.empty_like(y) if keep_z else None
+    if y.numel():
+        launch(_combine_fwd_kernel, grid, (res, res if z is None else z, y, y if t is None else t,
+                                           y if b is None else b, g, y.shape[1], y.shape[2]),
+               dict(meta, WRITE_Z=keep_z))
+    return res, z
+
+
+def dora_combine_bwd(G: torch.Tensor, y: torch.Tensor, t: Optional[torch.Tensor], b: Optional[torch.Tensor],
+                     g: torch.Tensor, with_dt: bool) -> tuple:
+    """``(dy, dt, dg)`` of :func:`dora_combine` for the output's gradient ``G`` (like ``y``): ``dy = G (1 + g)``,
+    ``dt = G g`` (``None`` unless ``with_dt``), ``dg[r] = sum_t G z`` in ``g``'s dtype, ``z = y - b + t`` from the
+    arguments given (the forward's kept ``z`` as ``y``, without ``t`` and ``b``, gives the same ``dg``)."""
+    grid, meta = _check(y, t, b, g)
+    if G.shape != y.shape or not G.is_contiguous() or G.dtype != y.dtype:
+        raise ValueError(f"dora_combine_bwd: G must be a contiguous {tuple(y.shape)} {y.dtype} tensor, got "
+                         f"{tuple(G.shape)} {G.dtype}")
+    dy = torch.empty_like(y)
+    dt = torch.empty_like(y) if with_dt else None
+    dg = torch.empty_like(g)
+    if dg.numel():
+        launch(_combine_bwd_kernel, grid, (dy, dy if dt is None else dt, dg, G, y, y if t is None else t,
+                                           y if b is None else b, g, y.shape[1], y.shape[2]),
+               dict(meta, WRITE_DT=with_dt))
+    return dy, dt, dg

@@ -1,0 +1,82 @@
+"""DoRA's per-row combine kernels (``kernels/dora.py``) against torch autograd on the same expression.
+
+``res = y + g[:, None, :] * (y - b + t)`` and its gradients ``dy``, ``dt``, ``dg`` (the sum over each row's tokens),
+at odd shapes: one token per row, rows longer than a token tile (70 = 2 x 32 + 6), N not a multiple of the column
+block (123, 257), N = 1, no tokens, with and without ``t`` and ``b``, ``g`` in float32 beside 16-bit ``y`` (as the
+DoRA layer passes it for float32 outputs). Tolerances (tests/helpers.py's rule): float32 / float64 within rtol 1e-5 /
+1e-12 of an fp64 reference, 16-bit at most twice torch's own error computing the expression in that dtype (the
+kernels compute in float32 and round once). Buffers the kernels write are fresh ``torch.empty``; every entry of each
+output is compared, so a row or column left unwritten fails.
+"""
+
+import pytest
+import torch
+from helpers import DEVICE, KERNEL_DTYPE_PARAMS, assert_close_lowp
+
+from fast_multilora.kernels.dora import dora_combine, dora_combine_bwd
+
+SHAPES = [(3, 5, 123), (1, 1, 1), (4, 70, 257), (2, 0, 16), (5, 33, 128)]
+
+
+def _torch(y, t, b, g):
+    z = y if b is None else y - b
+    if t is not None:
+        z = z + t
+    return torch.addcmul(y, g[:, None, :].to(y.dtype), z)
+
+
+def _inputs(R, T, N, dtype, has_t, has_b, g_dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, dt=dtype):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dt).to(DEVICE)
+
+    return (rnd(R, T, N), rnd(R, T, N) if has_t else None, rnd(N) if has_b else None, rnd(R, N, dt=g_dtype) * 0.5,
+            rnd(R, T, N))
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float64, id="fp64"), *KERNEL_DTYPE_PARAMS])
+@pytest.mark.parametrize("has_t,has_b", [(True, False), (False, False), (True, True), (False, True)],
+                         ids=["t", "plain", "t-bias", "bias"])
+@pytest.mark.parametrize("R,T,N", SHAPES, ids=lambda v: str(v))
+def test_combine_and_its_gradient_match_torch(R, T, N, has_t, has_b, dtype):
+    g_dtype = dtype if dtype in (torch.float64, torch.float32) else torch.float32 if (R + T) % 2 else dtype
+    y, t, b, g, G = _inputs(R, T, N, dtype, has_t, has_b, g_dtype, seed=R * 1000 + T * 10 + N)
+    res, z = dora_combine(y, t, b, g, keep_z=True)
+    res2, none = dora_combine(y, t, b, g)
+    assert torch.equal(res, res2) and none is None
+    dy, dt, dg = dora_combine_bwd(G, y, t, b, g, with_dt=t is not None)
+    # the backward from the forward's kept z (the DoRA layer's route under dropout): the same dy and dt, dg from z
+    dy_z, dt_z, dg_z = dora_combine_bwd(G, z, None, None, g, with_dt=t is not None)
+    assert torch.equal(dy, dy_z) and (dt is None or torch.equal(dt, dt_z))
+    assert res.dtype == dy.dtype == dtype and dg.dtype == g_dtype and (dt is None) == (t is None)
+
+    def grads(y, t, b, g, G):
+        leaves = [v.detach().requires_grad_() for v in (y, t, g) if v is not None]
+        yy, gg = leaves[0], leaves[-1]
+        tt = leaves[1] if t is not None else None
+        out = _torch(yy, tt, b, gg)
+        return (out.detach(), *torch.autograd.grad(out, leaves, G))
+
+    want = grads(*(None if v is None else v.double() for v in (y, t, b, g, G)))  # fp64 reference
+    base = grads(y, t, b, g, G)  # torch in the tensors' own dtypes
+    got = (res, dy, *([dt] if t is not None else []), dg)
+    names = ["res", "dy", *(["dt"] if t is not None else []), "dg"]
+    for name, a, w, lo in zip(names, got, want, base, strict=True):
+        assert a.shape == w.shape, name
+        assert_close_lowp(a, w, lo, a.dtype if name != "dg" else g_dtype, f"{name} {dtype}")
+    z64 = y.double() + (0 if t is None else t.double()) - (0 if b is None else b.double())
+    z_lo = (y if b is None else y - b) + (0 if t is None else t)
+    assert_close_lowp(z, z64, z_lo, dtype, f"z {dtype}")
+    # dg from the z rounded to y's dtype: within the rule against the fp64 sum over that same rounded z
+    dg_want = (G.double() * z.double()).sum(1)
+    dg_lo = (G * z.to(G.dtype)).to(g_dtype).sum(1) if T else torch.zeros_like(g)
+    assert_close_lowp(dg_z, dg_want, dg_lo, g_dtype, f"dg from kept z {dtype}")
+
+
+def test_bad_inputs_name_the_shapes():
+    y = torch.zeros(2, 3, 4, device=DEVICE)
+    with pytest.raises(ValueError, match=r"dora_combine: y must be a contiguous \[R, T, N\]"):
+        dora_combine(y, None, None, torch.zeros(3, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="G must be a contiguous"):
+        dora_combine_bwd(y.half(), y, None, None, torch.zeros(2, 4, device=DEVICE), with_dt=False)
