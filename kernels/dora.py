@@ -5,7 +5,8 @@ dropped-input term ``(x~ - x) W^T``, ``b[N]`` (optional) the base bias and ``g[R
 of each row's adapter (``fast_multilora.dora``). The backward writes ``dy = G (1 + g)``, ``dt = G g`` and
 ``dg[r] = sum over the row's tokens of G (y - b + t)`` from one read of ``G``, ``y`` and ``t``: autograd's graph of
 the same expression takes about three times the memory traffic (``G g``, ``G z`` and its sum, and the sum of ``y``'s
-two gradients). ``dg``'s sums run over each row's tokens in a fixed order in one program (deterministic, no atomics).
+two gradients). ``dg``'s sums run over each chunk of a row's tokens in a fixed order in one program, then over the
+chunks in order (deterministic, no atomics).
 Arithmetic in float32 (float64 for float64 tensors), each result rounded once to its tensor's dtype.
 """
 
@@ -19,7 +20,8 @@ import triton.language as tl
 
 from .launch import cdiv, launch, next_power_of_2
 
-BLOCK_N = 128  # columns per program; the rows' tokens run in tiles of up to 32 (BLOCK_T) inside it
+BLOCK_N = 128  # columns per program
+T_CHUNK = 128  # a row's tokens per program, in tiles of up to 32 (BLOCK_T); a longer row's dg sums its chunks' partials
 
 
 @triton.jit
@@ -52,7 +54,7 @@ def _term(t, off, m, HAS_T: tl.constexpr, ACC: tl.constexpr):
 def _combine_fwd_kernel(
     res, zout, y, t, b, g, T, N,
     HAS_T: tl.constexpr, HAS_B: tl.constexpr, WRITE_Z: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, T_CHUNK: tl.constexpr,
 ):
     i_r = tl.program_id(0).to(tl.int64)
     i_n = tl.program_id(1).to(tl.int64)
@@ -60,7 +62,8 @@ def _combine_fwd_kernel(
     m_n = o_n < N
     b_g = tl.load(g + i_r * N + o_n, mask=m_n, other=0.0).to(ACC)
     b_b = _bias(b, o_n, m_n, HAS_B, ACC)
-    for t0 in range(0, T, BLOCK_T):
+    t_lo = tl.program_id(2) * T_CHUNK
+    for t0 in range(t_lo, tl.minimum(t_lo + T_CHUNK, T), BLOCK_T):
         o_t = t0 + tl.arange(0, BLOCK_T)
         m = (o_t < T)[:, None] & m_n[None, :]
         off = (i_r * T + o_t)[:, None] * N + o_n[None, :]
@@ -77,7 +80,7 @@ def _combine_fwd_kernel(
 def _combine_bwd_kernel(
     dy, dt, dg, G, y, t, b, g, T, N,
     HAS_T: tl.constexpr, HAS_B: tl.constexpr, WRITE_DT: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, T_CHUNK: tl.constexpr,
 ):
     i_r = tl.program_id(0).to(tl.int64)
     i_n = tl.program_id(1).to(tl.int64)
@@ -87,7 +90,8 @@ def _combine_bwd_kernel(
     b_g32 = b_g.to(ACC)
     b_b = _bias(b, o_n, m_n, HAS_B, ACC)
     acc = tl.zeros((BLOCK_N,), dtype=ACC)
-    for t0 in range(0, T, BLOCK_T):
+    t_lo = tl.program_id(2) * T_CHUNK
+    for t0 in range(t_lo, tl.minimum(t_lo + T_CHUNK, T), BLOCK_T):
         o_t = t0 + tl.arange(0, BLOCK_T)
         m = (o_t < T)[:, None] & m_n[None, :]
         off = (i_r * T + o_t)[:, None] * N + o_n[None, :]
@@ -100,7 +104,8 @@ def _combine_bwd_kernel(
             tl.store(dt + off, (b_G32 * b_g32[None, :]).to(b_G.dtype), mask=m)
         z = tl.where(m, _z(b_y, b_t, b_b, HAS_T, HAS_B), 0.0)
         acc += tl.sum(b_G32 * z, axis=0)
-    tl.store(dg + i_r * N + o_n, acc.to(b_g.dtype), mask=m_n)
+    # dg: [R, N] (one chunk per row), else each chunk's float32 (float64) partial sums [R, n_chunks, N]
+    tl.store(dg + (i_r * tl.num_programs(2) + tl.program_id(2)) * N + o_n, acc.to(dg.dtype.element_ty), mask=m_n)
 
 
 def _check(y, t, b, g) -> tuple:
@@ -115,8 +120,8 @@ def _check(y, t, b, g) -> tuple:
                          f"{None if b is None else tuple(b.shape)}, g {tuple(g.shape)} on {g.device}")
     acc = tl.float64 if y.dtype == torch.float64 else tl.float32
     meta = dict(HAS_T=t is not None, HAS_B=b is not None, ACC=acc, BLOCK_T=min(32, next_power_of_2(max(T, 1))),
-                BLOCK_N=BLOCK_N)
-    return (R, cdiv(N, BLOCK_N)), meta
+                BLOCK_N=BLOCK_N, T_CHUNK=T_CHUNK)
+    return (R, cdiv(N, BLOCK_N), max(cdiv(T, T_CHUNK), 1)), meta
 
 
 def dora_combine(y: torch.Tensor, t: Optional[torch.Tensor], b: Optional[torch.Tensor], g: torch.Tensor,
@@ -144,9 +149,11 @@ def dora_combine_bwd(G: torch.Tensor, y: torch.Tensor, t: Optional[torch.Tensor]
                          f"{tuple(G.shape)} {G.dtype}")
     dy = torch.empty_like(y)
     dt = torch.empty_like(y) if with_dt else None
-    dg = torch.empty_like(g)
-    if dg.numel():
-        launch(_combine_bwd_kernel, grid, (dy, dy if dt is None else dt, dg, G, y, y if t is None else t,
+    # one chunk per row: dg written directly; more: partial sums per chunk, added in chunk order (deterministic)
+    part = torch.empty(grid[0], grid[2], y.shape[2], dtype=torch.float64 if y.dtype == torch.float64 else
+                       torch.float32, device=y.device) if grid[2] > 1 else torch.empty_like(g)
+    if part.numel():
+        launch(_combine_bwd_kernel, grid, (dy, dy if dt is None else dt, part, G, y, y if t is None else t,
                                            y if b is None else b, g, y.shape[1], y.shape[2]),
                dict(meta, WRITE_DT=with_dt))
-    return dy, dt, dg
+    return dy, dt, part.sum(1).to(g.dtype) if grid[2] > 1 else part
