@@ -35,19 +35,28 @@ def _z(y, t, b, HAS_T: tl.constexpr, HAS_B: tl.constexpr):
 
 
 @triton.jit
-def _bias(b, o_n, m_n, HAS_B: tl.constexpr, ACC: tl.constexpr):
-    if HAS_B:
-        return tl.load(b + o_n, mask=m_n, other=0.0).to(ACC)
+def _load_if(ptrs, mask, HAS: tl.constexpr, ACC: tl.constexpr):
+    """The block at ``ptrs`` in ``ACC`` (``other`` 0), or zeros of its shape where the tensor is absent."""
+    if HAS:
+        return tl.load(ptrs, mask=mask, other=0.0).to(ACC)
     else:
-        return tl.zeros(o_n.shape, dtype=ACC)
+        return tl.zeros(ptrs.shape, dtype=ACC)
 
 
 @triton.jit
-def _term(t, off, m, HAS_T: tl.constexpr, ACC: tl.constexpr):
-    if HAS_T:
-        return tl.load(t + off, mask=m, other=0.0).to(ACC)
-    else:
-        return tl.zeros(off.shape, dtype=ACC)
+def _columns(b, N, HAS_B: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, T_CHUNK: tl.constexpr):
+    """The program's row, its columns and their mask, the bias there, and its first token."""
+    i_r = tl.program_id(0).to(tl.int64)
+    o_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    return i_r, o_n, m_n, _load_if(b + o_n, m_n, HAS_B, ACC), tl.program_id(2) * T_CHUNK
+
+
+@triton.jit
+def _tile(i_r, t0, T, N, o_n, m_n, BLOCK_T: tl.constexpr):
+    """The mask and element offsets of tokens ``t0 ..`` of row ``i_r`` at the program's columns."""
+    o_t = t0 + tl.arange(0, BLOCK_T)
+    return (o_t < T)[:, None] & m_n[None, :], (i_r * T + o_t)[:, None] * N + o_n[None, :]
 
 
 @triton.jit
@@ -56,19 +65,12 @@ def _combine_fwd_kernel(
     HAS_T: tl.constexpr, HAS_B: tl.constexpr, WRITE_Z: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr, T_CHUNK: tl.constexpr,
 ):
-    i_r = tl.program_id(0).to(tl.int64)
-    i_n = tl.program_id(1).to(tl.int64)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
+    i_r, o_n, m_n, b_b, t_lo = _columns(b, N, HAS_B, ACC, BLOCK_N, T_CHUNK)
     b_g = tl.load(g + i_r * N + o_n, mask=m_n, other=0.0).to(ACC)
-    b_b = _bias(b, o_n, m_n, HAS_B, ACC)
-    t_lo = tl.program_id(2) * T_CHUNK
     for t0 in range(t_lo, tl.minimum(t_lo + T_CHUNK, T), BLOCK_T):
-        o_t = t0 + tl.arange(0, BLOCK_T)
-        m = (o_t < T)[:, None] & m_n[None, :]
-        off = (i_r * T + o_t)[:, None] * N + o_n[None, :]
+        m, off = _tile(i_r, t0, T, N, o_n, m_n, BLOCK_T)
         b_y = tl.load(y + off, mask=m, other=0.0)
-        b_t = _term(t, off, m, HAS_T, ACC)
+        b_t = _load_if(t + off, m, HAS_T, ACC)
         b_y32 = b_y.to(ACC)
         z = _z(b_y32, b_t, b_b, HAS_T, HAS_B)
         tl.store(res + off, (b_y32 + b_g[None, :] * z).to(b_y.dtype), mask=m)
@@ -82,23 +84,15 @@ def _combine_bwd_kernel(
     HAS_T: tl.constexpr, HAS_B: tl.constexpr, WRITE_DT: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr, T_CHUNK: tl.constexpr,
 ):
-    i_r = tl.program_id(0).to(tl.int64)
-    i_n = tl.program_id(1).to(tl.int64)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    b_g = tl.load(g + i_r * N + o_n, mask=m_n, other=0.0)
-    b_g32 = b_g.to(ACC)
-    b_b = _bias(b, o_n, m_n, HAS_B, ACC)
+    i_r, o_n, m_n, b_b, t_lo = _columns(b, N, HAS_B, ACC, BLOCK_N, T_CHUNK)
+    b_g32 = tl.load(g + i_r * N + o_n, mask=m_n, other=0.0).to(ACC)
     acc = tl.zeros((BLOCK_N,), dtype=ACC)
-    t_lo = tl.program_id(2) * T_CHUNK
     for t0 in range(t_lo, tl.minimum(t_lo + T_CHUNK, T), BLOCK_T):
-        o_t = t0 + tl.arange(0, BLOCK_T)
-        m = (o_t < T)[:, None] & m_n[None, :]
-        off = (i_r * T + o_t)[:, None] * N + o_n[None, :]
+        m, off = _tile(i_r, t0, T, N, o_n, m_n, BLOCK_T)
         b_G = tl.load(G + off, mask=m, other=0.0)
         b_G32 = b_G.to(ACC)
         b_y = tl.load(y + off, mask=m, other=0.0).to(ACC)
-        b_t = _term(t, off, m, HAS_T, ACC)
+        b_t = _load_if(t + off, m, HAS_T, ACC)
         tl.store(dy + off, (b_G32 * (1.0 + b_g32[None, :])).to(b_G.dtype), mask=m)
         if WRITE_DT:
             tl.store(dt + off, (b_G32 * b_g32[None, :]).to(b_G.dtype), mask=m)
