@@ -86,3 +86,29 @@ def test_bad_inputs_name_the_shapes():
         dora_combine(y, None, None, torch.zeros(3, 4, device=DEVICE))
     with pytest.raises(ValueError, match="G must be a contiguous"):
         dora_combine_bwd(y.half(), y, None, None, torch.zeros(2, 4, device=DEVICE), with_dt=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("R,T,N", [(16, 1024, 2048), (16384, 1, 5632)], ids=["per-sample", "per-token"])
+def test_combine_at_the_benchmark_shape_on_the_gpu(R, T, N, dtype):
+    """dora_step_8's shapes (16 rows of 1024 tokens; packed rows: one token per row), compiled kernels: the same rule
+    as above, and the dropped-input kernel bit for bit against torch at [16384, 2048]."""
+    from fast_multilora.kernels.dropout import pack_keep_bits, scale_by_keep
+
+    y, t, b, g, G = (v.cuda() if v is not None else None
+                     for v in _inputs(R, T, N, dtype, True, True, dtype, seed=R + T))
+    res, z = dora_combine(y, t, b, g, keep_z=True)
+    dy, dt, dg = dora_combine_bwd(G, z, None, None, g, with_dt=True)
+    leaves = [v.detach().double().requires_grad_() for v in (y, t, g)]
+    out = _torch(leaves[0], leaves[1], b.double(), leaves[2])
+    want = (out.detach(), *torch.autograd.grad(out, leaves, G.double()))
+    lo_leaves = [v.detach().requires_grad_() for v in (y, t, g)]
+    lo_out = _torch(lo_leaves[0], lo_leaves[1], b, lo_leaves[2])
+    base = (lo_out.detach(), *torch.autograd.grad(lo_out, lo_leaves, G))
+    for name, a, w, lo in zip(("res", "dy", "dt", "dg"), (res, dy, dt, dg), want, base, strict=True):
+        assert_close_lowp(a, w, lo, dtype, f"{name} {dtype}")
+    x = torch.randn(16384, 2048, device="cuda", dtype=dtype)
+    keep = torch.rand(16384, 2048, device="cuda") < 0.95
+    kept = torch.full((16384,), 0.05 / 0.95, device="cuda").to(dtype)
+    assert torch.equal(scale_by_keep(x, pack_keep_bits(keep), kept), x * torch.where(keep, kept[:, None], -1.0))
