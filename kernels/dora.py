@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .launch import cdiv, launch, next_power_of_2
 
-BLOCK_N = 128  # columns per program
+BLOCK_N = 128  # columns per program; 1024 for one-token rows (g per token: packed rows), each program's only tile
 T_CHUNK = 128  # a row's tokens per program, in tiles of up to 32 (BLOCK_T); a longer row's dg sums its chunks' partials
 
 
@@ -114,8 +114,8 @@ def _check(y, t, b, g) -> tuple:
                          f"{None if b is None else tuple(b.shape)}, g {tuple(g.shape)} on {g.device}")
     acc = tl.float64 if y.dtype == torch.float64 else tl.float32
     meta = dict(HAS_T=t is not None, HAS_B=b is not None, ACC=acc, BLOCK_T=min(32, next_power_of_2(max(T, 1))),
-                BLOCK_N=BLOCK_N, T_CHUNK=T_CHUNK)
-    return (R, cdiv(N, BLOCK_N), max(cdiv(T, T_CHUNK), 1)), meta
+                BLOCK_N=BLOCK_N if T != 1 else 1024, T_CHUNK=T_CHUNK)
+    return (R, cdiv(N, meta["BLOCK_N"]), max(cdiv(T, T_CHUNK), 1)), meta
 
 
 def dora_combine(y: torch.Tensor, t: Optional[torch.Tensor], b: Optional[torch.Tensor], g: torch.Tensor,
