@@ -105,7 +105,8 @@ def _combine_bwd_kernel(
 def _check(y, t, b, g) -> tuple:
     R, T, N = y.shape
     ok = y.is_contiguous() and g.shape == (R, N) and g.is_contiguous() and g.device == y.device
-    ok = ok and (t is None or (t.shape == y.shape and t.is_contiguous() and t.dtype == y.dtype and t.device == y.device))
+    ok = ok and (t is None or (t.shape == y.shape and t.is_contiguous() and t.dtype == y.dtype
+                               and t.device == y.device))
     ok = ok and (b is None or (b.shape == (N,) and b.is_contiguous() and b.device == y.device))
     if not ok:
         raise ValueError(f"dora_combine: y must be a contiguous [R, T, N] tensor, t None or like y, b None or a "

@@ -18,6 +18,7 @@ import types
 
 import pytest
 import torch
+from fast_multilora.kernels.dropout import unpack_keep_bits
 from helpers import assert_close_max
 from models import LLAMA_TARGETS, tiny_gpt2, twin, with_adapters
 from peft import LoraConfig
@@ -25,7 +26,6 @@ from test_paths import _peft_per_sample, _step  # (logits, input gradient, LoRA 
 
 import fast_multilora
 from fast_multilora import dora as dora_mod
-from fast_multilora.kernels.dropout import unpack_keep_bits
 
 NAMES = ["d0", "l1", "__base__", "d2", "d1", "l0", "d0", "d2"]
 T = 5

@@ -4,17 +4,16 @@
 at odd shapes: one token per row, rows longer than a token tile (70 = 2 x 32 + 6) and than a program's chunk
 (300 = 2 x 128 + 44: dg from partial sums), N not a multiple of the column block (123, 257; 1100 for one-token
 rows, whose block is 1024), N = 1, no tokens, with and without ``t`` and ``b``, ``g`` in float32 beside 16-bit ``y``
-(as the DoRA layer passes it for float32 outputs). Tolerances (tests/helpers.py's rule): float32 / float64 within rtol 1e-5 /
-1e-12 of an fp64 reference, 16-bit at most twice torch's own error computing the expression in that dtype (the
-kernels compute in float32 and round once). Buffers the kernels write are fresh ``torch.empty``; every entry of each
-output is compared, so a row or column left unwritten fails.
+(as the DoRA layer passes it for float32 outputs). Tolerances (tests/helpers.py's rule): float32 / float64 within
+rtol 1e-5 / 1e-12 of an fp64 reference, 16-bit at most twice torch's own error computing the expression in that
+dtype (the kernels compute in float32 and round once). Buffers the kernels write are fresh ``torch.empty``; every
+entry of each output is compared, so a row or column left unwritten fails.
 """
 
 import pytest
 import torch
-from helpers import DEVICE, KERNEL_DTYPE_PARAMS, assert_close_lowp
-
 from fast_multilora.kernels.dora import dora_combine, dora_combine_bwd
+from helpers import DEVICE, KERNEL_DTYPE_PARAMS, assert_close_lowp
 
 SHAPES = [(3, 5, 123), (1, 1, 1), (4, 70, 257), (2, 0, 16), (5, 33, 128), (7, 1, 1100), (2, 300, 37)]
 
