@@ -195,7 +195,7 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, y, t, g, bias):
         from .kernels.dora import dora_combine
 
-        res, z = dora_combine(y, t, bias, g, keep_z=t is not None)
+        res, z = dora_combine(y, t, bias, g, keep_z=t is not None and any(ctx.needs_input_grad))
         ctx.has_t = t is not None
         if z is not None:
             ctx.save_for_backward(z, g, None)
