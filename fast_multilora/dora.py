@@ -170,8 +170,7 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
         R = out.shape[0] if per_row else g.shape[0]
         y3 = out.reshape(R, -1, N)
         t = None if delta is None else torch.mm(delta, Wx.t()).view(y3.shape)
-        return _Combine.apply(y3 if y3.is_contiguous() else y3.contiguous(), t, g.reshape(R, N), bias
-                              ).view(out.shape)
+        return _Combine.apply(y3.contiguous(), t, g.reshape(R, N), bias).view(out.shape)
     y = out if per_row else out.reshape(-1, N)
     if per_row:
         g = g.view(out.shape[0], *([1] * (out.dim() - 2)), N)

@@ -1379,13 +1379,18 @@ class AdapterStore:
         self.watch = {key: (tuple(map(held.__getitem__, ix)), tuple(map(views.__getitem__, ix)))
                       for key, ix in by_leaf.items()}
 
-    def _backward_starts(self) -> None:
-        """:meth:`prepare_grads` at a leaf of a backward that starts with adapters ``pending`` -- or with none
-        pending but views dropped since the last backward started (``zero_grad`` between two backwards through one
-        retained graph): then that backward's adapters (``started``) take their views back, zeroed, as stock PEFT's
-        parameters take the second backward's gradients."""
+    def _deferred_runs(self) -> list:
+        """The deferred forward calls (``calls`` entries) that the backward running now runs."""
+        return [c for c in self.calls if c[3] and self._runs(c)]
+
+    def _backward_starts(self, runs: Optional[list] = None) -> None:
+        """:meth:`prepare_grads` at a leaf of a backward that starts with adapters ``pending``, or running deferred
+        calls (``runs``: :meth:`_deferred_runs`, when the caller has it) -- or with neither but views dropped since
+        the last backward started (``zero_grad`` between two backwards through one retained graph): then that
+        backward's adapters (``started``) take their views back, zeroed, as stock PEFT's parameters take the second
+        backward's gradients."""
         if not self.pending:
-            runs = [c for c in self.calls if c[3] and self._runs(c)]
+            runs = self._deferred_runs() if runs is None else runs
             self.pending = set().union(*(c[0] for c in runs)) if runs else set(self.started)
         self.dropped = False
         self.prepare_grads()
@@ -1401,8 +1406,9 @@ class AdapterStore:
         def hook(grad):
             if self.ddp.sync is not None or self.ddp.done:  # under DDP: the arenas' all-reduce, when the backward ends
                 self.ddp.leaf_hook(self, slots.a_leaf if part.start == 0 else slots.b_leaf)
-            if self.pending or self.dropped or (self.calls and any(c[3] and self._runs(c) for c in self.calls)):
-                self._backward_starts()
+            runs = self._deferred_runs() if self.calls and not (self.pending or self.dropped) else None
+            if self.pending or self.dropped or runs:
+                self._backward_starts(runs)
                 return None
             if grad is None:  # the engine's call at a leaf whose gradient the layer call added (or none flows):
                 return None  # nothing accumulates; the layer call's own call (not None) checked the views
