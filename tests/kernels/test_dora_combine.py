@@ -111,3 +111,21 @@ def test_combine_at_the_benchmark_shape_on_the_gpu(R, T, N, dtype):
     keep = torch.rand(16384, 2048, device="cuda") < 0.95
     kept = torch.full((16384,), 0.05 / 0.95, device="cuda").to(dtype)
     assert torch.equal(scale_by_keep(x, pack_keep_bits(keep), kept), x * torch.where(keep, kept[:, None], -1.0))
+
+
+@pytest.mark.parametrize("has_t,has_b", [(True, True), (False, False)], ids=["t-bias", "plain"])
+def test_dora_functions_gradcheck_float64(has_t, has_b):
+    """float64 gradcheck of the DoRA layer's two autograd Functions over these kernels: the combine (``y``, ``t``,
+    ``g``; with ``t`` the backward reads the forward's kept ``z``) and the dropped-input term (``x``)."""
+    from fast_multilora.kernels.dropout import pack_keep_bits
+
+    from fast_multilora import dora as dora_mod
+
+    y, t, b, g, _ = _inputs(2, 3, 5, torch.float64, has_t, has_b, torch.float64, seed=5)
+    inputs = (y.requires_grad_(), t.requires_grad_() if t is not None else None, g.requires_grad_(), b)
+    assert torch.autograd.gradcheck(dora_mod._Combine.apply, inputs)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 11, generator=gen, dtype=torch.float64).to(DEVICE).requires_grad_()
+    bits = pack_keep_bits(torch.rand(3, 11, generator=gen) < 0.7).to(DEVICE)
+    kept = (torch.rand(3, generator=gen, dtype=torch.float64) * 0.5).to(DEVICE)
+    assert torch.autograd.gradcheck(dora_mod._DroppedInputDelta.apply, (x, bits, kept))
