@@ -64,52 +64,79 @@ def base_weight(layer) -> torch.Tensor:
 @torch.no_grad()
 def weight_norms(W: torch.Tensor, As: list, Bs: list, scales: tuple) -> torch.Tensor:
     """float32 ``[n, N]``: row ``a`` is ``||W + scales[a] B_a A_a||`` over each output row, for ``W[N, K]``,
-    ``A_a[r_a, K]``, ``B_a[N, r_a]``; no gradient. A fixed number of ops whatever the adapter count: the adapters'
-    ``A`` rows and ``B`` columns concatenated, ``W A^T`` one GEMM, the Gram matrix ``A A^T`` masked to its diagonal
-    blocks, and the per-adapter sums over each block's columns one matmul with the columns' owner one-hot."""
-    w_sq = torch.linalg.vector_norm(W, dim=1, dtype=torch.float32).square()  # [N]
-    A_all = torch.cat(As, 0)  # [R, K]
-    B_all = torch.cat(Bs, 1).float()  # [N, R]
-    owner, s = _owners(tuple(A.shape[0] for A in As), scales, W.device)  # [R, n] one-hot, [n]
-    P = (W @ A_all.to(W.dtype).t()).float()  # [N, R]: W A_a^T of every adapter in one GEMM
+    ``A_a[r_a, K]``, ``B_a[N, r_a]``; no gradient. A fixed number of ops whatever the adapter count:
+    ``||W_i + s B_i A||^2 = ||W_i||^2 + sum_j B_ij (2 s (W A^T)_ij + s^2 (B_i A A^T)_j)``, with the adapters' ``A``
+    rows and ``B`` columns concatenated, ``W A^T`` one GEMM, the Gram matrix ``A A^T`` masked to its diagonal blocks
+    and scaled by ``s^2`` there, and the per-adapter sums over each block's columns one matmul with the columns'
+    owner one-hot (added to ``||W_i||^2``, kept per frozen weight)."""
+    A_all = torch.cat(As, 0) if len(As) > 1 else As[0]  # [R, K]
+    B_all = (torch.cat(Bs, 1) if len(Bs) > 1 else Bs[0]).float()  # [N, R]
+    owner, two_s, block_s2 = _owners(tuple(A.shape[0] for A in As), scales, W.device)
     A32 = A_all.float()
-    gram = (A32 @ A32.t()) * (owner @ owner.t())  # [R, R]: A_a A_a^T on the diagonal blocks
-    cross = (P * B_all) @ owner  # [N, n]: (W A_a^T)_i . B_a,i
-    quad = ((B_all @ gram) * B_all) @ owner  # [N, n]: B_a,i (A_a A_a^T) B_a,i^T
-    return (w_sq[:, None] + (2 * s) * cross + (s * s) * quad).t().clamp_min_(0).sqrt_()
+    gram = torch.mm(A32, A32.t()).mul_(block_s2)  # [R, R]: s_a^2 A_a A_a^T on the diagonal blocks, else 0
+    P = torch.mm(W, A_all.to(W.dtype).t()).float()  # [N, R]: W A_a^T of every adapter in one GEMM
+    E = torch.addmm(P.mul_(two_s), B_all, gram).mul_(B_all)  # [N, R]
+    return torch.addmm(_row_sq_norms(W)[:, None], E, owner).t().clamp_min_(0).sqrt_()
+
+
+def _row_sq_norms(W: torch.Tensor) -> torch.Tensor:
+    """float32 ``[N]``: ``||W_i||^2``; kept for a frozen weight parameter while its data and version stay (a
+    dequantized weight, a new tensor per call, is not kept)."""
+    if not isinstance(W, torch.nn.Parameter) or W.requires_grad:
+        return torch.linalg.vector_norm(W, dim=1, dtype=torch.float32).square_()
+    key = ("w_sq", id(W))
+    hit = _KEPT.get(key)
+    stamp = (W.data_ptr(), W._version, W.shape, W.dtype, W.device)
+    if hit is None or hit[0] is not W or hit[1] != stamp:
+        hit = _KEPT[key] = (W, stamp, torch.linalg.vector_norm(W, dim=1, dtype=torch.float32).square_())
+        _bound()
+    return hit[2]
 
 
 def _owners(ranks: tuple, scales: tuple, device) -> tuple:
-    """``(one-hot [R, n] of each concatenated rank row's adapter, float32 scales [n])`` on ``device``, kept per
-    (ranks, scales, device): built once, not per layer call."""
+    """For concatenated rank rows of adapters with ``ranks`` and ``scales``, on ``device``, kept per (ranks, scales,
+    device): ``(one-hot [R, n] of each row's adapter, 2 s [R] per row, s^2 on the diagonal blocks of [R, R])``."""
     def build():
         idx = torch.repeat_interleave(torch.arange(len(ranks)), torch.tensor(ranks))
-        return (to_device((idx[:, None] == torch.arange(len(ranks))[None, :]).float(), device),
-                to_device(torch.tensor(scales, dtype=torch.float32), device))
+        owner = (idx[:, None] == torch.arange(len(ranks))[None, :]).float()
+        s = torch.tensor(scales, dtype=torch.float32)[idx]
+        return (to_device(owner, device), to_device(2 * s, device),
+                to_device((owner @ owner.t()) * (s[:, None] * s[None, :]), device))
 
     return _kept(("owners", ranks, scales, device), build)
-
-
-def _index(rows: tuple, device) -> torch.Tensor:
-    """``rows`` as an int64 tensor on ``device``, kept per (rows, device)."""
-    return _kept(("index", rows, device), lambda: to_device(torch.tensor(rows, dtype=torch.int64), device))
 
 
 _KEPT: dict = {}  # host-made constants of layer calls on their device, by what they are made from (bounded)
 
 
+def _bound() -> None:
+    if len(_KEPT) > 512:
+        _KEPT.clear()
+
+
 def _kept(key, build):
     hit = _KEPT.get(key)
     if hit is None:
-        if len(_KEPT) >= 512:
-            _KEPT.clear()
+        _bound()
         hit = _KEPT[key] = build()
     return hit
 
 
+def _per_call(cache: Optional[dict], key, build):
+    """``build()[0]``, kept in ``cache`` (the forward call's routing: eager calls) under ``key`` -- constants that
+    depend on the routing and the layer's tables only, shared by the layers of one forward; ``None`` (traced): built
+    each call. ``build`` returns the value and the objects whose ids ``key`` holds (kept alive with it)."""
+    if cache is None:
+        return build()[0]
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = build()
+    return hit[0]
+
+
 def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, table, names_in_batch,
           keep_out: Optional[list], absent_grads: bool = False, row_slots: Optional[torch.Tensor] = None,
-          kernels: bool = False) -> torch.Tensor:
+          kernels: bool = False, cache: Optional[dict] = None) -> torch.Tensor:
     """DoRA's output from the layer op's ``out = base(x) + LoRA delta`` (module docstring). ``x``: the input the LoRA
     part read; ``names_in_batch``: the adapters the batch names (``None``: all of the layer's, while tracing);
     ``keep_out``: what the op's forward reported of its dropout draw (``[(keep, seed)]``), ``None`` without dropout
@@ -119,48 +146,47 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
     dimension) where the batch names one adapter per row -- then ``g - 1`` is a ``[rows, N]`` table broadcast over
     each row's tokens (no ``[tokens, N]`` one; its gradient a sum over each row's tokens), else gathered per token.
     With 16-bit outputs ``g - 1`` is applied in the output's dtype, as PEFT applies its scale. ``kernels`` (the
-    Triton backend): the combine and its gradient are one kernel pass each (:class:`_Combine`) instead of torch ops."""
+    Triton backend): the combine and its gradient are one kernel pass each (:class:`_Combine`) instead of torch ops.
+    ``cache``: the forward call's dict for what depends on the routing only (eager), so the layers of one forward
+    share it."""
     N = out.shape[-1]
+    live = tuple(n for n in dora.names if names_in_batch is None or n in names_in_batch)
+    if not live and not absent_grads:  # no DoRA adapter in the batch: g - 1 is zero on every row
+        return out
     a_mods, b_mods = layer.lora_A._modules, layer.lora_B._modules
     mags = layer.lora_magnitude_vector._modules
-    live = [n for n in dora.names if names_in_batch is None or n in names_in_batch]
     W = base_weight(layer)
     norms = weight_norms(W, [a_mods[n].weight for n in live], [b_mods[n].weight for n in live],
-                         tuple(s for n, s in zip(dora.names, dora.scales, strict=True) if n in live)) if live else ()
-    # g - 1 per DoRA adapter; an adapter the batch does not name gets a row no token reads: a constant (its magnitude
-    # gets no gradient, as its LoRA weights on the store's path), or its magnitude times 0 (an exact zero gradient,
-    # as its LoRA weights on the per-parameter path)
-    if live and len(live) == len(dora.names):
-        gm1 = torch.stack([mags[n].weight for n in live]).float() / norms - 1  # [n_dora, N]
-    elif not absent_grads:  # the batch's adapters' rows placed among zero rows (no gradient for the others)
-        at = _index(tuple(i for i, n in enumerate(dora.names) if n in live), out.device)
-        gm1_live = torch.stack([mags[n].weight for n in live]).float() / norms - 1 if live else None
-        gm1 = torch.zeros(len(dora.names), N, dtype=torch.float32, device=out.device)
-        if live:
-            gm1 = gm1.index_copy(0, at, gm1_live)
-    else:  # the per-parameter path: the absent ones' magnitudes times 0 (exact zero gradients)
-        norms = iter(norms)
-        gm1 = torch.stack([mags[n].weight.float() / next(norms) - 1 if n in live else mags[n].weight.float() * 0
-                           for n in dora.names])  # [n_dora, N]
+                         tuple(s for n, s in zip(dora.names, dora.scales, strict=True) if n in live)) if live else None
     per_row = row_slots is not None and out.dim() >= 2 and out.shape[0] == row_slots.numel()
-    ts = token_slots(segs) if keep_out is not None or not per_row else None
-    row = dora.rows[row_slots.long() if per_row else ts]  # [rows] or [S]
-    onehot = (row[:, None] == torch.arange(len(dora.names), device=row.device)).to(gm1.dtype)  # [., n_dora]
-    g = onehot @ gm1  # [rows, N] or [S, N]: a matmul, so the magnitudes' gradient is one too (no atomics)
-    if out.dtype in (torch.float16, torch.bfloat16):
-        g = g.to(out.dtype)
+    ts = _per_call(cache, ("ts", id(segs)), lambda: (token_slots(segs), segs)) \
+        if keep_out is not None or not per_row else None
+
+    def selector():  # [rows or tokens, n_live]: the one-hot of each row's (token's) adapter among ``live``
+        pos = {n: i for i, n in enumerate(live)}
+        remap = _kept(("remap", dora.names, live, out.device), lambda: to_device(torch.tensor(
+            [pos.get(n, len(live)) for n in dora.names] + [len(live)], dtype=torch.int64), out.device))
+        row = remap[dora.rows[row_slots.long() if per_row else ts]]
+        return (row[:, None] == torch.arange(len(live), device=row.device)).float(), dora.rows, segs
+
+    sel = _per_call(cache, ("sel", dora.names, live, id(dora.rows), None if per_row else id(segs)), selector)
+    g = _Gates.apply(sel, norms, tuple(n in live for n in dora.names), absent_grads,
+                     out.dtype if out.dtype in (torch.float16, torch.bfloat16) else torch.float32,
+                     *[mags[n].weight for n in dora.names])  # [rows, N] or [S, N]
     bias = layer.get_base_layer().bias
     delta = Wx = None
     if keep_out is not None:  # training under dropout: PEFT's base term reads the dropped input
         xr = x.reshape(-1, x.shape[-1])
-        p = torch.where(ts >= 0, table.dropout[ts.clamp(min=0)], 0.0)
-        # x~ - x = x * f: f is 1 / (1 - p) - 1 where the mask keeps an element, else -1 (-1.0 a Python scalar: a
-        # tensor made here would be a blocking host->device copy per layer call)
-        kept = (1 / (1 - p) - 1).to(xr.dtype)
+
+        def factor():  # x~ - x = x * f: f is 1 / (1 - p) - 1 where the mask keeps an element, else -1
+            p = torch.where(ts >= 0, table.dropout[ts.clamp(min=0)], 0.0)
+            return (1 / (1 - p) - 1).to(xr.dtype), table, segs
+
+        kept = _per_call(cache, ("kept", id(table), id(segs), xr.dtype), factor)
         bits = keep_out[-1][0]
         if bits is not None and bits.dtype == torch.uint8:  # the Triton kernels' stored mask: one pass over x
             delta = _DroppedInputDelta.apply(xr if xr.stride(-1) == 1 else xr.contiguous(), bits, kept)
-        else:
+        else:  # (-1.0 a Python scalar: a tensor made here would be a blocking host->device copy per layer call)
             delta = xr * torch.where(_keep_mask(keep_out, segs, table, xr), kept[:, None], -1.0)
         Wx = W.to(xr.dtype)
     if kernels and (delta is None or delta.dtype == out.dtype) and (bias is None or not bias.requires_grad) \
@@ -170,7 +196,7 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
         R = out.shape[0] if per_row else g.shape[0]
         y3 = out.reshape(R, -1, N)
         t = None if delta is None else torch.mm(delta, Wx.t()).view(y3.shape)
-        return _Combine.apply(y3.contiguous(), t, g.reshape(R, N), bias).view(out.shape)
+        return _Combine.apply(y3.contiguous(), t, g, bias).view(out.shape)
     y = out if per_row else out.reshape(-1, N)
     if per_row:
         g = g.view(out.shape[0], *([1] * (out.dim() - 2)), N)
@@ -182,6 +208,40 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
             z = z + torch.nn.functional.linear(delta, Wx).view(z.shape)
     res = torch.addcmul(y, g, z)
     return res.to(out.dtype).view(out.shape)
+
+
+class _Gates(torch.autograd.Function):
+    """``g - 1`` per row (or token): ``sel[R, n_live] @ (m_a / norms_a - 1)`` over the batch's DoRA adapters, in
+    ``dtype``, from every DoRA magnitude of the layer (``live`` says which the batch names). One autograd node
+    instead of the stack, division, matmul and cast of each layer call; the backward is the same math
+    (``d m_a = (sel^T dg)_a / norms_a``, a matmul: no atomics). Magnitudes not named get no gradient, or exact zeros
+    with ``absent_grads``."""
+
+    @staticmethod
+    def forward(ctx, sel, norms, live, absent_grads, dtype, *mags):
+        ctx.live, ctx.absent_grads = live, absent_grads
+        named = [m for m, on in zip(mags, live, strict=True) if on]
+        if named:
+            gm1 = torch.stack(named).float().div_(norms).sub_(1)  # (stack: a new tensor, never the parameter)
+            g = torch.mm(sel, gm1)
+        else:
+            g = sel.new_zeros(sel.shape[0], mags[0].shape[0])
+        ctx.save_for_backward(sel, norms)
+        ctx.mag_dtypes = [m.dtype for m in mags]
+        ctx.N = mags[0].shape[0]
+        return g.to(dtype)
+
+    @staticmethod
+    def backward(ctx, dg):
+        sel, norms = ctx.saved_tensors
+        dm = iter(torch.mm(sel.t(), dg.float()).div_(norms) if norms is not None else ())
+        grads = []
+        for on, dtype in zip(ctx.live, ctx.mag_dtypes, strict=True):
+            if on:
+                grads.append(next(dm).to(dtype))
+            else:
+                grads.append(dg.new_zeros(ctx.N, dtype=dtype) if ctx.absent_grads else None)
+        return (None, None, None, None, None, *grads)
 
 
 class _Combine(torch.autograd.Function):
