@@ -27,6 +27,7 @@ and no ``[N, K]`` temporary per adapter. Layers without DoRA adapters never reac
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -87,8 +88,8 @@ def _row_sq_norms(W: torch.Tensor) -> torch.Tensor:
     key = ("w_sq", id(W))
     hit = _KEPT.get(key)
     stamp = (W.data_ptr(), W._version, W.shape, W.dtype, W.device)
-    if hit is None or hit[0] is not W or hit[1] != stamp:
-        hit = _KEPT[key] = (W, stamp, torch.linalg.vector_norm(W, dim=1, dtype=torch.float32).square_())
+    if hit is None or hit[0]() is not W or hit[1] != stamp:  # (a weak reference: the cache keeps no model alive)
+        hit = _KEPT[key] = (weakref.ref(W), stamp, torch.linalg.vector_norm(W, dim=1, dtype=torch.float32).square_())
         _bound()
     return hit[2]
 

@@ -289,6 +289,24 @@ def test_eval_matches_peft(arch, path):
                                  f"logits T={t}")
 
 
+def test_base_weight_changed_in_place():
+    """The base weights' row norms are kept between calls (frozen weights): a weight changed in place (its version
+    moves) is read again, on both paths (torch backend per-parameter / store)."""
+    model, ref = build("llama")
+    _patch(model, "torch")
+    model.eval()
+    ref.eval()
+    ids, _ = _inputs()
+    for step in range(2):
+        with torch.no_grad():
+            want = torch.cat([_peft_eval(ref, ids[i : i + 1], n) for i, n in enumerate(NAMES)])
+            assert_close_max(model(input_ids=ids, adapter_names=NAMES).logits, want, torch.float32, f"call {step}")
+            for m in (model, ref):  # every DoRA layer's base weight scaled in place
+                for mod in m.modules():
+                    if hasattr(mod, "lora_magnitude_vector") and len(mod.lora_magnitude_vector):
+                        mod.get_base_layer().weight.mul_(1.5)
+
+
 def _peft_eval(ref, ids, name):
     if name == "__base__":
         with ref.disable_adapter():
