@@ -82,8 +82,8 @@ def weight_norms(W: torch.Tensor, As: list, Bs: list, scales: tuple) -> torch.Te
 
 def _row_sq_norms(W: torch.Tensor) -> torch.Tensor:
     """float32 ``[N]``: ``||W_i||^2``; kept for a frozen weight parameter while its data and version stay (a
-    dequantized weight, a new tensor per call, is not kept)."""
-    if not isinstance(W, torch.nn.Parameter) or W.requires_grad:
+    dequantized weight, a new tensor per call, is not kept; nor while tracing, where the graph computes it)."""
+    if not isinstance(W, torch.nn.Parameter) or W.requires_grad or torch.compiler.is_compiling():
         return torch.linalg.vector_norm(W, dim=1, dtype=torch.float32).square_()
     key = ("w_sq", id(W))
     hit = _KEPT.get(key)
