@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .kernels.segments import to_device
 from .reference import token_slots
@@ -233,6 +234,7 @@ class _Gates(torch.autograd.Function):
         return g.to(dtype)
 
     @staticmethod
+    @once_differentiable  # (a second-order gradient through it raises rather than comes out wrong)
     def backward(ctx, dg):
         sel, norms = ctx.saved_tensors
         dm = iter(torch.mm(sel.t(), dg.float()).div_(norms) if norms is not None else ())
