@@ -125,9 +125,10 @@ def _kept(key, build):
 
 
 def _per_call(cache: Optional[dict], key, build):
-    """``build()[0]``, kept in ``cache`` (the forward call's routing: eager calls) under ``key`` -- constants that
-    depend on the routing and the layer's tables only, shared by the layers of one forward; ``None`` (traced): built
-    each call. ``build`` returns the value and the objects whose ids ``key`` holds (kept alive with it)."""
+    """``build()[0]``, kept in ``cache`` (the layout's ``Segments.cache``: eager calls) under ``key`` -- constants
+    that depend on the routing, the layout and the layer's tables only, shared by the layers of one forward and
+    dropped with the layout; ``None`` (traced): built each call. ``build`` returns the value and the objects whose
+    ids ``key`` holds (kept alive with it)."""
     if cache is None:
         return build()[0]
     hit = cache.get(key)
@@ -138,7 +139,7 @@ def _per_call(cache: Optional[dict], key, build):
 
 def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, table, names_in_batch,
           keep_out: Optional[list], absent_grads: bool = False, row_slots: Optional[torch.Tensor] = None,
-          kernels: bool = False, cache: Optional[dict] = None) -> torch.Tensor:
+          kernels: bool = False) -> torch.Tensor:
     """DoRA's output from the layer op's ``out = base(x) + LoRA delta`` (module docstring). ``x``: the input the LoRA
     part read; ``names_in_batch``: the adapters the batch names (``None``: all of the layer's, while tracing);
     ``keep_out``: what the op's forward reported of its dropout draw (``[(keep, seed)]``), ``None`` without dropout
@@ -149,9 +150,10 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
     each row's tokens (no ``[tokens, N]`` one; its gradient a sum over each row's tokens), else gathered per token.
     With 16-bit outputs ``g - 1`` is applied in the output's dtype, as PEFT applies its scale. ``kernels`` (the
     Triton backend): the combine and its gradient are one kernel pass each (:class:`_Combine`) instead of torch ops.
-    ``cache``: the forward call's dict for what depends on the routing only (eager), so the layers of one forward
-    share it."""
+    What depends on the routing and the layout only is kept in the layout's ``segs.cache`` (eager calls), so the
+    layers of one forward share it."""
     N = out.shape[-1]
+    cache = None if torch.compiler.is_compiling() else segs.cache
     live = tuple(n for n in dora.names if names_in_batch is None or n in names_in_batch)
     if not live and not absent_grads:  # no DoRA adapter in the batch: g - 1 is zero on every row
         return out
@@ -161,7 +163,7 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
     norms = weight_norms(W, [a_mods[n].weight for n in live], [b_mods[n].weight for n in live],
                          tuple(s for n, s in zip(dora.names, dora.scales, strict=True) if n in live)) if live else None
     per_row = row_slots is not None and out.dim() >= 2 and out.shape[0] == row_slots.numel()
-    ts = _per_call(cache, ("ts", id(segs)), lambda: (token_slots(segs), segs)) \
+    ts = _per_call(cache, ("dora_ts",), lambda: (token_slots(segs),)) \
         if keep_out is not None or not per_row else None
 
     def selector():  # [rows or tokens, n_live]: the one-hot of each row's (token's) adapter among ``live``
@@ -169,9 +171,9 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
         remap = _kept(("remap", dora.names, live, out.device), lambda: to_device(torch.tensor(
             [pos.get(n, len(live)) for n in dora.names] + [len(live)], dtype=torch.int64), out.device))
         row = remap[dora.rows[row_slots.long() if per_row else ts]]
-        return (row[:, None] == torch.arange(len(live), device=row.device)).float(), dora.rows, segs
+        return (row[:, None] == torch.arange(len(live), device=row.device)).float(), dora.rows
 
-    sel = _per_call(cache, ("sel", dora.names, live, id(dora.rows), None if per_row else id(segs)), selector)
+    sel = _per_call(cache, ("dora_sel", dora.names, live, id(dora.rows), per_row), selector)
     g = _Gates.apply(sel, norms, tuple(n in live for n in dora.names), absent_grads,
                      out.dtype if out.dtype in (torch.float16, torch.bfloat16) else torch.float32,
                      *[mags[n].weight for n in dora.names])  # [rows, N] or [S, N]
@@ -182,9 +184,9 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
 
         def factor():  # x~ - x = x * f: f is 1 / (1 - p) - 1 where the mask keeps an element, else -1
             p = torch.where(ts >= 0, table.dropout[ts.clamp(min=0)], 0.0)
-            return (1 / (1 - p) - 1).to(xr.dtype), table, segs
+            return (1 / (1 - p) - 1).to(xr.dtype), table
 
-        kept = _per_call(cache, ("kept", id(table), id(segs), xr.dtype), factor)
+        kept = _per_call(cache, ("dora_kept", id(table), xr.dtype), factor)
         bits = keep_out[-1][0]
         if bits is not None and bits.dtype == torch.uint8:  # the Triton kernels' stored mask: one pass over x
             delta = _DroppedInputDelta.apply(xr if xr.stride(-1) == 1 else xr.contiguous(), bits, kept)

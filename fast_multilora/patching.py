@@ -572,12 +572,10 @@ def _dora_call(layer, dora, state: LayerState, routing, args: tuple, keep_out, k
     """The layer op's ``base + delta``, then DoRA's output per row's adapter (``fast_multilora.dora``; ``kernels``:
     the Triton backend's combine kernels)."""
     out = run_layer(*args)
-    traced = torch.compiler.is_compiling()
-    in_batch = None if traced else routing.names  # traced: every DoRA adapter of the layer
+    in_batch = None if torch.compiler.is_compiling() else routing.names  # traced: every DoRA adapter of the layer
     return dora_mod.apply(layer, dora, out, args[5], args[2], state.table, in_batch, keep_out,
                           absent_grads=args[3] is None or _in_ddp_forward(layer),
-                          row_slots=routing.row_slots if routing.per_row else None, kernels=kernels,
-                          cache=None if traced else routing.consts)
+                          row_slots=routing.row_slots if routing.per_row else None, kernels=kernels)
 
 
 @torch.compiler.disable

@@ -47,7 +47,6 @@ class Routing:
     layouts: dict = field(default_factory=dict)  # eager: (lead shape, device) -> Segments
     rows: int = 0  # len(names): what the layers check (reading ``names`` would make a compiled graph guard on them)
     seen_index: Optional[torch.Tensor] = None  # 1 + the slots of its tokens, int64 (``AdapterStore.seen_index``)
-    consts: dict = field(default_factory=dict)  # eager: what layers derive from the routing alone (DoRA's selectors)
 
     def __post_init__(self):
         self.rows = len(self.names)
