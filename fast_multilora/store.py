@@ -349,10 +349,12 @@ def _layer_key(layer, state, old: Optional["LayerSlots"] = None) -> Optional[tup
         checked = set(zip(map(id, old.params), expected, strict=True))  # only parameters not already checked are read
         suspects = list(itertools.compress(range(len(ids)), map(operator.not_, map(checked.__contains__,
                                                                                     zip(ids, ptrs, strict=True)))))
-        p0 = old.params[0] if old.params else params[0]
+        # the arena's dtype and device: of the old key while a weight still sits at its piece (not of the old first
+        # weight, which may have left: a paged-out adapter's lives in host memory), else of the first weight
+        dtype, device = old.key[2:4] if len(suspects) < len(params) else (params[0].dtype, params[0].device)
     else:
-        suspects, p0 = range(len(params)), params[0]
-    dtype, device = p0.dtype, p0.device
+        suspects = range(len(params))
+        dtype, device = params[0].dtype, params[0].device
     K, N, n = layer.in_features, layer.out_features, len(present)
     for i in suspects:
         if not _holdable(params[i], dtype, device, (ranks[i], K) if i < n else (N, ranks[i - n])):
@@ -435,8 +437,8 @@ def _delta_key(layer, st, old: LayerSlots, names, slot_of: dict) -> Optional[tup
         return _layer_key(layer, st, old)
     A = [a_mods[nm]._parameters["weight"] for nm in new]
     B = [b_mods[nm]._parameters["weight"] for nm in new]
-    p0 = old.params[0]
-    dtype, device = p0.dtype, p0.device
+    # the arena's dtype and device (as in _layer_key): the old key's while an adapter stays, else the first new one's
+    dtype, device = old.key[2:4] if n > len(rm) or not A else (A[0].dtype, A[0].device)
     K, N = layer.in_features, layer.out_features
     ranks = st.ranks
     for i, a, b in zip(at, A, B, strict=True):

@@ -466,3 +466,45 @@ def test_the_cuda_stream_logic_with_recorded_streams(monkeypatch):
     waited = {j for k, _, j in rec.log if k == "wait"}
     missing = [i for i in outs if i not in waited and ("sync", "host", i) not in rec.log]
     assert not missing, (missing, [e for e in rec.log if e[0] != "record_stream"])
+
+
+def test_the_store_keeps_its_layers_while_paged_out_adapters_live_on_another_device(monkeypatch):
+    """On CUDA a paged-out adapter's weights are pinned host tensors, not on the arena's device. The CPU has one
+    device, so here a paged-out adapter's weights are float64 copies while they are out (back before they page in),
+    another arena key as a device is: a layer whose arena key was read from such a weight (the first adapter of its
+    old layout) would
+    drop out of the store -- its calls then take PEFT's parameters, no backward clears the pager's record of the
+    forward, and the next page-in raises. Every step's layers stay held, and the run equals the resident one."""
+    real_out, real_in = paging.Pager._page_out, paging.Pager._page_in
+
+    def page_out(self, name):
+        real_out(self, name)
+        for p in self.params_of(name):
+            p.data = p.data.double()
+
+    def page_in(self, name, side):
+        for p in self.params_of(name):
+            p.data = self.buffers[name][("w", id(p))]
+        real_in(self, name, side)
+
+    monkeypatch.setattr(paging.Pager, "_page_out", page_out)
+    monkeypatch.setattr(paging.Pager, "_page_in", page_in)
+    ref, model = _model("cpu", None), _model("cpu", 0)  # (the paged model patched last: no change after its own)
+    names = sorted(model.peft_config)
+    batches = [(torch.randint(0, 97, (4, 6), generator=torch.Generator().manual_seed(i)), names[j:j + 3] + ["__base__"])
+               for i, j in enumerate((0, 3, 6, 0, 9))]
+    router = model.__dict__[_ROUTER_ATTR]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    for ids, rows in batches:
+        _step(model, opt, ids, rows)
+        held = [layer for layer in router.store_layers if router.store.layer_slots(layer) is not None]
+        assert held == list(router.store_layers), rows
+        assert not router.store.pending and not router.store.calls, rows  # the backward found its forward's record
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    ref_opt, _ = _train(ref, batches, "cpu")
+    for p in model.parameters():  # (the stand-ins back to the host copies, for the comparison)
+        if p.dtype == torch.float64:
+            name = next(n for n in _pager(model).paged if any(q is p for q in _pager(model).params_of(n)))
+            p.data = _pager(model).buffers[name][("w", id(p))]
+    _assert_equal_runs(model, opt, ref, ref_opt)
