@@ -214,12 +214,14 @@ def _elements(table, numel: int) -> _Elements:
     return el
 
 
-def adamw_step(param, grad, exp_avg, exp_avg_sq, table, scalars, active, gather: Optional[bool] = None) -> None:
+def adamw_step(param, grad, exp_avg, exp_avg_sq, table, scalars, active, chunks=None,
+               gather: Optional[bool] = None) -> None:
     """:func:`reference.adamw_step_reference` on CPU arenas: the same float32 math in the same order, element by
     element (each with its adapter's scalars; an element of an inactive adapter, a gap or a hole keeps its values).
     Two ways, equal bit for bit: on the active adapters' elements only, gathered (when they are under half of the
     arena: a step of a few adapters of a large registry costs what those few hold), or on the whole buffers without
-    per-element tables (``gather``: force one, for the tests)."""
+    per-element tables (``gather``: force one, for the tests). ``chunks`` (the kernel's launch list) is not needed:
+    the active adapters' elements are found from ``active``."""
     el = _elements(table, param.numel())
     act = [a for a in torch.nonzero(active).reshape(-1).tolist() if el.counts[a]]
     n_live = sum(el.counts[a] for a in act)

@@ -109,6 +109,7 @@ class AdamW(torch.optim.Optimizer):
         self._group_slots = None  # (seen_names, int64 [slots] index into store.seen, bool [slots] steppable)
         self._hyper_cache = None  # (host rows by slot, their device tensor, host tensor) of the last step
         self._others = None  # _outside()'s cache
+        self._launch_chunks: dict = {}  # (arena key, stepped slots) -> the kernel's chunk list (per tables)
         # the arenas hold one optimizer's states: a new optimizer on the same model starts from zero moments and
         # takes them over (the previous one then refuses to step)
         for arena in self.store.arenas.values():
@@ -346,6 +347,7 @@ class AdamW(torch.optim.Optimizer):
 
     def _set_tables(self, tables: dict, tally: dict) -> None:
         self._tables, self._tally, self._version = tables, tally, self.store.version
+        self._launch_chunks = {}
         chunks = sum((t[:, 0] for t in tally.values()), torch.zeros(self._n_slots(), dtype=torch.int64))
         self._trained = to_device(chunks > 0, self._counts.device)
         self._group_slots = None  # its steppable flags follow _trained
@@ -506,18 +508,44 @@ class AdamW(torch.optim.Optimizer):
         self._step_others()
         return loss
 
-    def _step_arenas(self, active: Optional[torch.Tensor]) -> None:
-        """The held parameters of the groups ``active`` (bool ``[slots]``) marks: one step of each arena."""
+    def _step_arenas(self, active: Optional[torch.Tensor], slots: Optional[tuple] = None) -> None:
+        """The held parameters of the groups ``active`` (bool ``[slots]``) marks: one step of each arena. ``slots``
+        (host, ascending), when known: every slot ``active`` may mark -- the kernel then runs their chunks only."""
         if active is not None and self._tables:
             # once per step for every arena: each stepped group's count goes up by one, then its scalars
             device = self._counts.device
             counts = self._counts[: self._n_slots()]
             scalars = self._ops(device).scalars(self._hyper(device), counts, active)
-            for (dtype, device), table in self._tables.items():
-                arena = self.store.arenas[(dtype, device)]
+            for key, table in self._tables.items():
+                arena = self.store.arenas[key]
                 used = arena.used  # (the buffers' spare tail past it holds no piece)
-                self._ops(device).step(arena.data[:used], arena.grad[:used], arena.states["exp_avg"][:used],
-                                       arena.states["exp_avg_sq"][:used], table, scalars, active)
+                self._ops(key[1]).step(arena.data[:used], arena.grad[:used], arena.states["exp_avg"][:used],
+                                       arena.states["exp_avg_sq"][:used], table, scalars, active,
+                                       chunks=self._chunks_of(key, table, slots))
+
+    def _chunks_of(self, key, table, slots: Optional[tuple]) -> Optional[torch.Tensor]:
+        """The step kernel's chunk list of arena ``key`` for the groups of ``slots`` (``None``: every chunk, when
+        they hold most of them): a step of a few adapters of a large registry launches for those few (cached per
+        slot set until the tables change)."""
+        if slots is None:
+            return None
+        cache = self._launch_chunks
+        hit = cache.get((key, slots), False)
+        if hit is not False:
+            return hit
+        per_slot = self._tally[key][: self._n_slots(), 0]
+        if slots and slots[-1] >= per_slot.shape[0]:
+            return None
+        wanted = per_slot[list(slots)].sum() if slots else 0
+        out = None
+        if 2 * int(wanted) < table.start.shape[0]:
+            from .kernels.adamw import adapter_chunks
+
+            out = to_device(adapter_chunks(per_slot, list(slots)), table.start.device)
+        if len(cache) >= 8:  # (sets of the last steps: a loop over a few recurring batches hits)
+            cache.clear()
+        cache[(key, slots)] = out
+        return out
 
     def _outside(self) -> list:
         """``[(group's slot, group, its parameters outside the store)]``, for groups that have some (cached per
@@ -816,8 +844,8 @@ class _Bridge:
         if mask is None or mask[0] != active or mask[1] != eng._slot_names or mask[2] is not eng._trained:
             host = torch.tensor(list(map(active.__contains__, eng._slot_names)), dtype=torch.bool)
             self.mask = mask = (active, list(eng._slot_names), eng._trained, to_device(host, eng._counts.device) &
-                                eng._trained)
-        eng._step_arenas(mask[3])
+                                eng._trained, tuple(host.nonzero().reshape(-1).tolist()))
+        eng._step_arenas(mask[3], slots=mask[4])
         hide(self, groups)
 
     def after(self, opt) -> None:

@@ -227,11 +227,12 @@ def adamw_scalars_reference(hyper, step, active) -> torch.Tensor:
     return torch.stack([c.float() for c in cols], 1)
 
 
-def adamw_step_reference(param, grad, exp_avg, exp_avg_sq, table: ChunkTable, scalars, active) -> None:
+def adamw_step_reference(param, grad, exp_avg, exp_avg_sq, table: ChunkTable, scalars, active, chunks=None) -> None:
     """``kernels.adamw.adamw_step_``: ``torch.optim.AdamW``'s step on the elements of active adapters, in place, with
     this step's per-adapter ``scalars`` (:func:`adamw_scalars_reference`): the elementwise math in float32 with
     torch's own ops in its order (``lerp``, ``mul`` + ``addcmul``, ``sqrt`` / + ``eps``, the ``addcdiv`` quotient),
-    every result rounded once to the buffers' dtype as it is stored."""
+    every result rounded once to the buffers' dtype as it is stored. ``chunks`` (the kernel's launch list, which
+    holds every active adapter's chunks) changes nothing here: every active adapter is stepped."""
     pos, ad = _arena_elements(table)
     keep = active[ad] != 0
     pos, ad = pos[keep], ad[keep]

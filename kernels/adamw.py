@@ -217,12 +217,16 @@ def _adamw_scalars_kernel(hyper, step, active, scalars, n_adapters, BLOCK_A: tl.
 
 @triton.jit
 def _adamw_kernel(
-    param, grad, exp_avg, exp_avg_sq, c_start, c_length, c_adapter, scalars, active,
-    BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+    param, grad, exp_avg, exp_avg_sq, c_start, c_length, c_adapter, scalars, active, c_index,
+    BLOCK: tl.constexpr, ALIGN: tl.constexpr, INDEXED: tl.constexpr,
 ):
     """p = p*(1 - lr*wd) - lr/(1 - b1^t) * m / (sqrt(v)/sqrt(1 - b2^t) + eps), m = lerp(m, g, 1 - b1),
-    v = b2*v + (1 - b2)*g*g on chunk c of adapter a = c_adapter[c] when active[a], with adapter a's scalars[a]."""
-    i_c = tl.program_id(0).to(tl.int64)
+    v = b2*v + (1 - b2)*g*g on chunk c of adapter a = c_adapter[c] when active[a], with adapter a's scalars[a];
+    c = c_index[program] (``INDEXED``: the chunks of some adapters) or the program's own index."""
+    if INDEXED:
+        i_c = tl.load(c_index + tl.program_id(0)).to(tl.int64)
+    else:
+        i_c = tl.program_id(0).to(tl.int64)
     a = tl.load(c_adapter + i_c).to(tl.int64)
     o_e = tl.arange(0, BLOCK)
     # an inactive adapter's chunk masks every access off (its elements are neither read nor written)
@@ -351,22 +355,48 @@ def adamw_scalars_(hyper, step, active) -> torch.Tensor:
     return scalars
 
 
-def adamw_step_(param, grad, exp_avg, exp_avg_sq, table: ChunkTable, scalars, active) -> None:
+def adamw_step_(param, grad, exp_avg, exp_avg_sq, table: ChunkTable, scalars, active, chunks=None) -> None:
     """In place, ``torch.optim.AdamW``'s step (``amsgrad=False, maximize=False``) on every chunk of an adapter ``a``
     with ``active[a] != 0``, one launch: ``scalars`` float32 ``[n_adapters, 8]`` this step's per-adapter scalars
     (:func:`adamw_scalars_`, once per optimizer step for all arenas), ``active`` ``[n_adapters]`` bool or integer; both
     on the arena's device. The four arena buffers share one dtype (float32, bfloat16 or float16). Elements of inactive
-    adapters and outside every block are not accessed."""
+    adapters and outside every block are not accessed.
+
+    ``chunks`` (optional, :func:`adapter_chunks`): int32 indices of the table's chunks to run, which must include
+    every chunk of every active adapter -- one program each instead of one per chunk of the table, so a step of a
+    few adapters of a large registry launches what those few hold (a program of an inactive adapter's chunk still
+    exits without access)."""
     name = "adamw_step_"
     dev = _check_arena(name, table, dict(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq))
     n = table.n_adapters
     _check_vec(name, "scalars", scalars, (n, 8), (torch.float32,), dev)
     _check_vec(name, "active", active, (n,), _ACTIVE_DTYPES, dev)
     n_chunks = table.start.shape[0]
+    if chunks is not None:
+        if not isinstance(chunks, torch.Tensor) or chunks.dim() != 1:
+            raise ValueError(f"{name}: chunks must be a 1-D torch.Tensor of chunk indices (adapter_chunks), got "
+                             f"{type(chunks).__name__} {tuple(getattr(chunks, 'shape', ()))}")
+        _check_vec(name, "chunks", chunks, (chunks.shape[0],), (torch.int32,), dev)
+        n_chunks = chunks.shape[0]
     if n_chunks == 0:
         return
     launch(_adamw_kernel, (n_chunks,), (param, grad, exp_avg, exp_avg_sq, table.start, table.length, table.adapter,
-                                        scalars, active), _meta(table))
+                                        scalars, active, table.start if chunks is None else chunks),
+           dict(_meta(table), INDEXED=chunks is not None))
+
+
+def adapter_chunks(per_adapter, adapters) -> torch.Tensor:
+    """Host int32 indices of the chunks of ``adapters`` (host indices, ascending) in a :class:`ChunkTable` whose
+    adapter ``a`` has ``per_adapter[a]`` chunks (a host int tensor: the table's counts), for ``adamw_step_``'s
+    ``chunks``; the table's chunks are sorted by adapter, so adapter ``a``'s run from the sum of the counts before
+    it."""
+    per_adapter = torch.as_tensor(per_adapter, dtype=torch.int64)
+    pick = torch.as_tensor(adapters, dtype=torch.int64)
+    counts = per_adapter[pick]
+    first = (torch.cumsum(per_adapter, 0) - per_adapter)[pick]
+    total = int(counts.sum())
+    owner_first = torch.repeat_interleave(first - (torch.cumsum(counts, 0) - counts), counts, output_size=total)
+    return (owner_first + torch.arange(total)).to(torch.int32)
 
 
 def grad_sq_norms(grad, table: ChunkTable) -> torch.Tensor:
@@ -398,5 +428,5 @@ def scale_grads_(grad, table: ChunkTable, factors) -> None:
     launch(_scale_kernel, (n_chunks,), (grad, table.start, table.length, table.adapter, factors), _meta(table))
 
 
-__all__ = ["CHUNK", "MAX_ALIGN", "ChunkTable", "adamw_scalars_", "adamw_step_", "chunk_table", "grad_sq_norms",
-           "scale_grads_"]
+__all__ = ["CHUNK", "MAX_ALIGN", "ChunkTable", "adamw_scalars_", "adamw_step_", "adapter_chunks", "chunk_table",
+           "grad_sq_norms", "scale_grads_"]

@@ -7,7 +7,16 @@ The library and the tests import these names from here (``from fast_multilora.ke
 the module that defines each.
 """
 
-from .adamw import CHUNK, ChunkTable, adamw_scalars_, adamw_step_, chunk_table, grad_sq_norms, scale_grads_
+from .adamw import (
+    CHUNK,
+    ChunkTable,
+    adamw_scalars_,
+    adamw_step_,
+    adapter_chunks,
+    chunk_table,
+    grad_sq_norms,
+    scale_grads_,
+)
 from .backward import lora_expand_bwd, lora_shrink_bwd
 from .decode import DECODE_MAX_ROWS, lora_shrink_expand
 from .dora import dora_combine, dora_combine_bwd
@@ -27,4 +36,5 @@ __all__ = ["AdapterTable", "Segments", "SlotWeights", "grouped_segments", "row_s
            "slot_weights", "lora_expand", "lora_shrink", "lora_expand_bwd", "lora_shrink_bwd",
            "DECODE_MAX_ROWS", "lora_shrink_expand",
            "keep_bits_buffer", "scale_by_keep", "dora_combine", "dora_combine_bwd",
-           "CHUNK", "ChunkTable", "chunk_table", "adamw_scalars_", "adamw_step_", "grad_sq_norms", "scale_grads_"]
+           "CHUNK", "ChunkTable", "chunk_table", "adamw_scalars_", "adamw_step_", "adapter_chunks", "grad_sq_norms",
+           "scale_grads_"]

@@ -389,17 +389,20 @@ _PTX_ACCESSES = textwrap.dedent("""
     from triton.compiler import ASTSource
     from fast_multilora.kernels import adamw as A
     dt = sys.argv[1]
+    adamw_sig = dict(param=dt, grad=dt, exp_avg=dt, exp_avg_sq=dt, c_start="*i64", c_length="*i32",
+                     c_adapter="*i32", scalars="*fp32", active="*i1", c_index="*i32")
     kernels = {
-        "adamw": (A._adamw_kernel, dict(param=dt, grad=dt, exp_avg=dt, exp_avg_sq=dt, c_start="*i64",
-                  c_length="*i32", c_adapter="*i32", scalars="*fp32", active="*i1")),
-        "norm": (A._sq_norm_partial_kernel, dict(grad=dt, c_start="*i64", c_length="*i32", partial="*fp32")),
+        "adamw": (A._adamw_kernel, adamw_sig, dict(INDEXED=False)),
+        "adamw_listed": (A._adamw_kernel, adamw_sig, dict(INDEXED=True)),
+        "norm": (A._sq_norm_partial_kernel, dict(grad=dt, c_start="*i64", c_length="*i32", partial="*fp32"), {}),
         "scale": (A._scale_kernel, dict(grad=dt, c_start="*i64", c_length="*i32", c_adapter="*i32",
-                  factors="*fp32")),
+                  factors="*fp32"), {}),
     }
-    for name, (fn, sig) in kernels.items():
+    for name, (fn, sig, const) in kernels.items():
         for align in (1, 16):
-            src = ASTSource(fn=fn, signature=dict(sig, BLOCK="constexpr", ALIGN="constexpr"),
-                            constexprs=dict(BLOCK=1024, ALIGN=align),
+            src = ASTSource(fn=fn, signature=dict(sig, BLOCK="constexpr", ALIGN="constexpr",
+                                                  **dict.fromkeys(const, "constexpr")),
+                            constexprs=dict(const, BLOCK=1024, ALIGN=align),
                             attrs={(i,): [["tt.divisibility", 16]] for i in range(len(sig))})
             ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                  options=dict(num_warps=4, enable_fp_fusion=False)).asm["ptx"]
@@ -415,13 +418,14 @@ def test_alignment_hint_gives_vector_accesses(dtype):
     ``align`` of 16 every arena access of the AdamW, norm and scale kernels is a 16-byte vector one (4 loads and 3
     stores of bfloat16 per AdamW thread; twice that in float32); without it (align 1) none is: chunk starts and
     lengths read from the table would otherwise leave Triton 2- or 4-byte accesses (the step at 64 adapters then ran
-    at ~60 % of the copy bandwidth)."""
+    at ~60 % of the copy bandwidth). The AdamW kernel over a chunk list (``INDEXED``) the same."""
     out = compile_for_sm90(_PTX_ACCESSES, dtype, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     got = {(k, int(a)): (int(ld), int(st)) for k, a, ld, st in (line.split() for line in out.stdout.split("\n")
                                                                    if line.strip())}
     per = 1 if dtype == "*bf16" else 2  # 8 elements per thread: one 16-byte vector of bfloat16, two of float32
-    assert got == {("adamw", 1): (0, 0), ("adamw", 16): (4 * per, 3 * per), ("norm", 1): (0, 0),
+    assert got == {("adamw", 1): (0, 0), ("adamw", 16): (4 * per, 3 * per), ("adamw_listed", 1): (0, 0),
+                   ("adamw_listed", 16): (4 * per, 3 * per), ("norm", 1): (0, 0),
                    ("norm", 16): (per, 0), ("scale", 1): (0, 0), ("scale", 16): (per, per)}
 
 
@@ -445,6 +449,51 @@ def test_adamw_scalars(device):
         t = steps0[a] + 1
         want = [1 - lr * wd, 1 - b1, 1 - b2, b2, -lr / (1 - b1**t), (1 - b2**t) ** 0.5, eps, 0.0]
         assert got["triton"][a].tolist() == [_f32(x) for x in want], a
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3]], ids=lambda c: c.id)
+def test_adamw_step_over_a_chunk_list(case, device):
+    """``adamw_step_(..., chunks=adapter_chunks(counts, adapters))``: one program per chunk of the listed adapters
+    (the optimizer's step of a few adapters of a large registry). ``adapter_chunks`` lists exactly those adapters'
+    chunks of the table (an adapter without blocks: none); listing every active adapter and a few inactive ones (whose
+    programs exit) gives the whole-table launch's result bit for bit; an active adapter left off is not touched."""
+    pb = _problem(case, torch.float32, device)
+    table, n = pb.arena.table, case.n_adapters
+    ptr = table.adapter_ptr.cpu().long()
+    counts = ptr[1:] - ptr[:-1]
+    for pick in ([0], [1, 2], list(range(n))) + (([_NO_BLOCKS, _NO_BLOCKS + 1, n - 1],) if n > _NO_BLOCKS else ()):
+        want = torch.cat([torch.arange(int(ptr[a]), int(ptr[a + 1])) for a in pick])
+        assert torch.equal(adamw.adapter_chunks(counts, pick), want.int()), pick
+    assert adamw.adapter_chunks(counts, []).numel() == 0
+    mask = pb.masks[1]
+    on = torch.nonzero(mask).flatten().tolist()
+    off = [a for a in range(n) if not mask[a]]
+    hyper = torch.tensor(pb.rows, dtype=torch.float32, device=device)
+    scalars = adamw.adamw_scalars_(hyper, torch.tensor(pb.steps0, dtype=torch.float32, device=device),
+                                   mask.to(device))
+
+    def run(listed):
+        bufs = [pb.arena.p.clone(), pb.grads[1], pb.arena.m.clone(), pb.arena.v.clone()]
+        chunks = None if listed is None else adamw.adapter_chunks(counts, sorted(listed)).to(device)
+        adamw.adamw_step_(*bufs, table, scalars, mask.to(device), chunks=chunks)
+        return bufs
+
+    whole = run(None)
+    listed = run(on + off[:2])
+    for w, g in zip(whole, listed, strict=True):
+        assert torch.equal(w.view(torch.int32), g.view(torch.int32))
+    left = next(a for a in on if counts[a] > 0)
+    partial = run([a for a in on if a != left])
+    m = _covered(pb.arena.blocks, pb.arena.numel, [left]).to(device)
+    others = ~m & ~pb.arena.gaps.to(device)
+    for got, start, w in zip((partial[0], partial[2], partial[3]), (pb.arena.p, pb.arena.m, pb.arena.v),
+                             (whole[0], whole[2], whole[3]), strict=True):
+        assert torch.equal(got[m], start[m]) and torch.equal(got[others], w[others])
+    with pytest.raises(ValueError, match="chunks"):
+        adamw.adamw_step_(*run(None), table, scalars, mask.to(device), chunks=torch.zeros(2, 2, dtype=torch.int32,
+                                                                                            device=device))
+    with pytest.raises(ValueError, match="chunks"):
+        adamw.adamw_step_(*run(None), table, scalars, mask.to(device), chunks=torch.zeros(2, device=device).long())
 
 
 def test_empty_table(device):
