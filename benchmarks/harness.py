@@ -129,6 +129,12 @@ def kernel_ms(fn, reps: int = 1, warmup: bool = True) -> float:
     """ms per call of ``fn``: the summed device time of its kernels (torch profiler over ``reps`` calls, after one
     unprofiled call with ``warmup``). Not ``triton.testing.do_bench``: its CUDA events around a short launcher
     measure the host's launch time."""
+    return kernel_profile(fn, reps, warmup)[0]
+
+
+def kernel_profile(fn, reps: int = 1, warmup: bool = True, top: int = 0) -> tuple:
+    """``(ms, kernels)``: :func:`kernel_ms`, and the ``top`` kernels by their summed time per call
+    (:func:`top_kernels`)."""
     import torch
 
     if warmup:
@@ -138,8 +144,22 @@ def kernel_ms(fn, reps: int = 1, warmup: bool = True) -> float:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    us = sum(e.device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return us / reps / 1e3
+    timed = [(e.name, e.device_time_total) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(us for _, us in timed) / reps / 1e3, top_kernels(timed, top, reps)
+
+
+def top_kernels(timed, n: int, reps: int = 1) -> list:
+    """``[[name, ms per call, launches per call], ...]``: the ``n`` kernels of ``timed`` (``(name, device us)`` per
+    launch) with the most summed time, names cut to 80 characters -- where a row's GPU time goes, kept with the row."""
+    by: dict = {}
+    for name, us in timed:
+        t, c = by.get(name, (0.0, 0))
+        by[name] = (t + us, c + 1)
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][0])[:n]
+    return [[name[:80], round(t / reps / 1e3, 3), round(c / reps, 2)] for name, (t, c) in ranked]
+
+
+TOP_KERNELS = 12  # kernels kept per GPU row (extra.top_kernels)
 
 
 def time_step(fn, device: str, *, warm: int, iters: int, split: bool = True) -> dict:
@@ -147,7 +167,8 @@ def time_step(fn, device: str, *, warm: int, iters: int, split: bool = True) -> 
 
     ``wall_ms``: median of ``iters`` calls timed by CUDA events (wall clock on a CPU); ``peak_mib``:
     ``max_memory_allocated`` over the timed calls (reset after the warm-up, so lazily created optimizer state counts
-    as resident). With ``split`` on a GPU, ``gpu_ms`` (the kernels' summed time, one profiled call) and ``host_ms``
+    as resident). With ``split`` on a GPU, ``gpu_ms`` (the kernels' summed time, one profiled call; its largest
+    kernels go to the row's ``extra.top_kernels``) and ``host_ms``
     (median of 3 calls, each after a synchronize); a call whose wall time exceeds its GPU time leaves the GPU idle
     for the difference. On a CPU ``host_ms`` is the wall time and ``gpu_ms`` null.
     """
@@ -176,7 +197,7 @@ def time_step(fn, device: str, *, warm: int, iters: int, split: bool = True) -> 
     out = {"wall_ms": statistics.median(ts), "gpu_ms": None, "host_ms": None, "peak_mib": peak, "iters": iters}
     if device == "cuda" and split:
         out["host_ms"] = host_ms(fn, 3, device)
-        out["gpu_ms"] = kernel_ms(fn, warmup=False)
+        out["gpu_ms"], out["top_kernels"] = kernel_profile(fn, warmup=False, top=TOP_KERNELS)
     elif device != "cuda":
         out["host_ms"] = out["wall_ms"]
     return out

@@ -234,6 +234,13 @@ def test_add_ratios_and_schema_checks():
         harness.make_row("x", status="fine")
 
 
+def test_top_kernels_sum_per_name_per_call():
+    """A GPU row's ``extra.top_kernels``: per kernel name its summed time and launches per call, largest first."""
+    timed = [("a", 10.0), ("b", 300.0), ("a", 30.0), ("c" * 100, 50.0), ("b", 100.0), ("d", 1.0)]
+    assert harness.top_kernels(timed, 3, reps=2) == [["b", 0.2, 1.0], ["c" * 80, 0.025, 0.5], ["a", 0.02, 1.0]]
+    assert harness.top_kernels(timed, 0) == []
+
+
 @pytest.mark.parametrize("name", ["h200.json", "cpu.json"])
 def test_committed_results_follow_the_schema(name):
     res = harness.load_results(str(ROOT / "benchmarks" / "results" / name))
