@@ -17,7 +17,6 @@ gradient arena) but does per-tensor work.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import operator
 from typing import Callable, Mapping, NamedTuple, Optional
@@ -746,27 +745,6 @@ class _Engine(AdamW):
     hyperparameters; it steps the adapters the bridge marks."""
 
 
-_HAS_GRAD = functools.partial(operator.is_not, None)
-_GRAD = operator.attrgetter("grad")
-
-
-def _zero_grad(opt, set_to_none: bool = True) -> None:
-    """``torch.optim.Optimizer.zero_grad`` of an optimizer the store steps (its bridge installs it on the instance):
-    torch's own, run over each group's parameters that hold a gradient, found by a C-level filter -- the parameters
-    without one are skipped by torch anyway. A registry of a thousand adapters puts ~100k parameters in the groups,
-    and torch's Python loop over them took 51 ms per call (1024 adapters, 64 per step: a third of the step's host
-    time on an H100's host); the filter reads them in a few."""
-    groups = opt.param_groups
-    saved = [g["params"] for g in groups]
-    try:
-        for g, params in zip(groups, saved, strict=True):
-            g["params"] = list(itertools.compress(params, map(_HAS_GRAD, map(_GRAD, params))))
-        type(opt).zero_grad(opt, set_to_none)
-    finally:
-        for g, params in zip(groups, saved, strict=True):
-            g["params"] = params
-
-
 class _Bridge:
     """One ``torch.optim.AdamW`` stepping store-held parameters through the store (see above)."""
 
@@ -780,9 +758,8 @@ class _Bridge:
         self.others: list = []  # per optimizer group, its parameters torch steps
         self.saved = None  # the groups' parameter lists while hidden
         self.aliased: set = set()  # adapters whose parameters' optimizer states are the arena's
-        self.mask = None  # (active adapters, slot names, bool [slots] on the device, stepped slots)
+        self.mask = None  # (active adapters, slot names, bool [slots] on the device)
         opt.register_load_state_dict_post_hook(self._loaded)
-        opt.__dict__["zero_grad"] = functools.partial(_zero_grad, opt)  # (detach takes it back)
 
     def _loaded(self, opt) -> None:
         self.key, self.aliased = None, set()  # the loaded states are read into the arenas at the next step
@@ -883,7 +860,6 @@ class _Bridge:
                     on_host = not any(g.get("fused") or g.get("capturable") for g in opt.param_groups)
                     opt.state[p] = {k: torch.tensor(float(v), dtype=torch.float32) if k == "step" and on_host
                                     else v.clone() for k, v in st.items()}
-        opt.__dict__.pop("zero_grad", None)
         _BRIDGES[opt] = False
 
 

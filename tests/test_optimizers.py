@@ -262,47 +262,6 @@ def test_torch_adamw_steps_held_parameters_through_the_store(resume_at, same, us
             torch.testing.assert_close(a["state"][k][s].float(), w, rtol=1e-4, atol=1e-4 * w.abs().max().item())
 
 
-@pytest.mark.parametrize("set_to_none", [True, False])
-def test_a_store_stepped_adamw_zero_grad_is_torchs(set_to_none):
-    """Once the store steps a ``torch.optim.AdamW`` its ``zero_grad`` runs torch's over the parameters holding a
-    gradient only (found at C speed: a thousand adapters' ~100k parameters cost torch's loop 51 ms a call). The effect
-    is torch's: with ``set_to_none`` every ``.grad`` is dropped (the store's views, a tensor a caller put in place, a
-    parameter outside the store), else each is zeroed in place and ``None`` stays ``None``; the groups keep their
-    lists; the next step equals torch stepping every parameter itself."""
-    runs = {}
-    for bridged in (True, False):
-        model = _model(store=True)
-        fast_multilora.patch(model, backend="torch", store_optimizer=bridged)
-        model.lm_head.weight.requires_grad_(True)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        b = [(ids, names if i != 1 else ["a0", "a1", "__base__", "a0"]) for i, (ids, names) in enumerate(_batches(3))]
-        _loss(model, b[0]).backward()
-        opt.step()
-        opt.zero_grad()
-        assert ("zero_grad" in opt.__dict__) == bridged == _bridged(opt)
-        lists = [g["params"] for g in opt.param_groups]
-        _loss(model, b[1]).backward()
-        named = dict(model.named_parameters())
-        named["base_model.model.model.layers.0.self_attn.q_proj.lora_A.a0.weight"].grad = torch.ones(
-            named["base_model.model.model.layers.0.self_attn.q_proj.lora_A.a0.weight"].shape)  # a caller's tensor
-        had = {n for n, p in named.items() if p.grad is not None}
-        assert any("lora_" in n for n in had) and "base_model.model.lm_head.weight" in had
-        assert any("lora_" in n and n not in had for n in named)  # an adapter without rows in the batch: None
-        opt.zero_grad(set_to_none=set_to_none)
-        assert [g["params"] for g in opt.param_groups] == lists and all(
-            a is b for a, b in zip((g["params"] for g in opt.param_groups), lists, strict=True))
-        for n, p in named.items():
-            if set_to_none or n not in had:
-                assert p.grad is None, n
-            else:
-                assert p.grad is not None and not p.grad.any(), n
-        _loss(model, b[2]).backward()
-        opt.step()
-        runs[bridged] = {n: p.detach().clone() for n, p in named.items()}
-    for n, want in runs[False].items():
-        torch.testing.assert_close(runs[True][n], want, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
-
-
 def test_torch_adamw_options_it_does_not_take_over_are_torchs():
     """``amsgrad`` (and the other options the store's step lacks): torch steps every parameter; a
     ``fast_multilora.AdamW`` built later takes the arenas' states over and the first optimizer keeps stepping its
