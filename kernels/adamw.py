@@ -6,6 +6,8 @@ each owned by one adapter; the gradient, ``exp_avg`` and ``exp_avg_sq`` are buff
 program per chunk and reads the per-adapter values (hyperparameters, step, active flag, factor) from device tensors,
 so the host cost of an optimizer step does not grow with the number of adapters or blocks, and the launches can be
 captured in a CUDA graph. Elements outside every block, and (AdamW) those of inactive adapters, are never accessed.
+The AdamW step can instead run over a list of chunks (:func:`adapter_chunks`: those of the adapters an optimizer
+steps), so a step of a few adapters of a large registry launches what those few hold, not a program per chunk of all.
 
 The AdamW update is ``torch.optim.AdamW``'s (``amsgrad=False, maximize=False``), in torch's operation order: the
 per-adapter scalars (``1 - lr*wd``, ``1 - beta``, ``lr / (1 - beta1^t)``, ``sqrt(1 - beta2^t)``) in float64 and
