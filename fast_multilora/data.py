@@ -413,7 +413,7 @@ def clip_grad_norm_per_adapter(groups_or_optimizer, max_norm: float, norm_type: 
     are complete (after DDP's all-reduce, i.e. after ``backward``), before ``optimizer.step()``.
     """
     groups = getattr(groups_or_optimizer, "param_groups", groups_or_optimizer)
-    norms = {}
+    names, norms = [], []
     for g in groups:
         params = [p for p in g["params"] if p.grad is not None]
         if not params:
@@ -421,5 +421,9 @@ def clip_grad_norm_per_adapter(groups_or_optimizer, max_norm: float, norm_type: 
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
         if hasattr(norm, "full_tensor"):  # FSDP2: DTensor gradients give a DTensor norm (partial over ranks)
             norm = norm.full_tensor()
-        norms[g.get("adapter")] = float(norm)
-    return norms
+        names.append(g.get("adapter"))
+        norms.append(norm.detach().reshape(()).to(torch.float64))  # (exact for every float dtype)
+    # the norms read back together: one device sync per call, not one per adapter (each would stall the next
+    # adapter's clip until the GPU drained)
+    values = torch.stack([n.to(norms[0].device) for n in norms]).tolist() if norms else []
+    return dict(zip(names, values, strict=True))

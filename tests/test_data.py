@@ -80,7 +80,10 @@ def test_param_groups_and_per_adapter_clipping():
         scale = {"a0": 100.0, "a1": 1.0, "a2": 1e-4}[g["adapter"]]
         for p in g["params"]:
             p.grad = torch.full_like(p, scale)
+    want = {g["adapter"]: float(torch.cat([p.grad.reshape(-1) for p in g["params"]]).norm()) for g in groups}
     norms = clip_grad_norm_per_adapter(opt, 1.0)
+    assert norms.keys() == want.keys() and all(type(v) is float for v in norms.values())
+    assert norms == pytest.approx(want, rel=1e-6)  # each adapter's own pre-clip norm
     assert norms["a0"] > 1 and norms["a2"] < 1
     after = {g["adapter"]: torch.cat([p.grad.reshape(-1) for p in g["params"]]).norm() for g in groups}
     assert after["a0"] == pytest.approx(1.0, rel=1e-4) and after["a1"] == pytest.approx(1.0, rel=1e-4)
