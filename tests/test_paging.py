@@ -17,7 +17,7 @@ from test_store import many_model
 
 import fast_multilora
 from fast_multilora import paging
-from fast_multilora.patching import _ROUTER_ATTR
+from fast_multilora.patching import _ROUTER_ATTR, _STATE_ATTR
 
 N_ADAPTERS = 12
 
@@ -468,13 +468,15 @@ def test_the_cuda_stream_logic_with_recorded_streams(monkeypatch):
     assert not missing, (missing, [e for e in rec.log if e[0] != "record_stream"])
 
 
-def test_the_store_keeps_its_layers_while_paged_out_adapters_live_on_another_device(monkeypatch):
+@pytest.mark.parametrize("kind", ["llama", "moe"])
+def test_the_store_keeps_its_layers_while_paged_out_adapters_live_on_another_device(monkeypatch, kind):
     """On CUDA a paged-out adapter's weights are pinned host tensors, not on the arena's device. The CPU has one
     device, so here a paged-out adapter's weights are float64 copies while they are out (back before they page in),
     another arena key as a device is: a layer whose arena key was read from such a weight (the first adapter of its
     old layout) would
     drop out of the store -- its calls then take PEFT's parameters, no backward clears the pager's record of the
-    forward, and the next page-in raises. Every step's layers stay held, and the run equals the resident one."""
+    forward, and the next page-in raises. Every step's layers stay held, and the run equals the resident one; the
+    same with MoE expert LoRA (``target_parameters``)."""
     real_out, real_in = paging.Pager._page_out, paging.Pager._page_in
 
     def page_out(self, name):
@@ -489,16 +491,19 @@ def test_the_store_keeps_its_layers_while_paged_out_adapters_live_on_another_dev
 
     monkeypatch.setattr(paging.Pager, "_page_out", page_out)
     monkeypatch.setattr(paging.Pager, "_page_in", page_in)
-    ref, model = _model("cpu", None), _model("cpu", 0)  # (the paged model patched last: no change after its own)
+    build = _model if kind == "llama" else _moe_model
+    ref, model = build("cpu", None), build("cpu", 0)  # (the paged model patched last: no change after its own)
     names = sorted(model.peft_config)
-    batches = [(torch.randint(0, 97, (4, 6), generator=torch.Generator().manual_seed(i)), names[j:j + 3] + ["__base__"])
-               for i, j in enumerate((0, 3, 6, 0, 9))]
+    per, starts = (3, (0, 3, 6, 0, 9)) if kind == "llama" else (2, (0, 2, 4, 0, 2))
+    batches = [(torch.randint(0, 97, (per + 1, 6), generator=torch.Generator().manual_seed(i)),
+                names[j:j + per] + ["__base__"]) for i, j in enumerate(starts)]
     router = model.__dict__[_ROUTER_ATTR]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     for ids, rows in batches:
         _step(model, opt, ids, rows)
         held = [layer for layer in router.store_layers if router.store.layer_slots(layer) is not None]
-        assert held == list(router.store_layers), rows
+        assert held and held == [layer for layer in router.store_layers  # (a layer with every adapter out: none)
+                                 if layer.__dict__.get(_STATE_ATTR) is not None], rows
         assert not router.store.pending and not router.store.calls, rows  # the backward found its forward's record
         opt.step()
         opt.zero_grad(set_to_none=True)
