@@ -6,7 +6,8 @@ per adapter with its own ``lr``, ``betas``, ``eps``, ``weight_decay``; LR schedu
 ``load_state_dict``, ``zero_grad``) and steps each arena of the store with one kernel (``kernels.adamw``) whose
 per-adapter hyperparameters and step counts are device tensors. Numerically it is ``torch.optim.AdamW`` run per
 adapter: an adapter that had no token in a gradient-recording call since the last ``zero_grad`` is not stepped
-(its step count stays), as ``torch.optim`` skips parameters without gradients; frozen parameters
+(its step count stays), as ``torch.optim`` skips parameters without gradients -- also when a term of the loss on its
+weights (a penalty) gave it a gradient, which ``torch.optim.AdamW`` would step; frozen parameters
 (``requires_grad=False``) are not stepped. Parameters the store does not hold (fallback layers, ``lora_bias``
 layers, ``modules_to_save``) are stepped by ``torch.optim``'s own AdamW with the same group settings.
 
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import itertools
 import operator
+import warnings
+import weakref
 from typing import Callable, Mapping, NamedTuple, Optional
 
 import torch
@@ -504,6 +507,7 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._prepare()
+        self.store.touched_adapters = set()  # (it steps the adapters with rows: ``seen``)
         self._step_arenas(self._active())
         self._step_others()
         return loss
@@ -760,6 +764,43 @@ class _Bridge:
         self.aliased: set = set()  # adapters whose parameters' optimizer states are the arena's
         self.mask = None  # (active adapters, slot names, bool [slots] on the device)
         opt.register_load_state_dict_post_hook(self._loaded)
+        opt.__dict__["zero_grad"] = _BridgeZeroGrad(opt, self)
+
+    def zero_grad(self, opt, set_to_none: bool) -> bool:
+        """``opt.zero_grad()`` without a look at every parameter: of the adapters this optimizer steps through the
+        store, the held parameters with a gradient are those whose view the store attached and those a gradient
+        reached through autograd since (their hooks, ``store._TOUCHED``); the store leaves every other ``None``. The
+        groups' other parameters as torch does. False (nothing done) when the groups or the layout changed since the
+        last step mapped them: torch's own ``zero_grad`` then."""
+        from .store import _TOUCHED
+
+        store = self.store
+        groups = opt.param_groups
+        if self.saved is not None or self.key != (store.version, tuple((id(g["params"]), len(g["params"]))
+                                                                       for g in groups)):
+            return False
+        held, adapter_of, owned, index_of = store._held, store.adapter_of, self.owned, store.index_of
+        idx = set(store.attached)
+        if _TOUCHED:  # (left for the store's next prepare_grads, which finds them None)
+            idx.update(index_of[t] for t in _TOUCHED if t in index_of)
+        params = [held[i] for i in idx if adapter_of[i] in owned]
+        params += itertools.chain.from_iterable(self.others)
+        zero = []
+        for p in params:
+            g = p.grad
+            if g is None:
+                continue
+            if set_to_none:
+                p.grad = None
+                continue
+            if g.grad_fn is not None:
+                g.detach_()
+            else:
+                g.requires_grad_(False)
+            zero.append(g)
+        if zero:
+            torch._foreach_zero_(zero)
+        return True
 
     def _loaded(self, opt) -> None:
         self.key, self.aliased = None, set()  # the loaded states are read into the arenas at the next step
@@ -822,6 +863,17 @@ class _Bridge:
             self.detach(opt)
             return
         eng._prepare()  # the layout, the gradients into the arena, the chunk tables
+        if store.touched_adapters:
+            split = sorted(a for a in store.touched_adapters if store.whole(a) is None)
+            store.touched_adapters = set()
+            if split:  # the store steps an adapter whole; torch steps each parameter with a gradient
+                warnings.warn(
+                    f"fast_multilora: gradients reached some but not all trained parameters of adapter(s) {split} "
+                    "outside the layer calls (a term of the loss on their weights); torch.optim.AdamW steps every "
+                    "parameter itself from now on (exact, slower): put such a term on all of an adapter's LoRA "
+                    "parameters to keep the fast step", stacklevel=4)
+                self.detach(opt)
+                return
         groups = opt.param_groups
         # (per group its parameter list and length: add_param_group makes a list, an append changes the length)
         key = (store.version, tuple((id(g["params"]), len(g["params"])) for g in groups))
@@ -860,7 +912,22 @@ class _Bridge:
                     on_host = not any(g.get("fused") or g.get("capturable") for g in opt.param_groups)
                     opt.state[p] = {k: torch.tensor(float(v), dtype=torch.float32) if k == "step" and on_host
                                     else v.clone() for k, v in st.items()}
+        if isinstance(opt.__dict__.get("zero_grad"), _BridgeZeroGrad):
+            del opt.__dict__["zero_grad"]
         _BRIDGES[opt] = False
+
+
+class _BridgeZeroGrad:
+    """A bridged optimizer's ``zero_grad`` (an instance attribute, gone at :meth:`_Bridge.detach`; a copy or a
+    pickle of the optimizer has torch's): :meth:`_Bridge.zero_grad`, else torch's."""
+
+    def __init__(self, opt, bridge):
+        self.opt, self.bridge = weakref.ref(opt), bridge
+
+    def __call__(self, set_to_none: bool = True) -> None:
+        opt = self.opt()
+        if _BRIDGES.get(opt) is not self.bridge or not self.bridge.zero_grad(opt, set_to_none):
+            type(opt).zero_grad(opt, set_to_none)
 
 
 def hide(bridge, groups: list) -> None:

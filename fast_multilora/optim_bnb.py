@@ -376,6 +376,7 @@ class BnbBridge:
             store.layout()
         store.trained = set()
         store.prepare_grads()
+        store.touched_adapters = set()  # (each piece steps by its own gradient: a penalty on part of an adapter too)
         groups = opt.param_groups
         key = (store.version, tuple((id(g["params"]), len(g["params"])) for g in groups), len(mng.pid2config))
         if key != self.key or opt.state is not self.state_obj:

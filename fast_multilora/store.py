@@ -151,6 +151,49 @@ def release(params) -> None:
             p.__class__ = torch.nn.Parameter
 
 
+# The ids of held parameters into whose ``.grad`` autograd accumulated a gradient (their hook, :func:`_touched`): a
+# graph that uses the parameter itself -- a regularizer, a penalty on the weights -- rather than the layer calls, which
+# take the arena's leaves. A store takes its own at its next ``prepare_grads``: such a gradient counts for its adapter
+# whether or not the adapter has rows in the batch, as under stock PEFT.
+_TOUCHED: set = set()
+
+
+def _touched(p) -> None:
+    _TOUCHED.add(id(p))
+
+
+def _hook_accumulation(params, hooks: dict) -> None:
+    """Each of ``params`` not yet in ``hooks`` (id -> handle) gets :func:`_touched` as its post-accumulate-grad hook
+    (public API; ~3 us per parameter, once while held: a layout's new parameters only)."""
+    import gc
+
+    new = [p for p in params if id(p) not in hooks]
+    if not new:
+        return
+    enabled = gc.isenabled()
+    gc.disable()  # (thousands of handles: collections during the registration would rescan every object)
+    try:
+        for p in new:
+            try:
+                hooks[id(p)] = p.register_post_accumulate_grad_hook(_touched)
+            except RuntimeError:  # (a frozen one: torch registers on a tensor that requires a gradient; the hook
+                _TENSOR_REQUIRES_GRAD.__set__(p, True)  # stays through flag changes)
+                try:
+                    hooks[id(p)] = p.register_post_accumulate_grad_hook(_touched)
+                finally:
+                    _TENSOR_REQUIRES_GRAD.__set__(p, False)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _unhook_accumulation(params, hooks: dict) -> None:
+    for p in params:
+        h = hooks.pop(id(p), None)
+        if h is not None:
+            h.remove()
+
+
 ALIGN = 64  # elements: every block starts 256-byte aligned for fp32 (the kernels' in-place reads need 16)
 
 
@@ -644,6 +687,10 @@ class AdapterStore:
         self.copied = False
         self.moved: set = set()  # adapters found with a parameter whose ``.data`` was replaced (stale)
         self.attached: set = set()  # indices of the parameters whose ``.grad`` prepare_grads left a view
+        self.acc_hooks: dict = {}  # id(held parameter) -> its post-accumulate-grad hook's handle (_TOUCHED)
+        # adapters a gradient reached through their parameters themselves (_TOUCHED) since an optimizer step last
+        # looked (the torch.optim bridge: each must have every trained parameter's gradient, or none)
+        self.touched_adapters: set = set()
         self.watch: dict = {}  # (id(layer), 0: A / 1: B leaf) -> (its attached parameters, their views): the hooks'
         self.adapter_idx: dict = {}  # adapter -> its parameters' indices
         self.leaf_of: list = []  # _held[i]'s leaf key (as ``watch``)
@@ -666,6 +713,8 @@ class AdapterStore:
         state["_layers_checked"] = None
         state["dirty"] = None
         state["calls"], state["last_armed"] = [], []  # (weak references to this model's graphs: a copy has none)
+        state["acc_hooks"] = {}  # (a copy's parameters carry no hooks: its first layout hooks them)
+        state["touched_adapters"] = set()
         return state
 
     # -- attaching ------------------------------------------------------------------------------------------------
@@ -930,6 +979,8 @@ class AdapterStore:
         kept = {id(p) for p, *_ in placed}
         released = [(p, name) for p, name in released if id(p) not in kept]
         release(p for p, _ in released)
+        _unhook_accumulation((p for p, _ in released), self.acc_hooks)
+        _hook_accumulation((p for p, *_ in placed), self.acc_hooks)
         fresh = [s for lid, s in slots.items() if s is not old_slots.get(lid)]  # the layers laid out anew
         if full:
             self._index_full()
@@ -1310,7 +1361,8 @@ class AdapterStore:
         attached = self.attached
         held, views = self._held, self._views
         extra = set(extra) if extra is not None else set()
-        if not force and not pending and not extra and all(
+        touched = self._take_touched() if _TOUCHED else set()
+        if not force and not pending and not extra and not touched and all(
                 map(operator.is_, map(_GRAD, map(held.__getitem__, attached)), map(views.__getitem__, attached))):
             return
         self.pending = set()
@@ -1329,7 +1381,7 @@ class AdapterStore:
         if force:
             check = range(len(held))
         else:
-            check = set(attached) | extra
+            check = set(attached) | extra | touched
             for name in pending:
                 check.update(self.adapter_idx.get(name, ()))
         pattern = self.pattern
@@ -1359,9 +1411,36 @@ class AdapterStore:
         if zero:
             with torch.no_grad():
                 torch._foreach_zero_(zero)
+        if touched:
+            self._note_touched({adapter_of[i] for i in touched if adapter_of[i] is not None})
         if now != attached:  # (the same set: the hooks' ``watch`` holds; a layout rebuilds it itself)
             self.attached = now
             self._watch()
+
+    def _take_touched(self) -> set:
+        """The indices of this store's parameters in ``_TOUCHED`` (taken out of it)."""
+        index_of = self.index_of
+        mine = [t for t in _TOUCHED if t in index_of]
+        _TOUCHED.difference_update(mine)
+        out = set(map(index_of.__getitem__, mine))
+        if out and self.ddp.active:  # under DDP the calls of the layers DDP reduces take the parameters themselves
+            leaf_of, lids = self.leaf_of, self.ddp.layers  # (zeros for adapters without rows): not touches
+            out = {i for i in out if leaf_of[i][0] in lids}
+        return out
+
+    def _note_touched(self, names: set) -> None:
+        """Adapters whose parameters a gradient reached outside the layer calls: their pieces may be nonzero
+        (``dirty``), and a torch.optim bridge checks at its step that each has all its gradients or none."""
+        self.touched_adapters |= names
+        if self.dirty is not None:
+            self.dirty |= names
+
+    def whole(self, name) -> Optional[bool]:
+        """Whether every trained parameter of adapter ``name`` has its gradient view attached (True), none has
+        (False), or some do (None)."""
+        idx = [i for i in self.adapter_idx.get(name, ()) if self.pattern[i]]
+        n = sum(map(self.attached.__contains__, idx))
+        return True if n == len(idx) else False if n == 0 else None
 
     def _watch(self) -> None:
         """``watch`` from ``attached``: per leaf, what its hook checks."""

@@ -268,6 +268,97 @@ def test_torch_adamw_steps_a_few_adapters_of_many_over_their_chunks_only(monkeyp
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("penalized", ["lora_", ".m004.", "lora_A.m004"], ids=["every", "outside", "part"])
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused"])
+def test_a_penalty_on_the_weights_trains_adapters_outside_the_batch_as_torch_does(penalized, fused):
+    """A term of the loss on the LoRA weights themselves (an L2 penalty; autograd accumulates it into the parameters,
+    not through the layer calls) gives adapters without rows in the batch gradients that torch's AdamW steps: through
+    the store the run equals the per-parameter path (no store) -- every adapter penalized, one adapter never in a
+    batch, and only its ``lora_A`` (the store steps an adapter whole: a warning, then torch steps every parameter
+    itself). Before, such gradients of an adapter without rows were dropped. The reference: torch stepping every
+    parameter by its own ``.grad`` (``store_optimizer=False``; the per-parameter path would give adapters without rows
+    zero gradients, which torch steps)."""
+    import warnings
+
+    def run(store):
+        model = many_model(5)
+        fast_multilora.patch(model, backend="torch", store_optimizer=store)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05, fused=fused)
+        names = sorted(model.peft_config)
+        g = torch.Generator().manual_seed(4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for pick in ((0, 1), (2, 0), (3, 1)):  # m004 never in a batch
+                rows = [names[pick[0]], names[pick[1]], names[pick[0]]]
+                ids = torch.randint(0, 97, (3, 5), generator=g)
+                loss = fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=rows).logits, ids, rows)
+                loss = loss + 0.1 * sum(p.square().sum() for n, p in model.named_parameters() if penalized in n)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        return model, [str(w.message) for w in caught if "some but not all" in str(w.message)]
+
+    (got, said), (want, _) = run(True), run(False)
+    _assert_same_weights(got, want, rtol=1e-5, atol=1e-6)
+    assert len(said) == (1 if penalized == "lora_A.m004" else 0), said
+    if said:
+        assert "m004" in said[0] and "torch.optim.AdamW steps every parameter itself" in said[0]
+    # the penalized adapter outside the batches moved (torch stepped it), an adapter neither in a batch nor
+    # penalized did not
+    ref = many_model(5)
+    moved = {n: not torch.equal(p, dict(ref.named_parameters())[n]) for n, p in got.named_parameters() if "lora_" in n}
+    assert all(moved[n] for n in moved if penalized in n)
+
+
+def test_torch_adamw_zero_grad_clears_every_gradient_without_reading_every_parameter(monkeypatch):
+    """A bridged ``torch.optim.AdamW``'s ``zero_grad`` clears the gradients of the adapters the store attached and of
+    those a penalty reached, not by reading every parameter's ``.grad`` (torch's own loop: ~50 ms per call at 1024
+    adapters x 112 parameters): after each call every parameter's ``.grad`` is ``None`` (``set_to_none=False``:
+    zero), torch's own ``zero_grad`` is not called after the first step, and the run equals torch's."""
+    calls = []
+    real = torch.optim.Optimizer.zero_grad
+    monkeypatch.setattr(torch.optim.Optimizer, "zero_grad", lambda self, set_to_none=True: calls.append(1) or real(
+        self, set_to_none))
+
+    def run(fast, set_to_none):
+        from fast_multilora import optim as O
+
+        model = many_model(8)
+        fast_multilora.patch(model, backend="torch")
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+        names = sorted(model.peft_config)
+        g = torch.Generator().manual_seed(5)
+        calls.clear()
+        with monkeypatch.context() as m:
+            if not fast:
+                m.setattr(O._Bridge, "zero_grad", lambda *a: False)
+            for s, pick in enumerate(((0, 5), (7, 2), (5, 1), (0, 5))):
+                if s == 1:  # a backward of a penalty alone, its gradients dropped without a step
+                    sum(p.square().sum() for n, p in model.named_parameters() if ".m006." in n).backward()
+                    opt.zero_grad(set_to_none=set_to_none)
+                    assert all(p.grad is None or not (set_to_none or p.grad.count_nonzero())
+                               for p in model.parameters())
+                rows = [names[pick[0]], names[pick[1]]]
+                ids = torch.randint(0, 97, (2, 5), generator=g)
+                loss = fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=rows).logits, ids, rows)
+                if s == 2:  # a penalty on an adapter without rows: its gradients come through autograd
+                    loss = loss + sum(p.square().sum() for n, p in model.named_parameters() if ".m003." in n)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=set_to_none)
+                left = [n for n, p in model.named_parameters() if p.grad is not None and
+                        (set_to_none or p.grad.count_nonzero())]
+                assert not left, (s, left[:3])
+        return model, len(calls)
+
+    for set_to_none in (True, False):
+        (got, n_torch), (want, _) = run(True, set_to_none), run(False, set_to_none)
+        assert n_torch == 0
+        _assert_same_weights(got, want, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_backward_adds_the_batch_gradients_into_the_arena_and_nothing_else(backend):
     """A stored layer call's backward adds its adapters' weight gradients into the gradient arena itself -- its
