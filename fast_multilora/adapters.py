@@ -11,7 +11,10 @@ model.
 :func:`add_adapters` walks the model once, then for every adapter in order (so the RNG draws come in the loop's order)
 and every module it targets calls PEFT's own ``_create_and_replace`` -> ``update_layer`` (PEFT's init, every
 ``init_lora_weights`` variant, DoRA), with the layer's per-adapter module containers holding only the new adapter
-during that call, and runs PEFT's model-wide bookkeeping (``set_adapter``, ``_mark_only_adapters_as_trainable``) once.
+during that call -- or, for a plain config on a ``lora.Linear`` (PEFT 0.21), makes what that ``update_layer`` makes
+directly (the same RNG draws in order, the same entries; no module constructors: ``_Segment._plain_update``) -- and
+runs PEFT's model-wide bookkeeping (``set_adapter``, ``_mark_only_adapters_as_trainable``) once, with Python's
+cyclic garbage collector paused (its collections over the model's many objects were a third of the time).
 The model ends as the loop leaves it. Configs it does not take are added by PEFT's ``add_adapter`` in their place in
 the order (:data:`FALLBACK` lists why). :func:`load_adapters` and :func:`save_adapters` do the key mapping of PEFT's
 ``set_peft_model_state_dict`` / ``get_peft_model_state_dict`` from one pass over the model's state dict.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import os
 import re
 import warnings
@@ -192,6 +196,7 @@ class _Segment:
         self.matches: dict = {}
         self.parents: dict = {}
         self.casts: list = []  # (LoRA layer, adapter name) made, in order
+        self.cast_done: set = set()  # (id(LoRA layer), adapter name) made in their final dtype (_plain_update)
         from peft.tuners.lora import model as lora_model
 
         # no tensor parallelism: PEFT's _create_and_replace then only calls a present layer's update_layer
@@ -430,16 +435,20 @@ class _Segment:
 
         tuner = self.tuner
         if isinstance(target, LoraLayer) and not isinstance(target, ParamWrapper):
-            with _only_adapter(target):
-                if self.direct and getattr(target.get_base_layer(), "_hf_tp_plan", None) is None:
-                    # LoraModel._create_and_replace on a LoRA layer, without tensor parallelism: r and alpha by
-                    # pattern, then the layer's update_layer (no tied weights for a present layer)
-                    from peft.utils.other import get_pattern_key
+            if self.direct and getattr(target.get_base_layer(), "_hf_tp_plan", None) is None:
+                # LoraModel._create_and_replace on a LoRA layer, without tensor parallelism: r and alpha by
+                # pattern, then the layer's update_layer (no tied weights for a present layer)
+                from peft.utils.other import get_pattern_key
 
-                    r = cfg.rank_pattern.get(get_pattern_key(cfg.rank_pattern.keys(), key), cfg.r)
-                    alpha = cfg.alpha_pattern.get(get_pattern_key(cfg.alpha_pattern.keys(), key), cfg.lora_alpha)
-                    target.update_layer(name, r, lora_alpha=alpha, target_name=key, config=cfg)
-                else:
+                r = cfg.rank_pattern.get(get_pattern_key(cfg.rank_pattern.keys(), key), cfg.r) \
+                    if cfg.rank_pattern else cfg.r
+                alpha = cfg.alpha_pattern.get(get_pattern_key(cfg.alpha_pattern.keys(), key), cfg.lora_alpha) \
+                    if cfg.alpha_pattern else cfg.lora_alpha
+                if not self._plain_update(target, name, r, alpha, cfg):
+                    with _only_adapter(target):
+                        target.update_layer(name, r, lora_alpha=alpha, target_name=key, config=cfg)
+            else:
+                with _only_adapter(target):
                     tuner._create_and_replace(cfg, name, target, target_name, parent, current_key=key)
             self.casts.append((target, name))
             return
@@ -451,6 +460,57 @@ class _Segment:
             self.wrapped_at[key] = index
             self.structure += 1
             self.wrapped_children = self.wrapped_children or bool(target._modules)
+
+    def _plain_update(self, layer, name, r, alpha, cfg) -> bool:
+        """PEFT 0.21's ``LoraLayer.update_layer`` on a ``lora.Linear`` for a plain config (no variant, no
+        ``lora_bias``, ``init_lora_weights`` True, False or "gaussian"), done directly: the same RNG draws in the same
+        order (``nn.Linear``'s init of A and of B, then PEFT's reset of A), the same entries in the same containers,
+        the adapter moved to its base layer's device and dtype, without ``update_layer``'s module constructions
+        (~60 us each, four per call), its walks over the layer's containers and its ``set_adapter`` (the segment's
+        bookkeeping sets the flags). False (nothing done) where it does not apply: the caller runs PEFT's own."""
+        if r <= 0 or not _plain_config(layer, cfg) or "lora_arrow" in layer.__dict__ \
+                or hasattr(layer, "lora_arrow"):
+            return False
+        base = layer.get_base_layer()
+        if isinstance(base, nn.MultiheadAttention):
+            return False
+        device, dtype = layer._get_base_layer_device_and_dtype(base)
+        probe = torch.empty(0)
+        if probe.device.type == "meta":  # (PEFT leaves adapters made on the meta device where they are)
+            return False
+        K, N = layer.in_features, layer.out_features
+        init = cfg.init_lora_weights
+        a_w, b_w = torch.empty((r, K)), torch.empty((N, r))  # nn.Linear(K, r), nn.Linear(r, N): their inits
+        nn.init.kaiming_uniform_(a_w, a=math.sqrt(5))
+        nn.init.kaiming_uniform_(b_w, a=math.sqrt(5))
+        if init is True:  # PEFT's reset_lora_parameters (B zeros: made below in its final dtype and device)
+            nn.init.kaiming_uniform_(a_w, a=math.sqrt(5))
+        elif init is not False:  # "gaussian" (_plain_config)
+            nn.init.normal_(a_w, std=1 / r)
+        dtype_out, device_out, mid = a_w.dtype, a_w.device, None
+        if device is not None:  # _move_adapter_to_device_of_base_layer
+            mid = dtype if dtype is not None and (dtype.is_floating_point or dtype.is_complex) else None
+            dtype_out = mid or dtype_out
+            device_out = device
+        if self.autocast and dtype_out in _upcast_dtypes():  # finish's cast_adapter_dtype, done here
+            dtype_out = torch.float32
+        a_w = _through(a_w, mid, dtype_out).to(device_out)
+        if init is False:
+            b_w = _through(b_w, mid, dtype_out).to(device_out)
+        else:
+            b_w = torch.zeros((N, r), dtype=dtype_out, device=device_out)
+        self.cast_done.add((id(layer), name))
+        p = cfg.lora_dropout
+        layer.r[name] = r
+        layer.lora_alpha[name] = alpha
+        layer.lora_dropout[name] = _fresh(("drop", p) if p > 0.0 else ("id",), None)
+        layer.lora_A[name] = _fresh(("linear", K, r), nn.Parameter(a_w))
+        layer.lora_B[name] = _fresh(("linear", r, N), nn.Parameter(b_w))
+        layer.lora_bias[name] = False
+        layer.scaling[name] = alpha / math.sqrt(r) if cfg.use_rslora else alpha / r
+        layer.use_rslora[name] = cfg.use_rslora
+        layer.use_dora[name] = cfg.use_dora
+        return True
 
     # -- once per segment: inject_adapter's housekeeping ---------------------------------------------------------
     def finish(self) -> None:
@@ -474,9 +534,9 @@ class _Segment:
         if self.may_cast:
             from peft.tuners.tuners_utils import cast_adapter_dtype
 
-            upcast = _upcast_dtypes()
+            upcast, done = _upcast_dtypes(), self.cast_done
             for layer, name in self.casts:
-                if not any(p.dtype in upcast for p in _adapter_tensors(layer, name)):
+                if (id(layer), name) in done or not any(p.dtype in upcast for p in _adapter_tensors(layer, name)):
                     continue
                 with _only_adapter(layer, name):
                     cast_adapter_dtype(layer, adapter_name=name, autocast_adapter_dtype=True)
@@ -510,6 +570,68 @@ class _Segment:
             if isinstance(layer, tuner.tuner_layer_cls):
                 layer._active_adapter = names
         tuner.active_adapter = active
+
+
+_PLAIN: dict = {}  # (LoRA layer class, id(config)) -> (config, whether _Segment._plain_update applies)
+_TEMPLATES: dict = {}  # module kind -> a module on the meta device whose attributes a fresh one copies
+
+
+def _plain_config(layer, cfg) -> bool:
+    """Whether ``_Segment._plain_update`` mirrors PEFT's ``update_layer`` of ``layer``'s class for ``cfg``: PEFT
+    0.21 (whose ``LoraLayer.update_layer`` it mirrors), a ``lora.Linear`` with PEFT's own ``update_layer`` and
+    device move, no LoRA variant (``resolve_lora_variant``), no ``lora_bias``, ``init_lora_weights`` True, False or
+    "gaussian"."""
+    cls = type(layer)
+    hit = _PLAIN.get((cls, id(cfg)))
+    if hit is not None and hit[0] is cfg:
+        return hit[1]
+    import peft
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora.layer import Linear
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    init = cfg.init_lora_weights
+    ok = (peft.__version__.startswith("0.21.") and cls is Linear and cls.update_layer is LoraLayer.update_layer
+          and cls._move_adapter_to_device_of_base_layer is BaseTunerLayer._move_adapter_to_device_of_base_layer
+          and not cfg.lora_bias and not cfg.use_dora
+          and (init is True or init is False or (isinstance(init, str) and init.lower() == "gaussian")))
+    if ok:
+        ok = layer.resolve_lora_variant(config=cfg) is None
+    if len(_PLAIN) > 4096:
+        _PLAIN.clear()
+    _PLAIN[(cls, id(cfg))] = (cfg, ok)
+    return ok
+
+
+def _through(w: torch.Tensor, mid, out) -> torch.Tensor:
+    """``w`` in dtype ``out``, by way of ``mid`` (the base layer's float dtype the device move casts to, or None)
+    where ``cast_adapter_dtype`` then upcasts it: the values rounded to ``mid`` first, as PEFT's two steps do."""
+    if out is torch.float32 and mid is not None and mid != w.dtype and mid in _upcast_dtypes():
+        w = w.to(mid)
+    return w.to(out)
+
+
+def _fresh(kind: tuple, weight) -> nn.Module:
+    """A new ``nn.Linear`` (``("linear", in, out)``, no bias, ``weight`` its parameter), ``nn.Dropout(p)``
+    (``("drop", p)``) or ``nn.Identity()`` as its constructor leaves it, without the constructor's cost: a copy of a
+    template's attributes, each container a new one (the template lives on the meta device: making it draws nothing
+    from the RNG)."""
+    t = _TEMPLATES.get(kind)
+    if t is None:
+        if kind[0] == "linear":
+            t = nn.Linear(kind[1], kind[2], bias=False, device="meta")
+        elif kind[0] == "drop":
+            t = nn.Dropout(p=kind[1])
+        else:
+            t = nn.Identity()
+        _TEMPLATES[kind] = t
+    m = object.__new__(type(t))
+    d = m.__dict__
+    for k, v in t.__dict__.items():  # (an empty container made anew: OrderedDict.copy costs ~4 us)
+        d[k] = (v.copy() if v else type(v)()) if isinstance(v, (dict, set, list)) else v
+    if weight is not None:
+        d["_parameters"]["weight"] = weight
+    return m
 
 
 def _upcast_dtypes() -> frozenset:
@@ -631,8 +753,15 @@ def add_adapters(model, configs: Mapping, *, autocast_adapter_dtype: bool = True
     empty when all took the one-walk route. Bad names or configs raise before the model is touched; an error while
     adding removes the adapters this call added.
     """
+    from .store import gc_paused
+
     tuner = _tuner_of(model)
     _check_configs(model, configs)
+    with gc_paused():  # (thousands of modules made in a model of many: see gc_paused)
+        return _add_adapters(model, tuner, configs, autocast_adapter_dtype)
+
+
+def _add_adapters(model, tuner, configs: Mapping, autocast_adapter_dtype: bool) -> dict:
     slow: dict = {}
     added: list = []
     segment = None

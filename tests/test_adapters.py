@@ -95,6 +95,48 @@ def test_add_adapters_equals_peft_loop(dtype, autocast):
         torch.float32 if autocast else dtype)
 
 
+@pytest.mark.parametrize("dtype,default,autocast", [
+    (torch.bfloat16, torch.float32, True), (torch.bfloat16, torch.float32, False),
+    (torch.float32, torch.bfloat16, True), (torch.float64, torch.float32, True), (torch.float16, torch.bfloat16, True)],
+    ids=["bf16", "bf16-no-upcast", "fp32-default-bf16", "fp64", "fp16-default-bf16"])
+def test_plain_configs_on_linear_layers_skip_peft_update_layer(monkeypatch, dtype, default, autocast):
+    """The plain configs (init True / "gaussian" / False, dropout or not, rsLoRA, patterns) on ``lora.Linear`` layers
+    are made without PEFT's ``update_layer`` (its module constructors and container walks were most of the time of
+    1024 adapters); DoRA, ``lora_bias`` and embeddings still take it. The state equals PEFT's loop bit for bit --
+    also where the default dtype is not the model's (PEFT draws in the default dtype, moves to the base dtype, then
+    upcasts)."""
+    import peft
+
+    if not peft.__version__.startswith("0.21."):
+        pytest.skip("the direct update mirrors PEFT 0.21's update_layer; other versions take PEFT's")
+    calls = []
+    real = LoraLayer.update_layer
+    monkeypatch.setattr(LoraLayer, "update_layer", lambda self, name, *a, **k: calls.append(
+        (type(self).__name__, name)) or real(self, name, *a, **k))
+    configs = lambda: {  # noqa: E731
+        "p0": LoraConfig(r=3, target_modules=LLAMA_TARGETS, lora_dropout=0.1),
+        "p1": LoraConfig(r=2, target_modules=["q_proj", "up_proj"], init_lora_weights="Gaussian", use_rslora=True,
+                         rank_pattern={"up_proj": 5}, alpha_pattern={"q_proj": 3}),
+        "p2": LoraConfig(r=1, target_modules=["v_proj"], init_lora_weights=False),
+        "d": LoraConfig(r=2, target_modules=["v_proj"], use_dora=True),
+        "e": LoraConfig(r=2, target_modules=["embed_tokens", "q_proj"]),
+    }
+    want_model, got_model = base_model(dtype=dtype), base_model(dtype=dtype)
+    torch.set_default_dtype(default)
+    try:
+        torch.manual_seed(2)
+        peft_loop(want_model, configs(), autocast_adapter_dtype=autocast)
+        calls.clear()
+        torch.manual_seed(2)
+        assert fast_multilora.add_adapters(got_model, configs(), autocast_adapter_dtype=autocast) == {}
+    finally:
+        torch.set_default_dtype(torch.float32)
+    # p0 creates the LoRA layers of k/o/gate/up/down (PEFT's constructor runs update_layer), not those of q/v
+    assert [n for _, n in calls].count("p0") == 2 * 5 and "d" in {n for _, n in calls}
+    assert not {"p1", "p2"} & {n for _, n in calls}
+    assert_same_state(model_state(got_model), model_state(want_model))
+
+
 def test_add_adapters_takes_peft_route_in_order():
     """Configs the one-walk route does not take are added by PEFT in their place: the RNG draws stay in order."""
     configs = lambda: {"p": LoraConfig(r=2, target_modules=["q_proj"]),  # noqa: E731
