@@ -772,18 +772,13 @@ class _Bridge:
         reached through autograd since (their hooks, ``store._TOUCHED``); the store leaves every other ``None``. The
         groups' other parameters as torch does. False (nothing done) when the groups or the layout changed since the
         last step mapped them: torch's own ``zero_grad`` then."""
-        from .store import _TOUCHED
-
         store = self.store
         groups = opt.param_groups
         if self.saved is not None or self.key != (store.version, tuple((id(g["params"]), len(g["params"]))
                                                                        for g in groups)):
             return False
-        held, adapter_of, owned, index_of = store._held, store.adapter_of, self.owned, store.index_of
-        idx = set(store.attached)
-        if _TOUCHED:  # (left for the store's next prepare_grads, which finds them None)
-            idx.update(index_of[t] for t in _TOUCHED if t in index_of)
-        params = [held[i] for i in idx if adapter_of[i] in owned]
+        adapter_of, owned, index_of = store.adapter_of, self.owned, store.index_of
+        params = [p for p in store.with_grads() if adapter_of[index_of[id(p)]] in owned]
         params += itertools.chain.from_iterable(self.others)
         zero = []
         for p in params:

@@ -1444,6 +1444,16 @@ class AdapterStore:
         if self.dirty is not None:
             self.dirty |= names
 
+    def with_grads(self) -> list:
+        """The held parameters that may have a ``.grad``: those whose view is attached and those a gradient reached
+        outside the layer calls since the last ``prepare_grads`` (every other one has ``None``, as the store left it:
+        a ``.grad`` set by hand on the parameter of an adapter outside the batch is not seen)."""
+        held, index_of = self._held, self.index_of
+        idx = set(self.attached)
+        if _TOUCHED:
+            idx.update(index_of[t] for t in _TOUCHED if t in index_of)
+        return [held[i] for i in idx]
+
     def whole(self, name) -> Optional[bool]:
         """Whether every trained parameter of adapter ``name`` has its gradient view attached (True), none has
         (False), or some do (None)."""
@@ -1547,16 +1557,58 @@ class AdapterStore:
 
 
 def _zero_grad(model, set_to_none: bool = True) -> None:
-    """``model.zero_grad()`` of a model with a store (bound to the model: a deep copy binds to the copy)."""
+    """``model.zero_grad()`` of a model with a store (bound to the model: a deep copy binds to the copy): torch's,
+    except that the adapters the store holds are not walked -- their parameters with a gradient are those whose view
+    the store attached and those a gradient reached outside the layer calls (``_TOUCHED``); the store leaves every
+    other ``None``. The rest of the model is walked as torch walks it (modules, parameters)."""
     from .patching import _ROUTER_ATTR
 
-    type(model).zero_grad(model, set_to_none=set_to_none)
     router = model.__dict__.get(_ROUTER_ATTR)
+    store = router.store if router is not None else None
+    if store is None or store.retired or getattr(model, "_is_replica", False) or type(model).zero_grad is not \
+            torch.nn.Module.zero_grad:
+        type(model).zero_grad(model, set_to_none=set_to_none)
+    else:
+        for p in store.with_grads() + _outside_params(model, store):
+            g = p.grad
+            if g is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                if g.grad_fn is not None:
+                    g.detach_()
+                else:
+                    g.requires_grad_(False)
+                g.zero_()
     if router is not None and router.store is not None:
         store = router.store
         store.prepare_grads()  # the views the stock zero_grad dropped: attached again, zeroed, for pending adapters
         store.dropped = store.dropped or (set_to_none and not store.pending)  # (a retained graph's next backward)
         store.clear_seen()
+
+
+def _outside_params(model, store: AdapterStore) -> list:
+    """The parameters of ``model`` (as ``model.parameters()``) but those of the per-adapter containers of layers whose
+    every adapter the store holds: a walk of the model's modules that does not enter them."""
+    slots = store.slots
+    out, seen, stack = [], set(), [model]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        out += [p for p in m._parameters.values() if p is not None]
+        mods = m._modules
+        s = slots.get(id(m))
+        if s is not None:
+            n = len(s.names)
+            a, b = mods.get("lora_A"), mods.get("lora_B")
+            if a is not None and b is not None and len(a) == n and len(b) == n:  # (all held: not entered)
+                stack.extend(c for k, c in mods.items() if c is not None and c is not a and c is not b)
+                continue
+        stack.extend(c for c in mods.values() if c is not None)
+    return out
 
 
 def _shadow_zero_grad(model, store: AdapterStore) -> None:

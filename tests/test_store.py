@@ -359,6 +359,58 @@ def test_torch_adamw_zero_grad_clears_every_gradient_without_reading_every_param
         _assert_same_weights(got, want, rtol=1e-6, atol=1e-7)
 
 
+def test_model_zero_grad_clears_every_gradient_without_walking_the_held_adapters(monkeypatch):
+    """``model.zero_grad()`` (HF Trainer calls it each step) on a patched model clears the held adapters' gradients
+    from the store's record (attached views, penalty gradients) and walks the rest of the model only: torch's walk
+    visits every adapter's modules (at 1024 adapters x 56 layers, ~170k modules per call). After each call every
+    ``.grad`` is ``None`` (``set_to_none=False``: zero), torch's ``Module.zero_grad`` is not called, and the run
+    equals torch's. A layer the store does not hold (here: an embedding LoRA's) is walked as torch walks it."""
+    calls = []
+    real = torch.nn.Module.zero_grad
+    monkeypatch.setattr(torch.nn.Module, "zero_grad", lambda self, set_to_none=True: calls.append(1) or real(
+        self, set_to_none))
+
+    def run(fast, set_to_none):
+        from fast_multilora import store as S
+
+        model = many_model(6)
+        model.add_adapter("m006", LoraConfig(r=2, target_modules=["embed_tokens"], init_lora_weights=False))
+        for n, p in model.named_parameters():
+            p.requires_grad_("lora_" in n)
+        fast_multilora.patch(model, backend="torch")
+        model.train()
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9,
+                              weight_decay=0.01)
+        names = sorted(model.peft_config)
+        g = torch.Generator().manual_seed(6)
+        calls.clear()
+        with monkeypatch.context() as m:
+            if not fast:
+                m.setattr(S, "_outside_params", None)  # (the fast path raises: torch's runs instead)
+                m.setattr(S.AdapterStore, "with_grads", lambda self: (_ for _ in ()).throw(RuntimeError))
+            for s, pick in enumerate(((0, 5), (6, 2), (5, 1), (0, 6))):
+                rows = [names[pick[0]], names[pick[1]]]
+                ids = torch.randint(0, 97, (2, 5), generator=g)
+                loss = fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=rows).logits, ids, rows)
+                if s == 2:  # a penalty on an adapter without rows
+                    loss = loss + sum(p.square().sum() for n, p in model.named_parameters() if ".m003." in n)
+                loss.backward()
+                opt.step()
+                try:
+                    model.zero_grad(set_to_none=set_to_none)
+                except RuntimeError:
+                    real(model, set_to_none)
+                left = [n for n, p in model.named_parameters() if p.grad is not None and
+                        (set_to_none or p.grad.count_nonzero())]
+                assert not left, (s, left[:3])
+        return model, len(calls)
+
+    for set_to_none in (True, False):
+        (got, n_torch), (want, _) = run(True, set_to_none), run(False, set_to_none)
+        assert n_torch == 0
+        _assert_same_weights(got, want, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_backward_adds_the_batch_gradients_into_the_arena_and_nothing_else(backend):
     """A stored layer call's backward adds its adapters' weight gradients into the gradient arena itself -- its
