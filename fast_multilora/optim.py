@@ -777,8 +777,9 @@ class _Bridge:
         if self.saved is not None or self.key != (store.version, tuple((id(g["params"]), len(g["params"]))
                                                                        for g in groups)):
             return False
-        adapter_of, owned, index_of = store.adapter_of, self.owned, store.index_of
-        params = [p for p in store.with_grads() if adapter_of[index_of[id(p)]] in owned]
+        adapter_of, owned, held = store.adapter_of, self.owned, store._held
+        idx = [i for i in store.with_grads() if adapter_of[i] in owned]
+        params = [held[i] for i in idx]
         params += itertools.chain.from_iterable(self.others)
         zero = []
         for p in params:
@@ -795,6 +796,8 @@ class _Bridge:
             zero.append(g)
         if zero:
             torch._foreach_zero_(zero)
+        if set_to_none:
+            store.dropped_grads(idx)
         return True
 
     def _loaded(self, opt) -> None:

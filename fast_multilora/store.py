@@ -1444,15 +1444,22 @@ class AdapterStore:
         if self.dirty is not None:
             self.dirty |= names
 
-    def with_grads(self) -> list:
-        """The held parameters that may have a ``.grad``: those whose view is attached and those a gradient reached
-        outside the layer calls since the last ``prepare_grads`` (every other one has ``None``, as the store left it:
-        a ``.grad`` set by hand on the parameter of an adapter outside the batch is not seen)."""
-        held, index_of = self._held, self.index_of
+    def with_grads(self) -> set:
+        """The indices of the held parameters that may have a ``.grad``: those whose view is attached and those a
+        gradient reached outside the layer calls since the last ``prepare_grads`` (every other one has ``None``, as
+        the store left it: a ``.grad`` set by hand on the parameter of an adapter outside the batch is not seen)."""
+        index_of = self.index_of
         idx = set(self.attached)
         if _TOUCHED:
             idx.update(index_of[t] for t in _TOUCHED if t in index_of)
-        return [held[i] for i in idx]
+        return idx
+
+    def dropped_grads(self, idx) -> None:
+        """A ``zero_grad`` set the ``.grad`` of held parameters ``idx`` to ``None``: no longer attached (the next
+        backward's start reads the batch's parameters only, not these too)."""
+        if self.attached:
+            self.attached.difference_update(idx)
+            self._watch()
 
     def whole(self, name) -> Optional[bool]:
         """Whether every trained parameter of adapter ``name`` has its gradient view attached (True), none has
@@ -1569,7 +1576,9 @@ def _zero_grad(model, set_to_none: bool = True) -> None:
             torch.nn.Module.zero_grad:
         type(model).zero_grad(model, set_to_none=set_to_none)
     else:
-        for p in store.with_grads() + _outside_params(model, store):
+        idx = store.with_grads()
+        held = store._held
+        for p in [held[i] for i in idx] + _outside_params(model, store):
             g = p.grad
             if g is None:
                 continue
@@ -1581,6 +1590,8 @@ def _zero_grad(model, set_to_none: bool = True) -> None:
                 else:
                     g.requires_grad_(False)
                 g.zero_()
+        if set_to_none:
+            store.dropped_grads(idx)
     if router is not None and router.store is not None:
         store = router.store
         store.prepare_grads()  # the views the stock zero_grad dropped: attached again, zeroed, for pending adapters
