@@ -311,6 +311,34 @@ def test_a_penalty_on_the_weights_trains_adapters_outside_the_batch_as_torch_doe
     assert all(moved[n] for n in moved if penalized in n)
 
 
+def _steps_with_penalties(model, opt, zero, set_to_none, picks, seed, alone=None):
+    """Steps of two adapters each (``picks``: indices into the sorted names), a penalty on ``m003`` (never in a
+    batch) at the third; ``zero()`` after each step, then no ``.grad`` is left (``set_to_none=False``: none nonzero).
+    ``alone``: before the second step, a backward of a penalty on those adapters only, dropped by ``zero()``."""
+    names = sorted(model.peft_config)
+    g = torch.Generator().manual_seed(seed)
+
+    def check(s):
+        left = [n for n, p in model.named_parameters() if p.grad is not None and
+                (set_to_none or p.grad.count_nonzero())]
+        assert not left, (s, left[:3])
+
+    for s, pick in enumerate(picks):
+        if s == 1 and alone:  # a backward of a penalty alone, its gradients dropped without a step
+            sum(p.square().sum() for n, p in model.named_parameters() if alone in n).backward()
+            zero()
+            check("alone")
+        rows = [names[pick[0]], names[pick[1]]]
+        ids = torch.randint(0, 97, (2, 5), generator=g)
+        loss = fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=rows).logits, ids, rows)
+        if s == 2:  # a penalty on an adapter without rows: its gradients come through autograd
+            loss = loss + sum(p.square().sum() for n, p in model.named_parameters() if ".m003." in n)
+        loss.backward()
+        opt.step()
+        zero()
+        check(s)
+
+
 def test_torch_adamw_zero_grad_clears_every_gradient_without_reading_every_parameter(monkeypatch):
     """A bridged ``torch.optim.AdamW``'s ``zero_grad`` clears the gradients of the adapters the store attached and of
     those a penalty reached, not by reading every parameter's ``.grad`` (torch's own loop: ~50 ms per call at 1024
@@ -328,29 +356,12 @@ def test_torch_adamw_zero_grad_clears_every_gradient_without_reading_every_param
         fast_multilora.patch(model, backend="torch")
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
-        names = sorted(model.peft_config)
-        g = torch.Generator().manual_seed(5)
         calls.clear()
         with monkeypatch.context() as m:
             if not fast:
                 m.setattr(O._Bridge, "zero_grad", lambda *a: False)
-            for s, pick in enumerate(((0, 5), (7, 2), (5, 1), (0, 5))):
-                if s == 1:  # a backward of a penalty alone, its gradients dropped without a step
-                    sum(p.square().sum() for n, p in model.named_parameters() if ".m006." in n).backward()
-                    opt.zero_grad(set_to_none=set_to_none)
-                    assert all(p.grad is None or not (set_to_none or p.grad.count_nonzero())
-                               for p in model.parameters())
-                rows = [names[pick[0]], names[pick[1]]]
-                ids = torch.randint(0, 97, (2, 5), generator=g)
-                loss = fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=rows).logits, ids, rows)
-                if s == 2:  # a penalty on an adapter without rows: its gradients come through autograd
-                    loss = loss + sum(p.square().sum() for n, p in model.named_parameters() if ".m003." in n)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=set_to_none)
-                left = [n for n, p in model.named_parameters() if p.grad is not None and
-                        (set_to_none or p.grad.count_nonzero())]
-                assert not left, (s, left[:3])
+            _steps_with_penalties(model, opt, lambda: opt.zero_grad(set_to_none=set_to_none), set_to_none,
+                                  ((0, 5), (7, 2), (5, 1), (0, 5)), seed=5, alone=".m006.")
         return model, len(calls)
 
     for set_to_none in (True, False):
@@ -381,28 +392,19 @@ def test_model_zero_grad_clears_every_gradient_without_walking_the_held_adapters
         model.train()
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9,
                               weight_decay=0.01)
-        names = sorted(model.peft_config)
-        g = torch.Generator().manual_seed(6)
         calls.clear()
+
+        def zero():
+            try:
+                model.zero_grad(set_to_none=set_to_none)
+            except RuntimeError:
+                real(model, set_to_none)
+
         with monkeypatch.context() as m:
             if not fast:
                 m.setattr(S, "_outside_params", None)  # (the fast path raises: torch's runs instead)
                 m.setattr(S.AdapterStore, "with_grads", lambda self: (_ for _ in ()).throw(RuntimeError))
-            for s, pick in enumerate(((0, 5), (6, 2), (5, 1), (0, 6))):
-                rows = [names[pick[0]], names[pick[1]]]
-                ids = torch.randint(0, 97, (2, 5), generator=g)
-                loss = fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=rows).logits, ids, rows)
-                if s == 2:  # a penalty on an adapter without rows
-                    loss = loss + sum(p.square().sum() for n, p in model.named_parameters() if ".m003." in n)
-                loss.backward()
-                opt.step()
-                try:
-                    model.zero_grad(set_to_none=set_to_none)
-                except RuntimeError:
-                    real(model, set_to_none)
-                left = [n for n, p in model.named_parameters() if p.grad is not None and
-                        (set_to_none or p.grad.count_nonzero())]
-                assert not left, (s, left[:3])
+            _steps_with_penalties(model, opt, zero, set_to_none, ((0, 5), (6, 2), (5, 1), (0, 6)), seed=6)
         return model, len(calls)
 
     for set_to_none in (True, False):
