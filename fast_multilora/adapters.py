@@ -468,8 +468,7 @@ class _Segment:
         the adapter moved to its base layer's device and dtype, without ``update_layer``'s module constructions
         (~60 us each, four per call), its walks over the layer's containers and its ``set_adapter`` (the segment's
         bookkeeping sets the flags). False (nothing done) where it does not apply: the caller runs PEFT's own."""
-        if r <= 0 or not _plain_config(layer, cfg) or "lora_arrow" in layer.__dict__ \
-                or hasattr(layer, "lora_arrow"):
+        if r <= 0 or not _plain_config(layer, cfg) or hasattr(layer, "lora_arrow"):
             return False
         base = layer.get_base_layer()
         if isinstance(base, nn.MultiheadAttention):

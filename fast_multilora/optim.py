@@ -30,7 +30,7 @@ from torch.optim.adamw import adamw as _adamw
 from . import cpu_ops, optim_bnb, reference
 from .kernels.segments import to_device
 from .plan import BASE
-from .store import AdapterStore, _grow
+from .store import AdapterStore, _grow, clear_grads
 
 _STATES = ("exp_avg", "exp_avg_sq")
 
@@ -779,23 +779,7 @@ class _Bridge:
             return False
         adapter_of, owned, held = store.adapter_of, self.owned, store._held
         idx = [i for i in store.with_grads() if adapter_of[i] in owned]
-        params = [held[i] for i in idx]
-        params += itertools.chain.from_iterable(self.others)
-        zero = []
-        for p in params:
-            g = p.grad
-            if g is None:
-                continue
-            if set_to_none:
-                p.grad = None
-                continue
-            if g.grad_fn is not None:
-                g.detach_()
-            else:
-                g.requires_grad_(False)
-            zero.append(g)
-        if zero:
-            torch._foreach_zero_(zero)
+        clear_grads([held[i] for i in idx] + list(itertools.chain.from_iterable(self.others)), set_to_none)
         if set_to_none:
             store.dropped_grads(idx)
         return True

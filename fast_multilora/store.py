@@ -1578,18 +1578,7 @@ def _zero_grad(model, set_to_none: bool = True) -> None:
     else:
         idx = store.with_grads()
         held = store._held
-        for p in [held[i] for i in idx] + _outside_params(model, store):
-            g = p.grad
-            if g is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                if g.grad_fn is not None:
-                    g.detach_()
-                else:
-                    g.requires_grad_(False)
-                g.zero_()
+        clear_grads([held[i] for i in idx] + _outside_params(model, store), set_to_none)
         if set_to_none:
             store.dropped_grads(idx)
     if router is not None and router.store is not None:
@@ -1597,6 +1586,27 @@ def _zero_grad(model, set_to_none: bool = True) -> None:
         store.prepare_grads()  # the views the stock zero_grad dropped: attached again, zeroed, for pending adapters
         store.dropped = store.dropped or (set_to_none and not store.pending)  # (a retained graph's next backward)
         store.clear_seen()
+
+
+def clear_grads(params, set_to_none: bool) -> None:
+    """What torch's ``zero_grad`` does to each of ``params`` with a ``.grad``: ``None``, or detached and zeroed (one
+    ``torch._foreach_zero_``)."""
+    zero = []
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if set_to_none:
+            p.grad = None
+            continue
+        if g.grad_fn is not None:
+            g.detach_()
+        else:
+            g.requires_grad_(False)
+        zero.append(g)
+    if zero:
+        with torch.no_grad():
+            torch._foreach_zero_(zero)
 
 
 def _outside_params(model, store: AdapterStore) -> list:
