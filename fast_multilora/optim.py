@@ -30,7 +30,7 @@ from torch.optim.adamw import adamw as _adamw
 from . import cpu_ops, optim_bnb, reference
 from .kernels.segments import to_device
 from .plan import BASE
-from .store import AdapterStore, _grow, clear_grads
+from .store import AdapterStore, _grow
 
 _STATES = ("exp_avg", "exp_avg_sq")
 
@@ -777,11 +777,7 @@ class _Bridge:
         if self.saved is not None or self.key != (store.version, tuple((id(g["params"]), len(g["params"]))
                                                                        for g in groups)):
             return False
-        adapter_of, owned, held = store.adapter_of, self.owned, store._held
-        idx = [i for i in store.with_grads() if adapter_of[i] in owned]
-        clear_grads([held[i] for i in idx] + list(itertools.chain.from_iterable(self.others)), set_to_none)
-        if set_to_none:
-            store.dropped_grads(idx)
+        store.clear_held_grads(itertools.chain.from_iterable(self.others), set_to_none, owned=self.owned)
         return True
 
     def _loaded(self, opt) -> None:

@@ -922,10 +922,9 @@ def unpatch(model: torch.nn.Module) -> None:
         router.pager.close()
         router.pager = None
     if router is not None and router.store is not None:  # its parameters keep their memory, not the store's class
-        from .store import _unhook_accumulation, release
+        from .store import release
 
-        release(router.store.held)
-        _unhook_accumulation(router.store.held, router.store.acc_hooks)
+        release(router.store.held, router.store.acc_hooks)
         router.store.retired = True  # (an optimizer stepping it hands its states back to torch)
     for module in model.modules():
         if _is_patched(module):

@@ -146,11 +146,15 @@ def _hold(p) -> None:
         p.__class__ = _HeldParameter
 
 
-def release(params) -> None:
-    """Give parameters that left a store (or a model being unpatched) their ``Parameter`` class back."""
+def release(params, hooks: dict) -> None:
+    """Give parameters that left a store (or a model being unpatched) their ``Parameter`` class back, and remove their
+    post-accumulate-grad hooks (``hooks``: the store's, id -> handle; see :func:`_hook_accumulation`)."""
     for p in params:
         if type(p) is _HeldParameter:
             p.__class__ = torch.nn.Parameter
+        h = hooks.pop(id(p), None)
+        if h is not None:
+            h.remove()
 
 
 # The ids of held parameters into whose ``.grad`` autograd accumulated a gradient (their hook, :func:`_touched`): a
@@ -194,13 +198,6 @@ def _hook_accumulation(params, hooks: dict) -> None:
                     hooks[id(p)] = p.register_post_accumulate_grad_hook(_touched)
                 finally:
                     _TENSOR_REQUIRES_GRAD.__set__(p, False)
-
-
-def _unhook_accumulation(params, hooks: dict) -> None:
-    for p in params:
-        h = hooks.pop(id(p), None)
-        if h is not None:
-            h.remove()
 
 
 ALIGN = 64  # elements: every block starts 256-byte aligned for fp32 (the kernels' in-place reads need 16)
@@ -987,8 +984,7 @@ class AdapterStore:
             _hold(p)
         kept = {id(p) for p, *_ in placed}
         released = [(p, name) for p, name in released if id(p) not in kept]
-        release(p for p, _ in released)
-        _unhook_accumulation((p for p, _ in released), self.acc_hooks)
+        release((p for p, _ in released), self.acc_hooks)
         _hook_accumulation((p for p, *_ in placed), self.acc_hooks)
         fresh = [s for lid, s in slots.items() if s is not old_slots.get(lid)]  # the layers laid out anew
         if full:
@@ -1426,12 +1422,16 @@ class AdapterStore:
             self.attached = now
             self._watch()
 
+    def _touched_ids(self) -> list:
+        """The ids in ``_TOUCHED`` of this store's parameters."""
+        index_of = self.index_of
+        return [t for t in _TOUCHED if t in index_of] if _TOUCHED else []
+
     def _take_touched(self) -> set:
         """The indices of this store's parameters in ``_TOUCHED`` (taken out of it)."""
-        index_of = self.index_of
-        mine = [t for t in _TOUCHED if t in index_of]
+        mine = self._touched_ids()
         _TOUCHED.difference_update(mine)
-        out = set(map(index_of.__getitem__, mine))
+        out = set(map(self.index_of.__getitem__, mine))
         if out and self.ddp.active:  # under DDP the calls of the layers DDP reduces take the parameters themselves
             leaf_of, lids = self.leaf_of, self.ddp.layers  # (zeros for adapters without rows): not touches
             out = {i for i in out if leaf_of[i][0] in lids}
@@ -1444,20 +1444,21 @@ class AdapterStore:
         if self.dirty is not None:
             self.dirty |= names
 
-    def with_grads(self) -> set:
-        """The indices of the held parameters that may have a ``.grad``: those whose view is attached and those a
-        gradient reached outside the layer calls since the last ``prepare_grads`` (every other one has ``None``, as
-        the store left it: a ``.grad`` set by hand on the parameter of an adapter outside the batch is not seen)."""
-        index_of = self.index_of
+    def clear_held_grads(self, others, set_to_none: bool, owned=None) -> None:
+        """A ``zero_grad`` (torch's step per parameter: :func:`clear_grads`) of ``others`` and of the held parameters
+        that may have a ``.grad`` -- those whose view is attached and those a gradient reached outside the layer calls
+        since the last ``prepare_grads`` (every other one has ``None``, as the store left it: a ``.grad`` set by hand
+        on the parameter of an adapter outside the batch is not seen); ``owned``: only those of these adapters.
+        Without ``set_to_none`` the views stay attached (zeroed); else the cleared ones leave ``attached``, so the
+        next backward's start reads the batch's parameters only."""
         idx = set(self.attached)
-        if _TOUCHED:
-            idx.update(index_of[t] for t in _TOUCHED if t in index_of)
-        return idx
-
-    def dropped_grads(self, idx) -> None:
-        """A ``zero_grad`` set the ``.grad`` of held parameters ``idx`` to ``None``: no longer attached (the next
-        backward's start reads the batch's parameters only, not these too)."""
-        if self.attached:
+        idx.update(map(self.index_of.__getitem__, self._touched_ids()))
+        if owned is not None:
+            adapter_of = self.adapter_of
+            idx = {i for i in idx if adapter_of[i] in owned}
+        held = self._held
+        clear_grads([held[i] for i in idx] + list(others), set_to_none)
+        if set_to_none and self.attached:
             self.attached.difference_update(idx)
             self._watch()
 
@@ -1576,13 +1577,8 @@ def _zero_grad(model, set_to_none: bool = True) -> None:
             torch.nn.Module.zero_grad:
         type(model).zero_grad(model, set_to_none=set_to_none)
     else:
-        idx = store.with_grads()
-        held = store._held
-        clear_grads([held[i] for i in idx] + _outside_params(model, store), set_to_none)
-        if set_to_none:
-            store.dropped_grads(idx)
-    if router is not None and router.store is not None:
-        store = router.store
+        store.clear_held_grads(_outside_params(model, store), set_to_none)
+    if store is not None:
         store.prepare_grads()  # the views the stock zero_grad dropped: attached again, zeroed, for pending adapters
         store.dropped = store.dropped or (set_to_none and not store.pending)  # (a retained graph's next backward)
         store.clear_seen()

@@ -311,6 +311,14 @@ def test_a_penalty_on_the_weights_trains_adapters_outside_the_batch_as_torch_doe
     assert all(moved[n] for n in moved if penalized in n)
 
 
+def _spy_zero_grad(monkeypatch, cls) -> tuple:
+    """``cls.zero_grad`` counted: ``(calls, the real one)``."""
+    calls = []
+    real = cls.zero_grad
+    monkeypatch.setattr(cls, "zero_grad", lambda self, set_to_none=True: calls.append(1) or real(self, set_to_none))
+    return calls, real
+
+
 def _steps_with_penalties(model, opt, zero, set_to_none, picks, seed, alone=None):
     """Steps of two adapters each (``picks``: indices into the sorted names), a penalty on ``m003`` (never in a
     batch) at the third; ``zero()`` after each step, then no ``.grad`` is left (``set_to_none=False``: none nonzero).
@@ -344,10 +352,7 @@ def test_torch_adamw_zero_grad_clears_every_gradient_without_reading_every_param
     those a penalty reached, not by reading every parameter's ``.grad`` (torch's own loop: ~50 ms per call at 1024
     adapters x 112 parameters): after each call every parameter's ``.grad`` is ``None`` (``set_to_none=False``:
     zero), torch's own ``zero_grad`` is not called after the first step, and the run equals torch's."""
-    calls = []
-    real = torch.optim.Optimizer.zero_grad
-    monkeypatch.setattr(torch.optim.Optimizer, "zero_grad", lambda self, set_to_none=True: calls.append(1) or real(
-        self, set_to_none))
+    calls, _ = _spy_zero_grad(monkeypatch, torch.optim.Optimizer)
 
     def run(fast, set_to_none):
         from fast_multilora import optim as O
@@ -376,10 +381,7 @@ def test_model_zero_grad_clears_every_gradient_without_walking_the_held_adapters
     visits every adapter's modules (at 1024 adapters x 56 layers, ~170k modules per call). After each call every
     ``.grad`` is ``None`` (``set_to_none=False``: zero), torch's ``Module.zero_grad`` is not called, and the run
     equals torch's. A layer the store does not hold (here: an embedding LoRA's) is walked as torch walks it."""
-    calls = []
-    real = torch.nn.Module.zero_grad
-    monkeypatch.setattr(torch.nn.Module, "zero_grad", lambda self, set_to_none=True: calls.append(1) or real(
-        self, set_to_none))
+    calls, real = _spy_zero_grad(monkeypatch, torch.nn.Module)
 
     def run(fast, set_to_none):
         from fast_multilora import store as S
@@ -402,8 +404,8 @@ def test_model_zero_grad_clears_every_gradient_without_walking_the_held_adapters
 
         with monkeypatch.context() as m:
             if not fast:
-                m.setattr(S, "_outside_params", None)  # (the fast path raises: torch's runs instead)
-                m.setattr(S.AdapterStore, "with_grads", lambda self: (_ for _ in ()).throw(RuntimeError))
+                # (the fast path raises: torch's runs instead)
+                m.setattr(S.AdapterStore, "clear_held_grads", lambda *a: (_ for _ in ()).throw(RuntimeError))
             _steps_with_penalties(model, opt, zero, set_to_none, ((0, 5), (6, 2), (5, 1), (0, 6)), seed=6)
         return model, len(calls)
 
