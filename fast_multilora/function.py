@@ -6,9 +6,9 @@
 * ``fused``: the base is a frozen ``nn.Linear`` (or, in training, a bitsandbytes 4-bit layer: ``base_weight``
   dequantizes its weight) whose GEMM runs inside the Function (SGEMM family, eager: the expand
   writes the delta, the bias folded in, and cuBLAS accumulates ``x Wᵀ`` into it; chunked family and compiled: the
-  GEMM first, the delta added into it -- :func:`base_first`; backward: eager, the shrink backward's ``dx`` and cuBLAS
-  accumulating ``dy W`` into it, compiled the reverse); otherwise the base layer
-  ran outside (it may be quantized or hooked) and the delta is added to its output.
+  GEMM first, the delta added into it -- :func:`base_first`; backward in the same order: ``dy W`` first and the
+  shrink backward adding its ``dx`` terms, or the shrink backward's ``dx`` and cuBLAS accumulating ``dy W``);
+  otherwise the base layer ran outside (it may be quantized or hooked) and the delta is added to its output.
 * ``stored``: the weights are the adapter store's two leaves of the layer (``fast_multilora.store``: every adapter's
   ``A`` rows as ``A_cat``, its ``B`` blocks packed), else PEFT's per-adapter parameters (layers the store does not
   hold, and layers whose parameters DDP reduces itself: ``fast_multilora.ddp``).
@@ -447,9 +447,17 @@ class LoraLinear(torch.autograd.Function):
         # the store's leaves: each slot's weight gradient added into the gradient arena where it lies, no leaf
         # gradient (whose size is the registry's: every adapter of the layer); the leaves' hooks run here instead
         add_a = add_b = False
+        base_dx = call.fused and need_dx and d_out is not None
         if d_out is not None:
             add_a, add_b = _adds(call, x, need_a, 0), _adds(call, x, need_b, 1)
             dy = d_out.reshape(-1, N).contiguous()
+            if base_dx and call.base_weight is not None:
+                W = call.base_weight(W, dy.dtype)
+            if base_dx and (_compiling() or base_first(segs)):
+                # the base part first (its GEMM queued before the LoRA launches' host work), the shrink backward
+                # adds its terms into it; traced, an ``addmm_`` onto the kernel's dx would become an ``addmm`` that
+                # copies its input first
+                dx = dy @ W
             d_y = None if call.fused else d_out  # out = y + delta: the identity for y
             if need_dx or need_a or need_b:
                 B = _b_weight(call, weights[n_a : n_a + n])
@@ -466,13 +474,6 @@ class LoraLinear(torch.autograd.Function):
             if call.has_bias and need_bias:
                 for i, g in enumerate(_bias_grad(dy, call)):
                     grads[n_a + n + i] = g.to(w_dtypes[n_a + n + i])
-        base_dx = call.fused and need_dx and dy is not None
-        if base_dx and call.base_weight is not None:
-            W = call.base_weight(W, dy.dtype)
-        if base_dx and _compiling():
-            # the base part first, the shrink backward adds its terms into it: a traced ``addmm_`` onto the
-            # kernel's dx (below, eager) would become an ``addmm`` that copies its input first
-            dx = dy @ W
         if dh is not None and (need_dx or need_a):
             A = _a_weight(call, weights[:n_a])
             dx, dA = be.shrink_bwd(dh, x, A, segs, table, 1, call.seed, need_dx, keep,
@@ -483,7 +484,7 @@ class LoraLinear(torch.autograd.Function):
                     grads[0] = dA.to(w_dtypes[0])
                 else:
                     grads[:n_a] = _split_grads(dA, call.ranks, w_dtypes[:n_a], dim=0)
-        if base_dx and not _compiling():
+        if base_dx and not (_compiling() or base_first(segs)):
             dx = dy @ W if dx is None else dx.addmm_(dy, W)  # cuBLAS accumulates the base part (beta 1)
         if dx is not None:
             dx = dx.view(x_shape)
