@@ -6,9 +6,9 @@
 * ``fused``: the base is a frozen ``nn.Linear`` (or, in training, a bitsandbytes 4-bit layer: ``base_weight``
   dequantizes its weight) whose GEMM runs inside the Function (SGEMM family, eager: the expand
   writes the delta, the bias folded in, and cuBLAS accumulates ``x Wᵀ`` into it; chunked family and compiled: the
-  GEMM first, the delta added into it -- :func:`base_first`; backward in the same order: ``dy W`` first and the
-  shrink backward adding its ``dx`` terms, or the shrink backward's ``dx`` and cuBLAS accumulating ``dy W``);
-  otherwise the base layer ran outside (it may be quantized or hooked) and the delta is added to its output.
+  GEMM first, the delta added into it -- :func:`base_first`; backward: eager, the shrink backward's ``dx`` (every
+  row written) and cuBLAS accumulating ``dy W`` into it, compiled the reverse); otherwise the base layer ran outside
+  (it may be quantized or hooked) and the delta is added to its output.
 * ``stored``: the weights are the adapter store's two leaves of the layer (``fast_multilora.store``: every adapter's
   ``A`` rows as ``A_cat``, its ``B`` blocks packed), else PEFT's per-adapter parameters (layers the store does not
   hold, and layers whose parameters DDP reduces itself: ``fast_multilora.ddp``).
@@ -453,10 +453,9 @@ class LoraLinear(torch.autograd.Function):
             dy = d_out.reshape(-1, N).contiguous()
             if base_dx and call.base_weight is not None:
                 W = call.base_weight(W, dy.dtype)
-            if base_dx and (_compiling() or base_first(segs)):
-                # the base part first (its GEMM queued before the LoRA launches' host work), the shrink backward
-                # adds its terms into it; traced, an ``addmm_`` onto the kernel's dx would become an ``addmm`` that
-                # copies its input first
+            if base_dx and _compiling():
+                # traced: the base part first and the shrink backward adding its terms into it (an ``addmm_`` onto
+                # the kernel's dx would become an ``addmm`` that copies its input first)
                 dx = dy @ W
             d_y = None if call.fused else d_out  # out = y + delta: the identity for y
             if need_dx or need_a or need_b:
@@ -484,8 +483,8 @@ class LoraLinear(torch.autograd.Function):
                     grads[0] = dA.to(w_dtypes[0])
                 else:
                     grads[:n_a] = _split_grads(dA, call.ranks, w_dtypes[:n_a], dim=0)
-        if base_dx and not (_compiling() or base_first(segs)):
-            dx = dy @ W if dx is None else dx.addmm_(dy, W)  # cuBLAS accumulates the base part (beta 1)
+        if base_dx and not _compiling():  # eager: the kernel writes every row of dx, cuBLAS adds dy W (beta 1)
+            dx = dy @ W if dx is None else dx.addmm_(dy, W)
         if dx is not None:
             dx = dx.view(x_shape)
         return (dx, d_y, None, None, None, *grads)
