@@ -5,9 +5,10 @@
 
 * ``fused``: the base is a frozen ``nn.Linear`` (or, in training, a bitsandbytes 4-bit layer: ``base_weight``
   dequantizes its weight) whose GEMM runs inside the Function (SGEMM family, eager: the expand
-  writes the delta, the bias folded in, and cuBLAS accumulates ``x Wᵀ`` into it; chunked family and compiled: the
-  GEMM first, the delta added into it -- :func:`base_first`; backward: eager, the shrink backward's ``dx`` (every
-  row written) and cuBLAS accumulating ``dy W`` into it, compiled the reverse); otherwise the base layer ran outside
+  writes the delta, the bias folded in, and cuBLAS accumulates ``x Wᵀ`` into it; chunked family: the GEMM first, the
+  delta added into it -- :func:`base_first`; backward: the shrink backward's ``dx``, every row written, and cuBLAS
+  accumulating ``dy W`` into it -- eager and compiled alike, the GEMM inside the expand's and the shrink backward's
+  calls); otherwise the base layer ran outside
   (it may be quantized or hooked) and the delta is added to its output.
 * ``stored``: the weights are the adapter store's two leaves of the layer (``fast_multilora.store``: every adapter's
   ``A`` rows as ``A_cat``, its ``B`` blocks packed), else PEFT's per-adapter parameters (layers the store does not
@@ -86,11 +87,14 @@ class TorchBackend:
         return reference.lora_shrink(x, A_cat, segs, table, stack_num=stack_num, keep=keep), keep
 
     @_no_autocast
-    def expand(self, h, B_cat, segs, table, y, stack_num, slice_idx, accumulate=True, bias=None, record=None):
+    def expand(self, h, B_cat, segs, table, y, stack_num, slice_idx, accumulate=True, bias=None, gemm=None,
+               record=None):
         if cpu_ops.applies(h, stack_num):
-            return cpu_ops.lora_expand(h, B_cat, segs, table, y, accumulate=accumulate, bias=bias)
-        return reference.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx,
-                                     accumulate=accumulate, bias=bias)
+            y = cpu_ops.lora_expand(h, B_cat, segs, table, y, accumulate=accumulate, bias=bias)
+        else:
+            y = reference.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx,
+                                      accumulate=accumulate, bias=bias)
+        return y if gemm is None else y.addmm_(*gemm)
 
     @_no_autocast
     def shrink_expand(self, x, A_cat, B_cat, segs, table, y, record=None):
@@ -117,13 +121,13 @@ class TorchBackend:
 
     @_no_autocast
     def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx, keep=None, grad_dtype=None,
-                   dx_acc=None, grad_out=None):
+                   grad_out=None, gemm=None):
         if cpu_ops.applies(x, stack_num):
             dx, dA = cpu_ops.lora_shrink_bwd(dh, x, A_cat, segs, table, keep=keep, need_dx=need_dx, dA_add=grad_out)
         else:
             dx, dA = reference.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, keep=keep,
                                                need_dx=need_dx)
-        return (dx if dx_acc is None or dx is None else dx_acc.add_(dx)), dA
+        return (dx if gemm is None else dx.addmm_(*gemm)), dA
 
 
 class TritonBackend:
@@ -176,17 +180,20 @@ class TritonBackend:
             record["shrink"] = launches[0]
         return h, keep
 
-    def expand(self, h, B_cat, segs, table, y, stack_num, slice_idx, accumulate=True, bias=None, record=None):
-        """``record`` (a dict, eager calls): the launch is kept under ``"expand"``."""
+    def expand(self, h, B_cat, segs, table, y, stack_num, slice_idx, accumulate=True, bias=None, gemm=None,
+               record=None):
+        """``gemm``: ``(a, b)``, then ``y += a @ b`` (cuBLAS, beta 1: a fused layer's base GEMM added into the delta
+        written); while ``torch.compile`` traces, inside the op. ``record`` (a dict, eager calls):
+        the launch is kept under ``"expand"``."""
         if _compiling():
             return self.ops.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx,
-                                        accumulate=accumulate, bias=bias)
+                                        accumulate=accumulate, bias=bias, gemm=gemm)
         launches = None if record is None else []
         out = self.k.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx,
                                  accumulate=accumulate, bias=bias, record=launches)
         if record is not None:
             record["expand"] = launches[0]
-        return out
+        return out if gemm is None else out.addmm_(*gemm)
 
     def shrink_expand(self, x, A_cat, B_cat, segs, table, y, record=None):
         """``y += delta`` in one launch (``kernels.lora_shrink_expand``: few rows, no grad); ``record`` (a dict):
@@ -230,18 +237,18 @@ class TritonBackend:
                                       dh=dh, dB_out=dB, dB_blocked=True, accumulate_dB=grad_out is not None)
 
     def shrink_bwd(self, dh, x, A_cat, segs, table, stack_num, seed, need_dx, keep=None, grad_dtype=None,
-                   dx_acc=None, grad_out=None):
-        """``(dx, dA)``; with ``grad_dtype`` (eager only) ``dA`` comes in that dtype, else float32. ``dx_acc``: the
-        dx terms are added into it (returned as ``dx``). ``grad_out``: as :meth:`expand_bwd`'s."""
+                   grad_out=None, gemm=None):
+        """``(dx, dA)``; with ``grad_dtype`` (eager only) ``dA`` comes in that dtype, else float32. ``grad_out``: as
+        :meth:`expand_bwd`'s. ``gemm``: ``(a, b)``, then ``dx += a @ b`` (the fused base's ``dy W``), inside the op
+        while ``torch.compile`` traces."""
         if _compiling():
             return self.ops.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed,
-                                            need_dx=need_dx, keep=keep, dx_acc=dx_acc)
+                                            need_dx=need_dx, keep=keep, gemm=gemm)
         dA = grad_out if grad_out is not None else None if grad_dtype is None else \
             torch.empty(stack_num * table.total_rank, x.shape[1], dtype=grad_dtype, device=x.device)
-        acc = need_dx and dx_acc is not None
-        return self.k.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed, need_dx=need_dx,
-                                      keep=keep, dA_out=dA, dx_out=dx_acc if acc else None, accumulate_dx=acc,
-                                      accumulate_dA=grad_out is not None)
+        dx, dA = self.k.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed, need_dx=need_dx,
+                                        keep=keep, dA_out=dA, accumulate_dA=grad_out is not None)
+        return (dx if gemm is None else dx.addmm_(*gemm)), dA
 
 
 _BACKENDS: dict = {}
@@ -342,24 +349,26 @@ def lora_dropout_rate(drop: torch.nn.Module) -> float:
 
 def base_first(segs: Segments) -> bool:
     """Whether a fused call runs the base GEMM first and the expand adds the delta into its output, rather than the
-    expand writing the delta (every row) and cuBLAS accumulating the GEMM into it (``addmm_``, beta 1): while
-    ``torch.compile`` traces (a traced ``addmm_`` becomes an out-of-place ``addmm``, which copies its input first,
-    where the expand's in-place update of a fresh intermediate is re-inplaced by Inductor), and for the chunked
-    family, whose write mode would zero-fill ``y`` first (one launch and one pass over ``y`` more than the GEMM's
-    own write). The SGEMM family's write mode defines every row itself."""
-    return _compiling() or segs.perm is not None
+    expand writing the delta (every row) and cuBLAS accumulating the GEMM into it (``addmm_``, beta 1): for the
+    chunked family, whose write mode would zero-fill ``y`` first (one launch and one pass over ``y`` more than the
+    GEMM's own write). The SGEMM family's write mode defines every row itself, and writing the delta then adding the
+    GEMM in its epilogue is the cheaper pair on the GPU (``docs/kernels.md``). Reads the layout's kind only, eager
+    and compiled alike."""
+    return segs.perm is not None
 
 
 def linear_with_delta(x, W, bias, expand, first: bool) -> torch.Tensor:
-    """``x Wᵀ (+ bias) + delta``, ``expand(y, accumulate, bias)`` putting the delta into ``y``: the base GEMM
-    ``first`` (:func:`base_first`) and the delta added, or the delta written (bias folded in) and the GEMM added."""
+    """``x Wᵀ (+ bias) + delta``, ``expand(y, accumulate, bias, gemm)`` putting the delta into ``y``: the base GEMM
+    ``first`` (:func:`base_first`) and the delta added, or the delta written (bias folded in) and the GEMM added by
+    the expand's call (``gemm``: its operands; while ``torch.compile`` traces, inside the expand op, where a traced
+    ``Tensor.addmm_`` would become an ``addmm`` that copies ``y`` first)."""
     if first:
         y = x @ W.t() if bias is None else torch.addmm(bias, x, W.t())
-        expand(y, True, None)
+        expand(y, True, None, None)
         return y
     y = torch.empty(x.shape[0], W.shape[0], dtype=x.dtype, device=x.device)
-    expand(y, False, bias)
-    return y.addmm_(x, W.t())
+    expand(y, False, bias, (x, W.t()))
+    return y
 
 
 def _delta_target(ctx, y_in: torch.Tensor) -> tuple:
@@ -413,8 +422,8 @@ class LoraLinear(torch.autograd.Function):
         if call.fused:
             W_base = W if call.base_weight is None else call.base_weight(W, x.dtype)  # not kept for the backward
             rows = linear_with_delta(
-                x, W_base, b, lambda y, acc, bias: be.expand(h, B, segs, table, y, 1, 0, accumulate=acc, bias=bias,
-                                                             record=rec), base_first(segs))
+                x, W_base, b, lambda y, acc, bias, gemm: be.expand(h, B, segs, table, y, 1, 0, accumulate=acc,
+                                                                   bias=bias, gemm=gemm, record=rec), base_first(segs))
             del W_base
             out = rows.view(*x_in.shape[:-1], rows.shape[1])
         else:
@@ -453,10 +462,6 @@ class LoraLinear(torch.autograd.Function):
             dy = d_out.reshape(-1, N).contiguous()
             if base_dx and call.base_weight is not None:
                 W = call.base_weight(W, dy.dtype)
-            if base_dx and _compiling():
-                # traced: the base part first and the shrink backward adding its terms into it (an ``addmm_`` onto
-                # the kernel's dx would become an ``addmm`` that copies its input first)
-                dx = dy @ W
             d_y = None if call.fused else d_out  # out = y + delta: the identity for y
             if need_dx or need_a or need_b:
                 B = _b_weight(call, weights[n_a : n_a + n])
@@ -476,15 +481,16 @@ class LoraLinear(torch.autograd.Function):
         if dh is not None and (need_dx or need_a):
             A = _a_weight(call, weights[:n_a])
             dx, dA = be.shrink_bwd(dh, x, A, segs, table, 1, call.seed, need_dx, keep,
-                                   grad_dtype=_grad_dtype(w_dtypes[:n_a]), dx_acc=dx,
-                                   grad_out=call.stored.a_leaf.grad if add_a else None)
+                                   grad_dtype=_grad_dtype(w_dtypes[:n_a]),
+                                   grad_out=call.stored.a_leaf.grad if add_a else None,
+                                   gemm=(dy, W) if base_dx else None)  # the kernel wrote every row, cuBLAS adds dy W
             if need_a and not add_a:  # (added: in the arena already)
                 if call.stored is not None:
                     grads[0] = dA.to(w_dtypes[0])
                 else:
                     grads[:n_a] = _split_grads(dA, call.ranks, w_dtypes[:n_a], dim=0)
-        if base_dx and not _compiling():  # eager: the kernel writes every row of dx, cuBLAS adds dy W (beta 1)
-            dx = dy @ W if dx is None else dx.addmm_(dy, W)
+        if base_dx and dx is None:  # no LoRA dx terms (no dh)
+            dx = dy @ W
         if dx is not None:
             dx = dx.view(x_shape)
         return (dx, d_y, None, None, None, *grads)
@@ -613,12 +619,18 @@ class LaunchPlan:
         B = _pick(self.b_pick, b_ws)
         if self.fused:
             expand = self.expand
-            rows = linear_with_delta(x, W, b, lambda y, acc, bias: expand(h, B, y, bias), base_first(self.segs))
+            rows = linear_with_delta(x, W, b, lambda y, acc, bias, gemm: _replay_expand(expand, h, B, y, bias, gemm),
+                                     base_first(self.segs))
             out = rows.view(self.out_shape)
         else:
             out, rows = _delta_target(_NO_GRAD_CTX, y_in)
             self.expand(h, B, rows)
         return out
+
+
+def _replay_expand(expand, h, B, y, bias, gemm):
+    expand(h, B, y, bias)
+    return y if gemm is None else y.addmm_(*gemm)
 
 
 def _picker(w, ws, derive):

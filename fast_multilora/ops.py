@@ -6,15 +6,17 @@ Ops, namespace ``fast_multilora`` (``torch.ops.fast_multilora.<name>``):
   them uninitialised), so the op's output is fully defined; with ``store_mask`` and dropout, ``keep_bits`` is the
   packed keep-mask the backward reads, else an empty ``[0, 0]`` uint8 tensor (an op cannot return ``None``).
 * ``lora_expand``      ``y (+)= expand(h, B_cat)`` in place (``accumulate=False``: written, base rows the bias or
-  zero): mutates ``y``, returns nothing; ``torch.compile`` functionalises it.
+  zero), then with ``a``, ``b`` given ``y += a @ b`` (cuBLAS, beta 1: a fused layer's base GEMM added into the delta
+  written): mutates ``y``, returns nothing; ``torch.compile`` functionalises it and Inductor re-inplaces it. The GEMM
+  is inside the op because a traced ``Tensor.addmm_`` becomes an out-of-place ``addmm``, which copies ``y`` first,
+  and an op of its own would cost a call's host time per layer.
 * ``lora_shrink_expand``  ``y += expand(shrink(x, A_cat), B_cat)`` in place, one launch (few rows, no dropout: the
   decode calls of ``kernels.decode``); mutates ``y``, returns nothing.
 * ``lora_expand_bwd``  ``(dh, dB_cat)``, ``dB_cat`` in ``B_cat``'s layout; an optional ``dh`` input is the starting
   content of the returned ``dh``
   (the launcher's fill-in-place ``dh``, made functional).
-* ``lora_shrink_bwd``  ``(dx, dA_cat)``; without ``need_dx``, ``dx`` is an empty ``[0, K]`` tensor. With ``dx_acc``
-  (mutated) the adapter rows' dx terms are added into it instead, and ``dx`` is empty: a fused layer's backward passes
-  the base part ``dy W`` there (a traced ``addmm_`` onto the op's ``dx`` would copy it first).
+* ``lora_shrink_bwd``  ``(dx, dA_cat)``; without ``need_dx``, ``dx`` is an empty ``[0, K]`` tensor; with ``a``, ``b``
+  given, ``dx += a @ b`` after the kernel wrote it (a fused layer's ``dy W``, as ``lora_expand``'s).
 
 The ops are not differentiable: ``function.LoraLinear``, the one autograd Function of a patched layer call, calls
 them in its forward and backward while ``torch.compile`` traces (and the launchers directly in eager mode), so the
@@ -164,17 +166,20 @@ def _(x, A_cat, layout, ints, seed):
     return h, x.new_empty(shape, dtype=torch.uint8)
 
 
-@_op("lora_expand(Tensor h, Tensor B_cat, Tensor(a!) y, Tensor?[] layout, SymInt[] ints, Tensor? bias) -> ()")
+@_op("lora_expand(Tensor h, Tensor B_cat, Tensor(a!) y, Tensor?[] layout, SymInt[] ints, Tensor? bias, Tensor? a, "
+     "Tensor? b) -> ()")
 def _expand_op(h: Tensor, B_cat: Tensor, y: Tensor, layout: list[Optional[Tensor]], ints: list[int],
-               bias: Optional[Tensor]) -> None:
+               bias: Optional[Tensor], a: Optional[Tensor], b: Optional[Tensor]) -> None:
     """ints: layout, stack_num, slice_idx, accumulate."""
     segs, table, (stack_num, slice_idx, accumulate) = _unpack(layout, ints)
     K.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx, accumulate=bool(accumulate),
                   bias=bias)
+    if a is not None:
+        y.addmm_(a, b)
 
 
 @_fake("lora_expand")
-def _(h, B_cat, y, layout, ints, bias):
+def _(h, B_cat, y, layout, ints, bias, a, b):
     return None
 
 
@@ -210,22 +215,24 @@ def _(dy, h, B_cat, layout, ints, dh):
 
 
 @_op("lora_shrink_bwd(Tensor dh, Tensor x, Tensor A_cat, Tensor?[] layout, SymInt[] ints, Tensor? seed, "
-     "Tensor? keep, Tensor(a!)? dx_acc) -> (Tensor, Tensor)")
+     "Tensor? keep, Tensor? a, Tensor? b) -> (Tensor, Tensor)")
 def _shrink_bwd_op(dh: Tensor, x: Tensor, A_cat: Tensor, layout: list[Optional[Tensor]], ints: list[int],
-                   seed: Optional[Tensor], keep: Optional[Tensor], dx_acc: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+                   seed: Optional[Tensor], keep: Optional[Tensor], a: Optional[Tensor],
+                   b: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """ints: layout, stack_num, need_dx."""
     segs, table, (stack_num, need_dx) = _unpack(layout, ints)
     keep = keep if keep is not None and keep.numel() else None
-    acc = bool(need_dx) and dx_acc is not None
     dx, dA = K.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed, need_dx=bool(need_dx),
-                               keep=keep, dx_out=dx_acc if acc else None, accumulate_dx=acc)
-    return (dx if need_dx and not acc else x.new_empty(0, x.shape[1])), dA
+                               keep=keep)
+    if not need_dx:
+        return x.new_empty(0, x.shape[1]), dA
+    return (dx if a is None else dx.addmm_(a, b)), dA
 
 
 @_fake("lora_shrink_bwd")
-def _(dh, x, A_cat, layout, ints, seed, keep, dx_acc):
+def _(dh, x, A_cat, layout, ints, seed, keep, a, b):
     stack_num, need_dx = ints[_N_LAYOUT_INTS:]
-    dx = x.new_empty(x.shape) if need_dx and dx_acc is None else x.new_empty(0, x.shape[1])
+    dx = x.new_empty(x.shape) if need_dx else x.new_empty(0, x.shape[1])
     return dx, x.new_empty(stack_num * ints[_TOTAL_RANK], x.shape[1], dtype=_acc(x.dtype))
 
 
@@ -242,9 +249,12 @@ def lora_shrink(x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int
 
 
 def lora_expand(h, B_cat, segs: Segments, table: AdapterTable, y, *, stack_num: int = 1, slice_idx: int = 0,
-                accumulate: bool = True, bias: Optional[Tensor] = None):
-    """``kernels.lora_expand`` through ``fast_multilora::lora_expand``: ``y`` updated in place and returned."""
-    torch.ops.fast_multilora.lora_expand(h, B_cat, y, *_layout(segs, table, stack_num, slice_idx, accumulate), bias)
+                accumulate: bool = True, bias: Optional[Tensor] = None, gemm: Optional[tuple] = None):
+    """``kernels.lora_expand`` through ``fast_multilora::lora_expand``: ``y`` updated in place and returned; with
+    ``gemm`` ``(a, b)``, ``y += a @ b`` after it."""
+    a, b = gemm if gemm is not None else (None, None)
+    torch.ops.fast_multilora.lora_expand(h, B_cat, y, *_layout(segs, table, stack_num, slice_idx, accumulate), bias,
+                                         a, b)
     return y
 
 
@@ -265,9 +275,11 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
 
 def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1,
                     seed: Optional[Tensor] = None, need_dx: bool = True, keep: Optional[Tensor] = None,
-                    dx_acc: Optional[Tensor] = None):
+                    gemm: Optional[tuple] = None):
     """``kernels.lora_shrink_bwd`` through ``fast_multilora::lora_shrink_bwd``: ``(dx or None, dA_cat)``; with
-    ``dx_acc`` (and ``need_dx``) the dx terms are added into it, which is returned as ``dx``."""
+    ``gemm`` ``(a, b)`` (and ``need_dx``), ``dx += a @ b`` after the kernel wrote it."""
+    a, b = gemm if gemm is not None else (None, None)
     dx, dA = torch.ops.fast_multilora.lora_shrink_bwd(dh, x, A_cat, *_layout(segs, table, stack_num, need_dx), seed,
-                                                      keep, dx_acc)
-    return (None if not need_dx else dx if dx_acc is None else dx_acc), dA
+                                                      keep, a, b)
+    return (dx if need_dx else None), dA
+

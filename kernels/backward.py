@@ -58,15 +58,10 @@ def _config_target(device) -> str:
     return target_for(device, interpret=_INTERPRET)
 
 
-def _shrink_r16_tile(mode: str, K: int, accumulate_dx: bool, target: Optional[str] = None) -> tuple:
-    """``(BLOCK_S, BLOCK_K, num_warps, num_stages)`` of the ``shrink_bwd_r16`` row of ``mode`` for ``K``. Adding
-    into dx holds one more [BLOCK_S, BLOCK_K] tile: the stored-mask row's 256-wide K tile then spills on sm_90 (255
-    registers + 64 bytes of stack, ``test_gpu_table_compiles_for_sm90_without_spills``), so it takes 128."""
+def _shrink_r16_tile(mode: str, K: int, target: Optional[str] = None) -> tuple:
+    """``(BLOCK_S, BLOCK_K, num_warps, num_stages)`` of the ``shrink_bwd_r16`` row of ``mode`` for ``K``."""
     cfg = block_config("shrink_bwd_r16", width=K, mode=mode, target=target)
-    BLOCK_S, BLOCK_K, num_warps, num_stages = cfg["BLOCK_S"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"]
-    if accumulate_dx and mode == "stored":
-        BLOCK_K = min(BLOCK_K, 128)
-    return BLOCK_S, BLOCK_K, num_warps, num_stages
+    return cfg["BLOCK_S"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"]
 
 
 _SHRINK_MAX_R = 128
@@ -361,11 +356,9 @@ def _shrink_bwd_kernel(
     NEED_DX: tl.constexpr, HAS_DROPOUT: tl.constexpr, LOAD_MASK: tl.constexpr, HOIST_A: tl.constexpr,
     EVEN_K: tl.constexpr, W_OFFS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    DROP_STACK: tl.constexpr, ACC_DX: tl.constexpr,
+    DROP_STACK: tl.constexpr,
 ):
     """dx[t, k] = keep/(1-p) * dh[t, :R] . A[rows, k];  part_dA[chunk, j, k] = sum_t dh[t, j] x[t, k] keep/(1-p).
-
-    ``ACC_DX``: dx (+)= instead: adapter rows get their term added (in fp32, rounded once), base rows stay as they are.
 
     ``DROP_STACK > 1`` (dropout on a stack of that many slices): column ``j`` of dh (row of A) belongs to slice
     ``j // rank``, whose own mask (key ``slice_seed(seed, s)``) multiplies that slice's terms of dx and dA.
@@ -383,8 +376,8 @@ def _shrink_bwd_kernel(
     rank = tl.load(ranks + tl.maximum(slot, 0), mask=slot >= 0, other=0)
     o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
     m_k = o_k < K
-    if (slot < 0) | (rank == 0):  # base tokens / absent adapter: dx rows are zero (untouched with ACC_DX)
-        if NEED_DX and not ACC_DX:
+    if (slot < 0) | (rank == 0):  # base tokens / absent adapter: dx rows are zero
+        if NEED_DX:
             if i_r == 0:
                 for s0 in range(start, end, BLOCK_S):
                     o_s = s0 + tl.arange(0, BLOCK_S)
@@ -448,9 +441,6 @@ def _shrink_bwd_kernel(
                     p_dx = dx + o_t[:, None] * stride_dxs + o_k[None, :] * stride_dxk
                     # a new name: Triton keeps a variable's type across an if (b_dx is fp32 outside)
                     b_out = (b_dx * inv_keep).to(dx.dtype.element_ty)
-                    if ACC_DX:
-                        b_out = (tl.load(p_dx, mask=m_s[:, None] & m_k[None, :], other=0.0).to(b_da.dtype)
-                                 + b_out.to(b_da.dtype)).to(dx.dtype.element_ty)
                     tl.store(p_dx, b_out, mask=m_s[:, None] & m_k[None, :])
         else:
             if HAS_DROPOUT:
@@ -493,9 +483,6 @@ def _shrink_bwd_kernel(
                     else:
                         b_dx = b_dx.to(dx.dtype.element_ty)
                     p_dx = dx + o_t[:, None] * stride_dxs + o_k[None, :] * stride_dxk
-                    if ACC_DX:  # the term rounded as when written, then added to what dx holds
-                        b_dx = (tl.load(p_dx, mask=m_s[:, None] & m_k[None, :], other=0.0).to(b_da.dtype)
-                                + b_dx.to(b_da.dtype)).to(dx.dtype.element_ty)
                     tl.store(p_dx, b_dx, mask=m_s[:, None] & m_k[None, :])
     if HAS_DROPOUT:
         b_da = b_da * inv_keep
@@ -693,11 +680,10 @@ def lora_expand_bwd(dy, h, B_cat, segs: Segments, table: AdapterTable, *, stack_
 def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_num: int = 1,
                     seed=None, need_dx: bool = True, dx_out: Optional[torch.Tensor] = None,
                     dA_out: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None,
-                    accumulate_dx: bool = False, accumulate_dA: bool = False):
+                    accumulate_dA: bool = False):
     """Returns ``(dx, dA_cat)``: ``dx`` in ``x``'s dtype, every row written (zero for base tokens, slot -1 and rank
     0; ``None`` unless ``need_dx``) and ``dA_cat`` float32 ``[stack_num*total_rank, K]`` (every row written, zero for
-    slots without tokens). ``accumulate_dx``: adapter rows' terms are added to the given ``dx_out`` (each rounded to
-    ``x``'s dtype, as written, then summed in fp32 and rounded once), base rows keep what it holds. ``seed``
+    slots without tokens). ``seed``
     (Philox, or ``None``) regenerates the forward's dropout mask; ``keep``, the packed mask ``lora_shrink(...,
     keep_out=)`` stored for the same seed, is read instead of drawn again. A given ``dA_out`` may be bfloat16 or
     float16 (float32 accumulation): the sums are rounded once, as they are stored. ``accumulate_dA``: the given
@@ -714,8 +700,6 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
         check_keep_bits(name, keep, x, stack_num)
     if not (need_dx or dx_out is None):
         raise ValueError(f"{name}: dx_out given but need_dx=False")
-    if accumulate_dx and dx_out is None:
-        raise ValueError(f"{name}: accumulate_dx needs dx_out (the tensor the terms are added to)")
     dx = None
     if need_dx:
         dx = dx_out if dx_out is not None else torch.empty_like(x)
@@ -733,7 +717,7 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     load_mask = has_dropout and keep is not None
     if BLOCK_R == 16 and need_dx and stack_num == 1 and x.element_size() == 2 and not _INTERPRET:
         BLOCK_S, BLOCK_K, num_warps, num_stages = _shrink_r16_tile(
-            "stored" if load_mask else "redrawn" if has_dropout else "none", K, accumulate_dx, _config_target(dev))
+            "stored" if load_mask else "redrawn" if has_dropout else "none", K, _config_target(dev))
     else:
         cfg = block_config("shrink_bwd" if need_dx else "shrink_bwd_da", dtype=x.dtype, rank_tile=BLOCK_R,
                            target=_config_target(dev))
@@ -762,7 +746,6 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
         EVEN_K=K % BLOCK_K == 0, DOT_PRECISION=_dot_precision(x.dtype), W_OFFS=w_offs is not None,
         BLOCK_S=BLOCK_S, BLOCK_K=BLOCK_K, BLOCK_R=BLOCK_R, num_warps=num_warps, num_stages=num_stages,
         DROP_STACK=stack_num if has_dropout else 1,  # a mask per stacked slice
-        ACC_DX=accumulate_dx,
     ))
     if R_tot > 0 and n_slots > 0:
         BLOCK_KF = min(128, max(16, _FINISH_TILE // BLOCK_R))

@@ -42,7 +42,7 @@ def _problem(grouped, device, dropout=False):
         "x": torch.randn(S, K, generator=g), "y": torch.randn(S, N, generator=g),
         "A": torch.randn(R, K, generator=g) / K**0.5, "B": torch.randn(N, R, generator=g),
         "h": torch.randn(S, max(RANKS), generator=g), "dy": torch.randn(S, N, generator=g),
-        "bias": torch.randn(N, generator=g),
+        "bias": torch.randn(N, generator=g), "W": torch.randn(N, K, generator=g),
     }
     t = {k: v.to(device) for k, v in t.items()}
     table = make_table(RANKS, dropout=DROPOUT if dropout else None, device=device)
@@ -54,11 +54,13 @@ def _problem(grouped, device, dropout=False):
 @pytest.mark.parametrize("grouped", [FAMILIES[0], pytest.param(True, id="chunked", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("op", ["lora_shrink", "lora_shrink_store", "lora_expand", "lora_expand_write",
                                 "lora_expand_bwd", "lora_expand_bwd_dh", "lora_shrink_bwd", "lora_shrink_bwd_keep",
-                                "lora_shrink_bwd_no_dx", "lora_shrink_bwd_acc", "lora_shrink_expand"])
+                                "lora_shrink_bwd_no_dx", "lora_shrink_bwd_gemm", "lora_shrink_expand",
+                                "lora_expand_write_gemm"])
 def test_opcheck(op, grouped, device):
     """The ops' schema, fake tensors and AOT dispatch (dynamic shapes), with a device seed; the expand in add and
-    write mode (with a bias), the backward ops with their optional inputs (the shrink backward's mutated ``dx_acc``
-    too), the one-launch decode op (its layout with the rows' slots)."""
+    write mode (with a bias), the backward ops with their optional inputs, the one-launch decode op (its layout with
+    the rows' slots), and the fused base's GEMM inside the write-mode expand (a transposed weight, as the forward
+    passes it) and inside the shrink backward."""
     t, segs, table = _problem(grouped, device, dropout=True)
     seed = torch.tensor([1234], dtype=torch.int32, device=device)
 
@@ -70,15 +72,18 @@ def test_opcheck(op, grouped, device):
     cases = {
         "lora_shrink": (f.lora_shrink, (t["x"], t["A"], *L(1, False), seed)),
         "lora_shrink_store": (f.lora_shrink, (t["x"], t["A"], *L(1, True), seed)),
-        "lora_expand": (f.lora_expand, (t["h"], t["B"], t["y"], *L(1, 0, True), None)),
-        "lora_expand_write": (f.lora_expand, (t["h"], t["B"], t["y"], *L(1, 0, False), t["bias"])),
+        "lora_expand": (f.lora_expand, (t["h"], t["B"], t["y"], *L(1, 0, True), None, None, None)),
+        "lora_expand_write": (f.lora_expand, (t["h"], t["B"], t["y"], *L(1, 0, False), t["bias"], None, None)),
+        "lora_expand_write_gemm": (f.lora_expand, (t["h"], t["B"], t["y"], *L(1, 0, False), t["bias"], t["x"],
+                                                   t["W"].t())),
         "lora_expand_bwd": (f.lora_expand_bwd, (t["dy"], t["h"], t["B"], *L(1, 0), None)),
         "lora_expand_bwd_dh": (f.lora_expand_bwd, (t["dy"], t["h"], t["B"], *L(1, 0), t["h"])),
-        "lora_shrink_bwd": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L(1, True), seed, None, None)),
-        "lora_shrink_bwd_keep": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L(1, True), seed, keep, None)),
-        "lora_shrink_bwd_no_dx": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L(1, False), None, None, None)),
-        "lora_shrink_bwd_acc": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L(1, True), seed, keep,
-                                                    t["x"].clone())),
+        "lora_shrink_bwd": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L(1, True), seed, None, None, None)),
+        "lora_shrink_bwd_keep": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L(1, True), seed, keep, None, None)),
+        "lora_shrink_bwd_no_dx": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L(1, False), None, None, None,
+                                                      None)),
+        "lora_shrink_bwd_gemm": (f.lora_shrink_bwd, (t["h"], t["x"], t["A"], *L(1, True), seed, keep, t["dy"],
+                                                     t["W"])),
         "lora_shrink_expand": (f.lora_shrink_expand, (t["x"], t["A"], t["B"], t["y"], *ops._layout(
             segs._replace(token_slots=_TOKEN_SLOTS.to(device, torch.int32)), table))),
     }
@@ -128,15 +133,16 @@ def test_backward_ops_read_the_layouts_chunk_tables(grouped, device):
         bad[..., 0][bad[..., 0] == 1] = -1  # slot 1's chunks: unused
         s_bad = with_tables._replace(chunk_tables=(bad, cptr), cache={})
         dh, _ = ops.lora_expand_bwd(t["dy"], t["h"], t["B"], s_bad, table)
-        dx = torch.zeros_like(t["x"])  # added into: rows no chunk reaches keep their zero
-        ops.lora_shrink_bwd(dh, t["x"], t["A"], s_bad, table, seed=seed, dx_acc=dx)
+        # dx through the launcher the op calls, into a NaN-filled buffer: every row written, slot 1's as base rows
+        dx = torch.full_like(t["x"], float("nan"))
+        kb.lora_shrink_bwd(dh, t["x"], t["A"], s_bad, table, seed=seed, dx_out=dx)
     finally:
         kb.chunk_table = real
     rows = (ts == 1).to(device)
     assert rows.any() and (want[0][rows] != 0).any() and (want[2][rows] != 0).any()
     assert (dh[rows] == 0).all() and (dx[rows] == 0).all()
     assert torch.equal(dh[~rows], want[0][~rows])
-    torch.testing.assert_close(dx[~rows], want[2][~rows])  # (added to zero: fp32 rounding of the sum)
+    assert torch.equal(dx[~rows], want[2][~rows])
 
 
 def _breaks_and_graphs():
@@ -264,21 +270,29 @@ def _called(node) -> tuple:
 
 def test_compiled_graphs_hold_the_ops(device):
     """The compiled forward and backward graphs hold the Triton ops (the delta is traced, not run between graphs),
-    the expand in both modes (fused base: write mode; a hooked base: add mode), one shrink per layer call."""
+    the expand in both modes (fused base: write mode; a hooked base: add mode), one shrink per layer call, and the
+    fused base's GEMM inside the expand op (forward) and the shrink backward op (dx) -- no ``aten.mm`` / ``addmm``
+    of its own in the graphs (SGEMM family)."""
     from torch._dynamo.backends.common import aot_autograd
 
     model = peft_model("llama", layers=1).to(device)
     model.base_model.model.model.layers[0].mlp.down_proj.base_layer.register_forward_hook(lambda m, a, o: o)
-    fast_multilora.patch(model, backend="triton")
-    seen, shrinks = set(), []
+    fast_multilora.patch(model, backend="triton", family="sgemm")  # (9-token rows would take the chunked family)
+    seen, shrinks, gemms = set(), [], []
 
     def record(gm, _example_inputs):
+        n_gemm = 0
         for node in gm.graph.nodes:
             for target in _called(node):
                 if isinstance(target, torch._ops.OpOverload) and target.namespace == "fast_multilora":
                     seen.add(target.name())
                     if target.name() == "fast_multilora::lora_shrink":
                         shrinks.append(node)
+                    if target.name() == "fast_multilora::lora_expand":  # (mutating: auto_functionalized's kwargs)
+                        n_gemm += node.kwargs["a"] is not None
+                    if target.name() == "fast_multilora::lora_shrink_bwd":
+                        n_gemm += node.args[7] is not None
+        gemms.append(n_gemm)
         return make_boxed_func(gm)
 
     ids = torch.randint(0, 97, (4, 9)).to(device)
@@ -288,6 +302,9 @@ def test_compiled_graphs_hold_the_ops(device):
     assert seen == {f"fast_multilora::{op}" for op in ("lora_shrink", "lora_expand", "lora_expand_bwd",
                                                        "lora_shrink_bwd")}
     assert _breaks_and_graphs() == (0, 1)
+    # forward: the 6 fused layers (the hooked down_proj is not); backward: those whose input needs a gradient (the
+    # frozen embeddings' q/k/v do not)
+    assert gemms == [6, 3], gemms
     # every LoRA layer call shrinks its own input (no state passes between layer calls): 7 in the decoder layer
     assert len(shrinks) == 7, len(shrinks)
 
@@ -345,8 +362,9 @@ def test_compiled_training_on_the_adapter_store_reads_b_as_it_lies(device):
 def test_compiled_graphs_take_the_entry_layout_and_copy_no_base_output(packed, device, monkeypatch):
     """The layout is built once per call at the model's entry and enters the graph as inputs: no sort or
     searchsorted (the layout builders' ops) in the traced graphs -- built per layer, the 8-layer benchmark model's
-    eval graph ran 56 sorts. And no ``addmm``: a fused layer's base GEMM runs first and the LoRA ops add into it,
-    where a traced ``addmm_`` would become an ``addmm`` that copies its input. The op calls of one layout share its
+    eval graph ran 56 sorts. And no ``aten.addmm``: a fused layer's base GEMM is added in place by the ``addmm_`` op
+    (SGEMM) or runs first and the LoRA ops add into it (chunked), where a traced ``Tensor.addmm_`` would become an
+    ``addmm`` that copies its input. The op calls of one layout share its
     validation memos (``ops._shared_memos``): each kind of (layout, layer table) is checked once, as in eager mode.
     The backward's chunk tables come with the entry layout (``backward.with_tables``, graph inputs like the
     layout's own tensors): no op call builds one, and another mix (other tables) runs the same graph. The shared
@@ -407,10 +425,11 @@ def test_compiled_graphs_take_the_entry_layout_and_copy_no_base_output(packed, d
 
 @pytest.mark.parametrize("grouped", FAMILIES)
 def test_compiled_layer_gradchecks_in_float64(grouped):
-    """float64 gradcheck of a compiled layer call (``aot_eager``, one graph) with dropout, on the paths only a
-    compiled call takes: fused, the base GEMM first and the expand adding into it, the backward's ``dy W`` first and
-    the shrink backward adding its dx terms into it (``accumulate_dx``); unfused, the delta added into a copy of the
-    base output. The seed is a device tensor, as the compiled path draws it. Also equal to the eager call."""
+    """float64 gradcheck of a compiled layer call (``aot_eager``, one graph) with dropout, through the ops: fused,
+    the delta written (SGEMM) or added into the base GEMM's output (chunked) and the base added by the ``addmm_`` op,
+    the backward's dx written and ``dy W`` added by it; unfused, the delta added into a copy of the base output (what
+    only a compiled call does). The seed is a device tensor, as the compiled path draws it. Also equal to the eager
+    call."""
     from helpers import random_token_slots
     from test_function import _call, _gradcheck, _weights, delta, fused
 
@@ -431,6 +450,49 @@ def test_compiled_layer_gradchecks_in_float64(grouped):
     assert _breaks_and_graphs() == (0, 2)
     torch.testing.assert_close(f_fused(x, *As, *Bs), fused(x, W, b, fcall, *As, *Bs))
     torch.testing.assert_close(f_delta(x, y, *As, *Bs), delta(x, y.clone(), dcall, *As, *Bs))
+
+
+def test_inductor_adds_the_base_gemm_in_place():
+    """Under Inductor (CPU here; the same passes run for CUDA), a fused layer call (SGEMM family) adds its base GEMM
+    inside the expand op (forward) and the shrink backward op (``dx``), on the buffers they write: the generated code
+    holds no GEMM of its own (``extern_kernels.mm`` / ``addmm``: a traced ``Tensor.addmm_`` is lowered to an
+    out-of-place ``addmm``, which copies its input first) and no copy or clone; the expand op mutates the buffer it
+    is given in place. Equal to eager."""
+    from helpers import random_token_slots
+    from test_function import _call, _need_interpreter, _weights, fused
+    from torch._inductor.utils import run_and_get_code
+
+    _need_interpreter("triton")
+    g = torch.Generator().manual_seed(0)
+    S, K, N, ranks = 40, 16, 24, [2, 0, 1, 3]
+    ts = random_token_slots(S, len(ranks), g)
+    As, Bs = _weights(ranks, K, N, torch.float32, g)
+    x = torch.randn(S, K, generator=g, requires_grad=True)
+    W, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    call = _call(ts, ranks, False, "triton", fused=True)
+
+    def step(x, *w):
+        out = fused(x, W, b, call, *w)
+        out.square().sum().backward()
+        return out.detach()
+
+    ws = [*As, *Bs]
+    got, code = run_and_get_code(torch.compile(step, backend="inductor"), x, *ws)
+    got_grads = [t.grad.clone() for t in (x, *ws)]
+    for t in (x, *ws):
+        t.grad = None
+    want = step(x, *ws)
+    assert len(code) == 2, len(code)  # forward and backward
+    for src in code:
+        body = src[src.index("def call("):]
+        assert not any(k in body for k in ("clone", "copy_", "extern_kernels")), body
+    fwd = code[0][code[0].index("def call("):]
+    assert fwd.count("torch.ops.fast_multilora.lora_expand.default(") == 1, fwd  # (in place: no result taken)
+    assert "= torch.ops.fast_multilora.lora_expand" not in fwd, fwd
+    assert code[1].count("torch.ops.fast_multilora.lora_shrink_bwd.default(") == 1, code[1]
+    torch.testing.assert_close(got, want)
+    for a, t in zip(got_grads, (x, *ws), strict=True):
+        torch.testing.assert_close(a, t.grad)
 
 
 @pytest.mark.parametrize("kind", ["rows", "grouped"])

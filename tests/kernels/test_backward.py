@@ -174,40 +174,6 @@ def test_shrink_bwd_matches_reference(case, dtype, grouped, device):
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
-@pytest.mark.parametrize("case,dtype", _params([CASES[0], CASES[3], CASES[4], CASES[5]], KERNEL_DTYPES))
-def test_shrink_bwd_accumulates_dx(case, dtype, grouped, device):
-    """``accumulate_dx`` (a compiled fused layer's backward: the base part ``dy W`` first): adapter rows get the
-    written-mode term added, rounded as written and then summed once; base rows keep what they held; the stored and
-    the redrawn mask's paths. 16-bit outputs bit for bit (the term's rounding to the output dtype is explicit). In
-    fp32 the GPU compiler may contract the term's last multiply (the dropout scale) with the add into one FMA: one
-    rounding fewer, so there the two may differ by the product's and the sum's last bit. ``dA`` is the written
-    mode's, bit for bit."""
-    gen = torch.Generator().manual_seed(1)
-    d = build(case, dtype, grouped, device, gen)
-    S, K, st = case.S, case.K, case.stack
-    keeps = [pack_keep_bits(d["keep"]), None] if d["seed"] is not None and st == 1 else [None]
-    args = (d["dh_in"], d["x"], d["A"], d["segs"], d["table"])
-    base = torch.randn(S, K, generator=gen).to(dtype).to(device)
-    live = d["live"].to(device)
-    for keep in keeps:
-        dx_w, dA_w = lora_shrink_bwd(*args, stack_num=st, seed=d["seed"], keep=keep)
-        acc = base.clone()
-        out_dx, out_dA = lora_shrink_bwd(*args, stack_num=st, seed=d["seed"], keep=keep, dx_out=acc,
-                                         accumulate_dx=True)
-        assert out_dx is acc
-        want = (base.float() + dx_w.float()).to(dtype)
-        if dtype == torch.float32:
-            slack = torch.finfo(dtype).eps * (dx_w.abs() + want.abs())
-            assert bool(((acc - want).abs() <= slack)[live].all()), "adapter rows: not the written term added to dx"
-        else:
-            assert torch.equal(acc[live], want[live]), "adapter rows: not the written term added to dx"
-        assert torch.equal(acc[~live], base[~live]), "base rows changed"
-        assert torch.equal(out_dA, dA_w)
-    with pytest.raises(ValueError, match="accumulate_dx needs dx_out"):
-        lora_shrink_bwd(*args, stack_num=st, seed=d["seed"], accumulate_dx=True)
-
-
-@pytest.mark.parametrize("grouped", [False, True], ids=["sgemm", "chunked"])
 @pytest.mark.parametrize("case,dtype", _params([CASES[0], CASES[5]], KERNEL_DTYPES))
 def test_weight_grads_in_weight_dtype_and_blocked(case, dtype, grouped, device):
     """Weight gradients written in a 16-bit dtype (and dB blocked, one contiguous [N, r_a] piece per slot) are the
@@ -492,7 +458,7 @@ def spills(kernel, types, consts, num_warps):
     os.unlink(f.name)
     m = re.search(r"REG:(\d+) STACK:(\d+)", out)
     print(fn.__name__, consts.get("BLOCK_S"), consts.get("BLOCK_R"), consts.get("W_OFFS"), consts.get("LOAD_MASK"),
-          consts.get("ACC_DX"), m.group(0))
+          m.group(0))
     return int(m.group(2))
 
 act = "bf16"
@@ -514,10 +480,11 @@ for row in config_rows("expand_bwd", "h200"):  # the 16-bit rows of rank tile 16
                                                       DOT_PRECISION="tf32", W_OFFS=w_offs, B_PACKED=packed,
                                                       EXPERTS=experts, BLOCK_S=BS, BLOCK_N=BN, BLOCK_R=16), nw)
 # dB as [N, total_rank], or blocked in the weights' layout (and the MoE experts one)
-for blocked, experts in ((False, 1), (True, 1), (True, 8)):
+# (ACCUMULATE: the store's gradient arena added into)
+for blocked, experts, accumulate in ((False, 1, False), (True, 1, False), (True, 8, False), (True, 1, True)):
     bad += spills(B._expand_bwd_finish, ptr, dict(FROM_PARTS=fused, DOT_PRECISION="tf32", BLOCK_S=BS,
                                                   BLOCK_N=B._FINISH_TILE // 16, BLOCK_R=16, DB_BLOCKED=blocked,
-                                                  EXPERTS=experts), 8)
+                                                  EXPERTS=experts, ACCUMULATE=accumulate), 8)
 for need_dx, op in ((True, "shrink_bwd"), (False, "shrink_bwd_da")):
     for stack, block_r in ((1, 16), (3, 64)):  # one mask; a mask per slice of a q/k/v stack (3 x r=16 in one tile)
         cfg = block_config(op, dtype=torch.bfloat16, rank_tile=block_r, target="h200")
@@ -525,21 +492,20 @@ for need_dx, op in ((True, "shrink_bwd"), (False, "shrink_bwd_da")):
         if stack > 1:  # the launcher's rule for a mask per slice
             BS, nw = min(BS, 32), max(nw, 8)
         for load_mask in ((False, True) if stack == 1 else (False,)):  # the forward's stored mask, or redrawn
-            for acc in ((False, True) if need_dx else (False,)):  # dx written, or added (a compiled fused layer)
-                bad += spills(B._shrink_bwd_kernel, ptr, dict(NEED_DX=need_dx, HAS_DROPOUT=True, LOAD_MASK=load_mask,
-                                                              HOIST_A=True, EVEN_K=True, DOT_PRECISION="tf32",
-                                                              W_OFFS=False, BLOCK_S=BS, BLOCK_K=BK, BLOCK_R=block_r,
-                                                              DROP_STACK=stack, ACC_DX=acc),
-                              nw)
+            bad += spills(B._shrink_bwd_kernel, ptr, dict(NEED_DX=need_dx, HAS_DROPOUT=True, LOAD_MASK=load_mask,
+                                                          HOIST_A=True, EVEN_K=True, DOT_PRECISION="tf32",
+                                                          W_OFFS=False, BLOCK_S=BS, BLOCK_K=BK, BLOCK_R=block_r,
+                                                          DROP_STACK=stack),
+                          nw)
 # the training step's rows: 16-bit, one rank tile of 16, by the dropout mask's source
 for row in config_rows("shrink_bwd_r16", "h200"):
     mode = row["mode"]
-    for w_offs, acc in ((w, a) for w in (False, True) for a in (False, True)):
-        BS, BK, nw, _stages = B._shrink_r16_tile(mode, min(row.get("max_width", 8192), 8192), acc, "h200")  # rule
+    for w_offs in (False, True):
+        BS, BK, nw, _stages = B._shrink_r16_tile(mode, min(row.get("max_width", 8192), 8192), "h200")  # rule
         bad += spills(B._shrink_bwd_kernel, ptr, dict(NEED_DX=True, HAS_DROPOUT=mode != "none",
                                                       LOAD_MASK=mode == "stored", HOIST_A=True, EVEN_K=True,
                                                       DOT_PRECISION="tf32", W_OFFS=w_offs, BLOCK_S=BS, BLOCK_K=BK,
-                                                      BLOCK_R=16, DROP_STACK=1, ACC_DX=acc), nw)
+                                                      BLOCK_R=16, DROP_STACK=1), nw)
 # the forward shrink with a mask per slice (dropout on a q/k/v stack), the dropout table's r <= 32 row
 from fast_multilora.kernels.sgemm import sgemm_shrink_kernel
 row = config_rows("shrink_dropout", "h200")[-1]
