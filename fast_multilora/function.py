@@ -8,8 +8,7 @@
   writes the delta, the bias folded in, and cuBLAS accumulates ``x Wᵀ`` into it; chunked family: the GEMM first, the
   delta added into it -- :func:`base_first`; backward: the shrink backward's ``dx``, every row written, and cuBLAS
   accumulating ``dy W`` into it -- eager and compiled alike, the GEMM inside the expand's and the shrink backward's
-  calls); otherwise the base layer ran outside
-  (it may be quantized or hooked) and the delta is added to its output.
+  calls); otherwise the base layer ran outside (it may be quantized or hooked) and the delta is added to its output.
 * ``stored``: the weights are the adapter store's two leaves of the layer (``fast_multilora.store``: every adapter's
   ``A`` rows as ``A_cat``, its ``B`` blocks packed), else PEFT's per-adapter parameters (layers the store does not
   hold, and layers whose parameters DDP reduces itself: ``fast_multilora.ddp``).

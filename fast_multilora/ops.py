@@ -282,4 +282,3 @@ def lora_shrink_bwd(dh, x, A_cat, segs: Segments, table: AdapterTable, *, stack_
     dx, dA = torch.ops.fast_multilora.lora_shrink_bwd(dh, x, A_cat, *_layout(segs, table, stack_num, need_dx), seed,
                                                       keep, a, b)
     return (dx if need_dx else None), dA
-
