@@ -479,10 +479,11 @@ class _Segment:
             return False
         K, N = layer.in_features, layer.out_features
         init = cfg.init_lora_weights
-        a_w, b_w = torch.empty((r, K)), torch.empty((N, r))  # nn.Linear(K, r), nn.Linear(r, N): their inits
+        a_w, b_w = torch.empty((r, K)), None  # nn.Linear(K, r), nn.Linear(r, N): their inits
         if init is not False and _can_skip_draws():  # (their values are overwritten: the RNG only moves past them)
             _skip_draws(r * K + N * r)
         else:
+            b_w = torch.empty((N, r))
             nn.init.kaiming_uniform_(a_w, a=math.sqrt(5))
             nn.init.kaiming_uniform_(b_w, a=math.sqrt(5))
         if init is True:  # PEFT's reset_lora_parameters (B zeros: made below in its final dtype and device)

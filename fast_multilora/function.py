@@ -459,8 +459,6 @@ class LoraLinear(torch.autograd.Function):
         if d_out is not None:
             add_a, add_b = _adds(call, x, need_a, 0), _adds(call, x, need_b, 1)
             dy = d_out.reshape(-1, N).contiguous()
-            if base_dx and call.base_weight is not None:
-                W = call.base_weight(W, dy.dtype)
             d_y = None if call.fused else d_out  # out = y + delta: the identity for y
             if need_dx or need_a or need_b:
                 B = _b_weight(call, weights[n_a : n_a + n])
@@ -477,6 +475,8 @@ class LoraLinear(torch.autograd.Function):
             if call.has_bias and need_bias:
                 for i, g in enumerate(_bias_grad(dy, call)):
                     grads[n_a + n + i] = g.to(w_dtypes[n_a + n + i])
+        if base_dx and call.base_weight is not None:  # (dequantized here: not held through the expand backward)
+            W = call.base_weight(W, dy.dtype)
         if dh is not None and (need_dx or need_a):
             A = _a_weight(call, weights[:n_a])
             dx, dA = be.shrink_bwd(dh, x, A, segs, table, 1, call.seed, need_dx, keep,
