@@ -9,7 +9,10 @@ the cross-entropy run together, a block at a time:
 * with a frozen head (LoRA training: only the hidden states need a gradient), the forward also makes each chunk's
   ``d ce / d hidden = (softmax - onehot) @ W`` from the logits at hand (one more matmul per chunk, a ``[N, H]``
   result kept), and the backward multiplies it by the per-token upstream gradient: the head's matmul runs twice per
-  step, as on the unfused path (logits, then ``d hidden``), not three times.
+  step, as on the unfused path (logits, then ``d hidden``), not three times. Without a post-head transform (scale 1,
+  no softcap: Llama, Qwen, Mistral) the chunk takes three passes over its logits block (:func:`_plain_chunk`: the
+  head's matmul writes it, ``log_softmax`` reads it upcasting to fp32, one ``exp`` writes ``softmax`` in the
+  matmul's dtype) -- fewer than the unfused path's upcast, cross-entropy and its backward.
 * backward, with a trained head (or bias), in blocks of the vocabulary: the block's logits ``[N, V_blk]`` again,
   ``d logits = (softmax - onehot) * g`` from the saved ``lse`` (``g``: the per-token upstream gradient), then
   ``dW[blk] = d logits^T @ hidden`` and ``db[blk]`` written once each, and ``d hidden += d logits @ W[blk]`` summed
@@ -25,9 +28,9 @@ of the fused op: it returns per-token losses and :func:`~fast_multilora.loss.per
 autograd hands the op exactly those weights as its upstream gradient. Everything stays on the device: no host read.
 
 Pure PyTorch (CPU and GPU). Where a Triton kernel would go later (``kernels/cross_entropy.py``, host code in
-:class:`LinearCrossEntropy`): the per-chunk ``fp32 upcast + logsumexp + target`` of the forward and the
-``exp(z - lse) - onehot, * g`` of the backward, each a single pass over the logits block written in place (as Liger
-Kernel's cross-entropy kernel does), which removes the fp32 copy and the temporaries of the block.
+:class:`LinearCrossEntropy`): ``log_softmax`` and ``exp`` of :func:`_plain_chunk` as one in-place pass over the
+logits block (as Liger Kernel's cross-entropy kernel does), and the same for the transformed and trained-head
+paths, which still make an fp32 copy of the block and logsumexp's temporaries.
 """
 
 from __future__ import annotations
@@ -91,14 +94,19 @@ class LinearCrossEntropy(torch.autograd.Function):
         # here from the logits at hand, and the backward scales it by the upstream gradient -- no second pass of the
         # head's matmul (a trained head's dW needs every token's upstream gradient first: the backward recomputes)
         early = ctx.needs_input_grad[0] and not any(ctx.needs_input_grad[1:3])
+        plain = early and scale == 1.0 and softcap is None
         dh_unit = None
         for s in range(0, N, chunk):
-            z, t, mm_dtype = _logits(hidden[s:s + chunk], weight, bias, scale, softcap)  # [chunk, V] fp32
-            lse[s:s + chunk] = torch.logsumexp(z, 1)
-            ce[s:s + chunk] = lse[s:s + chunk] - z.gather(1, target[s:s + chunk, None])[:, 0]
+            if plain:  # the common case (a frozen head, no post-head transform): three passes over the block
+                dz, ce[s:s + chunk], mm_dtype = _plain_chunk(hidden[s:s + chunk], weight, bias, target[s:s + chunk])
+            else:
+                z, t, mm_dtype = _logits(hidden[s:s + chunk], weight, bias, scale, softcap)  # [chunk, V] fp32
+                lse[s:s + chunk] = torch.logsumexp(z, 1)
+                ce[s:s + chunk] = lse[s:s + chunk] - z.gather(1, target[s:s + chunk, None])[:, 0]
             if early:
-                dz = _dlogits(z, t, lse[s:s + chunk], labels[s:s + chunk], 0, V, None, scale, softcap, mm_dtype)
-                del z, t
+                if not plain:
+                    dz = _dlogits(z, t, lse[s:s + chunk], labels[s:s + chunk], 0, V, None, scale, softcap, mm_dtype)
+                    del z, t
                 part = dz @ weight  # [chunk, H], the head matmul's dtype (as the unfused path's d hidden)
                 if dh_unit is None:
                     dh_unit = torch.empty(N, part.shape[1], dtype=part.dtype, device=part.device)
@@ -108,24 +116,24 @@ class LinearCrossEntropy(torch.autograd.Function):
                 del z, t
         in_range = (labels >= 0) & (labels < V)
         ce = torch.where(labels == ignore_index, 0.0, torch.where(in_range, ce, float("nan")))
-        if early:
-            ctx.save_for_backward(dh_unit, labels, lse)
+        if early:  # lse is not needed (nor made on the plain path)
+            ctx.save_for_backward(dh_unit, labels)
         else:
             ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.early = early
         ctx.settings = (ignore_index, chunk, scale, softcap)
         dev = hidden.device.type  # the backward recomputes the logits under the forward's autocast, on any device
         ctx.amp = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-        ctx.hidden_dtype = hidden.dtype
+        ctx.hidden_dtype, ctx.acc_dtype = hidden.dtype, ce.dtype
         return ce
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_ce):
         if ctx.early:  # d hidden = upstream gradient x the forward's d ce / d hidden, per token
-            dh_unit, labels, lse = ctx.saved_tensors
-            g = torch.where(labels == ctx.settings[0], 0.0, grad_ce.to(lse.dtype))  # [N]
-            dh = (dh_unit.to(lse.dtype) * g[:, None]).to(ctx.hidden_dtype)
+            dh_unit, labels = ctx.saved_tensors
+            g = torch.where(labels == ctx.settings[0], 0.0, grad_ce.to(ctx.acc_dtype))  # [N]
+            dh = (dh_unit.to(ctx.acc_dtype) * g[:, None]).to(ctx.hidden_dtype)
             return dh, None, None, None, None, None, None, None
         dev, enabled, dtype = ctx.amp
         with torch.autocast(dev, dtype=dtype, enabled=enabled):
@@ -165,6 +173,25 @@ class LinearCrossEntropy(torch.autograd.Function):
                 dh += dz @ w_blk
             del dz  # before the next block's logits
         return (None if dh is None else dh.to(hidden.dtype)), dw, db, None, None, None, None, None
+
+
+def _plain_chunk(h, weight, bias, target):
+    """A chunk's ``(d ce / d logits, ce, the matmul's dtype)`` for a frozen head without a post-head transform, in
+    three passes over the ``[chunk, V]`` block: the head's ``F.linear`` writes the logits in its dtype,
+    ``log_softmax`` upcasts them to fp32 as it reads them (no fp32 copy of the logits, no logsumexp temporaries),
+    and one ``exp`` writes ``softmax`` in the matmul's dtype (the unfused path's gradient dtype); the ``- onehot``
+    of each row's target is computed from its fp32 log-probability and written once (deterministic)."""
+    raw = F.linear(h, weight, bias)  # in autocast's dtype under autocast
+    mm_dtype = raw.dtype
+    logp = torch.log_softmax(raw, 1, dtype=torch.promote_types(mm_dtype, torch.float32))
+    del raw
+    at = target[:, None]
+    lp_t = logp.gather(1, at)
+    dz = torch.exp(logp, out=torch.empty(logp.shape, dtype=mm_dtype, device=logp.device))
+    del logp
+    # every row's clamped target: ignored rows' upstream gradient is 0, and a label outside [0, V) makes ce NaN
+    dz.scatter_(1, at, (lp_t.exp() - 1.0).to(dz.dtype))
+    return dz, -lp_t[:, 0], dz.dtype
 
 
 def _dlogits(z, t, lse, labels, v0: int, v1: int, g, scale: float, softcap: Optional[float], dtype):
