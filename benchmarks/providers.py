@@ -142,7 +142,7 @@ def _model(ctx, pm, p: Provider):
 def prepare(ctx, p: Provider, variant: str) -> Step:
     """The timed call of provider ``p`` in ``ctx``'s scenario (``ctx.kind``: train, scale, eval, generate, layer)."""
     kind = "train" if ctx.kind == "scale" else ctx.kind
-    return {"train": _train, "eval": _eval, "generate": _generate, "layer": _layer,
+    return {"train": _train, "eval": _eval, "generate": _generate, "layer": _layer, "head": _head,
             "create": _create, "churn": _churn, "paged": _paged}[kind](ctx, p, variant)
 
 
@@ -389,6 +389,53 @@ def _layer(ctx, p: Provider, variant: str) -> Step:
         return Step(call(pm), lambda: [h.remove() for h in hooks], _nothing, {})
     info = {"patch": _patch(ctx, pm, p)}
     return Step(call(pm, adapter_names=names), lambda: _unpatch(pm), _nothing, info)
+
+
+def _head(ctx, p: Provider, variant: str) -> Step:
+    """The LM head and loss, forward + backward to the hidden states: HF's mean cross-entropy of the logits (frozen),
+    ``per_adapter_loss`` of the logits or ``per_adapter_loss_from_hidden`` (the variants). The fast rows' check
+    compares the two per-adapter losses and their hidden-state gradients."""
+    import torch.nn.functional as F
+
+    import fast_multilora
+
+    b = ctx.batch(variant)
+    head, hidden, labels, names, aid = ctx.base(), b["hidden"], b["labels"], b["names"], b["adapter_ids"]
+
+    def logits_loss():
+        return fast_multilora.per_adapter_loss(head(hidden), labels, names, adapter_ids=aid)
+
+    def fused_loss():
+        return fast_multilora.per_adapter_loss_from_hidden(hidden, head, labels, names, adapter_ids=aid)
+
+    def frozen_loss():  # transformers' ForCausalLMLoss: shift, fp32 upcast, mean over the tokens
+        z = head(hidden)[:, :-1].float()
+        return F.cross_entropy(z.reshape(-1, z.shape[-1]), labels[:, 1:].reshape(-1))
+
+    loss = {"": frozen_loss, "logits": logits_loss, "fused": fused_loss}[variant if p.family == "fast" else ""]
+
+    def fn():
+        hidden.grad = None
+        loss().backward()
+
+    info = {"logits_fp32_mib": round(labels.numel() * head.weight.shape[0] * 4 / 2**20, 1)}
+
+    def check():
+        out = {}
+        if p.family == "fast":
+            got = {}
+            for v, f in (("logits", logits_loss), ("fused", fused_loss)):
+                hidden.grad = None
+                value = f()
+                value.backward()
+                got[v] = (value.detach().float(), hidden.grad.float())
+            (l0, g0), (l1, g1) = got["logits"], got["fused"]
+            out = {"loss_fused_minus_logits": float(l1 - l0),
+                   "dhidden_rel_err": float((g1 - g0).abs().max() / g0.abs().max().clamp_min(1e-30))}
+            hidden.grad = None
+        return out
+
+    return Step(fn, _nothing, check, info)
 
 
 # -- creating adapters -------------------------------------------------------------------------------------------------

@@ -33,8 +33,8 @@ PAGED = ("fast_multilora_fused_adamw", "fast_multilora_paged", "fast_multilora_p
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    kind: str  # train | scale | eval | generate | layer | create | churn | paged | declared
-    model: str  # llama | llama8b | qlora | moe | readme | layer | churn
+    kind: str  # train | scale | eval | generate | layer | head | create | churn | paged | declared
+    model: str  # llama | llama8b | qlora | moe | readme | layer | head8b | churn
     description: str
     providers: tuple = ()
     variants: tuple = ("",)
@@ -141,6 +141,14 @@ SCENARIOS = {s.name: s for s in (
              "fast_multilora.fused_causal_lm_loss(model, batch) (no logits built). Target: fused peak below logits' "
              "by at least the fp32 logits (extra logits_fp32_mib: 4008 MiB full), step time no worse",
              ("fast_multilora",), ("logits", "fused"), default=False),
+    Scenario("head_loss_8b", "head", "head8b",
+             "the loss end of step_8b_fused_loss alone: its LM head (4096 -> 128256, bf16; tiny: 64 -> 512) and "
+             "loss over 4 x 2048 tokens (tiny: 4 x 32) of hidden states (random, requires grad), packed rows of 8 "
+             "adapters (adapter_ids), forward + backward to the hidden states, no optimizer; frozen: the head and "
+             "HF's mean cross-entropy of its logits (one loss); fast_multilora[logits]: fast_multilora."
+             "per_adapter_loss of the logits; [fused]: fast_multilora.per_adapter_loss_from_hidden (no logits "
+             "built). Any card: the 8B step's variants differ only here", ("frozen", "fast_multilora"),
+             ("logits", "fused"), default=False),
 )}
 
 
@@ -205,6 +213,7 @@ class Context:
             self._base = {"llama": lambda: M.llama(s, dev, dt), "llama8b": lambda: M.llama8b(s, dev, dt),
                           "moe": lambda: M.moe(s, dev, dt),
                           "qlora": lambda: M.qlora_base(s, dev, dt), "layer": lambda: M.layer_base(s, dev, dt),
+                          "head8b": lambda: M.head_8b(s, dev, dt),
                           "readme": lambda: M.llama(s, dev, dt, M.README_MODEL)}[self.sc.model]()
             if self.sc.liger and dev != "meta":
                 from liger_kernel.transformers import apply_liger_kernel_to_llama
@@ -273,6 +282,14 @@ class Context:
             x = self.torch.randn(rows, T, K, generator=g).to(dev, self.dtype).requires_grad_(True)
             gy = self.torch.randn(rows, T, N, generator=g).to(dev, self.dtype)
             return {"x": x, "gy": gy, "names": M.interleaved(8, rows)}
+        if self.kind == "head":  # hidden states of the 8B step's tokens, their labels and packed routing
+            H, V = s.llama8b["hidden_size"], s.llama8b["vocab_size"]
+            g = self.torch.Generator(device="cpu").manual_seed(0)
+            hidden = self.torch.randn(s.rows_8b, s.T_8b, H, generator=g).to(dev, self.dtype).requires_grad_(True)
+            pick = M.interleaved(8, 8)
+            adapter_ids, _ = M.packed_rows(pick, s.rows_8b, s.T_8b, dev)
+            return {"hidden": hidden, "labels": M.token_ids(s.rows_8b, s.T_8b, V, dev), "names": pick,
+                    "adapter_ids": adapter_ids}
         if self.kind in ("create", "churn"):
             return {"adapters": int(variant.split("=")[1])}
         if self.kind == "paged":  # the first set's routing; the step renames the adapters per set

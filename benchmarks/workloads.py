@@ -133,6 +133,19 @@ def llama(sizes: Sizes, device, dtype, config=None):
     return _init_on(device, lambda: LlamaForCausalLM(cfg)).to(dtype)
 
 
+def head_8b(sizes: Sizes, device, dtype):
+    """The LM head of :func:`llama8b` (``nn.Linear(hidden, vocab, bias=False)``), frozen, LlamaForCausalLM's init
+    (normal, std 0.02)."""
+    import torch
+
+    cfg = sizes.llama8b
+    g = torch.Generator(device="cpu").manual_seed(0)
+    head = torch.nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+    with torch.no_grad():
+        head.weight.normal_(0.0, 0.02, generator=g)
+    return head.to(device, dtype).requires_grad_(False)
+
+
 def llama8b(sizes: Sizes, device, dtype):
     """Llama-3-8B-shaped model (random init), built in ``dtype`` directly on ``device`` (an fp32 build then a cast
     would hold 32 GB + 16 GB at once; on the GPU the init takes seconds, on a few host cores minutes)."""

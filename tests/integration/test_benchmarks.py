@@ -146,9 +146,10 @@ def test_churn_and_paged_rows(tmp_path):
 def test_create_adapters_and_8b_fused_loss_rows(tmp_path):
     """create_adapters: add_adapters at every count, PEFT's loop only at the small one, a ratio between them, the
     saved and loaded adapters equal the created ones; step_8b_fused_loss: both losses train all 8 adapters, and the
-    fused loss equals the logits path's on the same weights."""
+    fused loss equals the logits path's on the same weights; head_loss_8b: its rows, and the fused loss and its
+    hidden-state gradient equal the logits path's."""
     out = tmp_path / "c.json"
-    _, res = run(out, "--device", "cpu", "--scenarios", "create_adapters,step_8b_fused_loss")
+    _, res = run(out, "--device", "cpu", "--scenarios", "create_adapters,step_8b_fused_loss,head_loss_8b")
     rows = res["scenarios"]["create_adapters"]["rows"]
     assert set(rows) == {"fast_multilora[n=8]", "peft_add_adapter[n=8]", "fast_multilora[n=32]"}
     assert "fresh model" in res["scenarios"]["create_adapters"]["run"]["timing"]
@@ -167,6 +168,13 @@ def test_create_adapters_and_8b_fused_loss_rows(tmp_path):
         assert r["status"] == "ok" and r["extra"]["adapters_with_grads"] == 8, r
     e = rows["fast_multilora[fused]"]["extra"]
     assert "fused_causal_lm_loss" in e["loss_call"] and abs(e["eval_loss_fused_minus_logits"]) < 1e-4, e
+    rows = res["scenarios"]["head_loss_8b"]["rows"]
+    assert set(rows) == {"frozen", "fast_multilora[logits]", "fast_multilora[fused]"}
+    for key in ("fast_multilora[logits]", "fast_multilora[fused]"):
+        e = rows[key]["extra"]
+        assert rows[key]["status"] == "ok" and "frozen" in rows[key]["ratios"], rows[key]
+        # fp32 on CPU: the two losses sum the same per-token terms in other orders
+        assert abs(e["loss_fused_minus_logits"]) < 1e-5 and e["dhidden_rel_err"] < 1e-5, e
 
 
 def test_scale_variants_and_skipped_provider(tmp_path):
@@ -195,6 +203,7 @@ def test_dry_run_builds_every_gpu_scenario():
     assert "row fast_multilora[n=1024]" in res.stdout and "row peft_add_adapter[n=128]" in res.stdout
     assert "row peft_add_adapter[n=256]" not in res.stdout  # PEFT's quadratic loop only at the small counts
     assert "inputs[fused]: {'ids': (4, 2048)" in res.stdout
+    assert "inputs[fused]: {'hidden': (4, 2048, 4096)" in res.stdout  # head_loss_8b
     assert "model (meta): 8365.8 M parameters, 335.54 M of them LoRA" in res.stdout  # Llama-3-8B + 8 adapters
     assert "row fast_multilora_paged[n=1024/batch=64]" in res.stdout and "row peft_add_adapter[n=1024]" in res.stdout
     assert "row fast_multilora_paged_no_prefetch[n=128/batch=8]" in res.stdout
