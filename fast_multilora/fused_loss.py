@@ -10,9 +10,9 @@ the cross-entropy run together, a block at a time:
   ``d ce / d hidden = (softmax - onehot) @ W`` from the logits at hand (one more matmul per chunk, a ``[N, H]``
   result kept), and the backward multiplies it by the per-token upstream gradient: the head's matmul runs twice per
   step, as on the unfused path (logits, then ``d hidden``), not three times. Without a post-head transform (scale 1,
-  no softcap: Llama, Qwen, Mistral) the chunk takes three passes over its logits block (:func:`_plain_chunk`: the
-  head's matmul writes it, ``log_softmax`` reads it upcasting to fp32, one ``exp`` writes ``softmax`` in the
-  matmul's dtype) -- fewer than the unfused path's upcast, cross-entropy and its backward.
+  no softcap: Llama, Qwen, Mistral) the chunk takes :func:`_plain_chunk`'s few passes over its logits block (the
+  head's matmul, the fp32 upcast -- inside ``log_softmax`` for fp16 on CUDA --, ``log_softmax``, one ``exp`` writing
+  ``softmax`` in the matmul's dtype), where the general path adds logsumexp's temporaries and two in-place passes.
 * backward, with a trained head (or bias), in blocks of the vocabulary: the block's logits ``[N, V_blk]`` again,
   ``d logits = (softmax - onehot) * g`` from the saved ``lse`` (``g``: the per-token upstream gradient), then
   ``dW[blk] = d logits^T @ hidden`` and ``db[blk]`` written once each, and ``d hidden += d logits @ W[blk]`` summed
@@ -28,9 +28,9 @@ of the fused op: it returns per-token losses and :func:`~fast_multilora.loss.per
 autograd hands the op exactly those weights as its upstream gradient. Everything stays on the device: no host read.
 
 Pure PyTorch (CPU and GPU). Where a Triton kernel would go later (``kernels/cross_entropy.py``, host code in
-:class:`LinearCrossEntropy`): ``log_softmax`` and ``exp`` of :func:`_plain_chunk` as one in-place pass over the
-logits block (as Liger Kernel's cross-entropy kernel does), and the same for the transformed and trained-head
-paths, which still make an fp32 copy of the block and logsumexp's temporaries.
+:class:`LinearCrossEntropy`): the upcast, ``log_softmax`` and ``exp`` of :func:`_plain_chunk` as one in-place pass
+over the logits block (as Liger Kernel's cross-entropy kernel does), and the same for the transformed and
+trained-head paths, which also make logsumexp's temporaries.
 """
 
 from __future__ import annotations
@@ -176,11 +176,12 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 
 def _plain_chunk(h, weight, bias, target):
-    """A chunk's ``(d ce / d logits, ce, the matmul's dtype)`` for a frozen head without a post-head transform, in
-    three passes over the ``[chunk, V]`` block: the head's ``F.linear`` writes the logits in its dtype,
-    ``log_softmax`` upcasts them to fp32 as it reads them (no fp32 copy of the logits, no logsumexp temporaries),
-    and one ``exp`` writes ``softmax`` in the matmul's dtype (the unfused path's gradient dtype); the ``- onehot``
-    of each row's target is computed from its fp32 log-probability and written once (deterministic)."""
+    """A chunk's ``(d ce / d logits, ce, the matmul's dtype)`` for a frozen head without a post-head transform: the
+    head's ``F.linear`` writes the ``[chunk, V]`` logits in its dtype, ``log_softmax`` with ``dtype=fp32`` upcasts
+    them (torch copies 16-bit logits to fp32 first, except fp16 on CUDA, which its kernel reads directly) and makes
+    the log-probabilities without logsumexp's temporaries, and one ``exp`` writes ``softmax`` in the matmul's dtype
+    (the unfused path's gradient dtype); the ``- onehot`` of each row's target is computed from its fp32
+    log-probability and written once (deterministic)."""
     raw = F.linear(h, weight, bias)  # in autocast's dtype under autocast
     mm_dtype = raw.dtype
     logp = torch.log_softmax(raw, 1, dtype=torch.promote_types(mm_dtype, torch.float32))
