@@ -87,17 +87,17 @@ class LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, ignore_index: int, chunk: int, scale: float,
                 softcap: Optional[float]):
         N, V = hidden.shape[0], weight.shape[0]
-        ce = torch.empty(N, dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
-        lse = torch.empty_like(ce)
-        target = labels.clamp(0, V - 1)
         # only the hidden states need a gradient (a frozen head: LoRA training): each chunk's d ce / d hidden is made
         # here from the logits at hand, and the backward scales it by the upstream gradient -- no second pass of the
         # head's matmul (a trained head's dW needs every token's upstream gradient first: the backward recomputes)
         early = ctx.needs_input_grad[0] and not any(ctx.needs_input_grad[1:3])
         plain = early and scale == 1.0 and softcap is None
+        ce = torch.empty(N, dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
+        lse = None if plain else torch.empty_like(ce)
+        target = labels.clamp(0, V - 1)
         dh_unit = None
         for s in range(0, N, chunk):
-            if plain:  # the common case (a frozen head, no post-head transform): three passes over the block
+            if plain:  # the common case (a frozen head, no post-head transform): no logsumexp, no fp32 z kept
                 dz, ce[s:s + chunk], mm_dtype = _plain_chunk(hidden[s:s + chunk], weight, bias, target[s:s + chunk])
             else:
                 z, t, mm_dtype = _logits(hidden[s:s + chunk], weight, bias, scale, softcap)  # [chunk, V] fp32
