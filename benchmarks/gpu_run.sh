@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_run.sh --out "$OUT" --tests tests/test_compile_gpu.py --scenarios eval_8 --kernels
 #
 # Options: --out DIR (default $OUT, else benchmarks/results/gpu_run); --tests "PATHS" (default tests/) or --no-tests;
+# --no-harness (the tests alone);
 # --test-timeout S (default 420; the GPU tests under 6 xdist workers: 132 of them ran in 370 s on an H100 at
 # 2442c66, none failed; serially, at 170 s only 5 had run, 2026-12-05); --scenarios LIST and
 # --providers LIST (run.py's; default: its defaults);
@@ -29,11 +30,13 @@ BUDGET=360
 HARNESS=()
 KERNELS=0
 MERGE=1
+HARNESS_ON=1
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) OUT=$2; shift ;;
         --tests) TESTS=$2; shift ;;
         --no-tests) TESTS="" ;;
+        --no-harness) HARNESS_ON=0 ;;
         --test-timeout) TEST_TIMEOUT=$2; shift ;;
         --scenarios|--providers|--variants) HARNESS+=("$1" "$2"); shift ;;
         --fresh-process) HARNESS+=("$1") ;;
@@ -81,15 +84,18 @@ if [ -n "$TESTS" ]; then
         --durations=25 -m gpu -p no:cacheprovider "${@:4}" $2 2>&1 | tee "$3"' "$PY" "$TEST_TIMEOUT" "$TESTS" \
         "$OUT/pytest_gpu.log" "${XDIST[@]}"
 fi
-if [ "$MERGE" -eq 1 ] && [ -f benchmarks/results/h200.json ]; then
-    cp benchmarks/results/h200.json "$OUT/h200.json"
-    HARNESS+=(--merge)
+if [ "$HARNESS_ON" -eq 1 ]; then
+    if [ "$MERGE" -eq 1 ] && [ -f benchmarks/results/h200.json ]; then
+        cp benchmarks/results/h200.json "$OUT/h200.json"
+        HARNESS+=(--merge)
+    fi
+    stage harness "$PY" benchmarks/run.py --device cuda --out "$OUT/h200.json" --budget-s "$BUDGET" "${HARNESS[@]}"
 fi
-stage harness "$PY" benchmarks/run.py --device cuda --out "$OUT/h200.json" --budget-s "$BUDGET" "${HARNESS[@]}"
 if [ "$KERNELS" -eq 1 ]; then
     stage kernels "$PY" benchmarks/bench_kernels.py --out-dir "$OUT" --budget-s 120
 fi
-stage plot "$PY" benchmarks/plot.py "$OUT/h200.json" --png "$OUT/h200_model.png" --md "$OUT/h200.md"
+[ -f "$OUT/h200.json" ] && stage plot "$PY" benchmarks/plot.py "$OUT/h200.json" --png "$OUT/h200_model.png" \
+    --md "$OUT/h200.md"
 (cd "$OUT" && tar czf results.tar.gz --exclude results.tar.gz ./*)
 echo "== gpu_run done in ${SECONDS} s, rc=$RC; $OUT/results.tar.gz"
 exit "$RC"
