@@ -10,9 +10,10 @@ the cross-entropy run together, a block at a time:
   ``d ce / d hidden = (softmax - onehot) @ W`` from the logits at hand (one more matmul per chunk, a ``[N, H]``
   result kept), and the backward multiplies it by the per-token upstream gradient: the head's matmul runs twice per
   step, as on the unfused path (logits, then ``d hidden``), not three times. Without a post-head transform (scale 1,
-  no softcap: Llama, Qwen, Mistral) the chunk takes :func:`_plain_chunk`'s few passes over its logits block (the
-  head's matmul, the fp32 upcast -- inside ``log_softmax`` for fp16 on CUDA --, ``log_softmax``, one ``exp`` writing
-  ``softmax`` in the matmul's dtype), where the general path adds logsumexp's temporaries and two in-place passes.
+  no softcap: Llama, Qwen, Mistral) a chunk is :func:`_plain_chunk`: on a GPU the head's matmul writes the logits
+  block and one Triton kernel (``kernels/cross_entropy.py``) reads it twice and writes ``softmax - onehot`` over it;
+  on a CPU PyTorch's ``log_softmax`` and ``exp``; the general path adds an fp32 copy, logsumexp's temporaries and
+  two in-place passes.
 * backward, with a trained head (or bias), in blocks of the vocabulary: the block's logits ``[N, V_blk]`` again,
   ``d logits = (softmax - onehot) * g`` from the saved ``lse`` (``g``: the per-token upstream gradient), then
   ``dW[blk] = d logits^T @ hidden`` and ``db[blk]`` written once each, and ``d hidden += d logits @ W[blk]`` summed
@@ -27,14 +28,15 @@ The per-adapter weighting (``1 / N_a`` per token of adapter ``a``, 0 for ``__bas
 of the fused op: it returns per-token losses and :func:`~fast_multilora.loss.per_adapter_mean` reduces them, so
 autograd hands the op exactly those weights as its upstream gradient. Everything stays on the device: no host read.
 
-Pure PyTorch (CPU and GPU). Where a Triton kernel would go later (``kernels/cross_entropy.py``, host code in
-:class:`LinearCrossEntropy`): the upcast, ``log_softmax`` and ``exp`` of :func:`_plain_chunk` as one in-place pass
-over the logits block (as Liger Kernel's cross-entropy kernel does), and the same for the transformed and
-trained-head paths, which also make logsumexp's temporaries.
+PyTorch ops, but for the plain chunk's cross-entropy kernel on a GPU (as Liger Kernel's cross-entropy kernel writes
+the gradient over the logits; Liger's returns 16-bit per-token losses and reads the host per call, so it is not
+used here). The transformed (scale, softcap) and trained-head paths could take such a kernel too.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -49,6 +51,8 @@ __all__ = ["LinearCrossEntropy", "LogitsFreeHead", "adapter_token_means_from_hid
            "fused_causal_lm_loss", "head_weight_problem", "linear_cross_entropy", "logits_free_head",
            "per_adapter_loss_from_hidden"]
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read at import, as Triton decides
+_KERNEL_OFF: list = []  # why the cross-entropy kernel failed to compile, once (then PyTorch's ops for good)
 # a chunk of at least this many tokens: below it the Python loop's per-chunk overhead dominates on small models
 MIN_CHUNK = 64
 
@@ -175,15 +179,39 @@ class LinearCrossEntropy(torch.autograd.Function):
         return (None if dh is None else dh.to(hidden.dtype)), dw, db, None, None, None, None, None
 
 
+def _kernel_for(z: torch.Tensor) -> bool:
+    """Whether :func:`_plain_chunk` runs ``kernels.cross_entropy_`` on the logits block: on a GPU, and on the CPU
+    under the Triton interpreter (the tests); PyTorch's ops otherwise, on fake tensors, while ``torch.compile``
+    traces (it traces PyTorch's ops, not a Triton launch), and for good once the kernel failed to compile (a
+    warning says so)."""
+    if _KERNEL_OFF or isinstance(z, FakeTensor) or torch.compiler.is_compiling():
+        return False
+    return z.device.type == "cuda" or (_INTERPRET and z.device.type == "cpu")
+
+
 def _plain_chunk(h, weight, bias, target):
     """A chunk's ``(d ce / d logits, ce, the matmul's dtype)`` for a frozen head without a post-head transform: the
-    head's ``F.linear`` writes the ``[chunk, V]`` logits in its dtype, ``log_softmax`` with ``dtype=fp32`` upcasts
-    them (torch copies 16-bit logits to fp32 first, except fp16 on CUDA, which its kernel reads directly) and makes
-    the log-probabilities without logsumexp's temporaries, and one ``exp`` writes ``softmax`` in the matmul's dtype
-    (the unfused path's gradient dtype); the ``- onehot`` of each row's target is computed from its fp32
-    log-probability and written once (deterministic)."""
+    head's ``F.linear`` writes the ``[chunk, V]`` logits in its dtype (autocast's under autocast), then
+    (:func:`_kernel_for`) ``kernels.cross_entropy_`` reads them twice and overwrites them with ``softmax - onehot``
+    (fp32 arithmetic, ``ce`` in fp32); or PyTorch's ops: ``log_softmax`` with ``dtype=fp32`` (16-bit logits copied to
+    fp32 first, except fp16 on CUDA), one ``exp`` writing ``softmax`` in the matmul's dtype (the unfused path's
+    gradient dtype), and the ``- onehot`` of each row's target from its fp32 log-probability, written once."""
     raw = F.linear(h, weight, bias)  # in autocast's dtype under autocast
     mm_dtype = raw.dtype
+    if _kernel_for(raw):
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources
+
+        from .kernels.cross_entropy import cross_entropy_
+
+        try:
+            ce = cross_entropy_(raw, target)  # raw is d ce / d logits now
+            return raw, ce, mm_dtype
+        except (CompilationError, OutOfResources) as e:  # (raised before the launch: raw is as the matmul wrote it)
+            _KERNEL_OFF.append(f"{type(e).__name__}: {e}")
+            warnings.warn(f"fast_multilora: the fused loss's cross-entropy kernel could not run on this GPU "
+                          f"({_KERNEL_OFF[0][:300]}); PyTorch's ops compute it from now on (the same loss and "
+                          "gradients, more memory traffic)", stacklevel=2)
     logp = torch.log_softmax(raw, 1, dtype=torch.promote_types(mm_dtype, torch.float32))
     del raw
     at = target[:, None]

@@ -9,7 +9,8 @@ fields all agree with the call wins, and its other fields are returned. The targ
 ``default.json``. A file may name a ``base`` file whose ops it takes unless it lists them itself. Files are read once.
 
 What ``width`` means is the op's: N (``stack*max_rank``) for the forward shrinks, the output dim for the expands
-and the expand backward, K for ``shrink_bwd_r16``, ``next_power_of_2(max_rank)`` for ``decode``.
+and the expand backward, K for ``shrink_bwd_r16``, ``next_power_of_2(max_rank)`` for ``decode``, the vocabulary for
+``cross_entropy``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ OP_FIELDS = {
     "shrink_bwd_da": _BLOCK,
     "shrink_bwd_r16": _BLOCK,
     "decode": ("BLOCK_S", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"),
+    "cross_entropy": ("BLOCK_M", "BLOCK_V", "num_warps"),
 }
 _BOOL = ("fused",)
 _ZERO_OK = ("min_tiles",)

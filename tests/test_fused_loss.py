@@ -2,6 +2,7 @@
 ``per_adapter_loss`` of the logits (values and gradients), holds less than the logits at any time, reads nothing
 on the host, and refuses what it cannot compute."""
 
+import warnings
 import weakref
 
 import pytest
@@ -442,3 +443,65 @@ def test_errors_of_the_model_helper():
     fast_multilora.patch(head, backend="torch")
     with pytest.raises(ValueError, match=r"is a peft\.tuners\.lora\.layer\.Linear, not a plain nn.Linear"):
         fast_multilora.fused_causal_lm_loss(head, dict(input_ids=ids, labels=ids, adapter_names=["a0", "a0"]))
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_plain_chunk_on_both_paths(device, path, monkeypatch):
+    """The plain chunk (a frozen head without a post-head transform) on each of its paths -- ``kernels.cross_entropy_``
+    (on a GPU; here under the interpreter) and PyTorch's ops (a CPU without the interpreter) -- equals the unfused
+    loss and hidden-state gradient in fp32 (several chunks, ignored labels, packed rows) and passes a float64
+    gradcheck; the path is the one taken (kernel calls counted)."""
+    import fast_multilora.kernels.cross_entropy as kce
+
+    import fast_multilora.fused_loss as fl
+
+    calls = []
+    real = kce.cross_entropy_
+    monkeypatch.setattr(kce, "cross_entropy_", lambda z, t: calls.append(z.shape) or real(z, t))
+    if path == "torch":
+        monkeypatch.setattr(fl, "_kernel_for", lambda z: False)
+    else:
+        assert fl._kernel_for(torch.empty(1, device=device))  # the GPU, or the interpreter the tests run under
+    hidden, weight, b, labels, routing = _batch(device, packed=True, bias=True)
+    weight.requires_grad_(False)
+    b.requires_grad_(False)
+    loss = _fused(hidden, weight, b, labels, routing, chunk_size=37)
+    want = _unfused(hidden, weight, b, labels, routing)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    (got,), (ref,) = _grads(loss, (hidden,)), _grads(want, (hidden,))
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6 * ref.abs().max().item())
+    g = torch.Generator().manual_seed(3)
+    h64 = torch.randn(7, 3, generator=g, dtype=torch.float64).to(device).requires_grad_()
+    w64 = torch.randn(11, 3, generator=g, dtype=torch.float64).to(device)
+    lab = torch.tensor([3, -100, 0, 10, 5, 5, 10], device=device)
+    assert torch.autograd.gradcheck(lambda h: linear_cross_entropy(h, w64, None, lab, chunk_size=3), (h64,))
+    assert (len(calls) > 0) == (path == "kernel"), calls
+
+
+def test_a_kernel_that_cannot_compile_falls_back_with_a_warning(device, monkeypatch):
+    """A GPU where the cross-entropy kernel does not compile (Triton's OutOfResources, say): one warning naming it,
+    then PyTorch's ops for good -- the same loss and gradient."""
+    import fast_multilora.kernels.cross_entropy as kce
+    from triton.runtime.errors import OutOfResources
+
+    import fast_multilora.fused_loss as fl
+
+    calls = []
+
+    def fails(z, t):
+        calls.append(1)
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(kce, "cross_entropy_", fails)
+    monkeypatch.setattr(fl, "_KERNEL_OFF", [])
+    hidden, weight, b, labels, routing = _batch(device, packed=True, bias=False)
+    weight.requires_grad_(False)
+    with pytest.warns(UserWarning, match="cross-entropy kernel could not run on this GPU .*OutOfResources"):
+        loss = _fused(hidden, weight, b, labels, routing, chunk_size=37)
+    want = _unfused(hidden, weight, b, labels, routing)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = _fused(hidden, weight, b, labels, routing, chunk_size=37)
+    torch.testing.assert_close(again, want, rtol=1e-6, atol=1e-6)
+    assert len(calls) == 1  # the kernel is not tried again
