@@ -35,8 +35,6 @@ used here). The transformed (scale, softcap) and trained-head paths could take s
 
 from __future__ import annotations
 
-import os
-import warnings
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -44,6 +42,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.function import once_differentiable
 
+from . import loss as _loss
 from .loss import AdapterLosses, per_adapter_mean, shifted_targets
 from .plan import BASE
 
@@ -51,8 +50,6 @@ __all__ = ["LinearCrossEntropy", "LogitsFreeHead", "adapter_token_means_from_hid
            "fused_causal_lm_loss", "head_weight_problem", "linear_cross_entropy", "logits_free_head",
            "per_adapter_loss_from_hidden"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read at import, as Triton decides
-_KERNEL_OFF: list = []  # why the cross-entropy kernel failed to compile, once (then PyTorch's ops for good)
 # a chunk of at least this many tokens: below it the Python loop's per-chunk overhead dominates on small models
 MIN_CHUNK = 64
 
@@ -179,39 +176,23 @@ class LinearCrossEntropy(torch.autograd.Function):
         return (None if dh is None else dh.to(hidden.dtype)), dw, db, None, None, None, None, None
 
 
-def _kernel_for(z: torch.Tensor) -> bool:
-    """Whether :func:`_plain_chunk` runs ``kernels.cross_entropy_`` on the logits block: on a GPU, and on the CPU
-    under the Triton interpreter (the tests); PyTorch's ops otherwise, on fake tensors, while ``torch.compile``
-    traces (it traces PyTorch's ops, not a Triton launch), and for good once the kernel failed to compile (a
-    warning says so)."""
-    if _KERNEL_OFF or isinstance(z, FakeTensor) or torch.compiler.is_compiling():
-        return False
-    return z.device.type == "cuda" or (_INTERPRET and z.device.type == "cpu")
-
-
 def _plain_chunk(h, weight, bias, target):
     """A chunk's ``(d ce / d logits, ce, the matmul's dtype)`` for a frozen head without a post-head transform: the
     head's ``F.linear`` writes the ``[chunk, V]`` logits in its dtype (autocast's under autocast), then
-    (:func:`_kernel_for`) ``kernels.cross_entropy_`` reads them twice and overwrites them with ``softmax - onehot``
+    (``loss._kernel_for``) ``kernels.cross_entropy_`` reads them twice and overwrites them with ``softmax - onehot``
     (fp32 arithmetic, ``ce`` in fp32); or PyTorch's ops: ``log_softmax`` with ``dtype=fp32`` (16-bit logits copied to
     fp32 first, except fp16 on CUDA), one ``exp`` writing ``softmax`` in the matmul's dtype (the unfused path's
     gradient dtype), and the ``- onehot`` of each row's target from its fp32 log-probability, written once."""
     raw = F.linear(h, weight, bias)  # in autocast's dtype under autocast
     mm_dtype = raw.dtype
-    if _kernel_for(raw):
-        from triton.compiler.errors import CompilationError
-        from triton.runtime.errors import OutOfResources
-
+    if _loss._kernel_for(raw):
         from .kernels.cross_entropy import cross_entropy_
 
         try:
             ce = cross_entropy_(raw, target)  # raw is d ce / d logits now
             return raw, ce, mm_dtype
-        except (CompilationError, OutOfResources) as e:  # (raised before the launch: raw is as the matmul wrote it)
-            _KERNEL_OFF.append(f"{type(e).__name__}: {e}")
-            warnings.warn(f"fast_multilora: the fused loss's cross-entropy kernel could not run on this GPU "
-                          f"({_KERNEL_OFF[0][:300]}); PyTorch's ops compute it from now on (the same loss and "
-                          "gradients, more memory traffic)", stacklevel=2)
+        except _loss._kernel_errors() as e:  # (raised before the launch: raw is as the matmul wrote it)
+            _loss._kernel_failed(e)
     logp = torch.log_softmax(raw, 1, dtype=torch.promote_types(mm_dtype, torch.float32))
     del raw
     at = target[:, None]

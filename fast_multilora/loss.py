@@ -8,14 +8,88 @@ rows are left out (they train nothing).
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Mapping
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.autograd.function import once_differentiable
 
 from .kernels.segments import to_device
 from .plan import BASE
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read at import, as Triton decides
+_KERNEL_OFF: list = []  # why the cross-entropy kernels failed to compile, once (then PyTorch's ops for good)
+
+
+def _kernel_for(z: torch.Tensor) -> bool:
+    """Whether the token cross-entropy of the logits ``z`` runs ``kernels/cross_entropy.py``'s kernels: on a GPU,
+    and on the CPU under the Triton interpreter (the tests); PyTorch's ops otherwise, on fake tensors, while
+    ``torch.compile`` traces (it traces PyTorch's ops, not a Triton launch), and for good once a kernel failed to
+    compile (a warning says so)."""
+    if _KERNEL_OFF or isinstance(z, FakeTensor) or torch.compiler.is_compiling():
+        return False
+    return z.device.type == "cuda" or (_INTERPRET and z.device.type == "cpu")
+
+
+def _kernel_errors() -> tuple:
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    return CompilationError, OutOfResources
+
+
+def _kernel_failed(e: Exception) -> None:
+    _KERNEL_OFF.append(f"{type(e).__name__}: {e}")
+    warnings.warn(f"fast_multilora: the cross-entropy kernels could not run on this GPU ({_KERNEL_OFF[0][:300]}); "
+                  "PyTorch's ops compute the loss from now on (the same loss and gradients, more memory traffic)",
+                  stacklevel=3)
+
+
+class _TokenCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy ``ce[N]`` of the logits ``z[N, V]`` (rows contiguous) through the kernels: the
+    forward reads ``z`` once (``ce`` and ``lse``, fp32), the backward reads it once more and writes its gradient in
+    its dtype, ``(softmax - onehot)`` times each token's upstream gradient (0 for ``ignore_index``). PyTorch's
+    ``cross_entropy(z.float())`` takes an fp32 copy, ``log_softmax``'s fp32 output (saved), a zero-filled fp32
+    gradient, its backward's and the cast back. ``ce`` is 0 at ``ignore_index`` and NaN at a label outside
+    ``[0, V)`` (no host read to raise on)."""
+
+    @staticmethod
+    def forward(ctx, z, labels, ignore_index: int):
+        from .kernels.cross_entropy import cross_entropy_fwd
+
+        V = z.shape[1]
+        target = labels.clamp(0, V - 1)
+        ce, lse = cross_entropy_fwd(z, target)
+        ce = torch.where(labels == ignore_index, 0.0, torch.where((labels >= 0) & (labels < V), ce, float("nan")))
+        ctx.save_for_backward(z, target, lse, labels)
+        ctx.ignore_index = ignore_index
+        return ce
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_ce):
+        from .kernels.cross_entropy import cross_entropy_bwd
+
+        z, target, lse, labels = ctx.saved_tensors
+        g = torch.where(labels == ctx.ignore_index, 0.0, grad_ce.to(lse.dtype))
+        return cross_entropy_bwd(z, target, lse, g), None, None
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """``ce[N]`` of ``logits[N, V]`` against ``labels[N]`` (0 at ``ignore_index``), in fp32: the values and
+    gradients of ``F.cross_entropy(logits.float(), labels, reduction="none")`` (HF's upcast), through
+    :class:`_TokenCrossEntropy`'s kernels where :func:`_kernel_for` says so."""
+    if _kernel_for(logits):
+        try:
+            return _TokenCrossEntropy.apply(logits if logits.stride(1) == 1 else logits.contiguous(), labels,
+                                            ignore_index)
+        except _kernel_errors() as e:  # (raised before the launch)
+            _kernel_failed(e)
+    return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="none")
 
 
 def per_adapter_mean(values: torch.Tensor, token_adapter: torch.Tensor, num_adapters: int,
@@ -88,8 +162,7 @@ def adapter_token_means(logits: torch.Tensor, labels: torch.Tensor, adapter_name
                          "(shift=True shifts them as HF models do)")
     labels, tok = shifted_targets(labels, adapter_names, vocab, logits.device, adapter_ids=adapter_ids,
                                   ignore_index=ignore_index, shift=shift)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
-                         ignore_index=ignore_index, reduction="none")
+    ce = token_cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index)
     return per_adapter_mean(ce, tok, len(vocab), valid=labels.reshape(-1) != ignore_index)
 
 

@@ -453,7 +453,7 @@ def test_plain_chunk_on_both_paths(device, path, monkeypatch):
     gradcheck; the path is the one taken (kernel calls counted)."""
     import fast_multilora.kernels.cross_entropy as kce
 
-    import fast_multilora.fused_loss as fl
+    import fast_multilora.loss as fl
 
     calls = []
     real = kce.cross_entropy_
@@ -484,7 +484,7 @@ def test_a_kernel_that_cannot_compile_falls_back_with_a_warning(device, monkeypa
     import fast_multilora.kernels.cross_entropy as kce
     from triton.runtime.errors import OutOfResources
 
-    import fast_multilora.fused_loss as fl
+    import fast_multilora.loss as fl
 
     calls = []
 
@@ -496,7 +496,7 @@ def test_a_kernel_that_cannot_compile_falls_back_with_a_warning(device, monkeypa
     monkeypatch.setattr(fl, "_KERNEL_OFF", [])
     hidden, weight, b, labels, routing = _batch(device, packed=True, bias=False)
     weight.requires_grad_(False)
-    with pytest.warns(UserWarning, match="cross-entropy kernel could not run on this GPU .*OutOfResources"):
+    with pytest.warns(UserWarning, match="cross-entropy kernels could not run on this GPU .*OutOfResources"):
         loss = _fused(hidden, weight, b, labels, routing, chunk_size=37)
     want = _unfused(hidden, weight, b, labels, routing)
     torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)

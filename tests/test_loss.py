@@ -3,8 +3,10 @@ per-adapter means as plain floats without autograd warnings."""
 
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
+from helpers import KERNEL_DTYPE_PARAMS
 
 import fast_multilora
 
@@ -52,3 +54,93 @@ def test_return_dict_reads_the_device_only_when_used():
         loss.backward()
     assert dict(per).keys() == {"a", "b"} and all(type(v) is float for v in per.values())
     assert "c" not in per and len(per) == 2
+
+
+# the kernels' dtypes (tests/helpers.py): bf16 on a GPU only (the interpreter truncates to bf16, the GPU rounds)
+@pytest.mark.parametrize("dtype", [p.values[0] for p in KERNEL_DTYPE_PARAMS], ids=[p.id for p in KERNEL_DTYPE_PARAMS])
+def test_logits_loss_on_both_paths(dtype, monkeypatch):
+    """The per-token cross-entropy under ``per_adapter_loss`` on each path -- the kernels (on a GPU; here under the
+    interpreter) and ``F.cross_entropy(logits.float())`` -- against an fp64 reference: the per-adapter means to fp32
+    rounding, the logits' gradient (in their dtype) within twice the PyTorch path's error; ignored labels get no
+    gradient; the kernel path is the one taken (calls counted)."""
+    import fast_multilora.kernels.cross_entropy as kce
+
+    import fast_multilora.loss as fl
+
+    calls = []
+    real = kce.cross_entropy_fwd
+    monkeypatch.setattr(kce, "cross_entropy_fwd", lambda z, t: calls.append(z.shape) or real(z, t))
+    g = torch.Generator().manual_seed(4)
+    names = ["b", "a", "__base__", "a"]
+    labels = torch.randint(0, 300, (4, 9), generator=g)
+    labels[1, 3:6] = -100
+    logits64 = torch.randn(4, 9, 300, generator=g, dtype=torch.float64) * 3
+    weights = torch.tensor([0.5, 2.0], dtype=torch.float64)
+
+    def run(x):
+        means, _ = fl.adapter_token_means(x, labels, names, ["a", "b"])
+        (means.double() * weights).sum().backward()
+        return means.detach().double(), x.grad.double()
+
+    x64 = logits64.to(dtype).double().requires_grad_()  # the fp64 reference of the same logits, by hand
+    lab = torch.cat([labels[:, 1:], torch.full((4, 1), -100)], 1)
+    ce = F.cross_entropy(x64.reshape(-1, 300), lab.reshape(-1), reduction="none").view(4, 9)
+    valid = lab != -100
+    means64 = torch.stack([ce[[1, 3]][valid[[1, 3]]].mean(), ce[0][valid[0]].mean()])
+    (means64 * weights).sum().backward()
+    want = (means64.detach(), x64.grad)
+    got = run(logits64.to(dtype).requires_grad_())
+    assert len(calls) == 1
+    monkeypatch.setattr(fl, "_kernel_for", lambda z: False)
+    base = run(logits64.to(dtype).requires_grad_())
+    assert len(calls) == 1
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(base[0], want[0], rtol=1e-5, atol=0)
+    err, base_err = ((v[1] - want[1]).abs().max().item() for v in (got, base))
+    assert err <= 2 * base_err + 1e-7 * want[1].abs().max().item(), (err, base_err)
+    assert got[1][1, 2:5].abs().sum() == 0 and got[1][2].abs().sum() == 0  # ignored labels, the base row
+
+
+def test_logits_loss_label_outside_the_vocabulary_is_nan_on_the_kernel_path():
+    """A label outside ``[0, V)`` (not ``ignore_index``) makes its adapter's mean NaN on the kernels' path (no host
+    read to raise on, as the fused loss); the other adapter's mean stays finite."""
+    labels = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(5))
+    labels[0, 3] = 77
+    logits = torch.randn(2, 6, 50, generator=torch.Generator().manual_seed(6))
+    means, _ = fast_multilora.loss.adapter_token_means(logits, labels, ["a", "b"], ["a", "b"])
+    assert torch.isnan(means[0]) and torch.isfinite(means[1])
+
+
+def test_token_cross_entropy_equals_torch_and_falls_back_with_a_warning(monkeypatch):
+    """``loss.token_cross_entropy`` on the kernels equals ``F.cross_entropy(z.float(), reduction="none")`` in value and
+    gradient for any upstream gradient (an ignored token's is 0 even where the upstream is not); a kernel that cannot
+    compile (Triton's OutOfResources, say) gives one warning, then PyTorch's ops for good."""
+    import fast_multilora.kernels.cross_entropy as kce
+    from triton.runtime.errors import OutOfResources
+
+    import fast_multilora.loss as fl
+
+    g = torch.Generator().manual_seed(8)
+    z = torch.randn(13, 70, generator=g, requires_grad=True)
+    labels = torch.randint(0, 70, (13,), generator=g)
+    labels[[2, 7]] = -100
+    up = torch.rand(13, generator=g) + 0.5
+    want = F.cross_entropy(z.float(), labels, reduction="none")
+    (want_grad,) = torch.autograd.grad(want, z, up)
+    got = fl.token_cross_entropy(z, labels)
+    (got_grad,) = torch.autograd.grad(got, z, up)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-7)
+    assert got_grad[[2, 7]].abs().sum() == 0
+
+    def fails(zz, t):
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(kce, "cross_entropy_fwd", fails)
+    monkeypatch.setattr(fl, "_KERNEL_OFF", [])
+    with pytest.warns(UserWarning, match="cross-entropy kernels could not run on this GPU .*OutOfResources"):
+        again = fl.token_cross_entropy(z, labels)
+    torch.testing.assert_close(again, want, rtol=1e-6, atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fl.token_cross_entropy(z, labels)

@@ -1,6 +1,8 @@
-"""The fused loss's cross-entropy kernel (``kernels/cross_entropy.py``) against an fp64 reference.
+"""The cross-entropy kernels (``kernels/cross_entropy.py``) against an fp64 reference.
 
-``ce = logsumexp(z) - z[target]`` per row and ``z`` overwritten with ``softmax(z) - onehot(target)``, at odd shapes:
+``ce = logsumexp(z) - z[target]`` per row and ``z`` overwritten with ``softmax(z) - onehot(target)`` (the fused
+loss), or ``(ce, lse)`` with ``z`` only read and then ``dz = (softmax(z) - onehot(target)) * g`` (the logits loss), at
+odd shapes:
 one row, one column, vocabularies that are not a multiple of the column block and rows not a multiple of the row
 block (under small blocks: many blocks per row, a ragged last one), targets at the first and last column, large
 logits (the online maximum moves between blocks). Every entry of both outputs is compared (an unwritten row or
@@ -12,7 +14,7 @@ column fails). Tolerances (tests/helpers.py's rule): fp32 / fp64 within rtol 1e-
 import pytest
 import torch
 from fast_multilora.kernels import configs
-from fast_multilora.kernels.cross_entropy import cross_entropy_
+from fast_multilora.kernels.cross_entropy import cross_entropy_, cross_entropy_bwd, cross_entropy_fwd
 from helpers import DEVICE, KERNEL_DTYPE_PARAMS, assert_close_lowp
 
 SHAPES = [(1, 1), (5, 123), (67, 1000), (3, 4099), (16, 64)]
@@ -64,9 +66,31 @@ CASES = [pytest.param(shape, torch.float64, id=f"{shape}-fp64") for shape in (SH
     pytest.param(shape, p.values[0], id=f"{shape}-{p.id}") for shape in SHAPES for p in KERNEL_DTYPE_PARAMS]
 
 
+def _check_fwd_bwd(M, V, dtype, seed=0):
+    z, t = _inputs(M, V, dtype, seed)
+    g = torch.randn(M, generator=torch.Generator().manual_seed(seed + 7), dtype=torch.float64).to(DEVICE)
+    g[0] = 0.0  # an ignored row's upstream gradient
+    want_ce, want_grad = _reference(z, t)
+    want_lse = torch.logsumexp(z.double(), 1)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    kept = z.clone()
+    ce, lse = cross_entropy_fwd(z, t)
+    assert torch.equal(z, kept) and ce.dtype == lse.dtype == acc  # z only read
+    assert_close_lowp(ce, want_ce, want_ce, acc, f"fwd ce {M}x{V} {dtype}")
+    assert_close_lowp(lse, want_lse, want_lse, acc, f"fwd lse {M}x{V} {dtype}")
+    dz = cross_entropy_bwd(z, t, lse, g.to(acc))
+    assert dz.dtype == dtype and dz.shape == z.shape and torch.isfinite(dz).all()
+    base_ce, base_grad = _torch_path(z, t)
+    base = (base_grad.to(acc) * g.to(acc)[:, None]).to(dtype) if dtype != torch.float64 else None
+    want = want_grad * g[:, None]
+    assert_close_lowp(dz, want, base if base is not None else want, dtype, f"bwd {M}x{V} {dtype}")
+    assert dz[0].abs().sum() == 0
+
+
 @pytest.mark.parametrize("shape, dtype", CASES)
 def test_matches_reference(shape, dtype):
     _check(*shape, dtype)
+    _check_fwd_bwd(*shape, dtype)
 
 
 @pytest.mark.parametrize("shape", [(5, 123), (3, 4099), (9, 64)], ids=str)
@@ -76,6 +100,7 @@ def test_many_blocks_per_row(shape):
     with configs.override("cross_entropy", SMALL_BLOCKS):
         for dtype in (torch.float32, torch.float16):
             _check(*shape, dtype, seed=1)
+            _check_fwd_bwd(*shape, dtype, seed=1)
 
 
 def test_no_rows_and_bad_input():
@@ -85,6 +110,9 @@ def test_no_rows_and_bad_input():
         cross_entropy_(torch.zeros(7, 3, device=DEVICE).t(), torch.zeros(3, dtype=torch.int64, device=DEVICE))
     with pytest.raises(ValueError, match="target must be int64"):
         cross_entropy_(torch.zeros(3, 7, device=DEVICE), torch.zeros(3, dtype=torch.int32, device=DEVICE))
+    z, t = torch.zeros(3, 7, device=DEVICE), torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="cross_entropy_bwd: g must be a floating"):
+        cross_entropy_bwd(z, t, torch.zeros(3, device=DEVICE), torch.zeros(2, device=DEVICE))
 
 
 @pytest.mark.gpu
@@ -92,3 +120,4 @@ def test_no_rows_and_bad_input():
 def test_llama3_vocabulary_on_the_gpu(dtype):
     """A chunk of the 8B step's logits (256 tokens x 128256, the h200 rows' blocks), compiled kernel: the same rule."""
     _check(256, 128256, dtype, seed=2)
+    _check_fwd_bwd(256, 128256, dtype, seed=2)
