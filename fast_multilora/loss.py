@@ -83,8 +83,8 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index
     """``ce[N]`` of ``logits[N, V]`` against ``labels[N]`` (0 at ``ignore_index``), in fp32: the values and
     gradients of ``F.cross_entropy(logits.float(), labels, reduction="none")`` (HF's upcast), through
     :class:`_TokenCrossEntropy`'s kernels where :func:`_kernel_for` says so (which keep fp64 logits in fp64).
-    The fallback covers a kernel that fails to compile in the forward; the backward's kernel has the same shape
-    and block sizes as the forward's and compiles with it or not at all."""
+    The fallback covers a kernel that fails to compile in the forward; the backward's kernel (the same block sizes
+    and operations as the in-place one the fused loss runs) has none: its compile error would reach the caller."""
     if _kernel_for(logits):
         try:
             return _TokenCrossEntropy.apply(logits if logits.stride(1) == 1 else logits.contiguous(), labels,
