@@ -76,15 +76,20 @@ class _TokenCrossEntropy(torch.autograd.Function):
 
         z, target, lse, labels = ctx.saved_tensors
         g = torch.where(labels == ctx.ignore_index, 0.0, grad_ce.to(lse.dtype))
-        return cross_entropy_bwd(z, target, lse, g), None, None
+        try:
+            return cross_entropy_bwd(z, target, lse, g), None, None
+        except _kernel_errors() as e:  # (raised before the launch) the same gradient from PyTorch's ops
+            _kernel_failed(e)
+            p = torch.softmax(z.to(lse.dtype), 1)
+            p.scatter_add_(1, target[:, None], torch.full_like(lse, -1.0)[:, None])
+            return (p * g[:, None]).to(z.dtype), None, None
 
 
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """``ce[N]`` of ``logits[N, V]`` against ``labels[N]`` (0 at ``ignore_index``), in fp32: the values and
     gradients of ``F.cross_entropy(logits.float(), labels, reduction="none")`` (HF's upcast), through
     :class:`_TokenCrossEntropy`'s kernels where :func:`_kernel_for` says so (which keep fp64 logits in fp64).
-    The fallback covers a kernel that fails to compile in the forward; the backward's kernel (the same block sizes
-    and operations as the in-place one the fused loss runs) has none: its compile error would reach the caller."""
+    A kernel that fails to compile (forward or backward) gives one warning and PyTorch's ops from then on."""
     if _kernel_for(logits):
         try:
             return _TokenCrossEntropy.apply(logits if logits.stride(1) == 1 else logits.contiguous(), labels,

@@ -114,7 +114,7 @@ def test_logits_loss_label_outside_the_vocabulary_is_nan_on_the_kernel_path():
 def test_token_cross_entropy_equals_torch_and_falls_back_with_a_warning(monkeypatch):
     """``loss.token_cross_entropy`` on the kernels equals ``F.cross_entropy(z.float(), reduction="none")`` in value and
     gradient for any upstream gradient (an ignored token's is 0 even where the upstream is not); a kernel that cannot
-    compile (Triton's OutOfResources, say) gives one warning, then PyTorch's ops for good."""
+    compile (Triton's OutOfResources, say), in the backward or the forward, gives one warning, then PyTorch's ops."""
     import fast_multilora.kernels.cross_entropy as kce
     from triton.runtime.errors import OutOfResources
 
@@ -133,9 +133,17 @@ def test_token_cross_entropy_equals_torch_and_falls_back_with_a_warning(monkeypa
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-7)
     assert got_grad[[2, 7]].abs().sum() == 0
 
-    def fails(zz, t):
+    def fails(*args):
         raise OutOfResources(300000, 232448, "shared memory")
 
+    # the backward's kernel fails first: the gradient from PyTorch's ops, one warning
+    monkeypatch.setattr(kce, "cross_entropy_bwd", fails)
+    monkeypatch.setattr(fl, "_KERNEL_OFF", [])
+    ce = fl.token_cross_entropy(z, labels)
+    with pytest.warns(UserWarning, match="cross-entropy kernels could not run on this GPU .*OutOfResources"):
+        (late,) = torch.autograd.grad(ce, z, up)
+    torch.testing.assert_close(late, want_grad, rtol=1e-5, atol=1e-7)
+    assert late[[2, 7]].abs().sum() == 0
     monkeypatch.setattr(kce, "cross_entropy_fwd", fails)
     monkeypatch.setattr(fl, "_KERNEL_OFF", [])
     with pytest.warns(UserWarning, match="cross-entropy kernels could not run on this GPU .*OutOfResources"):
