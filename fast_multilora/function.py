@@ -93,7 +93,7 @@ class TorchBackend:
         else:
             y = reference.lora_expand(h, B_cat, segs, table, y, stack_num=stack_num, slice_idx=slice_idx,
                                       accumulate=accumulate, bias=bias)
-        return y if gemm is None else y.addmm_(*gemm)
+        return _add_gemm(y, gemm)
 
     @_no_autocast
     def shrink_expand(self, x, A_cat, B_cat, segs, table, y, record=None):
@@ -126,7 +126,7 @@ class TorchBackend:
         else:
             dx, dA = reference.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, keep=keep,
                                                need_dx=need_dx)
-        return (dx if gemm is None else dx.addmm_(*gemm)), dA
+        return _add_gemm(dx, gemm), dA
 
 
 class TritonBackend:
@@ -192,7 +192,7 @@ class TritonBackend:
                                  accumulate=accumulate, bias=bias, record=launches)
         if record is not None:
             record["expand"] = launches[0]
-        return out if gemm is None else out.addmm_(*gemm)
+        return _add_gemm(out, gemm)
 
     def shrink_expand(self, x, A_cat, B_cat, segs, table, y, record=None):
         """``y += delta`` in one launch (``kernels.lora_shrink_expand``: few rows, no grad); ``record`` (a dict):
@@ -247,7 +247,7 @@ class TritonBackend:
             torch.empty(stack_num * table.total_rank, x.shape[1], dtype=grad_dtype, device=x.device)
         dx, dA = self.k.lora_shrink_bwd(dh, x, A_cat, segs, table, stack_num=stack_num, seed=seed, need_dx=need_dx,
                                         keep=keep, dA_out=dA, accumulate_dA=grad_out is not None)
-        return (dx if gemm is None else dx.addmm_(*gemm)), dA
+        return _add_gemm(dx, gemm), dA
 
 
 _BACKENDS: dict = {}
@@ -344,6 +344,12 @@ def lora_dropout_rate(drop: torch.nn.Module) -> float:
     """The rate a PEFT ``lora_dropout`` module applies in this call, as the kernels draw it (rounded to 2^-16 by
     ``quantize_p``); 0 for ``nn.Identity`` or a module in eval mode."""
     return quantize_p(float(drop.p)) if isinstance(drop, torch.nn.Dropout) and drop.training else 0.0
+
+
+def _add_gemm(t: torch.Tensor, gemm: Optional[tuple]) -> torch.Tensor:
+    """``t += a @ b`` in place for ``gemm = (a, b)`` (cuBLAS, beta 1: a fused layer's base GEMM added into the delta
+    or ``dx`` a kernel wrote), ``t`` as it is for ``None``; returns ``t``."""
+    return t if gemm is None else t.addmm_(*gemm)
 
 
 def base_first(segs: Segments) -> bool:
@@ -618,18 +624,13 @@ class LaunchPlan:
         B = _pick(self.b_pick, b_ws)
         if self.fused:
             expand = self.expand
-            rows = linear_with_delta(x, W, b, lambda y, acc, bias, gemm: _replay_expand(expand, h, B, y, bias, gemm),
+            rows = linear_with_delta(x, W, b, lambda y, acc, bias, gemm: _add_gemm(expand(h, B, y, bias), gemm),
                                      base_first(self.segs))
             out = rows.view(self.out_shape)
         else:
             out, rows = _delta_target(_NO_GRAD_CTX, y_in)
             self.expand(h, B, rows)
         return out
-
-
-def _replay_expand(expand, h, B, y, bias, gemm):
-    expand(h, B, y, bias)
-    return y if gemm is None else y.addmm_(*gemm)
 
 
 def _picker(w, ws, derive):
