@@ -115,8 +115,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 del dz, part
             else:
                 del z, t
-        in_range = (labels >= 0) & (labels < V)
-        ce = torch.where(labels == ignore_index, 0.0, torch.where(in_range, ce, float("nan")))
+        ce = _loss.masked_token_ce(ce, labels, V, ignore_index)
         if early:  # lse is not needed (nor made on the plain path)
             ctx.save_for_backward(dh_unit, labels)
         else:

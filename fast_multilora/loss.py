@@ -49,6 +49,12 @@ def _kernel_failed(e: Exception) -> None:
                   stacklevel=3)
 
 
+def masked_token_ce(ce: torch.Tensor, labels: torch.Tensor, V: int, ignore_index: int) -> torch.Tensor:
+    """Per-token ``ce`` computed against the labels clamped to ``[0, V)``: 0 at ``ignore_index``, NaN at a label
+    outside ``[0, V)`` (no host read to raise on)."""
+    return torch.where(labels == ignore_index, 0.0, torch.where((labels >= 0) & (labels < V), ce, float("nan")))
+
+
 class _TokenCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy ``ce[N]`` of the logits ``z[N, V]`` (rows contiguous) through the kernels: the
     forward reads ``z`` once (``ce`` and ``lse``, fp32), the backward reads it once more and writes its gradient in
@@ -64,7 +70,7 @@ class _TokenCrossEntropy(torch.autograd.Function):
         V = z.shape[1]
         target = labels.clamp(0, V - 1)
         ce, lse = cross_entropy_fwd(z, target)
-        ce = torch.where(labels == ignore_index, 0.0, torch.where((labels >= 0) & (labels < V), ce, float("nan")))
+        ce = masked_token_ce(ce, labels, V, ignore_index)
         ctx.save_for_backward(z, target, lse, labels)
         ctx.ignore_index = ignore_index
         return ce
@@ -79,10 +85,11 @@ class _TokenCrossEntropy(torch.autograd.Function):
         try:
             return cross_entropy_bwd(z, target, lse, g), None, None
         except _kernel_errors() as e:  # (raised before the launch) the same gradient from PyTorch's ops
+            from .fused_loss import _dlogits
+
             _kernel_failed(e)
-            p = torch.softmax(z.to(lse.dtype), 1)
-            p.scatter_add_(1, target[:, None], torch.full_like(lse, -1.0)[:, None])
-            return (p * g[:, None]).to(z.dtype), None, None
+            z32 = z.to(lse.dtype, copy=True)  # (_dlogits overwrites it; z is the caller's logits)
+            return _dlogits(z32, None, lse, labels, 0, z.shape[1], g, 1.0, None, z.dtype), None, None
 
 
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
