@@ -362,7 +362,7 @@ def test_compiled_training_on_the_adapter_store_reads_b_as_it_lies(device):
 def test_compiled_graphs_take_the_entry_layout_and_copy_no_base_output(packed, device, monkeypatch):
     """The layout is built once per call at the model's entry and enters the graph as inputs: no sort or
     searchsorted (the layout builders' ops) in the traced graphs -- built per layer, the 8-layer benchmark model's
-    eval graph ran 56 sorts. And no ``aten.addmm``: a fused layer's base GEMM is added in place by the ``addmm_`` op
+    eval graph ran 56 sorts. And no ``aten.addmm``: a fused layer's base GEMM is added in place inside the expand op
     (SGEMM) or runs first and the LoRA ops add into it (chunked), where a traced ``Tensor.addmm_`` would become an
     ``addmm`` that copies its input. The op calls of one layout share its
     validation memos (``ops._shared_memos``): each kind of (layout, layer table) is checked once, as in eager mode.
@@ -426,8 +426,9 @@ def test_compiled_graphs_take_the_entry_layout_and_copy_no_base_output(packed, d
 @pytest.mark.parametrize("grouped", FAMILIES)
 def test_compiled_layer_gradchecks_in_float64(grouped):
     """float64 gradcheck of a compiled layer call (``aot_eager``, one graph) with dropout, through the ops: fused,
-    the delta written (SGEMM) or added into the base GEMM's output (chunked) and the base added by the ``addmm_`` op,
-    the backward's dx written and ``dy W`` added by it; unfused, the delta added into a copy of the base output (what
+    the delta written (SGEMM) or added into the base GEMM's output (chunked) and the base added inside the expand
+    op, the backward's dx written and ``dy W`` added inside the shrink-backward op; unfused, the delta added into a
+    copy of the base output (what
     only a compiled call does). The seed is a device tensor, as the compiled path draws it. Also equal to the eager
     call."""
     from helpers import random_token_slots
