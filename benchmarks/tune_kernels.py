@@ -437,13 +437,50 @@ def sweep_decode(rows, S_values=(16, 64), dev="cuda"):
         print(name, "done", flush=True)
 
 
+def sweep_cross_entropy(rows, V=128256):
+    """The cross-entropy kernels (``cross_entropy`` op: BLOCK_M, BLOCK_V, num_warps) at a Llama-3 vocabulary, bf16:
+    the fused loss's chunk (``cross_entropy_``, its default chunk of the 8B step: 256 rows; 2 reads, 1 write) and the
+    per-adapter loss on 8192 rows of logits (``cross_entropy_fwd``: 1 read; ``cross_entropy_bwd``: 1 read, 1 write).
+    Rows: ``op`` = launcher, ``family`` = rows x vocabulary, ``tb_s`` = bytes moved per second."""
+    _sweep_ce_shape(rows, 256, V, ("cross_entropy_",))
+    _sweep_ce_shape(rows, 8192, V, ("cross_entropy_fwd", "cross_entropy_bwd"))
+
+
+def _sweep_ce_shape(rows, M, V, calls):
+    """One shape of :func:`sweep_cross_entropy` (its own function: the timed lambdas close over its tensors)."""
+    from fast_multilora.kernels import cross_entropy as ce
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    z0 = torch.randn(M, V, device="cuda", generator=g).to(torch.bfloat16)
+    z = z0.clone()  # cross_entropy_ overwrites it (with values in [-1, 1]: repeated calls stay finite)
+    t = torch.randint(0, V, (M,), device="cuda", generator=g)
+    lse = torch.logsumexp(z0.float(), 1)
+    gr = torch.full((M,), 1.0 / M, device="cuda")
+    fns = {"cross_entropy_": (lambda: ce.cross_entropy_(z, t), 6),
+           "cross_entropy_fwd": (lambda: ce.cross_entropy_fwd(z0, t), 2),
+           "cross_entropy_bwd": (lambda: ce.cross_entropy_bwd(z0, t, lse, gr), 4)}
+    family = f"M{M}-V{V}"
+    configs = [(1, bv, w) for bv in (4096, 8192, 16384, 32768) for w in (4, 8, 16, 32)]
+    configs += [(bm, bv, w) for bm in (2, 4) for bv in (2048, 4096, 8192) for w in (8, 16)]
+    for name in calls:
+        fn, per = fns[name]
+        record(rows, name, family, ("shipped",), fn, moved=per * M * V)
+        for bm, bv, w in configs:
+            with only_row("cross_entropy", BLOCK_M=bm, BLOCK_V=bv, num_warps=w):
+                record(rows, name, family, (bm, bv, w), fn, moved=per * M * V)
+        mine = sorted((r for r in rows if r["op"] == name and r["family"] == family and r["us"]),
+                      key=lambda r: r["us"])
+        print(name, family, "best:", [(r["config"], round(r["us"], 1), r.get("tb_s")) for r in mine[:5]], flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune.json")
     ap.add_argument("--parts", default="profile,layer,shrink,expand,bwd", help="any of profile, layer, shrink, "
                     "expand, bwd (headline shape), skewed (the shrink at 32 adapters, 90 % on one), "
                     "model, model_expand, model_shrink and model_expand_bwd (the "
-                    "training step's shapes), adamw (the optimizer kernel over the scale step's arena at 64 "
+                    "training step's shapes), cross_entropy (the loss kernels at a 128256 vocabulary), adamw (the "
+                    "optimizer kernel over the scale step's arena at 64 "
                     "adapters), decode (the one-launch decode kernel at the model's projections)")
     args = ap.parse_args()
     parts = args.parts.split(",")
@@ -460,6 +497,10 @@ def main():
             sweep(rows)
             with open(args.out, "w") as f:
                 json.dump(out, f)
+    if "cross_entropy" in parts:
+        sweep_cross_entropy(rows)
+        with open(args.out, "w") as f:
+            json.dump(out, f)
     if "adamw" in parts:
         sweep_adamw(rows)
         with open(args.out, "w") as f:
