@@ -487,28 +487,13 @@ def main():
     rows = []
     out = {"rows": rows}
     t0 = time.time()
-    if "model" in parts:
-        sweep_model_shapes(rows)
-        with open(args.out, "w") as f:
-            json.dump(out, f)
-    for part, sweep in (("model_expand", sweep_model_expand), ("model_shrink", sweep_model_shrink),
-                        ("model_expand_bwd", sweep_model_expand_bwd)):
+    for part, sweep in (("model", sweep_model_shapes), ("model_expand", sweep_model_expand),
+                        ("model_shrink", sweep_model_shrink), ("model_expand_bwd", sweep_model_expand_bwd),
+                        ("cross_entropy", sweep_cross_entropy), ("adamw", sweep_adamw), ("decode", sweep_decode)):
         if part in parts:
             sweep(rows)
             with open(args.out, "w") as f:
                 json.dump(out, f)
-    if "cross_entropy" in parts:
-        sweep_cross_entropy(rows)
-        with open(args.out, "w") as f:
-            json.dump(out, f)
-    if "adamw" in parts:
-        sweep_adamw(rows)
-        with open(args.out, "w") as f:
-            json.dump(out, f)
-    if "decode" in parts:
-        sweep_decode(rows)
-        with open(args.out, "w") as f:
-            json.dump(out, f)
     if "skewed" in parts:  # the many-adapter shrink: 32 adapters, 90 % of the tokens on one
         for family, grouped in (("chunked", True), ("sgemm", False)):
             case = make_case(A=32, grouped=grouped, skewed=True)
