@@ -477,7 +477,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune.json")
     ap.add_argument("--parts", default="profile,layer,shrink,expand,bwd", help="any of profile, layer, shrink, "
-                    "expand, bwd (headline shape), skewed (the shrink at 32 adapters, 90 % on one), "
+                    "expand, bwd (headline shape), skewed (the shrink at 32 adapters, 90 %% on one), "
                     "model, model_expand, model_shrink and model_expand_bwd (the "
                     "training step's shapes), cross_entropy (the loss kernels at a 128256 vocabulary), adamw (the "
                     "optimizer kernel over the scale step's arena at 64 "
