@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 from fast_multilora.kernels import api as K
 from fast_multilora.kernels import backward as kb
 from fast_multilora.kernels import configs as kc
@@ -473,6 +474,81 @@ def _sweep_ce_shape(rows, M, V, calls):
         print(name, family, "best:", [(r["config"], round(r["us"], 1), r.get("tb_s")) for r in mine[:5]], flush=True)
 
 
+def _sm90_kernel(fn, types, consts, num_warps, num_stages):
+    """``fn`` compiled for sm_90 with Triton's bundled ptxas (no GPU needed): every constexpr given, unit inner
+    strides specialised as launches specialise them, pointers and strides 16-divisible."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    consts, sig, attrs = dict(consts), {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = types.get(name, "i32")
+        if sig[name].startswith("*") or name.startswith("stride") or name == "K":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _sass_loop(kernel) -> dict:
+    """Registers, and per iteration of the longest loop in the SASS (the K step or row step): instructions and
+    barriers; by ``cuobjdump`` from Triton's wheel."""
+    import re
+    import subprocess
+    import tempfile
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    code = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    best = (0, 0)
+    for a, t in code:
+        m = re.search(r"\bBRA\s+(?:0x)?([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < a:
+            body = [tt for aa, tt in code if int(m.group(1), 16) <= aa <= a]
+            best = max(best, (len(body), sum("BAR.SYNC" in tt for tt in body)))
+    return {"regs": int(re.search(r"REG:(\d+)", usage).group(1)), "loop_instr": best[0], "loop_bar": best[1]}
+
+
+def sweep_sass(rows):
+    """No GPU: the shrink forward (no dropout, dropout, dropout storing its mask) and the shrink backward (no
+    dropout, mask redrawn, mask read back) as the training step launches them on an H200 (bf16, r = 16, K = 2048,
+    the shipped rows), compiled for sm_90: registers, and instructions and barriers per iteration of the main loop
+    (per warp; a K step of ``BLOCK_S x BLOCK_K`` for the forward, a row step for the backward). Where the dropout's
+    instructions go, between GPU runs."""
+    from fast_multilora.kernels import sgemm as kg
+
+    ptr = {n: "*fp32" for n in ("h", "dh", "part_dA", "dropout")}
+    ptr.update({n: "*bf16" for n in ("x", "A", "dx")})
+    ptr.update({n: "*i32" for n in ("order", "info", "ranks", "offsets", "indptr", "seg_slot")})
+    ptr.update(keep_bits="*u8", w_offs="*i64")
+    unit = dict(stride_xk=1, stride_ak=1)
+    for mode, op in (("none", "shrink"), ("dropout", "shrink_dropout"), ("stored", "shrink_dropout_store")):
+        cfg = kc.block_config(op, width=16, family="sgemm", target="h200")
+        bs, bk, w, st = cfg["BLOCK_S"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"]
+        k = _sm90_kernel(kg.sgemm_shrink_kernel, ptr, dict(
+            unit, stride_hn=1, STACK=1, HAS_DROPOUT=mode != "none", STORE_MASK=mode == "stored", EVEN_K=True,
+            DOT_PRECISION="tf32", W_OFFS=True, BLOCK_S=bs, BLOCK_N=16, BLOCK_K=bk), w, st)
+        rows.append({"op": f"sass_shrink_{mode}", "family": "sm90-K2048", "config": [bs, 16, bk, w, st],
+                     "us": None, **_sass_loop(k)})
+    for mode in ("none", "redrawn", "stored"):
+        bs, bk, w, st = kb._shrink_r16_tile(mode, 2048, "h200")
+        k = _sm90_kernel(kb._shrink_bwd_kernel, ptr, dict(
+            unit, stride_dxk=1, stride_dhr=1, stride_pak=1, NEED_DX=True, HAS_DROPOUT=mode != "none",
+            LOAD_MASK=mode == "stored", HOIST_A=True, EVEN_K=True, DOT_PRECISION="tf32", W_OFFS=True, BLOCK_S=bs,
+            BLOCK_K=bk, BLOCK_R=16, DROP_STACK=1), w, st)
+        rows.append({"op": f"sass_shrink_bwd_{mode}", "family": "sm90-K2048", "config": [bs, bk, w, st],
+                     "us": None, **_sass_loop(k)})
+    for r in rows[-6:]:
+        print(r["op"], r["config"], f"registers {r['regs']}, main loop {r['loop_instr']} instructions, "
+              f"{r['loop_bar']} barriers", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune.json")
@@ -481,7 +557,9 @@ def main():
                     "model, model_expand, model_shrink and model_expand_bwd (the "
                     "training step's shapes), cross_entropy (the loss kernels at a 128256 vocabulary), adamw (the "
                     "optimizer kernel over the scale step's arena at 64 "
-                    "adapters), decode (the one-launch decode kernel at the model's projections)")
+                    "adapters), decode (the one-launch decode kernel at the model's projections), sass (no GPU: "
+                    "the shrink's and its backward's main loop compiled for sm_90, with and without dropout: "
+                    "instructions and barriers per iteration)")
     args = ap.parse_args()
     parts = args.parts.split(",")
     rows = []
@@ -489,7 +567,8 @@ def main():
     t0 = time.time()
     for part, sweep in (("model", sweep_model_shapes), ("model_expand", sweep_model_expand),
                         ("model_shrink", sweep_model_shrink), ("model_expand_bwd", sweep_model_expand_bwd),
-                        ("cross_entropy", sweep_cross_entropy), ("adamw", sweep_adamw), ("decode", sweep_decode)):
+                        ("cross_entropy", sweep_cross_entropy), ("adamw", sweep_adamw), ("decode", sweep_decode),
+                        ("sass", sweep_sass)):
         if part in parts:
             sweep(rows)
             with open(args.out, "w") as f:
@@ -525,7 +604,8 @@ def main():
         for fam in sorted({r["family"] for r in rows if r["op"] == op}):
             ok = [r for r in rows if r["op"] == op and r["family"] == fam and r["us"] is not None]
             ok.sort(key=lambda r: r["us"])
-            print(op, fam, "best:", [(r["config"], round(r["us"], 1)) for r in ok[:4]])
+            if ok:
+                print(op, fam, "best:", [(r["config"], round(r["us"], 1)) for r in ok[:4]])
 
 
 if __name__ == "__main__":

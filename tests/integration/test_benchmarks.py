@@ -280,3 +280,24 @@ def test_a_killed_fresh_process_child_keeps_the_rows_it_measured(monkeypatch):
     assert rows["fast[n=8]"]["status"] == "ok" and rows["fast[n=8]"]["wall_ms"] == 2.0
     assert rows["fast[n=32]"]["status"] == "error" and "killed" in rows["fast[n=32]"]["reason"]
     assert all(r["fresh_process"] for r in rows.values())
+
+
+def test_tune_kernels_sass_part_reads_the_main_loops(tmp_path):
+    """``tune_kernels.py --parts sass`` (no GPU: sm_90 compiles by Triton's bundled ptxas) records registers and the
+    main loop's instructions and barriers of the shrink and its backward, with and without dropout; drawing or
+    reading the mask adds instructions to the loop (a loop finder that missed the K step would not see them)."""
+    from helpers import compile_for_sm90
+
+    out = tmp_path / "sass.json"
+    script = (f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); sys.argv = ['tune_kernels.py', "
+              f"'--parts', 'sass', '--out', {str(out)!r}]; import tune_kernels; tune_kernels.main()")
+    res = compile_for_sm90(script, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rows = {r["op"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {f"sass_shrink_{m}" for m in ("none", "dropout", "stored")} | {
+        f"sass_shrink_bwd_{m}" for m in ("none", "redrawn", "stored")}
+    for r in rows.values():
+        assert r["regs"] > 0 and r["loop_instr"] > 0 and r["loop_bar"] > 0, r
+    for kind, modes in (("shrink", ("dropout", "stored")), ("shrink_bwd", ("redrawn", "stored"))):
+        for m in modes:
+            assert rows[f"sass_{kind}_{m}"]["loop_instr"] > rows[f"sass_{kind}_none"]["loop_instr"], (kind, m)
