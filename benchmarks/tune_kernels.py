@@ -17,9 +17,11 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 from fast_multilora.kernels import api as K
 from fast_multilora.kernels import backward as kb
 from fast_multilora.kernels import configs as kc
+from fast_multilora.kernels.dropout import _bits_of, _keep_of
 from fast_multilora.kernels.segments import AdapterTable, grouped_segments, segments_from_token_slots
 from harness import kernel_ms  # benchmarks/ is on sys.path when this runs as a script
 
@@ -474,6 +476,67 @@ def _sweep_ce_shape(rows, M, V, calls):
         print(name, family, "best:", [(r["config"], round(r["us"], 1), r.get("tb_s")) for r in mine[:5]], flush=True)
 
 
+@triton.jit
+def _probe_philox(out, seed, K, thresh, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, EXPAND: tl.constexpr):
+    """The training forward's dropout draw alone over ``[S, K]`` (no ``x``): per K step the Philox words of the
+    tile's 8-column groups, then their packed bytes (``EXPAND=False``) or the per-element mask the shrink applies
+    (``EXPAND=True``), folded into one int per row so nothing is dead code."""
+    o_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    acc = tl.zeros([BLOCK_S, BLOCK_K if EXPAND else BLOCK_K // 8], dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        o_g = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        ctr = o_s.to(tl.int64)[:, None] * ((K + 7) // 8) + o_g.to(tl.int64)[None, :]
+        r0, r1, r2, r3 = tl.randint4x(seed, ctr.to(tl.uint32))
+        if EXPAND:
+            acc += _keep_of(r0, r1, r2, r3, thresh).to(tl.int32)
+        else:
+            acc ^= _bits_of(r0, r1, r2, r3, thresh).to(tl.int32)
+    tl.store(out + o_s, tl.sum(acc, 1))
+
+
+@triton.jit
+def _probe_read(x, out, K, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``x[S, K]`` read once (the shrink's bytes, no dot), summed per row."""
+    o_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    acc = tl.zeros([BLOCK_S, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        acc += tl.load(x + o_s[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :]).to(tl.float32)
+    tl.store(out + o_s, tl.sum(acc, 1))
+
+
+def sweep_dropout(rows):
+    """The training forward's dropout taken apart at the step's shapes (S = 16384, bf16, p = 0.05): the shrink
+    without dropout, with its mask drawn, drawn and stored; the draw alone (Philox and the packed bytes; Philox and
+    the per-element mask) and ``x`` read alone, at the shrink's tiles. Kernel time by the profiler; rows ``op`` =
+    part, ``family`` = K."""
+    for Kd in (2048, 5632):
+        _sweep_dropout_shape(rows, 16384, Kd)
+
+
+def _sweep_dropout_shape(rows, S, Kd):
+    """One K of :func:`sweep_dropout` (its own function: the timed lambdas close over its tensors)."""
+    segs, table, x, y, dy, A_cat, B_cat = make_case(S=S, Kd=Kd, N=2048, dropout=0.05)
+    table0 = make_case(S=S, Kd=16, N=16, dropout=0.0)[1]
+    keep = K.keep_bits_buffer(x)
+    out_i = torch.empty(S, dtype=torch.int32, device=x.device)
+    out_f = torch.empty(S, dtype=torch.float32, device=x.device)
+    family, thresh = f"K{Kd}", round(0.05 * 65536)
+    record(rows, "shrink", family, ("shipped",), lambda: K.lora_shrink(x, A_cat, segs, table0), moved=2 * S * Kd)
+    record(rows, "shrink_dropout", family, ("shipped",), lambda: K.lora_shrink(x, A_cat, segs, table, seed=5),
+           moved=2 * S * Kd)
+    record(rows, "shrink_dropout_store", family, ("shipped",),
+           lambda: K.lora_shrink(x, A_cat, segs, table, seed=5, keep_out=keep), moved=2 * S * Kd + S * Kd // 8)
+    for bs, bk, w in ((32, 64, 4), (32, 128, 4), (64, 128, 8)):
+        grid = (triton.cdiv(S, bs),)
+        for expand in (False, True):
+            record(rows, "draw_mask" if expand else "draw_bytes", family, (bs, bk, w), functools.partial(
+                _probe_philox[grid], out_i, 5, Kd, thresh, BLOCK_S=bs, BLOCK_K=bk, EXPAND=expand, num_warps=w))
+        record(rows, "read_x", family, (bs, bk, w), functools.partial(
+            _probe_read[grid], x, out_f, Kd, BLOCK_S=bs, BLOCK_K=bk, num_warps=w), moved=2 * S * Kd)
+    mine = [r for r in rows if r["family"] == family and r["us"]]
+    print(family, [(r["op"], r["config"], round(r["us"], 1)) for r in mine], flush=True)
+
+
 def _sm90_kernel(fn, types, consts, num_warps, num_stages):
     """``fn`` compiled for sm_90 with Triton's bundled ptxas (no GPU needed): every constexpr given, unit inner
     strides specialised as launches specialise them, pointers and strides 16-divisible."""
@@ -519,8 +582,9 @@ def sweep_sass(rows):
     """No GPU: the shrink forward (no dropout, dropout, dropout storing its mask) and the shrink backward (no
     dropout, mask redrawn, mask read back) as the training step launches them on an H200 (bf16, r = 16, K = 2048,
     the shipped rows), compiled for sm_90: registers, and instructions and barriers per iteration of the main loop
-    (per warp; a K step of ``BLOCK_S x BLOCK_K`` for the forward, a row step for the backward). Where the dropout's
-    instructions go, between GPU runs."""
+    (per warp; a K step of ``BLOCK_S x BLOCK_K`` for the forward, a row step for the backward); and the parts of
+    ``--parts dropout`` (the draw with its bytes, the draw expanded to the per-element mask, ``x`` read) at the
+    training forward's tile. Where the dropout's instructions go, between GPU runs."""
     from fast_multilora.kernels import sgemm as kg
 
     ptr = {n: "*fp32" for n in ("h", "dh", "part_dA", "dropout")}
@@ -544,7 +608,13 @@ def sweep_sass(rows):
             BLOCK_K=bk, BLOCK_R=16, DROP_STACK=1), w, st)
         rows.append({"op": f"sass_shrink_bwd_{mode}", "family": "sm90-K2048", "config": [bs, bk, w, st],
                      "us": None, **_sass_loop(k)})
-    for r in rows[-6:]:
+    for name, fn, types, consts in (
+            ("draw_bytes", _probe_philox, {"out": "*i32"}, dict(EXPAND=False)),
+            ("draw_mask", _probe_philox, {"out": "*i32"}, dict(EXPAND=True)),
+            ("read_x", _probe_read, {"x": "*bf16", "out": "*fp32"}, {})):  # the training forward's tile, apart
+        k = _sm90_kernel(fn, types, dict(consts, BLOCK_S=32, BLOCK_K=64), 4, 3)
+        rows.append({"op": f"sass_{name}", "family": "sm90", "config": [32, 64, 4, 3], "us": None, **_sass_loop(k)})
+    for r in rows[-9:]:
         print(r["op"], r["config"], f"registers {r['regs']}, main loop {r['loop_instr']} instructions, "
               f"{r['loop_bar']} barriers", flush=True)
 
@@ -557,7 +627,8 @@ def main():
                     "model, model_expand, model_shrink and model_expand_bwd (the "
                     "training step's shapes), cross_entropy (the loss kernels at a 128256 vocabulary), adamw (the "
                     "optimizer kernel over the scale step's arena at 64 "
-                    "adapters), decode (the one-launch decode kernel at the model's projections), sass (no GPU: "
+                    "adapters), decode (the one-launch decode kernel at the model's projections), dropout (the "
+                    "training forward's dropout taken apart: the draw, the mask, x read alone), sass (no GPU: "
                     "the shrink's and its backward's main loop compiled for sm_90, with and without dropout: "
                     "instructions and barriers per iteration)")
     args = ap.parse_args()
@@ -568,7 +639,7 @@ def main():
     for part, sweep in (("model", sweep_model_shapes), ("model_expand", sweep_model_expand),
                         ("model_shrink", sweep_model_shrink), ("model_expand_bwd", sweep_model_expand_bwd),
                         ("cross_entropy", sweep_cross_entropy), ("adamw", sweep_adamw), ("decode", sweep_decode),
-                        ("sass", sweep_sass)):
+                        ("dropout", sweep_dropout), ("sass", sweep_sass)):
         if part in parts:
             sweep(rows)
             with open(args.out, "w") as f:
