@@ -597,14 +597,14 @@ def sweep_sass(rows):
         bs, bk, w, st = cfg["BLOCK_S"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"]
         k = _sm90_kernel(kg.sgemm_shrink_kernel, ptr, dict(
             unit, stride_hn=1, STACK=1, HAS_DROPOUT=mode != "none", STORE_MASK=mode == "stored", EVEN_K=True,
-            DOT_PRECISION="tf32", W_OFFS=True, BLOCK_S=bs, BLOCK_N=16, BLOCK_K=bk), w, st)
+            DOT_PRECISION="tf32", W_OFFS=False, BLOCK_S=bs, BLOCK_N=16, BLOCK_K=bk), w, st)
         rows.append({"op": f"sass_shrink_{mode}", "family": "sm90-K2048", "config": [bs, 16, bk, w, st],
                      "us": None, **_sass_loop(k)})
     for mode in ("none", "redrawn", "stored"):
         bs, bk, w, st = kb._shrink_r16_tile(mode, 2048, "h200")
         k = _sm90_kernel(kb._shrink_bwd_kernel, ptr, dict(
             unit, stride_dxk=1, stride_dhr=1, stride_pak=1, NEED_DX=True, HAS_DROPOUT=mode != "none",
-            LOAD_MASK=mode == "stored", HOIST_A=True, EVEN_K=True, DOT_PRECISION="tf32", W_OFFS=True, BLOCK_S=bs,
+            LOAD_MASK=mode == "stored", HOIST_A=True, EVEN_K=True, DOT_PRECISION="tf32", W_OFFS=False, BLOCK_S=bs,
             BLOCK_K=bk, BLOCK_R=16, DROP_STACK=1), w, st)
         rows.append({"op": f"sass_shrink_bwd_{mode}", "family": "sm90-K2048", "config": [bs, bk, w, st],
                      "us": None, **_sass_loop(k)})
