@@ -592,6 +592,7 @@ def sweep_sass(rows):
     ptr.update({n: "*i32" for n in ("order", "info", "ranks", "offsets", "indptr", "seg_slot")})
     ptr.update(keep_bits="*u8", w_offs="*i64")
     unit = dict(stride_xk=1, stride_ak=1)
+    first = len(rows)
     for mode, op in (("none", "shrink"), ("dropout", "shrink_dropout"), ("stored", "shrink_dropout_store")):
         cfg = kc.block_config(op, width=16, family="sgemm", target="h200")
         bs, bk, w, st = cfg["BLOCK_S"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"]
@@ -614,7 +615,7 @@ def sweep_sass(rows):
             ("read_x", _probe_read, {"x": "*bf16", "out": "*fp32"}, {})):  # the training forward's tile, apart
         k = _sm90_kernel(fn, types, dict(consts, BLOCK_S=32, BLOCK_K=64), 4, 3)
         rows.append({"op": f"sass_{name}", "family": "sm90", "config": [32, 64, 4, 3], "us": None, **_sass_loop(k)})
-    for r in rows[-9:]:
+    for r in rows[first:]:
         print(r["op"], r["config"], f"registers {r['regs']}, main loop {r['loop_instr']} instructions, "
               f"{r['loop_bar']} barriers", flush=True)
 

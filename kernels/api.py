@@ -18,7 +18,7 @@ from .adamw import (
     scale_grads_,
 )
 from .backward import lora_expand_bwd, lora_shrink_bwd
-from .cross_entropy import cross_entropy_
+from .cross_entropy import cross_entropy_, cross_entropy_bwd, cross_entropy_fwd
 from .decode import DECODE_MAX_ROWS, lora_shrink_expand
 from .dora import dora_combine, dora_combine_bwd
 from .dropout import keep_bits_buffer, scale_by_keep
@@ -38,4 +38,4 @@ __all__ = ["AdapterTable", "Segments", "SlotWeights", "grouped_segments", "row_s
            "DECODE_MAX_ROWS", "lora_shrink_expand",
            "keep_bits_buffer", "scale_by_keep", "dora_combine", "dora_combine_bwd",
            "CHUNK", "ChunkTable", "chunk_table", "adamw_scalars_", "adamw_step_", "adapter_chunks", "grad_sq_norms",
-           "scale_grads_", "cross_entropy_"]
+           "scale_grads_", "cross_entropy_", "cross_entropy_fwd", "cross_entropy_bwd"]
