@@ -159,7 +159,41 @@ def top_kernels(timed, n: int, reps: int = 1) -> list:
     return [[name[:80], round(t / reps / 1e3, 3), round(c / reps, 2)] for name, (t, c) in ranked]
 
 
+def host_profile(fn, reps: int, top: int, device: str = "cuda") -> list:
+    """``[[function, ms per call, calls per call], ...]``: the ``top`` functions with the most own time (cProfile's
+    ``tottime``, Python functions and the C functions they call) over ``reps`` calls of ``fn``, each started after
+    a synchronize -- where a row's host time goes, kept with the row. Profiled calls run slower than plain ones:
+    the shares, not the sums, are the measurement."""
+    import cProfile
+    import pstats
+
+    sync = _sync(device)
+    prof = cProfile.Profile()
+    for _ in range(reps):
+        sync()
+        prof.enable()
+        fn()
+        prof.disable()
+    sync()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (primitive calls, calls, tottime, cumtime, callers)}
+    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [[_where(*key), round(tt / reps * 1e3, 4), round(nc / reps, 2)] for key, (_, nc, tt, _, _) in ranked]
+
+
+def _where(file: str, line: int, name: str) -> str:
+    """``file:line(name)`` with the file cut to what follows ``site-packages/`` or this repository's root."""
+    for mark in ("site-packages/", "dist-packages/"):
+        if mark in file:
+            file = file.split(mark, 1)[1]
+            break
+    else:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+        file = file[len(root):] if file.startswith(root) else file
+    return f"{name}" if file == "~" else f"{file}:{line}({name})"
+
+
 TOP_KERNELS = 12  # kernels kept per GPU row (extra.top_kernels)
+TOP_HOST = 12  # host functions kept per row timed by time_step (extra.top_host)
 
 
 def time_step(fn, device: str, *, warm: int, iters: int, split: bool = True) -> dict:
@@ -200,6 +234,8 @@ def time_step(fn, device: str, *, warm: int, iters: int, split: bool = True) -> 
         out["gpu_ms"], out["top_kernels"] = kernel_profile(fn, warmup=False, top=TOP_KERNELS)
     elif device != "cuda":
         out["host_ms"] = out["wall_ms"]
+    if split:
+        out["top_host"] = host_profile(fn, 3, TOP_HOST, device)
     return out
 
 

@@ -250,6 +250,25 @@ def test_top_kernels_sum_per_name_per_call():
     assert harness.top_kernels(timed, 0) == []
 
 
+def test_host_profile_ranks_functions_by_own_time_per_call():
+    """A row's ``extra.top_host``: per function its own time and calls per call, largest own time first; a function
+    that spends its time in a callee ranks below it."""
+    def leaf():
+        x = 0
+        for i in range(200_000):  # own time: no call inside the loop
+            x += i
+        return x
+
+    def caller():
+        return leaf() + leaf()
+
+    top = harness.host_profile(caller, 2, 3, "cpu")
+    assert len(top) == 3 and [t[1] for t in top] == sorted((t[1] for t in top), reverse=True)
+    where, ms, calls = top[0]
+    assert where == f"tests/integration/test_benchmarks.py:{leaf.__code__.co_firstlineno}(leaf)" and calls == 2
+    assert all(m < ms / 10 for w, m, _ in top[1:]), top
+
+
 @pytest.mark.parametrize("name", ["h200.json", "cpu.json"])
 def test_committed_results_follow_the_schema(name):
     res = harness.load_results(str(ROOT / "benchmarks" / "results" / name))
