@@ -537,27 +537,36 @@ def _sweep_dropout_shape(rows, S, Kd):
     print(family, [(r["op"], r["config"], round(r["us"], 1)) for r in mine], flush=True)
 
 
-def _sm90_kernel(fn, types, consts, num_warps, num_stages):
-    """``fn`` compiled for sm_90 with Triton's bundled ptxas (no GPU needed): every constexpr given, unit inner
-    strides specialised as launches specialise them, pointers and strides 16-divisible."""
+def sm90_kernel(fn, types, consts, num_warps, num_stages=None, **options):
+    """``fn`` compiled for sm_90 with Triton's bundled ptxas (no GPU needed), as a launch on an H100/H200 compiles it:
+    every ``tl.constexpr`` given in ``consts`` (one left out would compile as a runtime int, both branches of each
+    of its ``if`` s: not the launch's code), the other parameters typed by ``types`` (default ``i32``), pointers,
+    strides, ``N`` and ``K`` 16-divisible as launches specialise them (a unit inner stride is passed in ``consts``).
+    Also the tests' compile checks (``tests/helpers.compile_for_sm90`` puts this folder on their path)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    if not isinstance(fn, triton.runtime.jit.JITFunction):  # an autotuned or heuristics wrapper: its JIT function
+        fn = fn.fn
     consts, sig, attrs = dict(consts), {}, {}
+    missing = [fn.arg_names[i] for i in fn.constexprs if fn.arg_names[i] not in consts]
+    if missing:
+        raise ValueError(f"{fn.__name__}: constexprs {missing} not given")
     for i, name in enumerate(fn.arg_names):
         if name in consts:
             sig[name] = "constexpr"
             continue
         sig[name] = types.get(name, "i32")
-        if sig[name].startswith("*") or name.startswith("stride") or name == "K":
+        if sig[name].startswith("*") or name.startswith("stride") or name in ("N", "K"):
             attrs[(i,)] = [["tt.divisibility", 16]]
+    opts = {"num_warps": num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **options}
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+                          target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def _sass_loop(kernel) -> dict:
-    """Registers, and per iteration of the longest loop in the SASS (the K step or row step): instructions and
-    barriers; by ``cuobjdump`` from Triton's wheel."""
+def sass_loop(kernel) -> dict:
+    """Registers, local memory per thread (``stack``: spills), and per iteration of the longest loop in the SASS
+    (the K step or row step): instructions and barriers; by ``cuobjdump`` from Triton's wheel."""
     import re
     import subprocess
     import tempfile
@@ -575,7 +584,8 @@ def _sass_loop(kernel) -> dict:
         if m and int(m.group(1), 16) < a:
             body = [tt for aa, tt in code if int(m.group(1), 16) <= aa <= a]
             best = max(best, (len(body), sum("BAR.SYNC" in tt for tt in body)))
-    return {"regs": int(re.search(r"REG:(\d+)", usage).group(1)), "loop_instr": best[0], "loop_bar": best[1]}
+    reg, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
+    return {"regs": int(reg), "stack": int(stack), "loop_instr": best[0], "loop_bar": best[1]}
 
 
 def sweep_sass(rows):
@@ -596,25 +606,25 @@ def sweep_sass(rows):
     for mode, op in (("none", "shrink"), ("dropout", "shrink_dropout"), ("stored", "shrink_dropout_store")):
         cfg = kc.block_config(op, width=16, family="sgemm", target="h200")
         bs, bk, w, st = cfg["BLOCK_S"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"]
-        k = _sm90_kernel(kg.sgemm_shrink_kernel, ptr, dict(
+        k = sm90_kernel(kg.sgemm_shrink_kernel, ptr, dict(
             unit, stride_hn=1, STACK=1, HAS_DROPOUT=mode != "none", STORE_MASK=mode == "stored", EVEN_K=True,
             DOT_PRECISION="tf32", W_OFFS=False, BLOCK_S=bs, BLOCK_N=16, BLOCK_K=bk), w, st)
         rows.append({"op": f"sass_shrink_{mode}", "family": "sm90-K2048", "config": [bs, 16, bk, w, st],
-                     "us": None, **_sass_loop(k)})
+                     "us": None, **sass_loop(k)})
     for mode in ("none", "redrawn", "stored"):
         bs, bk, w, st = kb._shrink_r16_tile(mode, 2048, "h200")
-        k = _sm90_kernel(kb._shrink_bwd_kernel, ptr, dict(
+        k = sm90_kernel(kb._shrink_bwd_kernel, ptr, dict(
             unit, stride_dxk=1, stride_dhr=1, stride_pak=1, NEED_DX=True, HAS_DROPOUT=mode != "none",
             LOAD_MASK=mode == "stored", HOIST_A=True, EVEN_K=True, DOT_PRECISION="tf32", W_OFFS=False, BLOCK_S=bs,
             BLOCK_K=bk, BLOCK_R=16, DROP_STACK=1), w, st)
         rows.append({"op": f"sass_shrink_bwd_{mode}", "family": "sm90-K2048", "config": [bs, bk, w, st],
-                     "us": None, **_sass_loop(k)})
+                     "us": None, **sass_loop(k)})
     for name, fn, types, consts in (
             ("draw_bytes", _probe_philox, {"out": "*i32"}, dict(EXPAND=False)),
             ("draw_mask", _probe_philox, {"out": "*i32"}, dict(EXPAND=True)),
             ("read_x", _probe_read, {"x": "*bf16", "out": "*fp32"}, {})):  # the training forward's tile, apart
-        k = _sm90_kernel(fn, types, dict(consts, BLOCK_S=32, BLOCK_K=64), 4, 3)
-        rows.append({"op": f"sass_{name}", "family": "sm90", "config": [32, 64, 4, 3], "us": None, **_sass_loop(k)})
+        k = sm90_kernel(fn, types, dict(consts, BLOCK_S=32, BLOCK_K=64), 4, 3)
+        rows.append({"op": f"sass_{name}", "family": "sm90", "config": [32, 64, 4, 3], "us": None, **sass_loop(k)})
     for r in rows[first:]:
         print(r["op"], r["config"], f"registers {r['regs']}, main loop {r['loop_instr']} instructions, "
               f"{r['loop_bar']} barriers", flush=True)

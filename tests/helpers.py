@@ -14,12 +14,15 @@ from fast_multilora.kernels.segments import AdapterTable, segments_from_token_sl
 
 def compile_for_sm90(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run ``script`` (Python that compiles kernels for an sm_90 target: no GPU needed) in a subprocess without the
-    Triton interpreter; skips where the Triton wheel has no bundled ``ptxas``."""
+    Triton interpreter, ``benchmarks/`` on its path (``from tune_kernels import sm90_kernel, sass_loop``); skips
+    where the Triton wheel has no bundled ``ptxas``."""
     import triton
 
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
         pytest.skip("triton wheel without the bundled ptxas")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (bench, env.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
                           timeout=timeout)
 

@@ -384,10 +384,9 @@ def test_chunk_table_alignment(blocks, chunk, want, device):
 
 
 _PTX_ACCESSES = textwrap.dedent("""
-    import collections, re, sys, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    import collections, re, sys
     from fast_multilora.kernels import adamw as A
+    from tune_kernels import sm90_kernel
     dt = sys.argv[1]
     adamw_sig = dict(param=dt, grad=dt, exp_avg=dt, exp_avg_sq=dt, c_start="*i64", c_length="*i32",
                      c_adapter="*i32", scalars="*fp32", active="*i1", c_index="*i32")
@@ -400,12 +399,8 @@ _PTX_ACCESSES = textwrap.dedent("""
     }
     for name, (fn, sig, const) in kernels.items():
         for align in (1, 16):
-            src = ASTSource(fn=fn, signature=dict(sig, BLOCK="constexpr", ALIGN="constexpr",
-                                                  **dict.fromkeys(const, "constexpr")),
-                            constexprs=dict(const, BLOCK=1024, ALIGN=align),
-                            attrs={(i,): [["tt.divisibility", 16]] for i in range(len(sig))})
-            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                 options=dict(num_warps=4, enable_fp_fusion=False)).asm["ptx"]
+            # (every parameter a pointer: each 16-byte aligned, the arena's alignment is ALIGN's to state)
+            ptx = sm90_kernel(fn, sig, dict(const, BLOCK=1024, ALIGN=align), 4, enable_fp_fusion=False).asm["ptx"]
             n = collections.Counter(m.group(1) for m in re.finditer(r"\\b(ld|st)\\.global\\.v4", ptx))
             print(name, align, n["ld"], n["st"])
 """)

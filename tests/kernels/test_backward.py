@@ -422,44 +422,23 @@ def test_gpu_benchmark_shape(dtype, grouped, layout, device):
 # ------------------------------------------------------------------------------------------------------------------
 
 _COMPILE_SCRIPT = r'''
-import os, re, subprocess, sys, tempfile
-os.environ.pop("TRITON_INTERPRET", None)
+import sys
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from fast_multilora.kernels import backward as B
 from fast_multilora.kernels.configs import block_config, rows as config_rows
+from tune_kernels import sass_loop, sm90_kernel
 
 INNER = {"stride_dyn", "stride_hr", "stride_br", "stride_dhr", "stride_xk", "stride_ak", "stride_dxk", "stride_pdr",
          "stride_pbr", "stride_pak", "stride_dbr", "stride_dak"}  # unit strides: specialised to 1 at launch
 
 def spills(kernel, types, consts, num_warps):
     fn = kernel if isinstance(kernel, triton.runtime.jit.JITFunction) else kernel.fn
-    consts, sig, attrs = dict(consts), {}, {}
-    # every constexpr given: one left out would compile as a runtime int, both of its branches, not the launch's code
-    missing = [fn.arg_names[i] for i in fn.constexprs if fn.arg_names[i] not in consts]
-    assert not missing, f"{fn.__name__}: constexprs {missing} not given"
-    for i, name in enumerate(fn.arg_names):
-        if name in INNER:
-            consts[name] = 1
-        if name in consts:
-            sig[name] = "constexpr"
-            continue
-        sig[name] = types.get(name, "i32")
-        if sig[name].startswith("*") or name.startswith("stride") or name in ("N", "K"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
-    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    consts = dict(consts, **{n: 1 for n in fn.arg_names if n in INNER})
+    use = sass_loop(sm90_kernel(fn, types, consts, num_warps))
     print(fn.__name__, consts.get("BLOCK_S"), consts.get("BLOCK_R"), consts.get("W_OFFS"), consts.get("LOAD_MASK"),
-          m.group(0))
-    return int(m.group(2))
+          f"REG:{use['regs']} STACK:{use['stack']}")
+    return use["stack"]
 
 act = "bf16"
 ptr = {n: "*fp32" for n in ("h", "dh", "part_dh", "part_dB", "scales", "dB", "part_dA", "dropout")}
