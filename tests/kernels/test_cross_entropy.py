@@ -124,7 +124,6 @@ def test_llama3_vocabulary_on_the_gpu(dtype):
 
 
 _COMPILE_SCRIPT = r'''
-import torch
 from fast_multilora.kernels import cross_entropy as C
 from fast_multilora.kernels.configs import rows
 from tune_kernels import sass_loop, sm90_kernel
