@@ -259,8 +259,12 @@ def test_compiled_experts_one_graph_equal_to_eager(backend):
         (out, grads), (want, want_grads) = got
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6 * max(1.0, want.abs().max().item()))
         assert set(grads) == set(want_grads)
+        # fp32 summation-order error scales with the terms a gradient sums, not with its result: against a float64
+        # run, eager and compiled are both ~1e-5 off at gradient scales ~10, also in tensors whose own largest
+        # entry is < 1 (cancellation); so the bound is relative to the step's largest gradient
+        scale = max(1.0, max(gw.abs().max().item() for gw in want_grads.values()))
         for n, gw in want_grads.items():
-            torch.testing.assert_close(grads[n], gw, rtol=1e-5, atol=1e-6 * max(1.0, gw.abs().max().item()),
+            torch.testing.assert_close(grads[n], gw, rtol=1e-5, atol=1e-6 * scale,
                                        msg=lambda m, n=n, names=names: f"{names} {n}: {m}")
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
