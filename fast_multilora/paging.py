@@ -41,11 +41,18 @@ Where things happen:
   ``fast_multilora.AdamW`` keeps its states in the store's arenas, which paging does not move: combining the two
   raises; use ``torch.optim.AdamW(..., fused=True)``.
 
-CUDA ordering, as torch documents it: a page-out copies into a pinned host buffer with ``non_blocking=True`` on the
-current stream and records an event, which a later page-in of the adapter waits on and a host read (``state_dict``,
-:func:`synchronize`) synchronises; a page-in allocates and copies on the side stream (after waiting on that event),
-``record_stream``s the new tensors on the compute stream (the caching allocator then does not reuse them before
-the compute stream is done with them) and records an event the compute stream waits on before using them.
+Copies go by the buffer, not by the tensor (:class:`_Page`): an adapter's host copy is one host buffer per kind
+(weights, optimizer states), dtype and device, which its paged-out parameters and states are views of; a page-out
+gathers each group on the device (one ``torch.cat``) and copies it in one call, a page-in copies each buffer into
+one new device buffer whose views the parameters and states take. (One copy call per tensor took 584 ms of host time
+per step on an H100 at 64 adapters in and 64 out, 448 tensors each.)
+
+CUDA ordering, as torch documents it: a page-out copies into its pinned host buffers with ``non_blocking=True`` on
+the current stream and records an event, which a later page-in of the adapter waits on and a host read
+(``state_dict``, :func:`synchronize`) synchronises; a page-in allocates and copies on the side stream (after waiting
+on that event), ``record_stream``s the new buffers on the compute stream (the caching allocator then does not reuse
+them before the compute stream is done with them) and records an event the compute stream waits on before using
+them.
 
 Paged like the others: MoE expert LoRA (``target_parameters``: an expert wrapper's adapter is absent from its
 projection's table while paged out). Not paged: ``modules_to_save`` copies, trainable tokens and other non-LoRA
@@ -55,6 +62,7 @@ or pickling a paged model. Moving a paged model (``.to()``) moves its host copie
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import OrderedDict
 
@@ -172,6 +180,45 @@ def configure(router, config) -> None:
     pager.settle()
 
 
+class _Page:
+    """An adapter's host copy: one host buffer (pinned for CUDA) per group of its tensors -- weights or optimizer
+    states, by dtype and device -- so a page-out or page-in is a few copies, not one per tensor. Inside a buffer the
+    tensors lie in runs of one shape, so a buffer's views are one ``unbind`` per run (~0.5 us a tensor; a ``view`` of
+    each ``split`` piece costs ~2 us). ``sig``: what the page was laid out for (entry key, shape, dtype, device);
+    ``groups``: per buffer its ``(shape, entry indices)`` runs; ``views``: each tensor's view of its buffer, in entry
+    order; ``ptrs``: their addresses (a page-in checks that the adapter's tensors are still these views)."""
+
+    __slots__ = ("sig", "groups", "flats", "views", "ptrs", "cuda")
+
+    def __init__(self, sig: tuple, cuda: bool):
+        self.sig, self.cuda = sig, cuda
+        by: dict = {}
+        for i, (key, shape, dtype, device) in enumerate(sig):
+            by.setdefault((key[0], dtype, device), {}).setdefault(shape, []).append(i)
+        self.groups = [list(runs.items()) for runs in by.values()]
+        self.flats, self.views = [], [None] * len(sig)
+        for (_, dtype, _), runs in zip(by, self.groups, strict=True):
+            total = sum(shape.numel() * len(idx) for shape, idx in runs)
+            flat = _Cuda.host_empty((total,), dtype) if cuda else torch.empty(total, dtype=dtype)
+            self.flats.append(flat)
+            self.views_of(flat, runs, self.views)
+        self.ptrs = [v.data_ptr() for v in self.views]
+
+    @staticmethod
+    def views_of(flat: torch.Tensor, runs: list, out: list) -> None:
+        """``out[i]``: entry ``i``'s view of ``flat`` laid out as ``runs``."""
+        at = 0
+        for shape, idx in runs:
+            n = shape.numel() * len(idx)
+            for i, v in zip(idx, flat[at : at + n].view(len(idx), *shape).unbind(0), strict=True):
+                out[i] = v
+            at += n
+
+    def order(self, g: int) -> list:
+        """Buffer ``g``'s entry indices in its layout order."""
+        return [i for _, idx in self.groups[g] for i in idx]
+
+
 class Pager:
     """The residency of one patched model's adapters (see the module docstring)."""
 
@@ -183,6 +230,7 @@ class Pager:
         self.paged: dict = {}  # paged-out adapter -> {id(param): its device when resident}
         self.absent: frozenset = frozenset()  # the paged-out adapters (what the layers' states leave out)
         self.buffers: dict = {}  # adapter -> {key: host tensor}: each parameter's and state's host copy, kept
+        self.pages: dict = {}  # adapter -> _Page: the host buffers those are views of
         self.awaiting: set = set()  # adapters named by gradient-recording forwards since the last optimizer step
         self.reserved: set = set()  # prefetched adapters no forward has named since: not paged out
         self.entered: frozenset = frozenset()  # ``absent`` when the last forward entered
@@ -207,22 +255,70 @@ class Pager:
                 if d is None or name not in d:
                     continue
                 obj = d[name]
-                out.extend([obj] if isinstance(obj, torch.Tensor) else obj.parameters())
+                if isinstance(obj, torch.Tensor):
+                    out.append(obj)
+                elif obj._modules:
+                    out.extend(obj.parameters())
+                else:  # (a leaf module, nn.Linear: its own parameters, without parameters()'s generators)
+                    out.extend(q for q in obj._parameters.values() if q is not None)
         return out
 
     @staticmethod
-    def _states(param) -> list:
-        """``(state dict, key)`` of every optimizer state of ``param`` that follows the parameter's device
-        (``Optimizer._process_value_according_to_param_policy``: all but a non-fused, non-capturable ``step``)."""
+    def _optimizers() -> list:
+        """``(optimizer, moves_step)`` of every optimizer seen: whether its ``step`` states follow the parameter's
+        device (``Optimizer._process_value_according_to_param_policy``: a fused or capturable optimizer's do)."""
+        return [(opt, any(g.get("fused") or g.get("capturable") for g in opt.param_groups))
+                for opt in list(_OPTIMIZERS)]
+
+    @staticmethod
+    def _states(param, opts=None) -> list:
+        """``(state dict, key)`` of every optimizer state of ``param`` that follows the parameter's device (all but a
+        non-fused, non-capturable ``step``); ``opts``: :meth:`_optimizers`, read once for many parameters."""
         out = []
-        for opt in list(_OPTIMIZERS):
+        for opt, moves_step in Pager._optimizers() if opts is None else opts:
             st = opt.state.get(param)
             if not st:
                 continue
-            moves_step = any(g.get("fused") or g.get("capturable") for g in opt.param_groups)
             out += [(st, (id(opt), k)) for k, v in st.items()
                     if isinstance(v, torch.Tensor) and (k != "step" or moves_step)]
         return out
+
+    def _entries(self, name: str) -> tuple:
+        """``(entries, values)``: every tensor of adapter ``name`` that pages, in a fixed order -- per parameter its
+        weight (``(param, None, ("w", id))``) then its device-following optimizer states (``(param, state dict,
+        ("s", id, id(opt), key))``) -- and their current tensors."""
+        opts = self._optimizers()
+        entries, values = [], []
+        for p in self.params_of(name):
+            entries.append((p, None, ("w", id(p))))
+            values.append(p.data)
+            for st, key in self._states(p, opts):
+                entries.append((p, st, ("s", id(p), *key)))
+                values.append(st[key[1]])
+        return entries, values
+
+    def _page(self, name: str, entries: list, values: list) -> "_Page":
+        """Adapter ``name``'s host page for tensors like ``values`` (kept while their shapes and dtypes stay): one
+        host buffer (pinned on CUDA) per kind (weights, states), dtype and device, its views ``self.buffers[name]``'s
+        entries."""
+        sig = tuple((e[2], v.shape, v.dtype, v.device) for e, v in zip(entries, values, strict=True))
+        page = self.pages.get(name)
+        if page is not None and page.sig == sig:
+            return page
+        page = _Page(sig, _Cuda.used(self.device) or any(_Cuda.used(v.device) for v in values))
+        bufs = self.buffers.setdefault(name, {})
+        for e, view in zip(entries, page.views, strict=True):
+            bufs[e[2]] = view
+        self.pages[name] = page
+        return page
+
+    @staticmethod
+    def _assign(entries: list, tensors) -> None:
+        for (p, st, key), t in zip(entries, tensors, strict=True):
+            if st is None:
+                p.data = t
+            else:
+                st[key[3]] = t
 
     def _buffer(self, name: str, key, like: torch.Tensor) -> torch.Tensor:
         bufs = self.buffers.setdefault(name, {})
@@ -251,25 +347,21 @@ class Pager:
 
     # -- moves ----------------------------------------------------------------------------------------------------
     def _page_out(self, name: str) -> None:
-        """Copy ``name``'s weights and device optimizer states into its host buffers (current stream) and point the
-        parameters and states there."""
+        """Copy ``name``'s weights and device optimizer states into its host page (current stream): per kind, dtype
+        and device one gather on the device and one copy, not one per tensor; then point the parameters and states at
+        the page's views."""
         self._wait(name)
-        homes = {}
-        cuda = False
+        entries, values = self._entries(name)
+        homes = {id(p): p.device for p, st, _ in entries if st is None}
+        page = self._page(name, entries, values)
         with torch.no_grad():
-            for p in self.params_of(name):
-                dev = p.device
-                cuda |= _Cuda.used(dev)
-                host = self._buffer(name, ("w", id(p)), p)
-                host.copy_(p.data, non_blocking=True)
-                for st, key in self._states(p):
-                    v = st[key[1]]
-                    hb = self._buffer(name, ("s", id(p), *key), v)
-                    hb.copy_(v, non_blocking=True)
-                    st[key[1]] = hb
-                p.data = host
-                homes[id(p)] = dev
-        if cuda:
+            for g, flat in enumerate(page.flats):
+                order = page.order(g)
+                src = values[order[0]].reshape(-1) if len(order) == 1 else \
+                    torch.cat([values[i].reshape(-1) for i in order])
+                flat.copy_(src, non_blocking=True)
+            self._assign(entries, page.views)
+        if page.cuda:
             ev = _Cuda.Event()
             ev.record(_Cuda.current_stream(self.device))
             self.outgoing[name] = ev
@@ -277,53 +369,52 @@ class Pager:
         self.recent.pop(name, None)
 
     def _page_in(self, name: str, side: bool) -> None:
-        """Copy ``name``'s weights and optimizer states back to the device: on CUDA on the side stream (``side``) or
-        the current one, the new tensors ``record_stream``ed on the compute stream; on the CPU into new tensors, the
-        host copies then poisoned under test."""
+        """Copy ``name``'s weights and optimizer states back to the device: per kind, dtype and device of its host
+        page one copy into one new device buffer, whose views the parameters and states take (a tensor whose host
+        copy is not its page's view -- a state an optimizer gained while the adapter was out -- is copied on its
+        own). On CUDA on the side stream (``side``) or the current one, the new buffers ``record_stream``ed on the
+        compute stream; on the CPU the host copies are then poisoned under test."""
         homes = self.paged.pop(name)
-        params = self.params_of(name)
+        entries, values = self._entries(name)
+        page = self.pages.get(name)
+        # (the same entries, each still its page view: same address, and so shape and dtype, as the sig's keys match)
+        bulk = page is not None and [v.data_ptr() for v in values] == page.ptrs and \
+            [e[2] for e in entries] == [k[0] for k in page.sig]
         cuda = _Cuda.used(self.device) or any(_Cuda.used(d) for d in homes.values())
-        moved = []
-        if cuda:
-            compute = _Cuda.current_stream(self.device)
-            stream = self._side() if side else compute
-            out = self.outgoing.pop(name, None)
-            with torch.no_grad(), _Cuda.stream(stream):
+        compute = _Cuda.current_stream(self.device) if cuda else None
+        stream = (self._side() if side else compute) if cuda else None
+        ev = None
+        with torch.no_grad(), _Cuda.stream(stream) if cuda else contextlib.nullcontext():
+            if cuda:
+                out = self.outgoing.pop(name, None)
                 if out is not None:
                     stream.wait_event(out)
-                for p in params:
-                    dev = homes.get(id(p), self.device)
-                    pairs = [(None, p.data)] + [(sk, sk[0][sk[1][1]]) for sk in self._states(p)]
-                    for sk, v in pairs:
-                        t = torch.empty_like(v, device=dev)
-                        t.copy_(v, non_blocking=True)
-                        if stream is not compute:
-                            _Cuda.record_stream(t, compute)
-                        if sk is None:
-                            p.data = t
-                        else:
-                            sk[0][sk[1][1]] = t
-                ev = None
-                if stream is not compute:
-                    ev = _Cuda.Event()
-                    ev.record(stream)
-        else:
-            with torch.no_grad():
-                for p in params:
-                    dev = homes.get(id(p), self.device)
-                    for st, key in [(None, None)] + self._states(p):
-                        v = p.data if st is None else st[key[1]]
-                        t = torch.empty_like(v, device=dev).copy_(v)
-                        moved.append(v)
-                        if st is None:
-                            p.data = t
-                        else:
-                            st[key[1]] = t
-            if _POISON:
-                for v in moved:
-                    if v.is_floating_point():
-                        v.fill_(float("nan"))
-            ev = None
+
+            def to_device(src: torch.Tensor, dev) -> torch.Tensor:
+                t = torch.empty_like(src, device=dev)
+                t.copy_(src, non_blocking=cuda)
+                if cuda and stream is not compute:
+                    _Cuda.record_stream(t, compute)
+                return t
+
+            if bulk:
+                moved = [None] * len(entries)
+                for runs, flat in zip(page.groups, page.flats, strict=True):
+                    dev = homes.get(id(entries[runs[0][1][0]][0]), self.device)
+                    page.views_of(to_device(flat, dev), runs, moved)
+                stale = page.flats
+            else:
+                moved = [to_device(v, homes.get(id(e[0]), self.device))
+                         for e, v in zip(entries, values, strict=True)]
+                stale = values
+            self._assign(entries, moved)
+            if cuda and stream is not compute:
+                ev = _Cuda.Event()
+                ev.record(stream)
+        if not cuda and _POISON:
+            for v in stale:
+                if v.is_floating_point():
+                    v.fill_(float("nan"))
         if ev is not None:
             self.inflight[name] = ev
         self.recent[name] = None
@@ -496,6 +587,7 @@ class Pager:
         for name in among(self.buffers):
             if name not in known:
                 del self.buffers[name]
+                self.pages.pop(name, None)
                 self.outgoing.pop(name, None)
                 self.inflight.pop(name, None)
         for name in self.recent:  # the resident adapters' device (the model may have moved)

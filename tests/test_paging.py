@@ -147,6 +147,50 @@ def test_paged_training_equals_resident_training(backend, store, k, device):
     _assert_equal_runs(model, opt, ref, ref_opt)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_adapter_pages_as_one_buffer_per_kind_and_dtype(fused, monkeypatch):
+    """A page-out or page-in copies an adapter's tensors through one host buffer per kind (weights, optimizer states)
+    and dtype, not tensor by tensor: a paged-out adapter's weights are views of one host buffer and its states of
+    another (a fused AdamW's float32 ``step`` states of a third: the weights here are float64), and after a page-in
+    its states are views of one device buffer. Run with the recorded CUDA stand-in (the CUDA branch) and equal to
+    the resident run."""
+    rec = _Recorder()
+    rec.install(monkeypatch)
+    model, ref = _model("cpu", 0), _model("cpu", None)
+    for m in (model, ref):
+        m.double()
+    batches = _schedule(sorted(model.peft_config), 6, seed=3)
+    pager = _pager(model)
+
+    def run(m, **kw):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.05, fused=fused)
+        came_back = 0
+        for ids, rows in batches:
+            back = {r for r in rows if m is model and r in pager.paged and any(opt.state.get(p)
+                                                                               for p in pager.params_of(r))}
+            came_back += len(back)
+            _step(m, opt, ids, rows)
+            if m is model:
+                for name in pager.paged:
+                    params = pager.params_of(name)
+                    weights = {p.data.untyped_storage().data_ptr() for p in params}
+                    states = {v.untyped_storage().data_ptr() for p in params for v in opt.state.get(p, {}).values()
+                              if torch.is_tensor(v) and v.dim() > 0}
+                    assert len(weights) == 1 and len(states) <= 1, name
+                for name in back:  # (an adapter whose states were made while resident has one tensor each)
+                    states = {v.untyped_storage().data_ptr() for p in pager.params_of(name)
+                              for v in opt.state.get(p, {}).values() if torch.is_tensor(v) and v.dim() > 0}
+                    assert len(states) <= 1, name
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return opt, came_back
+
+    opt, came_back = run(model)
+    assert came_back >= 1  # adapters with optimizer states were paged in again
+    ref_opt, _ = run(ref)
+    _assert_equal_runs(model, opt, ref, ref_opt)
+
+
 def test_zero_grad_keeping_zeros_keeps_those_adapters_resident(device):
     """``zero_grad(set_to_none=False)``: adapters that trained keep (zero) gradients, so the optimizer steps them each
     step (weight decay, momentum); they stay resident, and the run equals the resident one."""
