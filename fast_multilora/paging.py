@@ -252,9 +252,17 @@ class Pager:
         for layer in self.router.layers:
             for attr in layer.adapter_layer_names:
                 d = layer._modules.get(attr)
-                if d is None or name not in d:
+                if d is None:
                     continue
-                obj = d[name]
+                kind = type(d)
+                if kind is torch.nn.ModuleDict or kind is torch.nn.ParameterDict:  # (their dicts, not __contains__)
+                    obj = d._modules.get(name) if kind is torch.nn.ModuleDict else d._parameters.get(name)
+                    if obj is None:
+                        continue
+                elif name in d:
+                    obj = d[name]
+                else:
+                    continue
                 if isinstance(obj, torch.Tensor):
                     out.append(obj)
                 elif obj._modules:
