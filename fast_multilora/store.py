@@ -218,6 +218,26 @@ def _piece(buf: torch.Tensor, start: int, shape: tuple) -> torch.Tensor:
     return t.set_(buf.untyped_storage(), buf.storage_offset() + start, tuple(shape), tuple(reversed(strides)))
 
 
+def _write(ops: list, arena) -> None:
+    """Run ``ops`` -- ``(piece, source)``: ``piece.copy_(source)``; ``(piece, None)``: ``piece.zero_()`` -- as one
+    ``torch._foreach_copy_`` and one ``torch._foreach_zero_`` (a few launches for a layer's new adapters, where one
+    per tensor cost a paged step 14 336 launches), or in order one by one when a source lies in ``arena``'s own
+    buffers (then a write may feed a later read)."""
+    if not ops:
+        return
+    mine = {t.untyped_storage().data_ptr() for t in (arena.data, arena.grad, *arena.states.values())}
+    copies = [(d, s) for d, s in ops if s is not None]
+    if any(s.untyped_storage().data_ptr() in mine for _, s in copies):
+        for d, s in ops:
+            d.zero_() if s is None else d.copy_(s)
+        return
+    zeros = [d for d, s in ops if s is None]
+    if copies:
+        torch._foreach_copy_([d for d, _ in copies], [s for _, s in copies])
+    if zeros:
+        torch._foreach_zero_(zeros)
+
+
 def _room(ranks) -> int:
     """The rank-rows of a new layer region: its adapters' and an eighth more, so that the next adapters join without
     moving it."""
@@ -1080,32 +1100,34 @@ class AdapterStore:
                 blk = prev.arena.blocks.get(p)
                 if blk is not None:
                     carried[id(p)] = (prev.arena, blk[0])
+        ops = []  # a new adapter's pieces' writes, in order: (piece, source) copies, (piece, None) zeroes
         for i, (c_name, r, off, pa, pb) in enumerate(fill):
             for p, start, shape in ((pa, a0 + off * K, (r, K)), (pb, b0 + off * N, (N, r))):
                 numel = shape[0] * shape[1]
                 had_grad = p.grad is not None
+                data, v = _piece(arena.data, start, shape), _piece(arena.grad, start, shape)
                 if i < n_new:  # a new adapter's piece (perhaps a hole): its weights, gradient, states
                     src = carried.get(id(p))
-                    _piece(arena.data, start, shape).copy_(p.data)
-                    g = arena.grad[start : start + numel]
+                    ops.append((data, p.data))
                     if src is not None:
-                        g.copy_(src[0].grad[src[1] : src[1] + numel])
+                        ops.append((v, src[0].grad[src[1] : src[1] + numel].view(shape)))
                     elif had_grad and p.grad.shape == p.shape:
-                        g.view(shape).copy_(p.grad)
+                        ops.append((v, p.grad))
                     else:
-                        g.zero_()
+                        ops.append((v, None))
                     for s, buf in arena.states.items():
                         if src is not None and s in src[0].states:
-                            buf[start : start + numel].copy_(src[0].states[s][src[1] : src[1] + numel])
+                            ops.append((buf[start : start + numel], src[0].states[s][src[1] : src[1] + numel]))
                         else:
-                            buf[start : start + numel].zero_()
-                p.data = _piece(arena.data, start, shape)
-                v = views[id(p)] = _piece(arena.grad, start, shape)
+                            ops.append((buf[start : start + numel], None))
+                p.data = data
+                views[id(p)] = v
                 # a gradient it had lives on in its view; none stays none (as under stock PEFT, a parameter gets a
                 # ``.grad`` from the first backward that reaches its adapter)
                 p.grad = v if p.requires_grad and had_grad else None
                 arena.blocks[p] = (start, numel, p)
                 placed.append((p, c_name, v, (lid, 0 if p is pa else 1)))
+        _write(ops, arena)
         if splice:  # old's per-adapter entries with the changed ones taken out and put in at their new positions
             at = list(idx)
             ins = list(map(by_name.__getitem__, check))
