@@ -238,6 +238,7 @@ class Pager:
         self.outgoing: dict = {}  # adapter -> CUDA event: its page-out's copies into host memory
         self.side = None  # the side stream of prefetches (CUDA)
         self.changes = None  # plan.CHANGES after this pager's own last change (another one: check the host copies)
+        self.params: dict = {}  # adapter -> its parameters (params_of), while no other change was made
         self.full_seen = None  # plan.FULL at the last check
         self.hook = router.root.register_state_dict_pre_hook(lambda *args: self.synchronize())
         _PAGERS.add(self)
@@ -247,7 +248,16 @@ class Pager:
     # -- the adapters' tensors ------------------------------------------------------------------------------------
     def params_of(self, name: str) -> list:
         """Every parameter of adapter ``name`` in the model's LoRA layers (``lora_A``, ``lora_B``, embeddings, DoRA
-        magnitudes)."""
+        magnitudes); kept per adapter while no change but this pager's own moves (which keep the parameters) has
+        been made since its last check (:meth:`_check` forgets them). Not to be edited by the caller."""
+        if self.changes != CHANGES[0]:
+            return self._walk(name)
+        out = self.params.get(name)
+        if out is None:
+            out = self.params[name] = self._walk(name)
+        return out
+
+    def _walk(self, name: str) -> list:
         out = []
         for layer in self.router.layers:
             for attr in layer.adapter_layer_names:
@@ -565,6 +575,7 @@ class Pager:
     def _check(self) -> None:
         """After a change not made here (an adapter added or deleted, ``.to()``, a re-patch): forget deleted adapters,
         and count as resident a paged-out adapter whose parameters no longer hold their host copies."""
+        self.params = {}
         router = self.router
         router.sync_slots()
         known = router.slot_of

@@ -334,11 +334,13 @@ def test_paged_expert_lora_training_equals_resident_training(device):
     _assert_equal_runs(model, opt, ref, ref_opt)
 
 
+@pytest.mark.parametrize("again", [False, True], ids=["new_name", "same_name"])
 @pytest.mark.parametrize("how", ["peft", "fast"])
-def test_adapters_added_and_deleted_while_paged(device, how):
+def test_adapters_added_and_deleted_while_paged(device, how, again):
     """PEFT's ``delete_adapter`` / ``add_adapter`` and ``.to()`` (the pager checks every record), or
     ``fast_multilora.delete_adapters`` / ``add_adapters`` alone (it checks the marked adapters' records only): a paged
-    run then equals the resident one and forgets the deleted adapter."""
+    run then equals the resident one and forgets the deleted adapter -- also when the added adapter takes the deleted
+    one's name (new parameters under a name the pager knew: its parameter lists are read again)."""
     from peft import LoraConfig
 
     model, ref = _model(device, 1), _model(device, None)
@@ -346,21 +348,22 @@ def test_adapters_added_and_deleted_while_paged(device, how):
     batches = _schedule(names, 3, seed=7)
     opt, ref_opt = _train(model, batches, device, 1)[0], _train(ref, batches, device)[0]
     gone = next(n for n in names if n in _pager(model).paged)
+    late = gone if again else "late"
     cfg = LoraConfig(r=3, lora_alpha=5, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
     for m, o in ((model, opt), (ref, ref_opt)):
         torch.manual_seed(9)
         if how == "peft":
             m.delete_adapter(gone)
-            m.add_adapter("late", cfg)
+            m.add_adapter(late, cfg)
             m.to(device)
         else:
             fast_multilora.delete_adapters(m, [gone])
-            fast_multilora.add_adapters(m, {"late": cfg})  # (made on its layers' device)
+            fast_multilora.add_adapters(m, {late: cfg})  # (made on its layers' device)
         for n, p in m.named_parameters():  # PEFT's delete_adapter left one adapter trainable: all again
             p.requires_grad_("lora_" in n)
-            if ".late." in n:
+            if f".{late}." in n:
                 o.add_param_group({"params": [p]})
-    later = _schedule([n for n in names if n != gone] + ["late"], 4, seed=8)
+    later = _schedule([n for n in names if n != gone] + [late], 4, seed=8)
     for m, o in ((model, opt), (ref, ref_opt)):
         for ids, rows in later:
             _step(m, o, ids.to(device), rows)
@@ -369,7 +372,11 @@ def test_adapters_added_and_deleted_while_paged(device, how):
         if m is model:
             _check_residency(model, opt, later[-1][1], 1, device)
     pager = _pager(model)
-    assert gone not in pager.paged and gone not in pager.recent and gone not in pager.buffers
+    if not again:
+        assert gone not in pager.paged and gone not in pager.recent and gone not in pager.buffers
+    else:  # the pager's parameters of the name are the new adapter's
+        assert {id(p) for p in pager.params_of(gone)} == {id(p) for n, p in model.named_parameters()
+                                                          if f".{gone}." in n and "lora_" in n}
     _assert_equal_runs(model, opt, ref, ref_opt)
 
 
