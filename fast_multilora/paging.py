@@ -461,6 +461,8 @@ class Pager:
     def _changed(self, names=None) -> None:
         """Adapters ``names`` moved in or out (``None``: any): the layers' states drop or take them."""
         self.absent = frozenset(self.paged)
+        if self.changes != CHANGES[0]:  # another change came first (and no check since): its lists are not kept
+            self.params = {}
         if names is None:
             mark_changed()
         else:
