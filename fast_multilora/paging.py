@@ -185,10 +185,11 @@ class _Page:
     states, by dtype and device -- so a page-out or page-in is a few copies, not one per tensor. Inside a buffer the
     tensors lie in runs of one shape, so a buffer's views are one ``unbind`` per run (~0.5 us a tensor; a ``view`` of
     each ``split`` piece costs ~2 us). ``sig``: what the page was laid out for (entry key, shape, dtype, device);
-    ``groups``: per buffer its ``(shape, entry indices)`` runs; ``views``: each tensor's view of its buffer, in entry
-    order; ``ptrs``: their addresses (a page-in checks that the adapter's tensors are still these views)."""
+    ``groups``: per buffer its ``(shape, entry indices)`` runs; ``orders``: per buffer its entry indices in layout
+    order; ``views``: each tensor's view of its buffer, in entry order; ``keys``, ``ptrs``: their entry keys and
+    addresses (a page-in checks that the adapter's tensors are still these views)."""
 
-    __slots__ = ("sig", "groups", "flats", "views", "ptrs", "cuda")
+    __slots__ = ("sig", "groups", "orders", "flats", "views", "keys", "ptrs", "cuda")
 
     def __init__(self, sig: tuple, cuda: bool):
         self.sig, self.cuda = sig, cuda
@@ -196,12 +197,14 @@ class _Page:
         for i, (key, shape, dtype, device) in enumerate(sig):
             by.setdefault((key[0], dtype, device), {}).setdefault(shape, []).append(i)
         self.groups = [list(runs.items()) for runs in by.values()]
+        self.orders = [[i for _, idx in runs for i in idx] for runs in self.groups]
         self.flats, self.views = [], [None] * len(sig)
         for (_, dtype, _), runs in zip(by, self.groups, strict=True):
             total = sum(shape.numel() * len(idx) for shape, idx in runs)
             flat = _Cuda.host_empty((total,), dtype) if cuda else torch.empty(total, dtype=dtype)
             self.flats.append(flat)
             self.views_of(flat, runs, self.views)
+        self.keys = [k[0] for k in sig]
         self.ptrs = [v.data_ptr() for v in self.views]
 
     @staticmethod
@@ -213,10 +216,6 @@ class _Page:
             for i, v in zip(idx, flat[at : at + n].view(len(idx), *shape).unbind(0), strict=True):
                 out[i] = v
             at += n
-
-    def order(self, g: int) -> list:
-        """Buffer ``g``'s entry indices in its layout order."""
-        return [i for _, idx in self.groups[g] for i in idx]
 
 
 class Pager:
@@ -373,8 +372,7 @@ class Pager:
         homes = {id(p): p.device for p, st, _ in entries if st is None}
         page = self._page(name, entries, values)
         with torch.no_grad():
-            for g, flat in enumerate(page.flats):
-                order = page.order(g)
+            for order, flat in zip(page.orders, page.flats, strict=True):
                 src = values[order[0]].reshape(-1) if len(order) == 1 else \
                     torch.cat([values[i].reshape(-1) for i in order])
                 flat.copy_(src, non_blocking=True)
@@ -397,7 +395,7 @@ class Pager:
         page = self.pages.get(name)
         # (the same entries, each still its page view: same address, and so shape and dtype, as the sig's keys match)
         bulk = page is not None and [v.data_ptr() for v in values] == page.ptrs and \
-            [e[2] for e in entries] == [k[0] for k in page.sig]
+            [e[2] for e in entries] == page.keys
         cuda = _Cuda.used(self.device) or any(_Cuda.used(d) for d in homes.values())
         compute = _Cuda.current_stream(self.device) if cuda else None
         stream = (self._side() if side else compute) if cuda else None
