@@ -63,6 +63,7 @@ or pickling a paged model. Moving a paged model (``.to()``) moves its host copie
 from __future__ import annotations
 
 import contextlib
+import operator
 import weakref
 from collections import OrderedDict
 
@@ -97,6 +98,7 @@ class _Cuda:
 
 
 _OPTIMIZERS: "weakref.WeakSet" = weakref.WeakSet()  # optimizers seen stepping or attached
+_ATTACHED = [0]  # optimizers attached so far (a pager's kept entry lists are read again after one more)
 _PAGERS: "weakref.WeakSet" = weakref.WeakSet()
 _STEP_HOOK: list = []  # the global optimizer step pre-hook's handle, once registered
 
@@ -142,7 +144,8 @@ def synchronize(model: torch.nn.Module) -> None:
 
 def attach(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Make ``optimizer``'s states of paged adapters follow them. Optimizers are found at their first step without
-    this; call it for one whose states exist before that (``load_state_dict`` before the first step). Returns
+    this; call it for one whose states exist before that (``load_state_dict`` before the first step). Once attached,
+    a ``load_state_dict`` puts the loaded states of paged-out adapters in their host pages. Returns
     ``optimizer``."""
     if optimizer in _OPTIMIZERS:
         return optimizer
@@ -150,7 +153,10 @@ def attach(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     if store is not None and getattr(store.router, "pager", None) is not None:
         _refuse_fml_adamw()
     _OPTIMIZERS.add(optimizer)
+    _ATTACHED[0] += 1
     optimizer.register_state_dict_pre_hook(lambda opt: [p.synchronize() for p in list(_PAGERS)])
+    # (a load replaces every state: those of paged-out parameters go to their host pages, as at attach)
+    optimizer.register_load_state_dict_post_hook(lambda opt: [p.adopt(opt) for p in list(_PAGERS)])
     for pager in list(_PAGERS):
         pager.adopt(optimizer)
     return optimizer
@@ -189,10 +195,10 @@ class _Page:
     order; ``views``: each tensor's view of its buffer, in entry order; ``keys``, ``ptrs``: their entry keys and
     addresses (a page-in checks that the adapter's tensors are still these views)."""
 
-    __slots__ = ("sig", "groups", "orders", "flats", "views", "keys", "ptrs", "cuda")
+    __slots__ = ("sig", "groups", "orders", "flats", "views", "keys", "ptrs", "cuda", "plan")
 
     def __init__(self, sig: tuple, cuda: bool):
-        self.sig, self.cuda = sig, cuda
+        self.sig, self.cuda, self.plan = sig, cuda, None
         by: dict = {}
         for i, (key, shape, dtype, device) in enumerate(sig):
             by.setdefault((key[0], dtype, device), {}).setdefault(shape, []).append(i)
@@ -218,6 +224,25 @@ class _Page:
             at += n
 
 
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+
+
+class _Plan:
+    """An adapter's paging entries (:meth:`Pager._entries`) as last read: valid while ``params`` is the pager's list
+    of its parameters (a new list after any change but the pager's own moves) and ``token`` -- the optimizers
+    attached, their ``state`` dicts and how many of the parameters have states in each -- stays (counted again only
+    when an optimizer's number of parameters with states, ``sizes``, moved). (An optimizer makes a parameter's
+    states together, at its first step or ``load_state_dict``, which replaces ``state``.)
+    ``shapes``, ``dtypes``, ``devices``: of the values the adapter's page was last checked against."""
+
+    __slots__ = ("params", "token", "sizes", "entries", "weights", "shapes", "dtypes", "devices")
+
+    def __init__(self, params: list, token: tuple, sizes: tuple, entries: list):
+        self.params, self.token, self.sizes, self.entries = params, token, sizes, entries
+        self.weights = [i for i, e in enumerate(entries) if e[1] is None]
+        self.shapes = self.dtypes = self.devices = None
+
+
 class Pager:
     """The residency of one patched model's adapters (see the module docstring)."""
 
@@ -230,6 +255,7 @@ class Pager:
         self.absent: frozenset = frozenset()  # the paged-out adapters (what the layers' states leave out)
         self.buffers: dict = {}  # adapter -> {key: host tensor}: each parameter's and state's host copy, kept
         self.pages: dict = {}  # adapter -> _Page: the host buffers those are views of
+        self.plans: dict = {}  # adapter -> _Plan: its entries as last read
         self.awaiting: set = set()  # adapters named by gradient-recording forwards since the last optimizer step
         self.reserved: set = set()  # prefetched adapters no forward has named since: not paged out
         self.entered: frozenset = frozenset()  # ``absent`` when the last forward entered
@@ -303,30 +329,51 @@ class Pager:
     def _entries(self, name: str) -> tuple:
         """``(entries, values)``: every tensor of adapter ``name`` that pages, in a fixed order -- per parameter its
         weight (``(param, None, ("w", id))``) then its device-following optimizer states (``(param, state dict,
-        ("s", id, id(opt), key))``) -- and their current tensors."""
+        ("s", id, id(opt), key))``) -- and their current tensors. The entries are kept per adapter (a
+        :class:`_Plan`) and read again only when its parameters' list, the optimizers or which of the parameters
+        have states changed: walking every parameter's state dicts cost ~2 us a tensor, three times the copies."""
+        params = self.params_of(name)
         opts = self._optimizers()
-        entries, values = [], []
-        for p in self.params_of(name):
-            entries.append((p, None, ("w", id(p))))
-            values.append(p.data)
-            for st, key in self._states(p, opts):
-                entries.append((p, st, ("s", id(p), *key)))
-                values.append(st[key[1]])
-        return entries, values
+        plan = self.plans.get(name)
+        sizes = (_ATTACHED[0], len(opts), *[(id(opt.state), len(opt.state)) for opt, _ in opts])
+        if plan is not None and plan.params is params and plan.sizes != sizes:  # (states made for any parameter)
+            token = (_ATTACHED[0], len(opts), *[(id(opt.state), sum(map(opt.state.__contains__, params)))
+                                                for opt, _ in opts])
+            if plan.token == token:
+                plan.sizes = sizes
+        if plan is None or plan.params is not params or plan.sizes != sizes:
+            token = (_ATTACHED[0], len(opts), *[(id(opt.state), sum(map(opt.state.__contains__, params)))
+                                                for opt, _ in opts])
+            entries = []
+            for p in params:
+                entries.append((p, None, ("w", id(p))))
+                for st, key in self._states(p, opts):
+                    entries.append((p, st, ("s", id(p), *key)))
+            plan = self.plans[name] = _Plan(params, token, sizes, entries)
+        return plan.entries, [p.data if st is None else st[key[3]] for p, st, key in plan.entries]
 
     def _page(self, name: str, entries: list, values: list) -> "_Page":
         """Adapter ``name``'s host page for tensors like ``values`` (kept while their shapes and dtypes stay): one
         host buffer (pinned on CUDA) per kind (weights, states), dtype and device, its views ``self.buffers[name]``'s
         entries."""
-        sig = tuple((e[2], v.shape, v.dtype, v.device) for e, v in zip(entries, values, strict=True))
         page = self.pages.get(name)
-        if page is not None and page.sig == sig:
-            return page
-        page = _Page(sig, _Cuda.used(self.device) or any(_Cuda.used(v.device) for v in values))
-        bufs = self.buffers.setdefault(name, {})
-        for e, view in zip(entries, page.views, strict=True):
-            bufs[e[2]] = view
-        self.pages[name] = page
+        plan = self.plans.get(name)
+        if page is not None and page.plan is plan and plan is not None and plan.entries is entries:
+            # (the same entries as the page was made for: their shapes, dtypes and the weights' devices compared)
+            if list(map(_SHAPE, values)) == plan.shapes and list(map(_DTYPE, values)) == plan.dtypes and \
+                    [values[i].device for i in plan.weights] == plan.devices:
+                return page
+        sig = tuple((e[2], v.shape, v.dtype, v.device) for e, v in zip(entries, values, strict=True))
+        if page is None or page.sig != sig:
+            page = _Page(sig, _Cuda.used(self.device) or any(_Cuda.used(v.device) for v in values))
+            bufs = self.buffers.setdefault(name, {})
+            for e, view in zip(entries, page.views, strict=True):
+                bufs[e[2]] = view
+            self.pages[name] = page
+        if plan is not None and plan.entries is entries:
+            plan.shapes, plan.dtypes = list(map(_SHAPE, values)), list(map(_DTYPE, values))
+            plan.devices = [values[i].device for i in plan.weights]
+            page.plan = plan
         return page
 
     @staticmethod
@@ -607,6 +654,7 @@ class Pager:
             if name not in known:
                 del self.buffers[name]
                 self.pages.pop(name, None)
+                self.plans.pop(name, None)
                 self.outgoing.pop(name, None)
                 self.inflight.pop(name, None)
         for name in self.recent:  # the resident adapters' device (the model may have moved)

@@ -222,7 +222,10 @@ def _state_signature(layer, slot_names) -> tuple:
 
 def _paged_out(layer) -> frozenset:
     """The adapters paging keeps on the host (``fast_multilora.paging``): absent from the layer's state."""
-    router = layer.__dict__.get(_ROUTER_ATTR)
+    return _paged_out_of(layer.__dict__.get(_ROUTER_ATTR))
+
+
+def _paged_out_of(router) -> frozenset:
     pager = router.pager if router is not None else None
     return pager.absent if pager is not None else frozenset()
 
@@ -924,7 +927,8 @@ def unpatch(model: torch.nn.Module) -> None:
     if router is not None and router.store is not None:  # its parameters keep their memory, not the store's class
         from .store import release
 
-        release(router.store.held, router.store.acc_hooks)
+        release([*router.store.held, *router.store.parked_params()], router.store.acc_hooks)
+        router.store.parked = {}
         router.store.retired = True  # (an optimizer stepping it hands its states back to torch)
     for module in model.modules():
         if _is_patched(module):

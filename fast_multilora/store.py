@@ -714,6 +714,7 @@ class AdapterStore:
         self.moved: set = set()  # adapters found with a parameter whose ``.data`` was replaced (stale)
         self.attached: set = set()  # indices of the parameters whose ``.grad`` prepare_grads left a view
         self.acc_hooks: dict = {}  # id(held parameter) -> its post-accumulate-grad hook's handle (_TOUCHED)
+        self.parked: dict = {}  # paged-out adapter -> its parameters that left, class and hook kept (_release)
         # adapters a gradient reached through their parameters themselves (_TOUCHED) since an optimizer step last
         # looked (the torch.optim bridge: each must have every trained parameter's gradient, or none)
         self.touched_adapters: set = set()
@@ -740,6 +741,7 @@ class AdapterStore:
         state["dirty"] = None
         state["calls"], state["last_armed"] = [], []  # (weak references to this model's graphs: a copy has none)
         state["acc_hooks"] = {}  # (a copy's parameters carry no hooks: its first layout hooks them)
+        state["parked"] = {}
         state["touched_adapters"] = set()
         return state
 
@@ -1004,7 +1006,7 @@ class AdapterStore:
             _hold(p)
         kept = {id(p) for p, *_ in placed}
         released = [(p, name) for p, name in released if id(p) not in kept]
-        release((p for p, _ in released), self.acc_hooks)
+        self._release(released, kept)
         _hook_accumulation((p for p, *_ in placed), self.acc_hooks)
         fresh = [s for lid, s in slots.items() if s is not old_slots.get(lid)]  # the layers laid out anew
         if full:
@@ -1016,6 +1018,30 @@ class AdapterStore:
         if self.owner is not None:
             self.owner._follow(self)
         self.delta = None
+
+    def _release(self, released: list, kept: set) -> None:
+        """Give the parameters that left the store back their class and remove their hooks -- except those of
+        adapters paging keeps on the host (``fast_multilora.paging``): they are *parked*, class and hook kept, as
+        they come back to the store unchanged (~3 us a parameter each way, 14 336 parameters a step at 64 adapters
+        in and 64 out on a 56-layer model). A parked adapter that is no longer paged out (back, or deleted) has its
+        parameters that did not come back released."""
+        from .patching import _paged_out_of
+
+        absent = _paged_out_of(self.router)
+        parked = self.parked
+        if parked:
+            for name in [n for n in parked if n not in absent]:
+                release((p for p in parked.pop(name) if id(p) not in kept), self.acc_hooks)
+        out = []
+        for p, name in released:
+            if name in absent:
+                parked.setdefault(name, []).append(p)
+            else:
+                out.append(p)
+        release(out, self.acc_hooks)
+
+    def parked_params(self) -> list:
+        return [p for ps in self.parked.values() for p in ps]
 
     def _place(self, layer, key, st, arena: Arena, old: Optional[LayerSlots], prev: Optional[LayerSlots],
                placed: list, names=None) -> LayerSlots:

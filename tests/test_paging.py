@@ -286,6 +286,8 @@ def test_save_pretrained_and_unpatch_of_a_paged_model(tmp_path, device):
             assert not _is_host_copy(pager, name, p, p.data) and p.device.type == device, name
     for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(p.detach(), q.detach()), n
+        # every parameter, paged out at the unpatch or not, is a stock Parameter without the store's hook again
+        assert type(p) is torch.nn.Parameter and not p._post_accumulate_grad_hooks, n
 
 
 def test_paging_settings_and_refusals():
@@ -348,6 +350,7 @@ def test_adapters_added_and_deleted_while_paged(device, how, again):
     batches = _schedule(names, 3, seed=7)
     opt, ref_opt = _train(model, batches, device, 1)[0], _train(ref, batches, device)[0]
     gone = next(n for n in names if n in _pager(model).paged)
+    gone_params = list(_pager(model).params_of(gone))
     late = gone if again else "late"
     cfg = LoraConfig(r=3, lora_alpha=5, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
     for m, o in ((model, opt), (ref, ref_opt)):
@@ -372,6 +375,8 @@ def test_adapters_added_and_deleted_while_paged(device, how, again):
         if m is model:
             _check_residency(model, opt, later[-1][1], 1, device)
     pager = _pager(model)
+    # the deleted adapter's parameters (paged out: kept by the store with their class and hook while out) released
+    assert all(type(p) is torch.nn.Parameter and not p._post_accumulate_grad_hooks for p in gone_params)
     if not again:
         assert gone not in pager.paged and gone not in pager.recent and gone not in pager.buffers
     else:  # the pager's parameters of the name are the new adapter's
@@ -564,3 +569,29 @@ def test_the_store_keeps_its_layers_while_paged_out_adapters_live_on_another_dev
             name = next(n for n in _pager(model).paged if any(q is p for q in _pager(model).params_of(n)))
             p.data = _pager(model).buffers[name][("w", id(p))]
     _assert_equal_runs(model, opt, ref, ref_opt)
+
+
+@pytest.mark.parametrize("fused,new", [(False, True), (True, True), (True, False)])
+def test_an_optimizer_resumed_from_its_state_dict_while_paged(device, fused, new):
+    """A resume in the middle of paged training -- the optimizer's ``state_dict`` (paged-out adapters' states are
+    their host copies) loaded into a new optimizer or the same one, either way every state tensor replaced --
+    continues as the resident run resumed the same way: the pager reads the optimizer's new states (its kept entry
+    lists go stale)."""
+    model, ref = _model(device, 1), _model(device, None)
+    batches = _schedule(sorted(model.peft_config), 8, seed=11)
+    opts = []
+    for m in (model, ref):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.05, fused=fused)
+        for i, (ids, rows) in enumerate(batches):
+            if i == 4:
+                saved = copy.deepcopy(opt.state_dict())
+                if new:
+                    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.05, fused=fused)
+                opt.load_state_dict(saved)
+            _step(m, opt, ids.to(device), rows)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if m is model and i >= 4:
+                _check_residency(model, opt, rows, 1, device)
+        opts.append(opt)
+    _assert_equal_runs(model, opts[0], ref, opts[1])
