@@ -497,9 +497,11 @@ class _Segment:
             device_out = device
         if self.autocast and dtype_out in _upcast_dtypes():  # finish's cast_adapter_dtype, done here
             dtype_out = torch.float32
-        a_w = _through(a_w, mid, dtype_out).to(device_out)
+        # (moved first, then cast where it lands: on a GPU the two casts of PEFT's steps are two launches there, not
+        # a host pass over every element; the values are the same, each cast rounding to nearest even)
+        a_w = _through(a_w.to(device_out), mid, dtype_out)
         if init is False:
-            b_w = _through(b_w, mid, dtype_out).to(device_out)
+            b_w = _through(b_w.to(device_out), mid, dtype_out)
         else:
             b_w = torch.zeros((N, r), dtype=dtype_out, device=device_out)
         self.cast_done.add((id(layer), name))
