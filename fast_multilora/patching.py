@@ -53,7 +53,7 @@ from .kernels.decode import DECODE_MAX_ROWS
 from .kernels.launch import set_enabled as set_fast_launch
 from .kernels.segments import AdapterTable, to_device
 from .plan import ALL, BASE, CHANGES, DIRTY_ATTR, FULL, Router, mark_changed, mark_dirty
-from .store import _spliced
+from .store import _spliced, gc_paused
 
 _ROUTER_ATTR = "_fml_router"
 _HOOKS_ATTR = "_fml_hooks"
@@ -358,7 +358,8 @@ def _update_state(layer, st: LayerState, slot_names: tuple, slot_of: dict, names
     paged = _paged_out(layer)
     present, slots = st.present, st.table.slots
     a_dict, b_dict = layer.lora_A._modules, layer.lora_B._modules
-    rm = sorted(present.index(n) for n in names if n in present)  # out first (a freed slot may be taken again)
+    at_of = {n: i for i, n in enumerate(present)}  # (by dict: tuple.index per name is quadratic in a paged step)
+    rm = sorted(at_of[n] for n in names if n in at_of)  # out first (a freed slot may be taken again)
     touched = dict.fromkeys(map(slots.__getitem__, rm), (0, 0.0, 0.0))  # the table's slots written: their entries
     ins = []  # (slot, name, rank, rate, A dtype, A module, B module) of the adapters that stay or came
     for name in names:
@@ -420,6 +421,14 @@ def refresh_layers(router: Router, routing) -> None:
     order and the layers' adapters and modes; cheap when nothing changed (no layer is read unless a change was
     marked, see ``plan.CHANGES``; then one signature per layer). Raises when the
     routing names an adapter with a LoRA variant."""
+    if router.pager is not None:  # (the moves make tensor objects by the thousand: no GC pass in between)
+        with gc_paused():
+            _refresh_layers(router, routing)
+    else:
+        _refresh_layers(router, routing)
+
+
+def _refresh_layers(router: Router, routing) -> None:
     if router.pager is not None:  # the call's adapters resident first, others paged out (fast_multilora.paging)
         router.pager.enter(routing.names)
     slot_names = routing.slot_names

@@ -218,6 +218,12 @@ def _piece(buf: torch.Tensor, start: int, shape: tuple) -> torch.Tensor:
     return t.set_(buf.untyped_storage(), buf.storage_offset() + start, tuple(shape), tuple(reversed(strides)))
 
 
+def _piece_at(empty, storage, offset: int, shape: tuple, stride: tuple) -> torch.Tensor:
+    """:func:`_piece` with its lookups (storage, offset, strides, an ``empty`` of the buffer's dtype and device) done
+    once by the caller: the store's re-layout makes ~14k pieces a paged step on a 56-layer model."""
+    return empty().set_(storage, offset, shape, stride)
+
+
 def _write(ops: list, arena) -> None:
     """Run ``ops`` -- ``(piece, source)``: ``piece.copy_(source)``; ``(piece, None)``: ``piece.zero_()`` -- as one
     ``torch._foreach_copy_`` and one ``torch._foreach_zero_`` (a few launches for a layer's new adapters, where one
@@ -497,10 +503,14 @@ def _delta_key(layer, st, old: LayerSlots, names, slot_of: dict) -> Optional[tup
     others' entries are ``old``'s key's (spliced at the changed positions: no read of the others' parameters or
     slots), the changed ones read and checked."""
     n, by_name, present = len(old.names), old.by_name, st.present
-    rm = sorted(old.names.index(nm) for nm in names if nm in by_name)
+    # (positions by dict: a paged step changes ~128 adapters of ~64-128 in each layer; tuple.index per name was
+    # quadratic in them)
+    old_pos = {nm: i for i, nm in enumerate(old.names)}
+    pos = {nm: i for i, nm in enumerate(present)}
+    rm = sorted(old_pos[nm] for nm in names if nm in by_name)
     a_mods, b_mods = layer.lora_A._modules, layer.lora_B._modules
-    new = sorted((nm for nm in names if nm in a_mods and nm in slot_of and nm in present), key=present.index)
-    at = list(map(present.index, new))
+    new = sorted((nm for nm in names if nm in a_mods and nm in slot_of and nm in pos), key=pos.__getitem__)
+    at = list(map(pos.__getitem__, new))
     # the adapters that stay keep their order (else the slot order moved: everything is read)
     if n - len(rm) + len(at) != len(present) or tuple(_spliced(old.names, rm, at, new)) != present:
         return _layer_key(layer, st, old)
@@ -1057,7 +1067,8 @@ class AdapterStore:
         if old is None or names is None:
             check, idx = present, range(len(present))
         else:  # the changed adapters that stay or came, in slot order
-            pos = {n: present.index(n) for n in names if n in present}
+            at_of = {n: i for i, n in enumerate(present)}
+            pos = {n: at_of[n] for n in names if n in at_of}
             check = sorted(pos, key=pos.__getitem__)
             idx = list(map(pos.__getitem__, check))
         want = {name: (ranks[i], a_mods[name]._parameters["weight"], b_mods[name]._parameters["weight"])
@@ -1075,7 +1086,8 @@ class AdapterStore:
                 views = dict(zip(map(id, old.params), old.views, strict=True))
                 gone = [c for c in cells if c[0] is not None]
             else:  # the changed adapters' positions before (their views; the others' are not read)
-                rm = sorted(old.names.index(n) for n in names if n in by_name)
+                old_at = {n: i for i, n in enumerate(old.names)}
+                rm = sorted(old_at[n] for n in names if n in by_name)
                 views = {id(old.params[j]): old.views[j] for i in rm for j in (i, n_old + i)}
                 gone = [by_name[n] for n in names if n in by_name]
             for c in gone:  # adapters that left (or whose weights or rank changed) leave holes
@@ -1127,11 +1139,17 @@ class AdapterStore:
                 if blk is not None:
                     carried[id(p)] = (prev.arena, blk[0])
         ops = []  # a new adapter's pieces' writes, in order: (piece, source) copies, (piece, None) zeroes
+        d_store, g_store = arena.data.untyped_storage(), arena.grad.untyped_storage()
+        d_at, g_at = arena.data.storage_offset(), arena.grad.storage_offset()
+        dtype, device = arena.data.dtype, arena.data.device
+        empty = functools.partial(torch.empty, 0, dtype=dtype, device=device)
+        blocks = arena.blocks
         for i, (c_name, r, off, pa, pb) in enumerate(fill):
-            for p, start, shape in ((pa, a0 + off * K, (r, K)), (pb, b0 + off * N, (N, r))):
+            for p, start, shape, stride in ((pa, a0 + off * K, (r, K), (K, 1)), (pb, b0 + off * N, (N, r), (r, 1))):
                 numel = shape[0] * shape[1]
                 had_grad = p.grad is not None
-                data, v = _piece(arena.data, start, shape), _piece(arena.grad, start, shape)
+                data = _piece_at(empty, d_store, d_at + start, shape, stride)
+                v = _piece_at(empty, g_store, g_at + start, shape, stride)
                 if i < n_new:  # a new adapter's piece (perhaps a hole): its weights, gradient, states
                     src = carried.get(id(p))
                     ops.append((data, p.data))
@@ -1150,8 +1168,8 @@ class AdapterStore:
                 views[id(p)] = v
                 # a gradient it had lives on in its view; none stays none (as under stock PEFT, a parameter gets a
                 # ``.grad`` from the first backward that reaches its adapter)
-                p.grad = v if p.requires_grad and had_grad else None
-                arena.blocks[p] = (start, numel, p)
+                p.grad = v if had_grad and _REQUIRES_GRAD(p) else None
+                blocks[p] = (start, numel, p)
                 placed.append((p, c_name, v, (lid, 0 if p is pa else 1)))
         _write(ops, arena)
         if splice:  # old's per-adapter entries with the changed ones taken out and put in at their new positions
