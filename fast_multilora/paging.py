@@ -336,20 +336,20 @@ class Pager:
         opts = self._optimizers()
         plan = self.plans.get(name)
         sizes = (_ATTACHED[0], len(opts), *[(id(opt.state), len(opt.state)) for opt, _ in opts])
-        if plan is not None and plan.params is params and plan.sizes != sizes:  # (states made for any parameter)
-            token = (_ATTACHED[0], len(opts), *[(id(opt.state), sum(map(opt.state.__contains__, params)))
-                                                for opt, _ in opts])
-            if plan.token == token:
-                plan.sizes = sizes
+
+        def token():  # (how many of the parameters have states in each optimizer)
+            return (_ATTACHED[0], len(opts), *[(id(opt.state), sum(map(opt.state.__contains__, params)))
+                                               for opt, _ in opts])
+
+        if plan is not None and plan.params is params and plan.sizes != sizes and plan.token == token():
+            plan.sizes = sizes  # (states made for other adapters' parameters only)
         if plan is None or plan.params is not params or plan.sizes != sizes:
-            token = (_ATTACHED[0], len(opts), *[(id(opt.state), sum(map(opt.state.__contains__, params)))
-                                                for opt, _ in opts])
             entries = []
             for p in params:
                 entries.append((p, None, ("w", id(p))))
                 for st, key in self._states(p, opts):
                     entries.append((p, st, ("s", id(p), *key)))
-            plan = self.plans[name] = _Plan(params, token, sizes, entries)
+            plan = self.plans[name] = _Plan(params, token(), sizes, entries)
         return plan.entries, [p.data if st is None else st[key[3]] for p, st, key in plan.entries]
 
     def _page(self, name: str, entries: list, values: list) -> "_Page":
