@@ -256,6 +256,18 @@ def test_peak_memory_below_the_full_logits(device):
     assert fused.peak < full / 2, (fused.peak, full)
 
 
+def test_default_chunks():
+    """Tokens per chunk by default: at a Llama-3-8B step's shape (8192 tokens, hidden 4096, vocabulary 128,256) the
+    chunk's logits are about the hidden states' size (256 tokens) on the CPU, and at least 1024 tokens on a GPU
+    (fewer rows leave SMs idle in the head's matmuls: measured, see ``GPU_MIN_CHUNK``); never more than the tokens,
+    never fewer than 64 (or the tokens)."""
+    assert chunk_tokens(8192, 4096, 128_256) == 256
+    assert chunk_tokens(8192, 4096, 128_256, gpu=True) == 1024
+    assert chunk_tokens(8192, 4096, 32_000, gpu=True) == 1024 and chunk_tokens(8192, 4096, 32_000) == 1024
+    assert chunk_tokens(600, 4096, 128_256, gpu=True) == 600 and chunk_tokens(600, 4096, 128_256) == 64
+    assert chunk_tokens(40, 64, 50_000) == 40
+
+
 def test_peak_memory_of_a_llama3_8b_step_under_fake_tensors():
     """A Llama-3-8B-shaped step (8 x 1024 tokens, hidden 4096, vocabulary 128,256, bf16, the head frozen as under
     LoRA) run on fake tensors (shapes only, no memory, no compute; the same meter): the fused loss's allocations

@@ -58,7 +58,7 @@ def test_return_dict_reads_the_device_only_when_used():
 
 # the kernels' dtypes (tests/helpers.py): bf16 on a GPU only (the interpreter truncates to bf16, the GPU rounds)
 @pytest.mark.parametrize("dtype", [p.values[0] for p in KERNEL_DTYPE_PARAMS], ids=[p.id for p in KERNEL_DTYPE_PARAMS])
-def test_logits_loss_on_both_paths(dtype, monkeypatch):
+def test_logits_loss_on_both_paths(dtype, monkeypatch, device):
     """The per-token cross-entropy under ``per_adapter_loss`` on each path -- the kernels (on a GPU; here under the
     interpreter) and ``F.cross_entropy(logits.float())`` -- against an fp64 reference: the per-adapter means to fp32
     rounding, the logits' gradient (in their dtype) within twice the PyTorch path's error; ignored labels get no
@@ -75,7 +75,8 @@ def test_logits_loss_on_both_paths(dtype, monkeypatch):
     labels = torch.randint(0, 300, (4, 9), generator=g)
     labels[1, 3:6] = -100
     logits64 = torch.randn(4, 9, 300, generator=g, dtype=torch.float64) * 3
-    weights = torch.tensor([0.5, 2.0], dtype=torch.float64)
+    labels, logits64 = labels.to(device), logits64.to(device)  # (the kernels: on a GPU, or here the interpreter)
+    weights = torch.tensor([0.5, 2.0], dtype=torch.float64, device=device)
 
     def run(x):
         means, _ = fl.adapter_token_means(x, labels, names, ["a", "b"])
@@ -83,7 +84,7 @@ def test_logits_loss_on_both_paths(dtype, monkeypatch):
         return means.detach().double(), x.grad.double()
 
     x64 = logits64.to(dtype).double().requires_grad_()  # the fp64 reference of the same logits, by hand
-    lab = torch.cat([labels[:, 1:], torch.full((4, 1), -100)], 1)
+    lab = torch.cat([labels[:, 1:], torch.full((4, 1), -100, device=device)], 1)
     ce = F.cross_entropy(x64.reshape(-1, 300), lab.reshape(-1), reduction="none").view(4, 9)
     valid = lab != -100
     means64 = torch.stack([ce[[1, 3]][valid[[1, 3]]].mean(), ce[0][valid[0]].mean()])
@@ -101,17 +102,18 @@ def test_logits_loss_on_both_paths(dtype, monkeypatch):
     assert got[1][1, 2:5].abs().sum() == 0 and got[1][2].abs().sum() == 0  # ignored labels, the base row
 
 
-def test_logits_loss_label_outside_the_vocabulary_is_nan_on_the_kernel_path():
+def test_logits_loss_label_outside_the_vocabulary_is_nan_on_the_kernel_path(device):
     """A label outside ``[0, V)`` (not ``ignore_index``) makes its adapter's mean NaN on the kernels' path (no host
     read to raise on, as the fused loss); the other adapter's mean stays finite."""
     labels = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(5))
     labels[0, 3] = 77
     logits = torch.randn(2, 6, 50, generator=torch.Generator().manual_seed(6))
+    labels, logits = labels.to(device), logits.to(device)
     means, _ = fast_multilora.loss.adapter_token_means(logits, labels, ["a", "b"], ["a", "b"])
     assert torch.isnan(means[0]) and torch.isfinite(means[1])
 
 
-def test_token_cross_entropy_equals_torch_and_falls_back_with_a_warning(monkeypatch):
+def test_token_cross_entropy_equals_torch_and_falls_back_with_a_warning(monkeypatch, device):
     """``loss.token_cross_entropy`` on the kernels equals ``F.cross_entropy(z.float(), reduction="none")`` in value and
     gradient for any upstream gradient (an ignored token's is 0 even where the upstream is not); a kernel that cannot
     compile (Triton's OutOfResources, say), in the backward or the forward, gives one warning, then PyTorch's ops."""
@@ -121,10 +123,11 @@ def test_token_cross_entropy_equals_torch_and_falls_back_with_a_warning(monkeypa
     import fast_multilora.loss as fl
 
     g = torch.Generator().manual_seed(8)
-    z = torch.randn(13, 70, generator=g, requires_grad=True)
+    z = torch.randn(13, 70, generator=g).to(device).requires_grad_()
     labels = torch.randint(0, 70, (13,), generator=g)
     labels[[2, 7]] = -100
     up = torch.rand(13, generator=g) + 0.5
+    labels, up = labels.to(device), up.to(device)
     want = F.cross_entropy(z.float(), labels, reduction="none")
     (want_grad,) = torch.autograd.grad(want, z, up)
     got = fl.token_cross_entropy(z, labels)
