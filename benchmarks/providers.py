@@ -405,20 +405,29 @@ def _head(ctx, p: Provider, variant: str) -> Step:
     def logits_loss():
         return fast_multilora.per_adapter_loss(head(hidden), labels, names, adapter_ids=aid)
 
+    chunk = int(variant.split("chunk=")[1]) if "chunk=" in variant else None  # (None: the default chunk)
+
     def fused_loss():
-        return fast_multilora.per_adapter_loss_from_hidden(hidden, head, labels, names, adapter_ids=aid)
+        return fast_multilora.per_adapter_loss_from_hidden(hidden, head, labels, names, adapter_ids=aid,
+                                                           chunk_size=chunk)
 
     def frozen_loss():  # transformers' ForCausalLMLoss: shift, fp32 upcast, mean over the tokens
         z = head(hidden)[:, :-1].float()
         return F.cross_entropy(z.reshape(-1, z.shape[-1]), labels[:, 1:].reshape(-1))
 
-    loss = {"": frozen_loss, "logits": logits_loss, "fused": fused_loss}[variant if p.family == "fast" else ""]
+    loss = {"": frozen_loss, "logits": logits_loss, "fused": fused_loss}[
+        variant.split("/")[0] if p.family == "fast" else ""]
 
     def fn():
         hidden.grad = None
         loss().backward()
 
     info = {"logits_fp32_mib": round(labels.numel() * head.weight.shape[0] * 4 / 2**20, 1)}
+    if variant.startswith("fused"):
+        from fast_multilora.fused_loss import chunk_tokens
+
+        info["chunk_tokens"] = chunk or chunk_tokens(labels.numel(), hidden.shape[-1], head.weight.shape[0],
+                                                     gpu=hidden.device.type == "cuda")
 
     def check():
         out = {}

@@ -147,8 +147,9 @@ SCENARIOS = {s.name: s for s in (
              "adapters (adapter_ids), forward + backward to the hidden states, no optimizer; frozen: the head and "
              "HF's mean cross-entropy of its logits (one loss); fast_multilora[logits]: fast_multilora."
              "per_adapter_loss of the logits; [fused]: fast_multilora.per_adapter_loss_from_hidden (no logits "
-             "built). Any card: the 8B step's variants differ only here", ("frozen", "fast_multilora"),
-             ("logits", "fused"), default=False),
+             "built; [fused/chunk=<tokens>]: the same with that many tokens per chunk, the default's A/B). Any "
+             "card: the 8B step's variants differ only here", ("frozen", "fast_multilora"),
+             ("logits", "fused", "fused/chunk=256", "fused/chunk=1024"), default=False),
 )}
 
 

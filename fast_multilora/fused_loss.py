@@ -55,8 +55,9 @@ MIN_CHUNK = 64
 # on a GPU, at least this many (where there are): the chunk's two head matmuls, ``[chunk, H] @ [H, V]`` and
 # ``[chunk, V] @ [V, H]``, leave SMs idle at fewer rows. Measured on one H100 at `f0d44cf` (``linear_cross_entropy``
 # forward and backward on random bf16 hidden states [8192, 4096] and head [128256, 4096], medians of 7 CUDA-event
-# timings; docs/benchmarks.md): 256 / 512 / 1024 / 2048 tokens per chunk took 29.6 / 28.2 / 26.7 / 28.5 ms with peaks
-# of +320 / 320 / 323 / 581 MiB (the full-logits path 38.8 ms, +14 GiB); the ``[chunk, V] @ [V, H]`` matmul alone
+# timings; docs/benchmarks.md; the harness's ``head_loss_8b`` rows ``[fused/chunk=256]`` and ``[fused/chunk=1024]``
+# measure it in the step's setting): 256 / 512 / 1024 / 2048 tokens per chunk took 29.6 / 28.2 / 26.7 / 28.5 ms
+# with peaks of +320 / 320 / 323 / 581 MiB (the full-logits path 38.8 ms, +14 GiB); the ``[chunk, V] @ [V, H]`` matmul
 # 0.41 ms at 256 rows (x 32 chunks: 13.1 ms) against 1.48 at 1024 (x 8: 11.8).
 GPU_MIN_CHUNK = 1024
 

@@ -169,8 +169,9 @@ def test_create_adapters_and_8b_fused_loss_rows(tmp_path):
     e = rows["fast_multilora[fused]"]["extra"]
     assert "fused_causal_lm_loss" in e["loss_call"] and abs(e["eval_loss_fused_minus_logits"]) < 1e-4, e
     rows = res["scenarios"]["head_loss_8b"]["rows"]
-    assert set(rows) == {"frozen", "fast_multilora[logits]", "fast_multilora[fused]"}
-    for key in ("fast_multilora[logits]", "fast_multilora[fused]"):
+    assert set(rows) == {"frozen", "fast_multilora[logits]", "fast_multilora[fused]", "fast_multilora[fused/chunk=256]",
+                         "fast_multilora[fused/chunk=1024]"}
+    for key in ("fast_multilora[logits]", "fast_multilora[fused]", "fast_multilora[fused/chunk=256]"):
         e = rows[key]["extra"]
         assert rows[key]["status"] == "ok" and "frozen" in rows[key]["ratios"], rows[key]
         # fp32 on CPU: the two losses sum the same per-token terms in other orders
