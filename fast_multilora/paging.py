@@ -191,11 +191,11 @@ class _Page:
     states, by dtype and device -- so a page-out or page-in is a few copies, not one per tensor. Inside a buffer the
     tensors lie in runs of one shape, so a buffer's views are one ``unbind`` per run (~0.5 us a tensor; a ``view`` of
     each ``split`` piece costs ~2 us). ``sig``: what the page was laid out for (entry key, shape, dtype, device);
-    ``groups``: per buffer its ``(shape, entry indices)`` runs; ``orders``: per buffer its entry indices in layout
-    order; ``views``: each tensor's view of its buffer, in entry order; ``keys``, ``ptrs``: their entry keys and
-    addresses (a page-in checks that the adapter's tensors are still these views)."""
+    ``groups``: per buffer its ``(shape, entry indices)`` runs (a page-out stacks each run's tensors); ``views``:
+    each tensor's view of its buffer, in entry order; ``keys``, ``ptrs``: their entry keys and addresses (a page-in
+    checks that the adapter's tensors are still these views); ``plan``: the entry list it was last checked against."""
 
-    __slots__ = ("sig", "groups", "orders", "flats", "views", "keys", "ptrs", "cuda", "plan")
+    __slots__ = ("sig", "groups", "flats", "views", "keys", "ptrs", "cuda", "plan")
 
     def __init__(self, sig: tuple, cuda: bool):
         self.sig, self.cuda, self.plan = sig, cuda, None
@@ -203,7 +203,6 @@ class _Page:
         for i, (key, shape, dtype, device) in enumerate(sig):
             by.setdefault((key[0], dtype, device), {}).setdefault(shape, []).append(i)
         self.groups = [list(runs.items()) for runs in by.values()]
-        self.orders = [[i for _, idx in runs for i in idx] for runs in self.groups]
         self.flats, self.views = [], [None] * len(sig)
         for (_, dtype, _), runs in zip(by, self.groups, strict=True):
             total = sum(shape.numel() * len(idx) for shape, idx in runs)
@@ -419,9 +418,12 @@ class Pager:
         homes = {id(p): p.device for p, st, _ in entries if st is None}
         page = self._page(name, entries, values)
         with torch.no_grad():
-            for order, flat in zip(page.orders, page.flats, strict=True):
-                src = values[order[0]].reshape(-1) if len(order) == 1 else \
-                    torch.cat([values[i].reshape(-1) for i in order])
+            for runs, flat in zip(page.groups, page.flats, strict=True):
+                # (a run's tensors stacked as the run's [n, *shape] block of the page: one call per run, not a
+                # reshape per tensor, ~1.2 us each on an H100 host)
+                parts = [torch.stack([values[i] for i in idx]) if len(idx) > 1 else values[idx[0]]
+                         for _, idx in runs]
+                src = parts[0].reshape(-1) if len(parts) == 1 else torch.cat([t.reshape(-1) for t in parts])
                 flat.copy_(src, non_blocking=True)
             self._assign(entries, page.views)
         if page.cuda:
