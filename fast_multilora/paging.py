@@ -193,12 +193,15 @@ class _Page:
     each ``split`` piece costs ~2 us). ``sig``: what the page was laid out for (entry key, shape, dtype, device);
     ``groups``: per buffer its ``(shape, entry indices)`` runs (a page-out stacks each run's tensors); ``views``:
     each tensor's view of its buffer, in entry order; ``keys``, ``ptrs``: their entry keys and addresses (a page-in
-    checks that the adapter's tensors are still these views); ``plan``: the entry list it was last checked against."""
+    checks that the adapter's tensors are still these views); ``plan``: the entry list it was last checked against;
+    ``shapes``, ``dtypes``, ``devices``: the sig's, as lists (the weights' devices only), for that check."""
 
-    __slots__ = ("sig", "groups", "flats", "views", "keys", "ptrs", "cuda", "plan")
+    __slots__ = ("sig", "groups", "flats", "views", "keys", "ptrs", "cuda", "plan", "shapes", "dtypes", "devices")
 
     def __init__(self, sig: tuple, cuda: bool):
         self.sig, self.cuda, self.plan = sig, cuda, None
+        self.shapes, self.dtypes = [s[1] for s in sig], [s[2] for s in sig]
+        self.devices = [s[3] for s in sig if s[0][0] == "w"]
         by: dict = {}
         for i, (key, shape, dtype, device) in enumerate(sig):
             by.setdefault((key[0], dtype, device), {}).setdefault(shape, []).append(i)
@@ -231,15 +234,13 @@ class _Plan:
     of its parameters (a new list after any change but the pager's own moves) and ``token`` -- the optimizers
     attached, their ``state`` dicts and how many of the parameters have states in each -- stays (counted again only
     when an optimizer's number of parameters with states, ``sizes``, moved). (An optimizer makes a parameter's
-    states together, at its first step or ``load_state_dict``, which replaces ``state``.)
-    ``shapes``, ``dtypes``, ``devices``: of the values the adapter's page was last checked against."""
+    states together, at its first step or ``load_state_dict``, which replaces ``state``.)"""
 
-    __slots__ = ("params", "token", "sizes", "entries", "weights", "shapes", "dtypes", "devices")
+    __slots__ = ("params", "token", "sizes", "entries", "weights")
 
     def __init__(self, params: list, token: tuple, sizes: tuple, entries: list):
         self.params, self.token, self.sizes, self.entries = params, token, sizes, entries
         self.weights = [i for i, e in enumerate(entries) if e[1] is None]
-        self.shapes = self.dtypes = self.devices = None
 
 
 class Pager:
@@ -340,15 +341,18 @@ class Pager:
             return (_ATTACHED[0], len(opts), *[(id(opt.state), sum(map(opt.state.__contains__, params)))
                                                for opt, _ in opts])
 
-        if plan is not None and plan.params is params and plan.sizes != sizes and plan.token == token():
-            plan.sizes = sizes  # (states made for other adapters' parameters only)
+        now = None
+        if plan is not None and plan.params is params and plan.sizes != sizes:
+            now = token()
+            if plan.token == now:
+                plan.sizes = sizes  # (states made for other adapters' parameters only)
         if plan is None or plan.params is not params or plan.sizes != sizes:
             entries = []
             for p in params:
                 entries.append((p, None, ("w", id(p))))
                 for st, key in self._states(p, opts):
                     entries.append((p, st, ("s", id(p), *key)))
-            plan = self.plans[name] = _Plan(params, token(), sizes, entries)
+            plan = self.plans[name] = _Plan(params, now or token(), sizes, entries)
         return plan.entries, [p.data if st is None else st[key[3]] for p, st, key in plan.entries]
 
     def _page(self, name: str, entries: list, values: list) -> "_Page":
@@ -357,10 +361,10 @@ class Pager:
         entries."""
         page = self.pages.get(name)
         plan = self.plans.get(name)
-        if page is not None and page.plan is plan and plan is not None and plan.entries is entries:
-            # (the same entries as the page was made for: their shapes, dtypes and the weights' devices compared)
-            if list(map(_SHAPE, values)) == plan.shapes and list(map(_DTYPE, values)) == plan.dtypes and \
-                    [values[i].device for i in plan.weights] == plan.devices:
+        if page is not None and plan is not None and page.plan is plan and plan.entries is entries:
+            # (the entries the page was last checked against: their shapes, dtypes and the weights' devices compared)
+            if list(map(_SHAPE, values)) == page.shapes and list(map(_DTYPE, values)) == page.dtypes and \
+                    [values[i].device for i in plan.weights] == page.devices:
                 return page
         sig = tuple((e[2], v.shape, v.dtype, v.device) for e, v in zip(entries, values, strict=True))
         if page is None or page.sig != sig:
@@ -369,10 +373,7 @@ class Pager:
             for e, view in zip(entries, page.views, strict=True):
                 bufs[e[2]] = view
             self.pages[name] = page
-        if plan is not None and plan.entries is entries:
-            plan.shapes, plan.dtypes = list(map(_SHAPE, values)), list(map(_DTYPE, values))
-            plan.devices = [values[i].device for i in plan.weights]
-            page.plan = plan
+        page.plan = plan if plan is not None and plan.entries is entries else None
         return page
 
     @staticmethod

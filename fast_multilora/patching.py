@@ -53,7 +53,7 @@ from .kernels.decode import DECODE_MAX_ROWS
 from .kernels.launch import set_enabled as set_fast_launch
 from .kernels.segments import AdapterTable, to_device
 from .plan import ALL, BASE, CHANGES, DIRTY_ATTR, FULL, Router, mark_changed, mark_dirty
-from .store import _spliced, gc_paused
+from .store import _positions, _spliced, gc_paused
 
 _ROUTER_ATTR = "_fml_router"
 _HOOKS_ATTR = "_fml_hooks"
@@ -222,10 +222,7 @@ def _state_signature(layer, slot_names) -> tuple:
 
 def _paged_out(layer) -> frozenset:
     """The adapters paging keeps on the host (``fast_multilora.paging``): absent from the layer's state."""
-    return _paged_out_of(layer.__dict__.get(_ROUTER_ATTR))
-
-
-def _paged_out_of(router) -> frozenset:
+    router = layer.__dict__.get(_ROUTER_ATTR)
     pager = router.pager if router is not None else None
     return pager.absent if pager is not None else frozenset()
 
@@ -358,7 +355,7 @@ def _update_state(layer, st: LayerState, slot_names: tuple, slot_of: dict, names
     paged = _paged_out(layer)
     present, slots = st.present, st.table.slots
     a_dict, b_dict = layer.lora_A._modules, layer.lora_B._modules
-    at_of = {n: i for i, n in enumerate(present)}  # (by dict: tuple.index per name is quadratic in a paged step)
+    at_of = _positions(present)
     rm = sorted(at_of[n] for n in names if n in at_of)  # out first (a freed slot may be taken again)
     touched = dict.fromkeys(map(slots.__getitem__, rm), (0, 0.0, 0.0))  # the table's slots written: their entries
     ins = []  # (slot, name, rank, rate, A dtype, A module, B module) of the adapters that stay or came

@@ -209,19 +209,26 @@ def _aligned(n: int) -> int:
 
 def _piece(buf: torch.Tensor, start: int, shape: tuple) -> torch.Tensor:
     """A tensor on ``buf``'s memory at element ``start`` (not a view: no ``_base``, its own autograd identity)."""
-    t = torch.empty(0, dtype=buf.dtype, device=buf.device)
     strides = []
     acc = 1
     for d in reversed(shape):
         strides.append(acc)
         acc *= d
-    return t.set_(buf.untyped_storage(), buf.storage_offset() + start, tuple(shape), tuple(reversed(strides)))
+    empty = functools.partial(torch.empty, 0, dtype=buf.dtype, device=buf.device)
+    return _piece_at(empty, buf.untyped_storage(), buf.storage_offset() + start, tuple(shape), tuple(reversed(strides)))
 
 
 def _piece_at(empty, storage, offset: int, shape: tuple, stride: tuple) -> torch.Tensor:
-    """:func:`_piece` with its lookups (storage, offset, strides, an ``empty`` of the buffer's dtype and device) done
-    once by the caller: the store's re-layout makes ~14k pieces a paged step on a 56-layer model."""
+    """Every piece the store makes: :func:`_piece` with its lookups (storage, offset, strides, an ``empty`` of the
+    buffer's dtype and device) done by the caller, once per layer where it makes many (the store's re-layout makes
+    ~14k pieces a paged step on a 56-layer model)."""
     return empty().set_(storage, offset, shape, stride)
+
+
+def _positions(seq) -> dict:
+    """``{item: its index}`` of a layer's adapter names: the positions of changed adapters by lookup (``tuple.index``
+    per name is quadratic in a paged step's ~128 changes of ~64-128 adapters in each layer)."""
+    return {item: i for i, item in enumerate(seq)}
 
 
 def _write(ops: list, arena) -> None:
@@ -503,10 +510,7 @@ def _delta_key(layer, st, old: LayerSlots, names, slot_of: dict) -> Optional[tup
     others' entries are ``old``'s key's (spliced at the changed positions: no read of the others' parameters or
     slots), the changed ones read and checked."""
     n, by_name, present = len(old.names), old.by_name, st.present
-    # (positions by dict: a paged step changes ~128 adapters of ~64-128 in each layer; tuple.index per name was
-    # quadratic in them)
-    old_pos = {nm: i for i, nm in enumerate(old.names)}
-    pos = {nm: i for i, nm in enumerate(present)}
+    old_pos, pos = _positions(old.names), _positions(present)
     rm = sorted(old_pos[nm] for nm in names if nm in by_name)
     a_mods, b_mods = layer.lora_A._modules, layer.lora_B._modules
     new = sorted((nm for nm in names if nm in a_mods and nm in slot_of and nm in pos), key=pos.__getitem__)
@@ -1035,9 +1039,8 @@ class AdapterStore:
         they come back to the store unchanged (~3 us a parameter each way, 14 336 parameters a step at 64 adapters
         in and 64 out on a 56-layer model). A parked adapter that is no longer paged out (back, or deleted) has its
         parameters that did not come back released."""
-        from .patching import _paged_out_of
-
-        absent = _paged_out_of(self.router)
+        pager = self.router.pager
+        absent = pager.absent if pager is not None else frozenset()
         parked = self.parked
         if parked:
             for name in [n for n in parked if n not in absent]:
@@ -1067,7 +1070,7 @@ class AdapterStore:
         if old is None or names is None:
             check, idx = present, range(len(present))
         else:  # the changed adapters that stay or came, in slot order
-            at_of = {n: i for i, n in enumerate(present)}
+            at_of = _positions(present)
             pos = {n: at_of[n] for n in names if n in at_of}
             check = sorted(pos, key=pos.__getitem__)
             idx = list(map(pos.__getitem__, check))
@@ -1086,7 +1089,7 @@ class AdapterStore:
                 views = dict(zip(map(id, old.params), old.views, strict=True))
                 gone = [c for c in cells if c[0] is not None]
             else:  # the changed adapters' positions before (their views; the others' are not read)
-                old_at = {n: i for i, n in enumerate(old.names)}
+                old_at = _positions(old.names)
                 rm = sorted(old_at[n] for n in names if n in by_name)
                 views = {id(old.params[j]): old.views[j] for i in rm for j in (i, n_old + i)}
                 gone = [by_name[n] for n in names if n in by_name]

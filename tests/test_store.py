@@ -1308,21 +1308,18 @@ def test_churn_while_training_leaves_the_others_untouched(optimizer):
 
 
 def _store_work(n, change):
-    """The pieces (``store._piece`` / ``_piece_at`` calls) and elements copied by the store (``copy_`` and
+    """The pieces (``store._piece_at`` calls: every piece) and elements copied by the store (``copy_`` and
     ``torch._foreach_copy_``) when ``change`` runs on a patched, training ``many_model(n)`` and the next training step
     re-lays the store out."""
     import fast_multilora.store as store_mod
 
     model, opt, names = _trained(n, seed=21)
     counts = {"pieces": 0, "copied": 0}
-    piece, piece_at, copy_, foreach_copy_ = store_mod._piece, store_mod._piece_at, torch.Tensor.copy_, \
-        torch._foreach_copy_
+    piece_at, copy_, foreach_copy_ = store_mod._piece_at, torch.Tensor.copy_, torch._foreach_copy_
 
-    def counting(fn):
-        def wrapper(*args):
-            counts["pieces"] += 1
-            return fn(*args)
-        return wrapper
+    def counting_piece(*args):
+        counts["pieces"] += 1
+        return piece_at(*args)
 
     def counting_copy(self, src, *args, **kwargs):
         counts["copied"] += self.numel()
@@ -1333,14 +1330,14 @@ def _store_work(n, change):
         return foreach_copy_(dsts, srcs, *args, **kwargs)
 
     change(model)
-    store_mod._piece, store_mod._piece_at = counting(piece), counting(piece_at)
+    store_mod._piece_at = counting_piece
     torch.Tensor.copy_ = counting_copy
     torch._foreach_copy_ = counting_foreach_copy
     try:
         with torch.no_grad():
             model(input_ids=torch.zeros(1, 3, dtype=torch.long), adapter_names=[names[0]])
     finally:
-        store_mod._piece, store_mod._piece_at = piece, piece_at
+        store_mod._piece_at = piece_at
         torch.Tensor.copy_ = copy_
         torch._foreach_copy_ = foreach_copy_
     return counts
@@ -1393,7 +1390,7 @@ def _host_work(n, change):
     change(model)  # (a change alone reads nothing: the next forward follows it)
     watched = ((patching_mod, "lora_dropout_rate", "entries"), (patching_mod, "_build_state", "full_states"),
                (patching_mod, "_state_signature", "signatures"), (store_mod, "_layer_key", "store_keys"),
-               (store_mod, "_piece", "pieces"), (store_mod, "_piece_at", "pieces"), (patching_mod, "_table", "tables"),
+               (store_mod, "_piece_at", "pieces"), (patching_mod, "_table", "tables"),
                (patching_mod, "_edited_table", "tables"), (store_mod, "_store_table", "store_tables"))
     for mod, attr, key in watched:
         counting(mod, attr, key)
