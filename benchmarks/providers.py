@@ -10,6 +10,7 @@ optimizer the user builds, whether the model is ``torch.compile``d, and ``PatchC
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -660,6 +661,20 @@ def _paged(ctx, p: Provider, variant: str) -> Step:
         hold["opt"].step()
         hold["opt"].zero_grad(set_to_none=True)
         hold["i"] = i + 1
+
+    # one full cycle of the sets, untimed, before the row's own warm-up: each adapter's first page-out allocates its
+    # pinned host page (weights, and its optimizer states once it has stepped: page-locking ~1 GiB a step at 1024/64),
+    # a cost of the first cycle only; the row times the steady state and records the cycle's steps apart
+    sync = ctx.torch.cuda.synchronize if ctx.device == "cuda" else (lambda: None)
+    first = []
+    for _ in range(len(sets)):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        first.append((time.perf_counter() - t0) * 1e3)
+    info["first_cycle_ms"] = {"median": round(statistics.median(first), 1), "max": round(max(first), 1),
+                              "steps": len(first)}
 
     def check():
         hold["count"] = True

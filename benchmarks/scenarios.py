@@ -108,13 +108,16 @@ SCENARIOS = {s.name: s for s in (
              "(PatchConfig(resident_adapters=0): the step's adapters and the prefetched next ones on the device) with "
              "and without fast_multilora.prefetch, against every adapter resident. Variants n=<registered>/batch=<per "
              "step> (full: 1024/64; tiny: 32/4). Target: paged step <= 1.15 x fully resident, peak memory that of "
-             "~64 resident adapters", PAGED, ("paged",), refs=("fast_multilora_fused_adamw",), default=False),
+             "~64 resident adapters", PAGED, ("paged",), refs=("fast_multilora_fused_adamw",), default=False,
+             timing="steady state: one full cycle of the sets first, untimed (each adapter's first page-out "
+                    "allocates its pinned host page; those steps' wall times go to extra.first_cycle_ms), then "
+                    "run.py's warm-up and iterations"),
     Scenario("train_step_paged_8b", "paged", "llama8b",
              "train_step_paged on the Llama-3-8B-shaped model of step_8b_fused_loss (tiny: 2 layers, hidden 64) and "
              "its 4 x 2048 tokens (tiny: 4 x 32) as packed rows of 2 samples; adapters r=16 alpha 32 dropout 0.05 on "
              "the attention projections (q/k/v/o); variants n=<registered>/batch=<per step> (full: 128/8; tiny: 32/8)",
              PAGED, ("paged",), refs=("fast_multilora_fused_adamw",), default=False,
-             lora=(("targets", M.ATTN),)),
+             lora=(("targets", M.ATTN),), timing="as train_step_paged's"),
     Scenario("churn", "churn", "churn",
              "adapter churn in a registry of n adapters: a tiny Llama at every size (hidden 32, intermediate 48, 2 "
              "layers, 4/2 heads, vocab 97: the cost measured is the host's bookkeeping), r=4 alpha 8 on "

@@ -37,7 +37,9 @@ Where things happen:
   their adapters before the first of them.
 * **Optimizers.** Any ``torch.optim.Optimizer`` holding the parameters: found by a global step pre-hook
   (``torch.optim.optimizer.register_optimizer_step_pre_hook``) at its first step, before which it has no states;
-  :func:`attach` names one explicitly (e.g. one whose states were loaded before its first step).
+  :func:`attach` names one explicitly (e.g. one whose states were loaded before its first step). A torch optimizer
+  that skips parameters without a gradient (Adam, AdamW, SGD, ...) steps and ``zero_grad``s, under paging, only the
+  resident adapters' parameters with one and the parameters of no adapter: not the registry's (below).
   ``fast_multilora.AdamW`` keeps its states in the store's arenas, which paging does not move: combining the two
   raises; use ``torch.optim.AdamW(..., fused=True)``.
 
@@ -63,9 +65,11 @@ or pickling a paged model. Moving a paged model (``.to()``) moves its host copie
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
 import weakref
 from collections import OrderedDict
+from typing import Optional
 
 import torch
 from torch.optim import optimizer as _optimizer
@@ -154,7 +158,9 @@ def attach(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         _refuse_fml_adamw()
     _OPTIMIZERS.add(optimizer)
     _ATTACHED[0] += 1
-    optimizer.register_state_dict_pre_hook(lambda opt: [p.synchronize() for p in list(_PAGERS)])
+    optimizer.register_state_dict_pre_hook(lambda opt: (_unfilter(opt), [p.synchronize() for p in list(_PAGERS)]))
+    if isinstance(optimizer, _SKIPS_NO_GRAD) and "zero_grad" not in optimizer.__dict__:
+        optimizer.__dict__["zero_grad"] = _ZeroGrad(optimizer)
     # (a load replaces every state: those of paged-out parameters go to their host pages, as at attach)
     optimizer.register_load_state_dict_post_hook(lambda opt: [p.adopt(opt) for p in list(_PAGERS)])
     for pager in list(_PAGERS):
@@ -162,11 +168,114 @@ def attach(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _step_pre_hook(optimizer, args, kwargs) -> None:
+# Under paging an optimizer holds every registered adapter's parameters (115k at 1024 adapters on an 8-layer model)
+# while only the batch's have gradients: torch's step and zero_grad read each one's ``.grad`` in Python (~0.4 us each
+# even in a C-level map: cache misses; ~110 ms of profiled host time a step on an H100). A paged-out adapter has no
+# gradient (it is paged out only without one, and a forward that names it pages it in first), and the optimizers of
+# these classes skip a parameter without a gradient altogether. So for their step each group holds only its
+# parameters of resident adapters with a gradient and its parameters of no adapter (which torch reads as usual), and
+# gets its list back after the step; their ``zero_grad(set_to_none=True)`` clears the same ones: the same step and the
+# same states as torch's walk. (A ``.grad`` set by hand on a paged-out adapter's host parameter is not stepped.)
+_SKIPS_NO_GRAD = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, torch.optim.Adamax,
+                  torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adadelta)
+_HIDDEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> its groups' lists while filtered
+_SPLITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> _Split
+_GRAD = operator.attrgetter("grad")
+
+
+class _Split:
+    """One optimizer's groups split by the paged models' adapters: ``group_of`` (id of each adapter parameter -> its
+    group's index) and, per group, the ``others`` in order. Made again when the groups (their lists or lengths) or a
+    pager's adapters (``Pager.epoch``: a change not made by paging itself) changed."""
+
+    __slots__ = ("key", "group_of", "others")
+
+    def __init__(self, key: tuple, groups: list, pagers: list):
+        self.key = key
+        mine = {id(q) for pager in pagers for name in pager.router.known_adapters() for q in pager.params_of(name)}
+        self.group_of, self.others = {}, []
+        for gi, g in enumerate(groups):
+            ids = list(map(id, g["params"]))
+            self.group_of.update((i, gi) for i in ids if i in mine)
+            self.others.append([q for q, i in zip(g["params"], ids, strict=True) if i not in mine])
+
+
+def _may_have_grads(optimizer) -> Optional[list]:
+    """Per group of a filtered optimizer (``_SKIPS_NO_GRAD`` while a model pages) its parameters that may have a
+    gradient (see above), or ``None``."""
+    if not isinstance(optimizer, _SKIPS_NO_GRAD) or not _PAGERS:
+        return None
+    groups = optimizer.param_groups
+    pagers = list(_PAGERS)
+    key = (tuple((id(g["params"]), len(g["params"])) for g in groups), tuple((id(p), p.epoch) for p in pagers))
+    split = _SPLITS.get(optimizer)
+    if split is None or split.key != key:
+        split = _SPLITS[optimizer] = _Split(key, groups, pagers)
+    out = [list(o) for o in split.others]
+    group_of = split.group_of
+    for pager in pagers:
+        for name in pager.recent:  # (the resident adapters)
+            params = pager.params_of(name)
+            for q in itertools.compress(params, map(operator.is_not, map(_GRAD, params), itertools.repeat(None))):
+                gi = group_of.get(id(q))
+                if gi is not None:
+                    out[gi].append(q)
+    return out
+
+
+def _unfilter(optimizer) -> None:
+    saved = _HIDDEN.pop(optimizer, None)
+    if saved is not None:
+        for g, params in zip(optimizer.param_groups, saved, strict=True):
+            g["params"] = params
+
+
+class _ZeroGrad:
+    """A paged model's optimizer's ``zero_grad`` (an instance attribute; a copy or a pickle of the optimizer has
+    torch's, which ``Optimizer.__getstate__`` leaves out): with ``set_to_none`` the parameters that may have a
+    gradient only (see above); else torch's."""
+
+    def __init__(self, optimizer):
+        self.opt = weakref.ref(optimizer)
+
+    def __call__(self, set_to_none: bool = True) -> None:
+        opt = self.opt()
+        _unfilter(opt)
+        lists = _may_have_grads(opt) if set_to_none else None
+        if lists is None:
+            type(opt).zero_grad(opt, set_to_none)
+            return
+        for params in lists:
+            for q in params:
+                if q.grad is not None:
+                    q.grad = None
+
+
+def _step_pre_hook(optimizer, args, kwargs):
     if optimizer not in _OPTIMIZERS:
         attach(optimizer)
     for pager in list(_PAGERS):  # (a prefetched adapter has no gradient: the step reads none of its tensors)
         pager.awaiting.clear()  # the backwards of the forwards so far have run
+    _unfilter(optimizer)  # (a step that raised left them filtered)
+    if not isinstance(optimizer, _SKIPS_NO_GRAD):
+        return None
+    out = None
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # (args: the optimizer, then step's)
+    if closure is not None:  # its backward comes first (torch calls it inside the step): the gradients it makes count
+        with torch.enable_grad():
+            loss = closure()
+        out = args[:1], {"closure": lambda: loss}
+    lists = _may_have_grads(optimizer)
+    if lists is not None:
+        groups = optimizer.param_groups
+        _HIDDEN[optimizer] = [g["params"] for g in groups]
+        for g, params in zip(groups, lists, strict=True):
+            g["params"] = params
+    return out
+
+
+def _step_post_hook(optimizer, args, kwargs) -> None:
+    _unfilter(optimizer)
 
 
 def configure(router, config) -> None:
@@ -265,10 +374,12 @@ class Pager:
         self.changes = None  # plan.CHANGES after this pager's own last change (another one: check the host copies)
         self.params: dict = {}  # adapter -> its parameters (params_of), while no other change was made
         self.full_seen = None  # plan.FULL at the last check
+        self.epoch = 0  # counts the checks after changes not made here (the optimizers' _Split follows it)
         self.hook = router.root.register_state_dict_pre_hook(lambda *args: self.synchronize())
         _PAGERS.add(self)
         if not _STEP_HOOK:
             _STEP_HOOK.append(_optimizer.register_optimizer_step_pre_hook(_step_pre_hook))
+            _STEP_HOOK.append(_optimizer.register_optimizer_step_post_hook(_step_post_hook))
 
     # -- the adapters' tensors ------------------------------------------------------------------------------------
     def params_of(self, name: str) -> list:
@@ -626,6 +737,7 @@ class Pager:
         """After a change not made here (an adapter added or deleted, ``.to()``, a re-patch): forget deleted adapters,
         and count as resident a paged-out adapter whose parameters no longer hold their host copies."""
         self.params = {}
+        self.epoch += 1
         router = self.router
         router.sync_slots()
         known = router.slot_of

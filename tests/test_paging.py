@@ -147,6 +147,50 @@ def test_paged_training_equals_resident_training(backend, store, k, device):
     _assert_equal_runs(model, opt, ref, ref_opt)
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adamw_closure"])
+def test_a_paged_optimizer_steps_and_clears_only_what_may_have_gradients(device, kind):
+    """Under paging a torch optimizer's step sees, per group, the resident adapters' parameters with a gradient and
+    the group's parameters of no adapter (a trainable base weight here), not the registry; its groups are its own
+    lists again after the step; ``zero_grad`` clears the same ones. Bitwise equal to the resident run's walk of
+    every parameter (two groups, SGD with momentum and weight decay, or AdamW stepped through a closure)."""
+    runs = []
+    for k in (0, None):
+        model = _model(device, k)
+        norm = model.base_model.model.model.norm.weight
+        norm.requires_grad_(True)
+        lora = [p for n, p in model.named_parameters() if "lora_" in n]
+        groups = [{"params": lora[::2] + [norm]}, {"params": lora[1::2], "lr": 5e-3}]
+        opt = torch.optim.SGD(groups, lr=1e-2, momentum=0.9, weight_decay=0.01) if kind == "sgd" else \
+            torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.05)
+        lists = [g["params"] for g in opt.param_groups]
+        seen = []
+        opt.register_step_pre_hook(lambda o, a, kw: seen.append([list(g["params"]) for g in o.param_groups]))
+        for ids, rows in _schedule(sorted(model.peft_config), 7):
+            ids = ids.to(device)
+            if kind == "sgd":
+                _step(model, opt, ids, rows)
+                opt.step()
+            else:
+                def closure(ids=ids, rows=rows):
+                    opt.zero_grad()
+                    out = model(input_ids=ids, adapter_names=rows).logits
+                    loss = fast_multilora.per_adapter_loss(out, ids, rows)
+                    loss.backward()
+                    return loss
+                opt.step(closure)
+            assert [g["params"] for g in opt.param_groups] == lists and \
+                all(g["params"] is q for g, q in zip(opt.param_groups, lists))
+            stepped = {id(q) for g in seen[-1] for q in g}
+            with_grad = {id(q) for g in lists for q in g if q.grad is not None}
+            if k == 0:  # the step saw those with a gradient and the base weight, nothing of the paged-out adapters
+                assert stepped == with_grad | {id(norm)}, (len(stepped), len(with_grad))
+                assert _pager(model).paged
+            opt.zero_grad()
+            assert all(q.grad is None for g in lists for q in g)
+        runs.append((model, opt))
+    _assert_equal_runs(*runs[0], *runs[1])
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_an_adapter_pages_as_one_buffer_per_kind_and_dtype(fused, monkeypatch):
     """A page-out or page-in copies an adapter's tensors through one host buffer per kind (weights, optimizer states)
