@@ -159,7 +159,7 @@ def attach(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     _OPTIMIZERS.add(optimizer)
     _ATTACHED[0] += 1
     optimizer.register_state_dict_pre_hook(lambda opt: (_unfilter(opt), [p.synchronize() for p in list(_PAGERS)]))
-    if isinstance(optimizer, _SKIPS_NO_GRAD) and "zero_grad" not in optimizer.__dict__:
+    if _may_have_grads(optimizer) is not None and "zero_grad" not in optimizer.__dict__:
         optimizer.__dict__["zero_grad"] = _ZeroGrad(optimizer)
     # (a load replaces every state: those of paged-out parameters go to their host pages, as at attach)
     optimizer.register_load_state_dict_post_hook(lambda opt: [p.adopt(opt) for p in list(_PAGERS)])
@@ -211,6 +211,8 @@ def _may_have_grads(optimizer) -> Optional[list]:
     split = _SPLITS.get(optimizer)
     if split is None or split.key != key:
         split = _SPLITS[optimizer] = _Split(key, groups, pagers)
+    if not split.group_of or _bridged(optimizer):  # (no paged model's adapter in it; the store steps it: not paged)
+        return None
     out = [list(o) for o in split.others]
     group_of = split.group_of
     for pager in pagers:
@@ -221,6 +223,12 @@ def _may_have_grads(optimizer) -> Optional[list]:
                 if gi is not None:
                     out[gi].append(q)
     return out
+
+
+def _bridged(optimizer) -> bool:
+    from .optim import _BRIDGE_TYPES, _BRIDGES
+
+    return _BRIDGES is not None and type(_BRIDGES.get(optimizer)) in _BRIDGE_TYPES
 
 
 def _unfilter(optimizer) -> None:
