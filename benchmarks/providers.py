@@ -68,6 +68,10 @@ PROVIDERS = {p.name: p for p in (
                                              "fast_multilora.prefetch(model, next step's names) after each forward, "
                                              "torch.optim.AdamW(fused=True) (paging refuses fast_multilora.AdamW)",
              optimizer="adamw_fused", patch=(("resident_adapters", 0),), prefetch=True),
+    Provider("fast_multilora_paged_default_adamw", "fast", "fast_multilora_paged with the user's default "
+                                                           "torch.optim.AdamW(model.parameters(), lr) (foreach; its "
+                                                           "step counts stay on the host)",
+             optimizer="adamw", patch=(("resident_adapters", 0),), prefetch=True),
     Provider("fast_multilora_paged_no_prefetch", "fast", "fast_multilora_paged without prefetch: the step's "
                                                          "adapters are paged in at the forward's entry",
              optimizer="adamw_fused", patch=(("resident_adapters", 0),)),
@@ -626,8 +630,8 @@ def _churn(ctx, p: Provider, variant: str) -> Step:
 def _paged(ctx, p: Provider, variant: str) -> Step:
     """Training steps on a PEFT model of ``n`` registered adapters, ``m`` of them per step, a different set each step
     (the registry's consecutive slices of ``m``, in turn), HF ``labels=`` loss. Fully resident
-    (``fast_multilora_fused_adamw``) or paged (``p.patch``'s ``resident_adapters``), both with
-    ``torch.optim.AdamW(fused=True)``. The check runs one more step and records the adapters that got gradients and,
+    (``fast_multilora_fused_adamw``, ``fast_multilora``) or paged (``p.patch``'s ``resident_adapters``), with the
+    provider's optimizer (``torch.optim.AdamW(fused=True)``, or its defaults). The check runs one more step and records the adapters that got gradients and,
     paged, how many adapters are paged out after it."""
     import fast_multilora
 

@@ -27,7 +27,8 @@ EVAL = ("frozen", "frozen_compiled", "peft_single", "peft_single_compiled", "pef
         "fast_multilora_compiled", "fast_multilora_params")
 GENERATE = ("frozen", "peft_mixed_loop", "fast_multilora", "fast_multilora_params")
 LAYER = ("frozen", "peft_single", "peft_mixed_loop", "fast_multilora")
-PAGED = ("fast_multilora_fused_adamw", "fast_multilora_paged", "fast_multilora_paged_no_prefetch")
+PAGED = ("fast_multilora", "fast_multilora_fused_adamw", "fast_multilora_paged", "fast_multilora_paged_default_adamw",
+         "fast_multilora_paged_no_prefetch")
 
 
 @dataclass(frozen=True)
@@ -104,11 +105,12 @@ SCENARIOS = {s.name: s for s in (
     Scenario("train_step_paged", "paged", "llama",
              "train_step_8's model and tokens; n adapters registered (r=16 alpha 32 dropout 0.05 on all 7 "
              "projections), m of them per step, a different set each step (consecutive slices of m in turn; m=64: "
-             "packed rows of 4 samples, adapter_ids), HF labels= loss, torch.optim.AdamW(fused=True); paged "
+             "packed rows of 4 samples, adapter_ids), HF labels= loss, torch.optim.AdamW(fused=True) (the "
+             "*_default_adamw row and fast_multilora, its resident reference: torch.optim.AdamW's defaults); paged "
              "(PatchConfig(resident_adapters=0): the step's adapters and the prefetched next ones on the device) with "
              "and without fast_multilora.prefetch, against every adapter resident. Variants n=<registered>/batch=<per "
              "step> (full: 1024/64; tiny: 32/4). Target: paged step <= 1.15 x fully resident, peak memory that of "
-             "~64 resident adapters", PAGED, ("paged",), refs=("fast_multilora_fused_adamw",), default=False,
+             "~64 resident adapters", PAGED, ("paged",), refs=("fast_multilora_fused_adamw", "fast_multilora"), default=False,
              timing="steady state: one full cycle of the sets first, untimed (each adapter's first page-out "
                     "allocates its pinned host page; those steps' wall times go to extra.first_cycle_ms), then "
                     "run.py's warm-up and iterations"),
@@ -116,7 +118,7 @@ SCENARIOS = {s.name: s for s in (
              "train_step_paged on the Llama-3-8B-shaped model of step_8b_fused_loss (tiny: 2 layers, hidden 64) and "
              "its 4 x 2048 tokens (tiny: 4 x 32) as packed rows of 2 samples; adapters r=16 alpha 32 dropout 0.05 on "
              "the attention projections (q/k/v/o); variants n=<registered>/batch=<per step> (full: 128/8; tiny: 32/8)",
-             PAGED, ("paged",), refs=("fast_multilora_fused_adamw",), default=False,
+             PAGED, ("paged",), refs=("fast_multilora_fused_adamw", "fast_multilora"), default=False,
              lora=(("targets", M.ATTN),), timing="as train_step_paged's"),
     Scenario("churn", "churn", "churn",
              "adapter churn in a registry of n adapters: a tiny Llama at every size (hidden 32, intermediate 48, 2 "
