@@ -49,9 +49,11 @@ gathers each group on the device (one ``torch.cat``) and copies it in one call, 
 one new device buffer whose views the parameters and states take. (One copy call per tensor took 584 ms of host time
 per step on an H100 at 64 adapters in and 64 out, 448 tensors each.)
 
-CUDA ordering, as torch documents it: a page-out copies into its pinned host buffers with ``non_blocking=True`` on
-the current stream and records an event, which a later page-in of the adapter waits on and a host read
-(``state_dict``, :func:`synchronize`) synchronises; a page-in allocates and copies on the side stream (after waiting
+CUDA ordering, as torch documents it: a page-out gathers on the current (compute) stream into new device buffers
+(a copy where the group is a single tensor), records an event the page-out stream waits on, copies into its pinned
+host buffers with ``non_blocking=True`` on that stream (the gathered buffers ``record_stream``ed on it), off the compute
+stream, and records an event there, which a later page-in of the adapter waits on and a host read (``state_dict``,
+:func:`synchronize`) synchronises; a page-in allocates and copies on the side stream (after waiting
 on that event), ``record_stream``s the new buffers on the compute stream (the caching allocator then does not reuse
 them before the compute stream is done with them) and records an event the compute stream waits on before using
 them.
@@ -379,6 +381,7 @@ class Pager:
         self.inflight: dict = {}  # adapter -> CUDA event: its page-in on the side stream
         self.outgoing: dict = {}  # adapter -> CUDA event: its page-out's copies into host memory
         self.side = None  # the side stream of prefetches (CUDA)
+        self.out = None  # the stream of page-outs' device-to-host copies (CUDA)
         self.changes = None  # plan.CHANGES after this pager's own last change (another one: check the host copies)
         self.params: dict = {}  # adapter -> its parameters (params_of), while no other change was made
         self.full_seen = None  # plan.FULL at the last check
@@ -530,26 +533,41 @@ class Pager:
 
     # -- moves ----------------------------------------------------------------------------------------------------
     def _page_out(self, name: str) -> None:
-        """Copy ``name``'s weights and device optimizer states into its host page (current stream): per kind, dtype
-        and device one gather on the device and one copy, not one per tensor; then point the parameters and states at
-        the page's views."""
+        """Copy ``name``'s weights and device optimizer states into its host page: per kind, dtype and device one
+        gather on the device (current stream) and one copy, not one per tensor; then point the parameters and states
+        at the page's views. On CUDA the device-to-host copies run on the page-out stream (after the gathers), off
+        the compute stream, into whose order the next adapter's writes to the freed rows go."""
         self._wait(name)
         entries, values = self._entries(name)
         homes = {id(p): p.device for p, st, _ in entries if st is None}
         page = self._page(name, entries, values)
         with torch.no_grad():
+            srcs = []
             for runs, flat in zip(page.groups, page.flats, strict=True):
                 # (a run's tensors stacked as the run's [n, *shape] block of the page: one call per run, not a
                 # reshape per tensor, ~1.2 us each on an H100 host)
                 parts = [torch.stack([values[i] for i in idx]) if len(idx) > 1 else values[idx[0]]
                          for _, idx in runs]
                 src = parts[0].reshape(-1) if len(parts) == 1 else torch.cat([t.reshape(-1) for t in parts])
-                flat.copy_(src, non_blocking=True)
+                if page.cuda and len(parts) == 1 and len(runs[0][1]) == 1:
+                    src = src.clone()  # (a view of the tensor itself: its rows are rewritten before the copy is done)
+                srcs.append((flat, src))
+            if page.cuda:
+                compute, out = _Cuda.current_stream(self.device), self._out()
+                gathered = _Cuda.Event()
+                gathered.record(compute)
+                with _Cuda.stream(out):
+                    out.wait_event(gathered)
+                    for flat, src in srcs:
+                        flat.copy_(src, non_blocking=True)
+                        _Cuda.record_stream(src, out)  # (made on the compute stream, read on this one)
+                    ev = _Cuda.Event()
+                    ev.record(out)
+                self.outgoing[name] = ev
+            else:
+                for flat, src in srcs:
+                    flat.copy_(src)
             self._assign(entries, page.views)
-        if page.cuda:
-            ev = _Cuda.Event()
-            ev.record(_Cuda.current_stream(self.device))
-            self.outgoing[name] = ev
         self.paged[name] = homes
         self.recent.pop(name, None)
 
@@ -608,6 +626,11 @@ class Pager:
         if self.side is None:
             self.side = _Cuda.Stream(device=self.device)
         return self.side
+
+    def _out(self):
+        if self.out is None:  # (its own stream: page-outs and prefetches use the two copy directions at once)
+            self.out = _Cuda.Stream(device=self.device)
+        return self.out
 
     def _wait(self, name: str) -> None:
         """The current stream waits for ``name``'s page-in, if one is in flight."""

@@ -529,7 +529,8 @@ class _Recorder:
                 rec.current = prev
 
         fake = paging._Cuda
-        monkeypatch.setattr(fake, "Stream", staticmethod(lambda device=None: rec._stream("side")))
+        names = iter(["stream1", "stream2", "stream3"])  # (the test reads which is the pager's side / out stream)
+        monkeypatch.setattr(fake, "Stream", staticmethod(lambda device=None: rec._stream(next(names))))
         monkeypatch.setattr(fake, "Event", staticmethod(Event))
         monkeypatch.setattr(fake, "current_stream", staticmethod(lambda device=None: rec.current))
         monkeypatch.setattr(fake, "stream", staticmethod(stream))
@@ -549,19 +550,28 @@ def test_the_cuda_stream_logic_with_recorded_streams(monkeypatch):
     opt, _ = _train(model, batches, "cpu", 1, prefetch=True)
     ref_opt, _ = _train(ref, batches, "cpu")
     _assert_equal_runs(model, opt, ref, ref_opt)
+    pager = _pager(model)
+    side_s, out_s = pager.side.name, pager.out.name
+    assert side_s != out_s
     where = {i: s for kind, s, i in rec.log if kind == "record"}
-    side = [i for i, s in where.items() if s == "side"]
+    side = [i for i, s in where.items() if s == side_s]
     assert side, "no page-in ran on the side stream"
     for i in side:  # the compute stream waited on every side-stream page-in before the next layer call
-        at = rec.log.index(("record", "side", i))
+        at = rec.log.index(("record", side_s, i))
         nxt = rec.log.index(("layer", "compute", 0), at)
         assert ("wait", "compute", i) in rec.log[at:nxt], i
-    outs = {i for i, s in where.items() if s == "compute"}  # page-outs' events (recorded on the compute stream)
-    assert any(("wait", "side", i) in rec.log for i in outs)  # a prefetch of an adapter paged out before: waited
+    outs = {i for i, s in where.items() if s == out_s}  # page-outs' events (recorded on the page-out stream)
+    assert outs, "no page-out ran on its stream"
+    for i in outs:  # each page-out's copies waited on the gather (an event recorded on the compute stream just before)
+        at = rec.log.index(("record", out_s, i))
+        waits = [e for e in rec.log[:at] if e[0] == "wait" and e[1] == out_s]
+        assert waits and where[waits[-1][2]] == "compute", (i, waits[-1:])
+    assert any(("wait", side_s, i) in rec.log for i in outs)  # a prefetch of an adapter paged out before: waited
     for kind, s, i in rec.log:
-        if kind == "wait" and s == "side":
+        if kind == "wait" and s == side_s:
             assert i in outs
-    assert {s for kind, s, _ in rec.log if kind == "record_stream"} == {"compute"}
+    # (page-ins' new buffers on the compute stream, page-outs' gathered ones on the page-out stream)
+    assert {s for kind, s, _ in rec.log if kind == "record_stream"} == {"compute", out_s}
     model.state_dict()  # host reads wait for the page-outs still in flight
     waited = {j for k, _, j in rec.log if k == "wait"}
     missing = [i for i in outs if i not in waited and ("sync", "host", i) not in rec.log]
