@@ -14,6 +14,14 @@ its loss shows it; a few tenants are busy and most idle (Zipf-like requests). Wh
 * ``fast_multilora.per_adapter_loss``: every tenant gets the gradient of training alone on its rows;
 * ``fast_multilora.save_adapters``: a leaving tenant's adapter is written in PEFT's format
   (``PeftModel.from_pretrained`` loads it), and every trained one at the end.
+
+With ``--resident K`` the registry is paged (``PatchConfig(resident_adapters=K)``): only the step's tenants, the next
+step's (``fast_multilora.prefetch``, while this step runs) and K others stay on the device; every other tenant's
+weights and AdamW states wait in (pinned) host memory, so the device holds the batch, not the registry. Paging takes
+``torch.optim.AdamW(model.parameters())`` (``--optimizer torch``, its default here), whose param groups the loop edits
+as tenants leave and join::
+
+    python examples/multi_tenant.py --tenants 4096 --per-step 64 --resident 0 --device cuda
 """
 
 from __future__ import annotations
@@ -51,7 +59,33 @@ def parse(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None, help="folder for the saved adapters (default: a temporary one)")
     ap.add_argument("--seed", type=int, default=0)
-    return ap.parse_args(argv)
+    ap.add_argument("--resident", type=int, default=None,
+                    help="page the registry: keep the step's and the next step's tenants and this many others on the "
+                         "device (PatchConfig.resident_adapters); default: every adapter resident")
+    ap.add_argument("--optimizer", choices=("fast", "torch"), default=None,
+                    help="fast_multilora.AdamW (default) or torch.optim.AdamW(model.parameters()) (default and "
+                         "required with --resident)")
+    args = ap.parse_args(argv)
+    if args.optimizer is None:
+        args.optimizer = "torch" if args.resident is not None else "fast"
+    if args.resident is not None and args.optimizer != "torch":
+        ap.error("--resident pages the optimizer states of a torch.optim optimizer: use --optimizer torch")
+    return args
+
+
+def params_of(model, name):
+    """Adapter ``name``'s parameters (what a torch optimizer holds for it)."""
+    return [p for n, p in model.named_parameters() if f".{name}." in n]
+
+
+def drop_from(opt, params):
+    """A leaving tenant's parameters out of a torch optimizer's groups and states (``fast_multilora.AdamW`` follows
+    deletions itself)."""
+    gone = set(map(id, params))
+    for g in opt.param_groups:
+        g["params"] = [p for p in g["params"] if id(p) not in gone]
+    for p in params:
+        opt.state.pop(p, None)
 
 
 VOCAB = 64
@@ -106,8 +140,17 @@ def main(argv=None):
     fast_multilora.add_adapters(model, {n: lora for n in names[1:]})
     model.set_requires_grad(names)  # PEFT trains the active adapter only: train every tenant's
     print(f"registry: {len(names)} adapters created in {time.perf_counter() - t0:.2f} s")
-    fast_multilora.patch(model)
-    opt = fast_multilora.AdamW(model, lr=args.lr, weight_decay=0.0)
+    fast_multilora.patch(model, resident_adapters=args.resident)
+    if args.optimizer == "fast":
+        opt = fast_multilora.AdamW(model, lr=args.lr, weight_decay=0.0)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0,
+                                fused=torch.device(args.device).type == "cuda")
+    paged = args.resident is not None
+    # with a torch optimizer the next step's tenants are picked one step ahead (paged: prefetched meanwhile), so a
+    # paged run and a resident one follow the same requests
+    ahead = args.optimizer == "torch"
+    planned = None
     phrases = {n: phrase(rnd, args.seq // 2) for n in names}
     out = args.out or tempfile.mkdtemp(prefix="multi_tenant_")
     first, last, counts, trained = {}, {}, {}, set()
@@ -118,6 +161,8 @@ def main(argv=None):
         if args.churn_every and step and step % args.churn_every == 0:  # one tenant leaves, one joins
             leaving = rnd.choice(names[len(names) // 2 :])  # an idle tenant (the popular ones stay)
             fast_multilora.save_adapters(model, out, names=[leaving])
+            if args.optimizer == "torch":
+                drop_from(opt, params_of(model, leaving))
             model.delete_adapter(leaving)
             names.remove(leaving)
             trained.discard(leaving)
@@ -125,12 +170,21 @@ def main(argv=None):
             next_id += 1
             fast_multilora.add_adapters(model, {joining: lora})
             model.set_requires_grad([joining])
+            if args.optimizer == "torch":
+                opt.add_param_group({"params": params_of(model, joining)})
             names.append(joining)
             phrases[joining] = phrase(rnd, args.seq // 2)
             print(f"step {step}: {leaving} left (saved to {os.path.join(out, leaving)}), {joining} joined")
-        active = requests(names, args.per_step, rnd)
+        if ahead and planned is not None and all(n in names for n in planned):
+            active = planned
+        else:  # (fast_multilora.AdamW; the first step; or a planned tenant left)
+            active = requests(names, args.per_step, rnd)
         ids, labels, row_names = tenant_batch(active, args.rows, args.seq, phrases, gen, args.device)
         logits = model(input_ids=ids, adapter_names=row_names, use_cache=False).logits
+        if ahead:
+            planned = requests(names, args.per_step, rnd)
+            if paged:  # the next step's tenants come to the device while this step's backward and update run
+                fast_multilora.prefetch(model, planned)
         loss, per = fast_multilora.per_adapter_loss(logits, labels, row_names, return_dict=True)
         loss.backward()
         opt.step()
@@ -143,6 +197,10 @@ def main(argv=None):
     dt = time.perf_counter() - t0
     print(f"{args.steps} steps of {args.per_step} tenants x {args.rows} rows in {dt:.2f} s "
           f"({1e3 * dt / args.steps:.1f} ms a step) with {len(names)} adapters registered")
+    if paged:
+        pager = fast_multilora.paging._router(model).pager
+        print(f"paged: {len(pager.resident())} adapters on the device after the last step, "
+              f"{len(names) - len(pager.resident())} in host memory")
     busy = sorted(last, key=lambda n: -counts[n])[:5]
     for n in busy:
         print(f"  {n}: trained in {counts[n]} steps, loss {first[n]:.3f} -> {last[n]:.3f}")

@@ -91,6 +91,45 @@ def test_trainer_example_trains_logs_and_saves_every_adapter(tmp_path, capsys):
     assert saved == set(T.DEFAULT_ADAPTERS)
 
 
+def test_multi_tenant_example_paged_equals_resident(tmp_path):
+    """``examples/multi_tenant.py --resident 1``: the registry paged (the step's tenants, the prefetched next ones and
+    one other on the device) with ``torch.optim.AdamW``, tenants leaving and joining (the loop edits the optimizer's
+    groups): the same requests and every weight as the same run fully resident, most adapters in host memory at the
+    end, and a leaver saved while paged out loads with stock PEFT to its weights. (Equal to within 1e-4, a hundredth of one
+    update of lr 1e-2, where a slot mix-up moves weights by whole updates: the resident run's torch.optim.AdamW steps
+    through the store's AdamW kernel, the paged one is torch's own math, and where a gradient is near AdamW's eps
+    their roundings move an update by up to ~1e-5; ``tests/test_paging.py`` compares both with torch's math,
+    bitwise.)"""
+    import multi_tenant
+    import torch
+    from peft import PeftModel
+
+    import fast_multilora
+
+    argv = ["--tenants", "24", "--per-step", "3", "--steps", "14", "--churn-every", "4"]
+    paged = multi_tenant.main(argv + ["--resident", "1", "--out", str(tmp_path / "paged")])
+    resident = multi_tenant.main(argv + ["--optimizer", "torch", "--out", str(tmp_path / "resident")])
+    assert paged["names"] == resident["names"] and paged["counts"] == resident["counts"]
+    pager = fast_multilora.paging._router(paged["model"]).pager
+    assert len(pager.paged) >= len(paged["names"]) // 2, sorted(pager.resident())
+    fast_multilora.paging.synchronize(paged["model"])
+    got, want = dict(paged["model"].named_parameters()), dict(resident["model"].named_parameters())
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k].detach().cpu(), want[k].detach().cpu(), rtol=1e-4, atol=1e-4, msg=k)
+    left = sorted({p.parent.name for p in (tmp_path / "paged").glob("*/adapter_config.json")} - set(paged["names"]))
+    assert len(left) == 3, left
+    name = left[0]
+    torch.manual_seed(0)
+    loaded = PeftModel.from_pretrained(multi_tenant.base_model(16), str(tmp_path / "paged" / name), adapter_name=name)
+    twin = PeftModel.from_pretrained(multi_tenant.base_model(16), str(tmp_path / "resident" / name), adapter_name=name)
+    a = {k: v for k, v in loaded.state_dict().items() if f".{name}." in k}
+    b = {k: v for k, v in twin.state_dict().items() if f".{name}." in k}
+    assert a and a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-4, msg=k)
+
+
 def test_multi_tenant_example_trains_busy_tenants_and_saves_leavers(tmp_path):
     """``examples/multi_tenant.py``: a registry created by ``add_adapters``, Zipf-like requests, tenants leaving
     (saved, then deleted) and joining while ``fast_multilora.AdamW`` trains; the busiest tenants' losses fall, and a
