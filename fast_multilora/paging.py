@@ -161,7 +161,7 @@ def attach(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     _OPTIMIZERS.add(optimizer)
     _ATTACHED[0] += 1
     optimizer.register_state_dict_pre_hook(lambda opt: (_unfilter(opt), [p.synchronize() for p in list(_PAGERS)]))
-    if _may_have_grads(optimizer) is not None and "zero_grad" not in optimizer.__dict__:
+    if _split_of(optimizer) is not None and "zero_grad" not in optimizer.__dict__:
         optimizer.__dict__["zero_grad"] = _ZeroGrad(optimizer)
     # (a load replaces every state: those of paged-out parameters go to their host pages, as at attach)
     optimizer.register_load_state_dict_post_hook(lambda opt: [p.adopt(opt) for p in list(_PAGERS)])
@@ -202,9 +202,9 @@ class _Split:
             self.others.append([q for q, i in zip(g["params"], ids, strict=True) if i not in mine])
 
 
-def _may_have_grads(optimizer) -> Optional[list]:
-    """Per group of a filtered optimizer (``_SKIPS_NO_GRAD`` while a model pages) its parameters that may have a
-    gradient (see above), or ``None``."""
+def _split_of(optimizer) -> Optional[_Split]:
+    """The split of an optimizer that paging filters (``_SKIPS_NO_GRAD``, holding a paged model's adapters, not
+    stepped through the store), or ``None``."""
     if not isinstance(optimizer, _SKIPS_NO_GRAD) or not _PAGERS:
         return None
     groups = optimizer.param_groups
@@ -213,11 +213,14 @@ def _may_have_grads(optimizer) -> Optional[list]:
     split = _SPLITS.get(optimizer)
     if split is None or split.key != key:
         split = _SPLITS[optimizer] = _Split(key, groups, pagers)
-    if not split.group_of or _bridged(optimizer):  # (no paged model's adapter in it; the store steps it: not paged)
-        return None
+    return split if split.group_of and not _bridged(optimizer) else None
+
+
+def _may_have_grads(split: _Split) -> list:
+    """Per group of ``split``'s optimizer its parameters that may have a gradient (see above)."""
     out = [list(o) for o in split.others]
     group_of = split.group_of
-    for pager in pagers:
+    for pager in list(_PAGERS):
         for name in pager.recent:  # (the resident adapters)
             params = pager.params_of(name)
             for q in itertools.compress(params, map(operator.is_not, map(_GRAD, params), itertools.repeat(None))):
@@ -251,11 +254,11 @@ class _ZeroGrad:
     def __call__(self, set_to_none: bool = True) -> None:
         opt = self.opt()
         _unfilter(opt)
-        lists = _may_have_grads(opt) if set_to_none else None
-        if lists is None:
+        split = _split_of(opt) if set_to_none else None
+        if split is None:
             type(opt).zero_grad(opt, set_to_none)
             return
-        for params in lists:
+        for params in _may_have_grads(split):
             for q in params:
                 if q.grad is not None:
                     q.grad = None
@@ -267,7 +270,8 @@ def _step_pre_hook(optimizer, args, kwargs):
     for pager in list(_PAGERS):  # (a prefetched adapter has no gradient: the step reads none of its tensors)
         pager.awaiting.clear()  # the backwards of the forwards so far have run
     _unfilter(optimizer)  # (a step that raised left them filtered)
-    if not isinstance(optimizer, _SKIPS_NO_GRAD):
+    split = _split_of(optimizer)
+    if split is None:
         return None
     out = None
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # (args: the optimizer, then step's)
@@ -275,12 +279,10 @@ def _step_pre_hook(optimizer, args, kwargs):
         with torch.enable_grad():
             loss = closure()
         out = args[:1], {"closure": lambda: loss}
-    lists = _may_have_grads(optimizer)
-    if lists is not None:
-        groups = optimizer.param_groups
-        _HIDDEN[optimizer] = [g["params"] for g in groups]
-        for g, params in zip(groups, lists, strict=True):
-            g["params"] = params
+    groups = optimizer.param_groups
+    _HIDDEN[optimizer] = [g["params"] for g in groups]
+    for g, params in zip(groups, _may_have_grads(split), strict=True):
+        g["params"] = params
     return out
 
 
