@@ -553,10 +553,13 @@ class Pager:
                 parts = [torch.stack([values[i] for i in idx]) if len(idx) > 1 else values[idx[0]]
                          for _, idx in runs]
                 src = parts[0].reshape(-1) if len(parts) == 1 else torch.cat([t.reshape(-1) for t in parts])
-                if page.cuda and len(parts) == 1 and len(runs[0][1]) == 1:
+                if not _Cuda.used(src.device):  # (a host tensor: an adapter made on the CPU, paged out at patch)
+                    flat.copy_(src)
+                    continue
+                if len(parts) == 1 and len(runs[0][1]) == 1:
                     src = src.clone()  # (a view of the tensor itself: its rows are rewritten before the copy is done)
                 srcs.append((flat, src))
-            if page.cuda:
+            if srcs:
                 compute, out = _Cuda.current_stream(self.device), self._out()
                 gathered = _Cuda.Event()
                 gathered.record(compute)
@@ -568,9 +571,6 @@ class Pager:
                     ev = _Cuda.Event()
                     ev.record(out)
                 self.outgoing[name] = ev
-            else:
-                for flat, src in srcs:
-                    flat.copy_(src)
             self._assign(entries, page.views)
         self.paged[name] = homes
         self.recent.pop(name, None)

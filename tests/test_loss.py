@@ -98,7 +98,11 @@ def test_logits_loss_on_both_paths(dtype, monkeypatch, device):
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=0)
     torch.testing.assert_close(base[0], want[0], rtol=1e-5, atol=0)
     err, base_err = ((v[1] - want[1]).abs().max().item() for v in (got, base))
-    assert err <= 2 * base_err + 1e-7 * want[1].abs().max().item(), (err, base_err)
+    # (fp32: PyTorch's path rounds the gradient almost correctly, 1.6e-8 at a largest gradient of 0.25 on an H100;
+    # the kernel's log-sum-exp is accumulated in fp32 chunk by chunk, and its rounding enters every exp(z - lse):
+    # 6.9e-8, 2.3 ulps of that largest gradient. A floor of 4 fp32 ulps of it; 16-bit: twice PyTorch's error)
+    floor = 4 * torch.finfo(torch.float32).eps * want[1].abs().max().item()
+    assert err <= 2 * base_err + floor, (err, base_err, floor)
     assert got[1][1, 2:5].abs().sum() == 0 and got[1][2].abs().sum() == 0  # ignored labels, the base row
 
 
