@@ -330,6 +330,10 @@ class LayerSlots:
     table_of: tuple = ()  # the host tuples of the state table ``table`` was made from
     by_name: dict = field(default_factory=dict)  # adapter -> its cell
     holes: dict = field(default_factory=dict)  # rank -> the cells of that rank no adapter holds
+    # a cell's first row -> (its rank, A's data and gradient pieces, B's), made once per region: the next adapter in
+    # that cell (a paged step refills ~64 cells a layer) takes them (two pieces per parameter were a quarter of a
+    # paged step's re-layout)
+    pieces: dict = field(default_factory=dict)
     lid: int = 0  # id of the layer (the key of its leaves' entries in ``AdapterStore.watch`` and ``leaf_of``)
 
     # from a layout that edited the layer's slots before (``_place``), until the store's index followed: (the slots
@@ -1079,11 +1083,12 @@ class AdapterStore:
         if old is None:  # room for an eighth more rank-rows: the next adapters join without moving the region
             cells, end, cap = [], 0, _room(ranks)
             a0 = arena.region(_aligned(cap * K) + _aligned(cap * N))
-            views, by_name, holes = {}, {}, {}
+            views, by_name, holes, pieces = {}, {}, {}, {}
             left = None
         else:
             cells, end, cap, a0 = old.cells, old.end, old.cap, old.a0  # (old is given up: its cells are edited)
             by_name, holes = old.by_name, old.holes
+            pieces = old.pieces if old.arena is arena else {}
             n_old = len(old.names)
             if names is None:
                 views = dict(zip(map(id, old.params), old.views, strict=True))
@@ -1134,7 +1139,7 @@ class AdapterStore:
             arena.dropped += _aligned(cap * K) + _aligned(cap * N)
             fresh = set(map(id, fill))
             fill += [c for c in cells if c[0] is not None and id(c) not in fresh]
-            cap, a0, b0 = new_cap, na0, nb0
+            cap, a0, b0, pieces = new_cap, na0, nb0, {}
         carried = {}  # id(param) -> (arena, start) of its piece before (prev's)
         if prev is not None and old is None:
             for p in prev.params:
@@ -1148,16 +1153,21 @@ class AdapterStore:
         empty = functools.partial(torch.empty, 0, dtype=dtype, device=device)
         blocks = arena.blocks
         for i, (c_name, r, off, pa, pb) in enumerate(fill):
-            for p, start, shape, stride in ((pa, a0 + off * K, (r, K), (K, 1)), (pb, b0 + off * N, (N, r), (r, 1))):
-                numel = shape[0] * shape[1]
+            got = pieces.get(off)
+            if got is None or got[0] != r:
+                sa, sb = a0 + off * K, b0 + off * N
+                got = pieces[off] = (r, _piece_at(empty, d_store, d_at + sa, (r, K), (K, 1)),
+                                     _piece_at(empty, g_store, g_at + sa, (r, K), (K, 1)),
+                                     _piece_at(empty, d_store, d_at + sb, (N, r), (r, 1)),
+                                     _piece_at(empty, g_store, g_at + sb, (N, r), (r, 1)))
+            for p, start, numel, data, v in ((pa, a0 + off * K, r * K, got[1], got[2]),
+                                            (pb, b0 + off * N, N * r, got[3], got[4])):
                 had_grad = p.grad is not None
-                data = _piece_at(empty, d_store, d_at + start, shape, stride)
-                v = _piece_at(empty, g_store, g_at + start, shape, stride)
                 if i < n_new:  # a new adapter's piece (perhaps a hole): its weights, gradient, states
                     src = carried.get(id(p))
                     ops.append((data, p.data))
                     if src is not None:
-                        ops.append((v, src[0].grad[src[1] : src[1] + numel].view(shape)))
+                        ops.append((v, src[0].grad[src[1] : src[1] + numel].view(v.shape)))
                     elif had_grad and p.grad.shape == p.shape:
                         ops.append((v, p.grad))
                     else:
@@ -1194,7 +1204,8 @@ class AdapterStore:
         a_leaf.grad = _piece(arena.grad, a0, (cap, K))
         b_leaf.grad = _piece(arena.grad, b0, (cap * N,))
         out = LayerSlots(present, ranks, K, N, a_leaf, b_leaf, params, key, st, arena=arena, a0=a0, b0=b0, cap=cap,
-                         end=end, cells=cells, views=views_t, offsets=offsets, by_name=by_name, holes=holes, lid=lid,
+                         end=end, cells=cells, views=views_t, offsets=offsets, by_name=by_name, holes=holes,
+                         pieces=pieces, lid=lid,
                          edit=(old, rm, at) if splice else None, left=left, experts=getattr(st, "experts", 1))
         out._shape(old if splice else None, k0)
         table = _store_table_edit(old, st, rm, at, offsets, cap, self.tables) if splice else None
