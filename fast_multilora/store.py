@@ -352,6 +352,7 @@ class LayerSlots:
     def __getstate__(self):  # a copy's leaves are other tensors, with their own hooks (a copied store lays out again)
         state = dict(self.__dict__)
         state["on_grad"] = [None, None]
+        state["pieces"] = {}  # (made again for the copy's arena)
         return state
 
     def _shape(self, old: Optional["LayerSlots"] = None, k0: int = 0) -> None:
