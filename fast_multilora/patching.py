@@ -355,6 +355,7 @@ def _update_state(layer, st: LayerState, slot_names: tuple, slot_of: dict, names
     paged = _paged_out(layer)
     present, slots = st.present, st.table.slots
     a_dict, b_dict = layer.lora_A._modules, layer.lora_B._modules
+    drops, ranks, scalings = layer.lora_dropout._modules, layer.r, layer.scaling  # (looked up once, not per name)
     at_of = _positions(present)
     rm = sorted(at_of[n] for n in names if n in at_of)  # out first (a freed slot may be taken again)
     touched = dict.fromkeys(map(slots.__getitem__, rm), (0, 0.0, 0.0))  # the table's slots written: their entries
@@ -367,8 +368,8 @@ def _update_state(layer, st: LayerState, slot_names: tuple, slot_of: dict, names
         if w.device != st.device:
             return None
         s = slot_of[name]
-        r, p = layer.r[name], lora_dropout_rate(layer.lora_dropout[name])
-        touched[s] = (r, float(layer.scaling[name]), p)
+        r, p = ranks[name], lora_dropout_rate(drops[name])
+        touched[s] = (r, float(scalings[name]), p)
         ins.append((s, name, r, p, w.dtype, a, b_dict[name]))
     if len(present) - len(rm) + len(ins) == 0:
         return False  # no adapter left: the layer's state is None
