@@ -729,13 +729,21 @@ def _pre_step(opt, args, kwargs):
             _BRIDGES[opt] = len(stores())
             return
         bridge = _BRIDGES[opt] = kind(opt, store)
-    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # (args: the optimizer, then step's)
-    if closure is not None:  # the closure's backward comes first (torch calls it inside its step)
-        with torch.enable_grad():
-            loss = closure()
-        bridge.before(opt)
-        return args[:1], {"closure": lambda: loss}
+    out = closure_first(args, kwargs)
     bridge.before(opt)
+    return out
+
+
+def closure_first(args: tuple, kwargs: dict) -> Optional[tuple]:
+    """For a step pre-hook that changes what the step sees from the gradients: the step's closure (torch calls it
+    inside its step) run now, and the ``(args, kwargs)`` with which the step then takes its loss; ``None`` without a
+    closure. (``args``: the optimizer, then step's.)"""
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        loss = closure()
+    return args[:1], {"closure": lambda: loss}
 
 
 def _post_step(opt, args, kwargs) -> None:
@@ -764,7 +772,10 @@ class _Bridge:
         self.aliased: set = set()  # adapters whose parameters' optimizer states are the arena's
         self.mask = None  # (active adapters, slot names, bool [slots] on the device)
         opt.register_load_state_dict_post_hook(self._loaded)
-        opt.__dict__["zero_grad"] = _BridgeZeroGrad(opt, self)
+        opt.__dict__["zero_grad"] = ZeroGrad(opt, self._zero_grad)
+
+    def _zero_grad(self, opt, set_to_none: bool) -> bool:  # (the optimizer's while this bridge is its own)
+        return _BRIDGES.get(opt) is self and self.zero_grad(opt, set_to_none)
 
     def zero_grad(self, opt, set_to_none: bool) -> bool:
         """``opt.zero_grad()`` without a look at every parameter: of the adapters this optimizer steps through the
@@ -890,38 +901,45 @@ class _Bridge:
                     on_host = not any(g.get("fused") or g.get("capturable") for g in opt.param_groups)
                     opt.state[p] = {k: torch.tensor(float(v), dtype=torch.float32) if k == "step" and on_host
                                     else v.clone() for k, v in st.items()}
-        if isinstance(opt.__dict__.get("zero_grad"), _BridgeZeroGrad):
+        zg = opt.__dict__.get("zero_grad")
+        if isinstance(zg, ZeroGrad) and zg.clear == self._zero_grad:
             del opt.__dict__["zero_grad"]
         _BRIDGES[opt] = False
 
 
-class _BridgeZeroGrad:
-    """A bridged optimizer's ``zero_grad`` (an instance attribute, gone at :meth:`_Bridge.detach`; a copy or a
-    pickle of the optimizer has torch's): :meth:`_Bridge.zero_grad`, else torch's."""
+class ZeroGrad:
+    """An optimizer's ``zero_grad`` as an instance attribute (a copy or a pickle of the optimizer has torch's, which
+    ``Optimizer.__getstate__`` leaves out): ``clear(optimizer, set_to_none)``, else torch's where that returns False
+    (a bridge's, :meth:`_Bridge.zero_grad`; paging's, ``paging._clear``)."""
 
-    def __init__(self, opt, bridge):
-        self.opt, self.bridge = weakref.ref(opt), bridge
+    def __init__(self, opt, clear):
+        self.opt, self.clear = weakref.ref(opt), clear
 
     def __call__(self, set_to_none: bool = True) -> None:
         opt = self.opt()
-        if _BRIDGES.get(opt) is not self.bridge or not self.bridge.zero_grad(opt, set_to_none):
+        if not self.clear(opt, set_to_none):
             type(opt).zero_grad(opt, set_to_none)
+
+
+def swap_params(groups: list, lists) -> list:
+    """Each group's ``params`` set to the list of ``lists`` beside it; returns the lists they held."""
+    saved = [g["params"] for g in groups]
+    for g, params in zip(groups, lists, strict=True):
+        g["params"] = params
+    return saved
 
 
 def hide(bridge, groups: list) -> None:
     """A bridge's stepped parameters out of the optimizer's groups (``bridge.others``: each group's other
     parameters) for the optimizer's own step, kept in ``bridge.saved``; :func:`give_back` returns them."""
-    bridge.saved = [g["params"] for g in groups]
-    for g, others in zip(groups, bridge.others, strict=True):
-        g["params"] = others
+    bridge.saved = swap_params(groups, bridge.others)
 
 
 def give_back(bridge, opt) -> None:
     """The groups' parameters as they were before :func:`hide` (nothing if none are hidden)."""
     saved, bridge.saved = bridge.saved, None
     if saved is not None:
-        for g, params in zip(opt.param_groups, saved, strict=True):
-            g["params"] = params
+        swap_params(opt.param_groups, saved)
 
 
 _BRIDGE_TYPES = (_Bridge, optim_bnb.BnbBridge)

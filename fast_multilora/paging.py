@@ -77,6 +77,7 @@ import torch
 from torch.optim import optimizer as _optimizer
 
 from .plan import BASE, CHANGES, FULL, mark_changed, mark_dirty
+from .store import _DATA_PTR, _GRAD
 
 # tests: after a synchronous (CPU) page-in, the host copies are filled with NaN -- they are stale from then on -- so a
 # value read from a host copy of an adapter that should be resident shows in the results
@@ -162,7 +163,9 @@ def attach(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     _ATTACHED[0] += 1
     optimizer.register_state_dict_pre_hook(lambda opt: (_unfilter(opt), [p.synchronize() for p in list(_PAGERS)]))
     if _split_of(optimizer) is not None and "zero_grad" not in optimizer.__dict__:
-        optimizer.__dict__["zero_grad"] = _ZeroGrad(optimizer)
+        from .optim import ZeroGrad
+
+        optimizer.__dict__["zero_grad"] = ZeroGrad(optimizer, _clear)
     # (a load replaces every state: those of paged-out parameters go to their host pages, as at attach)
     optimizer.register_load_state_dict_post_hook(lambda opt: [p.adopt(opt) for p in list(_PAGERS)])
     for pager in list(_PAGERS):
@@ -182,7 +185,6 @@ _SKIPS_NO_GRAD = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.op
                   torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adadelta)
 _HIDDEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> its groups' lists while filtered
 _SPLITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> _Split
-_GRAD = operator.attrgetter("grad")
 
 
 class _Split:
@@ -237,31 +239,25 @@ def _bridged(optimizer) -> bool:
 
 
 def _unfilter(optimizer) -> None:
+    from .optim import swap_params
+
     saved = _HIDDEN.pop(optimizer, None)
     if saved is not None:
-        for g, params in zip(optimizer.param_groups, saved, strict=True):
-            g["params"] = params
+        swap_params(optimizer.param_groups, saved)
 
 
-class _ZeroGrad:
-    """A paged model's optimizer's ``zero_grad`` (an instance attribute; a copy or a pickle of the optimizer has
-    torch's, which ``Optimizer.__getstate__`` leaves out): with ``set_to_none`` the parameters that may have a
-    gradient only (see above); else torch's."""
-
-    def __init__(self, optimizer):
-        self.opt = weakref.ref(optimizer)
-
-    def __call__(self, set_to_none: bool = True) -> None:
-        opt = self.opt()
-        _unfilter(opt)
-        split = _split_of(opt) if set_to_none else None
-        if split is None:
-            type(opt).zero_grad(opt, set_to_none)
-            return
-        for params in _may_have_grads(split):
-            for q in params:
-                if q.grad is not None:
-                    q.grad = None
+def _clear(optimizer, set_to_none: bool) -> bool:
+    """A paged model's optimizer's ``zero_grad`` (``optim.ZeroGrad``): with ``set_to_none`` the parameters that may
+    have a gradient only (see above); False (torch's own) otherwise."""
+    _unfilter(optimizer)
+    split = _split_of(optimizer) if set_to_none else None
+    if split is None:
+        return False
+    for params in _may_have_grads(split):
+        for q in params:
+            if q.grad is not None:
+                q.grad = None
+    return True
 
 
 def _step_pre_hook(optimizer, args, kwargs):
@@ -273,16 +269,10 @@ def _step_pre_hook(optimizer, args, kwargs):
     split = _split_of(optimizer)
     if split is None:
         return None
-    out = None
-    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # (args: the optimizer, then step's)
-    if closure is not None:  # its backward comes first (torch calls it inside the step): the gradients it makes count
-        with torch.enable_grad():
-            loss = closure()
-        out = args[:1], {"closure": lambda: loss}
-    groups = optimizer.param_groups
-    _HIDDEN[optimizer] = [g["params"] for g in groups]
-    for g, params in zip(groups, _may_have_grads(split), strict=True):
-        g["params"] = params
+    from .optim import closure_first, swap_params
+
+    out = closure_first(args, kwargs)  # (the gradients its backward makes count)
+    _HIDDEN[optimizer] = swap_params(optimizer.param_groups, _may_have_grads(split))
     return out
 
 
@@ -317,10 +307,10 @@ class _Page:
     checks that the adapter's tensors are still these views); ``plan``: the entry list it was last checked against;
     ``shapes``, ``dtypes``, ``devices``: the sig's, as lists (the weights' devices only), for that check."""
 
-    __slots__ = ("sig", "groups", "flats", "views", "keys", "ptrs", "cuda", "plan", "shapes", "dtypes", "devices")
+    __slots__ = ("sig", "groups", "flats", "views", "keys", "ptrs", "plan", "shapes", "dtypes", "devices")
 
     def __init__(self, sig: tuple, cuda: bool):
-        self.sig, self.cuda, self.plan = sig, cuda, None
+        self.sig, self.plan = sig, None
         self.shapes, self.dtypes = [s[1] for s in sig], [s[2] for s in sig]
         self.devices = [s[3] for s in sig if s[0][0] == "w"]
         by: dict = {}
@@ -348,7 +338,6 @@ class _Page:
 
 
 _SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
-_DATA_PTR = torch.Tensor.data_ptr
 
 
 class _Plan:
@@ -454,9 +443,10 @@ class Pager:
     def _entries(self, name: str) -> tuple:
         """``(entries, values)``: every tensor of adapter ``name`` that pages, in a fixed order -- per parameter its
         weight (``(param, None, ("w", id))``) then its device-following optimizer states (``(param, state dict,
-        ("s", id, id(opt), key))``) -- and their current tensors (a weight's: the parameter; read it under no_grad). The entries are kept per adapter (a
-        :class:`_Plan`) and read again only when its parameters' list, the optimizers or which of the parameters
-        have states changed: walking every parameter's state dicts cost ~2 us a tensor, three times the copies."""
+        ("s", id, id(opt), key))``) -- and their current tensors (a weight's: the parameter; read it under
+        no_grad). The entries are kept per adapter (a :class:`_Plan`) and read again only when its parameters' list,
+        the optimizers or which of the parameters have states changed: walking every parameter's state dicts cost ~2
+        us a tensor, three times the copies."""
         params = self.params_of(name)
         opts = self._optimizers()
         plan = self.plans.get(name)

@@ -1154,15 +1154,14 @@ class AdapterStore:
         empty = functools.partial(torch.empty, 0, dtype=dtype, device=device)
         blocks = arena.blocks
         for i, (c_name, r, off, pa, pb) in enumerate(fill):
+            sa, sb = a0 + off * K, b0 + off * N
             got = pieces.get(off)
             if got is None or got[0] != r:
-                sa, sb = a0 + off * K, b0 + off * N
                 got = pieces[off] = (r, _piece_at(empty, d_store, d_at + sa, (r, K), (K, 1)),
                                      _piece_at(empty, g_store, g_at + sa, (r, K), (K, 1)),
                                      _piece_at(empty, d_store, d_at + sb, (N, r), (r, 1)),
                                      _piece_at(empty, g_store, g_at + sb, (N, r), (r, 1)))
-            for p, start, numel, data, v in ((pa, a0 + off * K, r * K, got[1], got[2]),
-                                            (pb, b0 + off * N, N * r, got[3], got[4])):
+            for p, start, numel, data, v in ((pa, sa, r * K, got[1], got[2]), (pb, sb, N * r, got[3], got[4])):
                 had_grad = p.grad is not None
                 if i < n_new:  # a new adapter's piece (perhaps a hole): its weights, gradient, states
                     src = carried.get(id(p))
