@@ -631,8 +631,8 @@ def _paged(ctx, p: Provider, variant: str) -> Step:
     """Training steps on a PEFT model of ``n`` registered adapters, ``m`` of them per step, a different set each step
     (the registry's consecutive slices of ``m``, in turn), HF ``labels=`` loss. Fully resident
     (``fast_multilora_fused_adamw``, ``fast_multilora``) or paged (``p.patch``'s ``resident_adapters``), with the
-    provider's optimizer (``torch.optim.AdamW(fused=True)``, or its defaults). The check runs one more step and records the adapters that got gradients and,
-    paged, how many adapters are paged out after it."""
+    provider's optimizer (``torch.optim.AdamW(fused=True)``, or its defaults). The check runs one more step and
+    records the adapters that got gradients and, paged, how many adapters are paged out after it."""
     import fast_multilora
 
     b = ctx.batch(variant)

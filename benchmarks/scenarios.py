@@ -110,7 +110,8 @@ SCENARIOS = {s.name: s for s in (
              "(PatchConfig(resident_adapters=0): the step's adapters and the prefetched next ones on the device) with "
              "and without fast_multilora.prefetch, against every adapter resident. Variants n=<registered>/batch=<per "
              "step> (full: 1024/64; tiny: 32/4). Target: paged step <= 1.15 x fully resident, peak memory that of "
-             "~64 resident adapters", PAGED, ("paged",), refs=("fast_multilora_fused_adamw", "fast_multilora"), default=False,
+             "~64 resident adapters", PAGED, ("paged",), refs=("fast_multilora_fused_adamw", "fast_multilora"),
+             default=False,
              timing="steady state: one full cycle of the sets first, untimed (each adapter's first page-out "
                     "allocates its pinned host page; those steps' wall times go to extra.first_cycle_ms), then "
                     "run.py's warm-up and iterations"),

@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from test_store import many_model
+from test_store import _spy_zero_grad, many_model
 
 import fast_multilora
 from fast_multilora import paging
@@ -148,11 +148,13 @@ def test_paged_training_equals_resident_training(backend, store, k, device):
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adamw_closure"])
-def test_a_paged_optimizer_steps_and_clears_only_what_may_have_gradients(device, kind):
+def test_a_paged_optimizer_steps_and_clears_only_what_may_have_gradients(device, kind, monkeypatch):
     """Under paging a torch optimizer's step sees, per group, the resident adapters' parameters with a gradient and
     the group's parameters of no adapter (a trainable base weight here), not the registry; its groups are its own
-    lists again after the step; ``zero_grad`` clears the same ones. Bitwise equal to the resident run's walk of
-    every parameter (two groups, SGD with momentum and weight decay, or AdamW stepped through a closure)."""
+    lists again after the step; ``zero_grad`` clears the same ones (torch's own walk of every parameter is not
+    called once the optimizer has stepped). Bitwise equal to the resident run's walk of every parameter (two groups,
+    SGD with momentum and weight decay, or AdamW stepped through a closure)."""
+    calls, _ = _spy_zero_grad(monkeypatch, torch.optim.Optimizer)
     runs = []
     for k in (0, None):
         model = _model(device, k)
@@ -164,14 +166,14 @@ def test_a_paged_optimizer_steps_and_clears_only_what_may_have_gradients(device,
             torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.05)
         lists = [g["params"] for g in opt.param_groups]
         seen = []
-        opt.register_step_pre_hook(lambda o, a, kw: seen.append([list(g["params"]) for g in o.param_groups]))
+        opt.register_step_pre_hook(lambda o, a, kw, seen=seen: seen.append([list(g["params"]) for g in o.param_groups]))
         for ids, rows in _schedule(sorted(model.peft_config), 7):
             ids = ids.to(device)
             if kind == "sgd":
                 _step(model, opt, ids, rows)
                 opt.step()
             else:
-                def closure(ids=ids, rows=rows):
+                def closure(ids=ids, rows=rows, opt=opt, model=model):
                     opt.zero_grad()
                     out = model(input_ids=ids, adapter_names=rows).logits
                     loss = fast_multilora.per_adapter_loss(out, ids, rows)
@@ -179,14 +181,16 @@ def test_a_paged_optimizer_steps_and_clears_only_what_may_have_gradients(device,
                     return loss
                 opt.step(closure)
             assert [g["params"] for g in opt.param_groups] == lists and \
-                all(g["params"] is q for g, q in zip(opt.param_groups, lists))
+                all(g["params"] is q for g, q in zip(opt.param_groups, lists, strict=True))
             stepped = {id(q) for g in seen[-1] for q in g}
             with_grad = {id(q) for g in lists for q in g if q.grad is not None}
             if k == 0:  # the step saw those with a gradient and the base weight, nothing of the paged-out adapters
                 assert stepped == with_grad | {id(norm)}, (len(stepped), len(with_grad))
                 assert _pager(model).paged
+            calls.clear()
             opt.zero_grad()
             assert all(q.grad is None for g in lists for q in g)
+            assert not calls or k is None, len(calls)  # (paged: the filter's, not torch's)
         runs.append((model, opt))
     _assert_equal_runs(*runs[0], *runs[1])
 

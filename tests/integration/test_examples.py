@@ -95,11 +95,11 @@ def test_multi_tenant_example_paged_equals_resident(tmp_path):
     """``examples/multi_tenant.py --resident 1``: the registry paged (the step's tenants, the prefetched next ones and
     one other on the device) with ``torch.optim.AdamW``, tenants leaving and joining (the loop edits the optimizer's
     groups): the same requests and every weight as the same run fully resident, most adapters in host memory at the
-    end, and a leaver saved while paged out loads with stock PEFT to its weights. (Equal to within 1e-4, a hundredth of one
-    update of lr 1e-2, where a slot mix-up moves weights by whole updates: the resident run's torch.optim.AdamW steps
-    through the store's AdamW kernel, the paged one is torch's own math, and where a gradient is near AdamW's eps
-    their roundings move an update by up to ~1e-5; ``tests/test_paging.py`` compares both with torch's math,
-    bitwise.)"""
+    end, and a leaver saved while paged out loads with stock PEFT to its weights. (Equal to within 1e-4, a hundredth
+    of one update of lr 1e-2, where a slot mix-up moves weights by whole updates: the resident run's
+    torch.optim.AdamW steps through the store's AdamW kernel, the paged one is torch's own math, and where a gradient
+    is near AdamW's eps their roundings move an update by up to ~1e-5; ``tests/test_paging.py`` compares both with
+    torch's math, bitwise.)"""
     import multi_tenant
     import torch
     from peft import PeftModel
