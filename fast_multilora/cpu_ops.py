@@ -173,8 +173,9 @@ _OWNERS: dict = {}  # id(table) -> (table, _Elements)
 
 class _Elements:
     """An arena's elements as a chunk table lays them out: per adapter its element count (``counts``) and, when
-    asked, the positions of some adapters' elements (:meth:`positions`, the work of those elements) or the owner of
-    every element (:meth:`owner`, ``-1`` in gaps and holes; the work of the arena, built once per table)."""
+    asked, the positions of some adapters' elements (:meth:`positions`, the work of those elements), the owner of
+    every element (:meth:`owner`, ``-1`` in gaps and holes; the work of the arena, built once per table) or some
+    adapters' elements as runs of adjacent elements (:meth:`spans`, kept for the last few adapter sets)."""
 
     def __init__(self, table, numel: int):
         self.table, self.numel = table, numel
@@ -184,6 +185,7 @@ class _Elements:
         per.index_add_(0, table.adapter.long(), self.length)
         self.counts = per.tolist()
         self._owner = None
+        self._spans: dict = {}
 
     def positions(self, adapters: list) -> tuple:
         """``(pos, owner)``, int64: the elements of ``adapters`` (by adapter, then position) and their adapter."""
@@ -194,6 +196,22 @@ class _Elements:
         first = torch.cumsum(lens, 0) - lens
         pos = self.start[chunks][of] + torch.arange(total) - first[of]
         return pos, self.table.adapter.long()[chunks][of]
+
+    def spans(self, adapters: tuple) -> tuple:
+        """``(starts, ends)``, host lists: the elements of ``adapters`` as maximal runs of adjacent elements, in
+        arena order (adapters whose pieces lie side by side in a region make one run)."""
+        hit = self._spans.get(adapters)
+        if hit is None:
+            chunks = torch.cat([torch.arange(self.ptr[a], self.ptr[a + 1]) for a in adapters])
+            start, order = torch.sort(self.start[chunks].long())
+            end = start + self.length[chunks][order]
+            cut = torch.ones(start.numel(), dtype=torch.bool)
+            cut[1:] = start[1:] != end[:-1]  # a run starts where the chunk before it ends elsewhere
+            last = torch.cat([torch.nonzero(cut).reshape(-1)[1:] - 1, torch.tensor([start.numel() - 1])])
+            if len(self._spans) >= 8:
+                self._spans.clear()
+            hit = self._spans[adapters] = (start[cut].tolist(), end[last].tolist())
+        return hit
 
     def owner(self) -> torch.Tensor:
         if self._owner is None:
@@ -214,22 +232,39 @@ def _elements(table, numel: int) -> _Elements:
     return el
 
 
+_BLOCK = 1 << 15  # elements per pass of the run-wise step: a pass's float32 temporaries stay in the CPU's caches
+_MIN_RUN = 4096  # the run-wise step is taken while the runs average at least this many elements
+
+
 def adamw_step(param, grad, exp_avg, exp_avg_sq, table, scalars, active, chunks=None,
-               gather: Optional[bool] = None) -> None:
+               way: Optional[str] = None) -> None:
     """:func:`reference.adamw_step_reference` on CPU arenas: the same float32 math in the same order, element by
     element (each with its adapter's scalars; an element of an inactive adapter, a gap or a hole keeps its values).
-    Two ways, equal bit for bit: on the active adapters' elements only, gathered (when they are under half of the
-    arena: a step of a few adapters of a large registry costs what those few hold), or on the whole buffers without
-    per-element tables (``gather``: force one, for the tests). ``chunks`` (the kernel's launch list) is not needed:
-    the active adapters' elements are found from ``active``."""
+    Three ways, equal bit for bit (``way``: force one, for the tests): ``"runs"`` -- the active adapters grouped by
+    equal scalars (one group when they share their settings and step count), each group's elements as runs of
+    adjacent elements, stepped in cache-sized slices with the group's scalars: no per-element tables (taken when the
+    runs are long); ``"gather"`` -- the active adapters' elements gathered, each with its adapter's scalars (when
+    they are under half of the arena); ``"whole"`` -- the whole buffers, inactive elements written back unchanged.
+    ``chunks`` (the kernel's launch list) is not needed: the active adapters' elements are found from ``active``."""
     el = _elements(table, param.numel())
     act = [a for a in torch.nonzero(active).reshape(-1).tolist() if el.counts[a]]
     n_live = sum(el.counts[a] for a in act)
-    if gather is None:
-        gather = 2 * n_live < param.numel()
-    if gather:
-        if not n_live:
+    if not n_live:
+        return
+    if way in (None, "runs"):
+        groups: dict = {}
+        for a, row in zip(act, scalars[act].tolist(), strict=True):
+            groups.setdefault(tuple(row), []).append(a)
+        runs = [(adapters[0], el.spans(tuple(adapters))) for adapters in groups.values()]
+        if way == "runs" or sum(len(r[1][0]) for r in runs) * _MIN_RUN <= n_live:
+            for a, (starts, ends) in runs:
+                sc = scalars[a].unbind(0)  # (float32 0-dim: the values the per-element table holds)
+                for s, e in zip(starts, ends, strict=True):
+                    for b in range(s, e, _BLOCK):
+                        _adamw_slice(param, grad, exp_avg, exp_avg_sq, slice(b, min(e, b + _BLOCK)), sc)
             return
+    gather = 2 * n_live < param.numel() if way in (None, "runs") else way == "gather"
+    if gather:
         idx, ad = el.positions(act)
         decay, w1, w2, b2, neg_step, bc2_sqrt, eps, _ = scalars[ad].unbind(1)
         p, g, m, v = (x[idx].float() for x in (param, grad, exp_avg, exp_avg_sq))
@@ -239,11 +274,7 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, table, scalars, active, chunks=
         live = (active[ad] != 0) & (owner >= 0)
         decay, w1, w2, b2, neg_step, bc2_sqrt, eps, _ = scalars[ad].unbind(1)
         p, g, m, v = (x.float() for x in (param, grad, exp_avg, exp_avg_sq))
-    p = p * decay
-    m = torch.lerp(m, g, w1)
-    v = torch.addcmul(v * b2, w2 * g, g)
-    denom = v.double().sqrt().float() / bc2_sqrt + eps  # correctly rounded, as the reference
-    p = p + neg_step * m / denom
+    p, m, v = _adamw_math(p, g, m, v, decay, w1, w2, b2, neg_step, bc2_sqrt, eps)
     if gather:
         for buf, x in ((param, p), (exp_avg, m), (exp_avg_sq, v)):
             buf.index_copy_(0, idx, x.to(buf.dtype))
@@ -251,3 +282,21 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, table, scalars, active, chunks=
     everything = bool(live.all())
     for buf, x in ((param, p), (exp_avg, m), (exp_avg_sq, v)):
         buf.copy_(x if everything else torch.where(live, x.to(buf.dtype), buf))
+
+
+def _adamw_math(p, g, m, v, decay, w1, w2, b2, neg_step, bc2_sqrt, eps) -> tuple:
+    """The reference's float32 AdamW math: the new ``(p, m, v)``."""
+    p = p * decay
+    m = torch.lerp(m, g, w1)
+    v = torch.addcmul(v * b2, w2 * g, g)
+    denom = v.double().sqrt().float() / bc2_sqrt + eps  # correctly rounded, as the reference
+    return p + neg_step * m / denom, m, v
+
+
+def _adamw_slice(param, grad, exp_avg, exp_avg_sq, at: slice, sc: tuple) -> None:
+    """The step of the buffers' elements ``at``, in place, with one adapter group's scalars ``sc``."""
+    decay, w1, w2, b2, neg_step, bc2_sqrt, eps, _ = sc
+    p, m, v = _adamw_math(param[at].float(), grad[at].float(), exp_avg[at].float(), exp_avg_sq[at].float(),
+                          decay, w1, w2, b2, neg_step, bc2_sqrt, eps)
+    for buf, x in ((param, p), (exp_avg, m), (exp_avg_sq, v)):
+        buf[at].copy_(x)

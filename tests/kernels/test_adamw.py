@@ -26,12 +26,16 @@ IMPLS = {
     "triton": (adamw.adamw_scalars_, adamw.adamw_step_, adamw.grad_sq_norms, adamw.scale_grads_),
     "torch": (ref.adamw_scalars_reference, ref.adamw_step_reference, ref.grad_sq_norms_reference,
               ref.scale_grads_reference),
-    # the torch backend's step on CPU arenas (fast_multilora.cpu_ops): the reference's math on whole buffers, and on
-    # the active adapters' elements gathered (what it does when they are under half of the arena)
-    "cpu": (ref.adamw_scalars_reference, functools.partial(cpu_ops.adamw_step, gather=False),
+    # the torch backend's step on CPU arenas (fast_multilora.cpu_ops): the reference's math on whole buffers, on the
+    # active adapters' elements gathered (what it does when they are under half of the arena), ...
+    "cpu": (ref.adamw_scalars_reference, functools.partial(cpu_ops.adamw_step, way="whole"),
             ref.grad_sq_norms_reference, ref.scale_grads_reference),
-    "cpu_gather": (ref.adamw_scalars_reference, functools.partial(cpu_ops.adamw_step, gather=True),
+    "cpu_gather": (ref.adamw_scalars_reference, functools.partial(cpu_ops.adamw_step, way="gather"),
                    ref.grad_sq_norms_reference, ref.scale_grads_reference),
+    # ... and on runs of adjacent elements of adapters with equal scalars, in slices (what it does when the runs
+    # are long: adapters that share their settings and step count and lie side by side)
+    "cpu_runs": (ref.adamw_scalars_reference, functools.partial(cpu_ops.adamw_step, way="runs"),
+                 ref.grad_sq_norms_reference, ref.scale_grads_reference),
 }
 # signalling NaNs (quiet bit clear): loads and stores keep the bits, arithmetic sets the quiet bit
 _SNAN = {torch.float32: (torch.int32, 0x7FA5A5A5), torch.bfloat16: (torch.int16, 0x7FA5),
@@ -288,7 +292,7 @@ def test_adamw_low_precision_matches_torch(case, dtype, impl, device):
     _check_untouched(case, arena, buffers)
 
 
-@pytest.mark.parametrize("case,dtype,impl", _params(DTYPES, ["triton", "cpu", "cpu_gather"]))
+@pytest.mark.parametrize("case,dtype,impl", _params(DTYPES, ["triton", "cpu", "cpu_gather", "cpu_runs"]))
 def test_adamw_kernel_matches_reference(case, dtype, impl, device):
     """The Triton step, and the CPU arenas' step, against the reference: bit-identical on CPU (same scalars,
     operations and roundings); on the GPU within 1 ulp of the dtype. Gaps and never-active adapters untouched."""
