@@ -760,7 +760,8 @@ class Pager:
 
     def _check(self) -> None:
         """After a change not made here (an adapter added or deleted, ``.to()``, a re-patch): forget deleted adapters,
-        and count as resident a paged-out adapter whose parameters no longer hold their host copies."""
+        count added ones as resident (least recently used), and a paged-out adapter whose parameters no longer hold
+        their host copies as resident too."""
         self.params = {}
         self.epoch += 1
         router = self.router
@@ -785,11 +786,16 @@ class Pager:
             for p in self.params_of(name):
                 b = bufs.get(("w", id(p)))
                 if b is None or p.data_ptr() != b.data_ptr():  # moved (``.to()``) or replaced: it is where it is
-                    del self.paged[name]
-                    self.recent[name] = None
-                    self.recent.move_to_end(name, last=False)
+                    self._found_moved(name, p.device)
                     self.device = p.device
                     break
+        # adapters that came since (``add_adapter``, ``load_adapter``, ``add_adapters``): resident, the least recently
+        # used (the next forward pages them out beyond the capacity, not when a forward first names them)
+        came = [n for n in (known if marked is None else marked)
+                if n in known and n not in self.recent and n not in self.paged]
+        for name in reversed(came):
+            self.recent[name] = None
+            self.recent.move_to_end(name, last=False)
         for name in among(self.buffers):
             if name not in known:
                 del self.buffers[name]
@@ -805,6 +811,30 @@ class Pager:
         if self.absent != frozenset(self.paged):
             self._changed()
         self.changes = CHANGES[0]
+
+    def _found_moved(self, name: str, device: torch.device) -> None:
+        """Paged-out adapter ``name`` has a parameter elsewhere than its host copy (``.to()`` moved the model, or a
+        ``.data`` was replaced): it is resident from now on, everything of it off its host page -- parameters still
+        there copied to ``device``, optimizer states there (``.to()`` moves none) to their parameter's device."""
+        self.paged.pop(name)
+        ev = self.outgoing.pop(name, None)
+        if ev is not None:  # (its page-out's copies into the host page are done first)
+            ev.synchronize()
+        bufs = self.buffers.get(name, {})
+        entries, values = self._entries(name)
+        with torch.no_grad():
+            for (p, st, key), v in zip(entries, values, strict=True):  # (a weight before its states)
+                host = bufs.get(key)
+                if host is None or v.data_ptr() != host.data_ptr():
+                    continue
+                t = torch.empty_like(host, device=device if st is None else p.device)
+                t.copy_(host)
+                if st is None:
+                    p.data = t
+                else:
+                    st[key[3]] = t
+        self.recent[name] = None
+        self.recent.move_to_end(name, last=False)
 
     def __getstate__(self):
         raise TypeError("fast_multilora: a model with paging (PatchConfig.resident_adapters) cannot be copied or "

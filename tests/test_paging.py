@@ -385,9 +385,11 @@ def test_paged_expert_lora_training_equals_resident_training(device):
 
 
 @pytest.mark.parametrize("again", [False, True], ids=["new_name", "same_name"])
-@pytest.mark.parametrize("how", ["peft", "fast"])
+@pytest.mark.parametrize("how", ["peft", "moved", "fast"])
 def test_adapters_added_and_deleted_while_paged(device, how, again):
-    """PEFT's ``delete_adapter`` / ``add_adapter`` and ``.to()`` (the pager checks every record), or
+    """PEFT's ``delete_adapter`` / ``add_adapter`` and ``.to()`` (the pager checks every record), the same with every
+    parameter's ``.data`` then replaced by a copy (``moved``: what ``.to()`` to another device does to a paged-out
+    adapter's parameters -- it becomes resident, its optimizer states copied off its host page), or
     ``fast_multilora.delete_adapters`` / ``add_adapters`` alone (it checks the marked adapters' records only): a paged
     run then equals the resident one and forgets the deleted adapter -- also when the added adapter takes the deleted
     one's name (new parameters under a name the pager knew: its parameter lists are read again)."""
@@ -403,10 +405,13 @@ def test_adapters_added_and_deleted_while_paged(device, how, again):
     cfg = LoraConfig(r=3, lora_alpha=5, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
     for m, o in ((model, opt), (ref, ref_opt)):
         torch.manual_seed(9)
-        if how == "peft":
+        if how in ("peft", "moved"):
             m.delete_adapter(gone)
             m.add_adapter(late, cfg)
             m.to(device)
+            if how == "moved":
+                for p in m.parameters():
+                    p.data = p.data.clone()
         else:
             fast_multilora.delete_adapters(m, [gone])
             fast_multilora.add_adapters(m, {late: cfg})  # (made on its layers' device)
@@ -420,8 +425,8 @@ def test_adapters_added_and_deleted_while_paged(device, how, again):
             _step(m, o, ids.to(device), rows)
             o.step()
             o.zero_grad()
-        if m is model:
-            _check_residency(model, opt, later[-1][1], 1, device)
+            if m is model:  # (from the first step on: an adapter found moved trains in it)
+                _check_residency(model, opt, rows, 1, device)
     pager = _pager(model)
     # the deleted adapter's parameters (paged out: kept by the store with their class and hook while out) released
     assert all(type(p) is torch.nn.Parameter and not p._post_accumulate_grad_hooks for p in gone_params)
