@@ -77,7 +77,7 @@ import torch
 from torch.optim import optimizer as _optimizer
 
 from .plan import BASE, CHANGES, FULL, mark_changed, mark_dirty
-from .store import _DATA_PTR, _GRAD
+from .store import _DATA_PTR, _GRAD, gc_paused
 
 # tests: after a synchronous (CPU) page-in, the host copies are filled with NaN -- they are stale from then on -- so a
 # value read from a host copy of an adapter that should be resident shows in the results
@@ -137,7 +137,8 @@ def prefetch(model: torch.nn.Module, adapter_names) -> None:
     first of them: prefetch their names together first."""
     pager = _router(model).pager
     if pager is not None:
-        pager.prefetch(adapter_names)
+        with gc_paused():  # (the moves make tensor objects by the thousand: no GC pass in between)
+            pager.prefetch(adapter_names)
 
 
 def synchronize(model: torch.nn.Module) -> None:

@@ -111,6 +111,11 @@ def pytest_collection_modifyitems(config, items):
         if any(case in item.nodeid for case in SLOW_CASES) or _kernel_fp16_repeat(item, first):
             item.add_marker(pytest.mark.slow)
     if DEVICE == "cuda" and torch.cuda.is_available():
+        cpu_only = pytest.mark.skip(reason="Triton on CPU tensors under the interpreter: the CPU run's (on the GPU the "
+                                           "kernels are tested on GPU tensors)")
+        for item in items:
+            if "interpreter" in item.keywords:
+                item.add_marker(cpu_only)
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (FML_TEST_DEVICE=cuda)")
     for item in items:

@@ -275,6 +275,7 @@ def test_patched_model_routes_added_adapters():
 
 
 @pytest.mark.slow
+@pytest.mark.interpreter
 def test_patched_model_routes_added_adapters_triton():
     """The same on the Triton kernels (interpreted: a few rows): adding the adapters after patching gives the model
     patched after adding them, bit for bit (the kernels' own parity with PEFT is tested elsewhere)."""

@@ -27,6 +27,9 @@ TARGET_SETS = (LLAMA_TARGETS, ["q_proj", "v_proj"], ["gate_proj", "up_proj", "do
                ["k_proj", "down_proj"])
 
 
+# the store's Triton path on CPU models runs under the interpreter: the CPU run's (a CUDA run skips it)
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.interpreter)]
+
 def many_configs(n, dropout=0.0):
     """``n`` adapters, ranks and targets cycling, own alphas, every fifth rsLoRA; B != 0."""
     return {f"m{i:03d}": LoraConfig(r=RANKS[i % len(RANKS)], lora_alpha=1 + i % 7,
@@ -58,7 +61,7 @@ def _close(got, want, what):
 
 
 @pytest.mark.parametrize("n", [64, 128])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_many_adapters_match_peft_through_the_store(n, backend):
     model = many_model(n)
     ref = copy.deepcopy(model)
@@ -187,7 +190,7 @@ def _assert_same_weights(model, ref, rtol=1e-5, atol=1e-6):
                                    msg=lambda m, n=n: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_adamw_equals_torch_adamw_per_adapter(backend):
     model = many_model(6)
     ref = copy.deepcopy(model)
@@ -218,7 +221,7 @@ def test_adamw_equals_torch_adamw_per_adapter(backend):
     assert steps == {a: float(counts[a]) if a != frozen else 0.0 for a in names}
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_adamw_step_equals_torch_on_the_same_gradients(backend):
     """The optimizer alone: the same weights and gradients; ``torch.optim.AdamW`` with one group per adapter (those
     without rows in the batch get no gradient) against ours, over three steps."""
@@ -229,6 +232,7 @@ def test_adamw_step_equals_torch_on_the_same_gradients(backend):
     adamw_against_torch(model, _hyper(names), _batches(names[:6], steps=3, seed=5), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.interpreter
 def test_torch_adamw_steps_a_few_adapters_of_many_over_their_chunks_only(monkeypatch):
     """The user's ``torch.optim.AdamW`` (stepped through the store) on 12 adapters, 2 in each batch, Triton backend:
     the step kernel's launch lists the chunks of the batch's adapters only (``kernels.adamw.adapter_chunks``; a step
@@ -415,7 +419,7 @@ def test_model_zero_grad_clears_every_gradient_without_walking_the_held_adapters
         _assert_same_weights(got, want, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_backward_adds_the_batch_gradients_into_the_arena_and_nothing_else(backend):
     """A stored layer call's backward adds its adapters' weight gradients into the gradient arena itself -- its
     leaves get no gradient (one of the registry's size per layer) -- so a second backward without ``zero_grad``
@@ -466,7 +470,7 @@ def test_backward_adds_the_batch_gradients_into_the_arena_and_nothing_else(backe
 
 
 @pytest.mark.parametrize("zero", ["optimizer", "model", "none"])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_retained_graphs_second_backward_gives_gradients_as_peft(backend, zero):
     """``backward(retain_graph=True)``, a ``zero_grad`` (torch's optimizer's or the model's, to ``None``), a second
     backward through the same graph: each trained parameter holds that backward's gradient, as under stock PEFT
@@ -509,7 +513,7 @@ def test_a_retained_graphs_second_backward_gives_gradients_as_peft(backend, zero
 
 
 @pytest.mark.parametrize("graph", ["freed", "kept"])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_forward_without_its_backward_leaves_its_adapters_as_peft(backend, graph):
     """A gradient-recording forward with adapter ``a`` whose graph is not backwarded (freed: a metric computed with
     autograd on; kept: another graph's backward runs first), then a training step on adapter ``b``: ``a``'s
@@ -601,7 +605,7 @@ def test_fast_adamw_does_not_step_an_adapter_whose_forward_was_not_backwarded(gr
         assert not any(torch.equal(p, before_a[n]) for n, p in params_of(a).items() if "lora_A" in n), "a not stepped"
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_graph_waiting_for_its_backward_costs_the_other_backwards_one_start(backend):
     """While a forward's graph waits for its backward (kept, not run by the training backwards meanwhile), each of
     those backwards starts once (one ``prepare_grads`` over the views), not at every leaf; the waiting graph's own
@@ -1076,6 +1080,7 @@ def test_held_parameters_are_parameters_and_unpatch_gives_their_class_back():
     assert {n: p for n, p in model.named_parameters() if "lora_" in n} == lora
 
 
+@pytest.mark.interpreter
 def test_a_layer_call_does_the_same_work_at_any_adapter_count(monkeypatch):
     """Issue 18's premise, counted: one patched layer call (forward + backward, packed rows, every adapter with
     tokens, the store's leaves) makes the same kernel launches, the same torch ops and the same autograd inputs at
@@ -1132,6 +1137,7 @@ def test_a_layer_call_does_the_same_work_at_any_adapter_count(monkeypatch):
     assert few == many
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("T", [5, 10], ids=["decode", "segmented"])
 def test_eval_on_the_store_replays_and_matches_peft(T):
     """Eval (autograd off, Triton) on the store's leaves: calls of few rows (7 x 5 tokens) take the one-launch
@@ -1532,6 +1538,7 @@ def test_an_adapter_added_or_deleted_between_micro_batches_keeps_the_others_step
         assert torch.equal(churned[n], b1[n]), n
 
 
+@pytest.mark.interpreter
 def test_holes_and_spare_rows_train_alike_on_both_backends():
     """After a delete (its rows a hole) and adds (into free rows, a region grown), the Triton kernels (interpreted
     on CPU) read every slot at the store's offsets, past holes and spare rows, as the torch backend does."""
