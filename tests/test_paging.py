@@ -587,6 +587,31 @@ def test_the_cuda_stream_logic_with_recorded_streams(monkeypatch):
     assert not missing, (missing, [e for e in rec.log if e[0] != "record_stream"])
 
 
+def test_an_adapter_found_moved_waits_for_its_page_out_then_leaves_its_page(monkeypatch):
+    """The CUDA branch (recorded streams): a paged-out adapter whose parameters moved (``.data`` replaced, as
+    ``.to()`` to another device does) while its page-out's copies may still run is found at the next check; the host
+    waits on that page-out's event before it copies the adapter's optimizer states off the host page, and the
+    adapter is resident with none of its tensors on the page."""
+    from fast_multilora.plan import mark_changed
+
+    rec = _Recorder()
+    rec.install(monkeypatch)
+    model = _model("cpu", 1)
+    opt, _ = _train(model, _schedule(sorted(model.peft_config), 4, seed=3), "cpu", 1)
+    pager = _pager(model)
+    name = next(n for n in pager.paged if n in pager.outgoing and any(opt.state.get(p) for p in pager.params_of(n)))
+    event = pager.outgoing[name].id
+    for p in pager.params_of(name):
+        p.data = p.data.clone()
+    mark_changed()
+    fast_multilora.prefetch(model, [name])  # (a check, and nothing paged out)
+    assert ("sync", "host", event) in rec.log
+    assert name in pager.recent and name not in pager.paged and name not in pager.outgoing
+    for p in pager.params_of(name):
+        for t in [p.data] + [v for v in opt.state.get(p, {}).values() if torch.is_tensor(v) and v.dim() > 0]:
+            assert not _is_host_copy(pager, name, p, t)
+
+
 @pytest.mark.parametrize("kind", ["llama", "moe"])
 def test_the_store_keeps_its_layers_while_paged_out_adapters_live_on_another_device(monkeypatch, kind):
     """On CUDA a paged-out adapter's weights are pinned host tensors, not on the arena's device. The CPU has one
