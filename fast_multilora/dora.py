@@ -143,9 +143,9 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
     """DoRA's output from the layer op's ``out = base(x) + LoRA delta`` (module docstring). ``x``: the input the LoRA
     part read; ``names_in_batch``: the adapters the batch names (``None``: all of the layer's, while tracing);
     ``keep_out``: what the op's forward reported of its dropout draw (``[(keep, seed)]``), ``None`` without dropout
-    in this call; ``absent_grads``: the magnitudes of adapters the batch does not name get zero gradients (the
-    per-parameter path, where DDP needs one for every parameter) instead of none (the adapter store's path, as
-    stock PEFT: an adapter without rows gets no gradient); ``row_slots``: the slot of each row of ``out`` (its first
+    in this call; ``absent_grads``: the magnitudes of adapters the batch does not name get zero gradients (as the
+    LoRA weights get them: under a process group, where DDP needs one for every parameter it reduces) instead of none
+    (as stock PEFT: an adapter without rows gets no gradient); ``row_slots``: the slot of each row of ``out`` (its first
     dimension) where the batch names one adapter per row -- then ``g - 1`` is a ``[rows, N]`` table broadcast over
     each row's tokens (no ``[tokens, N]`` one; its gradient a sum over each row's tokens), else gathered per token.
     With 16-bit outputs ``g - 1`` is applied in the output's dtype, as PEFT applies its scale. ``kernels`` (the

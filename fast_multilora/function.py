@@ -318,6 +318,10 @@ class LayerCall:
     # a list the forward appends ``(keep, seed)`` of its dropout draw to (``keep``: the shrink's mask, or ``None``
     # where the backward redraws it from ``seed``): DoRA's base term reads the same dropped input
     keep_out: Optional[list] = None
+    # the per-parameter path: positions (slot order) of present adapters without rows in this call, whose weights get
+    # no gradient (``None``, as under stock PEFT, where such an adapter is not in the graph); empty: every adapter
+    # gets its gradient, exact zeros where it has no rows (what DDP and FSDP2 need of every parameter they reduce)
+    absent: tuple = ()
 
     @property
     def n_adapters(self) -> int:
@@ -494,6 +498,10 @@ class LoraLinear(torch.autograd.Function):
                     grads[0] = dA.to(w_dtypes[0])
                 else:
                     grads[:n_a] = _split_grads(dA, call.ranks, w_dtypes[:n_a], dim=0)
+        for i in call.absent:  # (per-parameter path: an adapter's own weights, and lora_bias its bias)
+            grads[i] = grads[n_a + i] = None
+            if call.has_bias:
+                grads[n_a + n + i] = None
         if base_dx and dx is None:  # no LoRA dx terms (no dh)
             dx = dy @ W
         if dx is not None:
@@ -667,6 +675,22 @@ def _b_weight(call: LayerCall, ws):
     if call.backend.takes_packed(ws[0], call.stored):
         return ws[0]
     return call.stored.b_cat(ws[0])
+
+
+def every_grad() -> bool:
+    """Whether the per-parameter path gives every present adapter a gradient, exact zeros where it has no rows:
+    under a process group (DDP and FSDP2 reduce every parameter they hold, on every rank alike) and while tracing
+    (the graph does not know which adapters a later call's batch names). Else an adapter without rows gets none."""
+    return torch.compiler.is_compiling() or (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+def absent_positions(present: tuple, routing) -> tuple:
+    """:attr:`LayerCall.absent` of a per-parameter call: the positions of the ``present`` adapters (slot order)
+    without rows in ``routing``; none with autograd off or where :func:`every_grad`."""
+    if not torch.is_grad_enabled() or every_grad():
+        return ()
+    names = set(routing.names)
+    return tuple(i for i, name in enumerate(present) if name not in names)
 
 
 def _grad_dtype(dtypes: list):

@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from .function import LayerCall, LoraLinear, get_backend, run
+from .function import LayerCall, LoraLinear, absent_positions, get_backend, run
 from .kernels.segments import AdapterTable, grouped_segments, to_device
 
 # the experts modules' attributes this path reads (set by transformers' ``use_experts_implementation``);
@@ -236,7 +236,7 @@ def lora_weights(ps: ProjState, store=None) -> tuple:
 
 
 def expert_delta(backend, segs, ps: ProjState, u: torch.Tensor, y: torch.Tensor, a_w, b_w, E: int,
-                 slots=None) -> torch.Tensor:
+                 slots=None, routing=None) -> torch.Tensor:
     """``y + scale * (u A_eᵀ) B_eᵀ`` for every pair row of a virtual slot ``(e, a)`` (one ``LoraLinear`` call);
     ``u``, ``y``: ``[S, in]``, ``[S, out]`` in the sorted pair order of ``segs``; ``a_w``, ``b_w``, ``slots``: the
     weights (:func:`lora_weights`) -- PEFT's, each B copied to the expert-major layout (a copy autograd reverses), or
@@ -244,7 +244,8 @@ def expert_delta(backend, segs, ps: ProjState, u: torch.Tensor, y: torch.Tensor,
     if slots is None:
         b_w = [expert_major_b(b, E) for b in b_w]
     call = LayerCall(backend=backend, segs=segs, table=ps.table if slots is None else slots.table, ranks=ps.ranks,
-                     experts=E, stored=slots)
+                     experts=E, stored=slots,
+                     absent=absent_positions(ps.present, routing) if slots is None and routing is not None else ())
     cast = a_w[0].dtype
     if u.dtype == torch.float32 and cast in (torch.float16, torch.bfloat16) and all(t.dtype == cast for t in a_w):
         u = u.to(cast)  # as PEFT's 16-bit adapters see a 16-bit input
@@ -309,12 +310,12 @@ def experts_forward(state: ExpertsState, config, routing, x, top_k_index, top_k_
                     getattr(experts, f"{first}_bias")[e_g] if experts.has_bias else None)
     if first in state.projs:
         a_w, b_w, slots = lora_weights(state.projs[first], store)
-        y = expert_delta(backend, segs, state.projs[first], u, y, a_w, b_w, E, slots)
+        y = expert_delta(backend, segs, state.projs[first], u, y, a_w, b_w, E, slots, routing)
     h = experts._apply_gate(y) if experts.has_gate else experts.act_fn(y)
     y = base_linear(experts, h, experts.down_proj, offs, experts.down_proj_bias[e_g] if experts.has_bias else None)
     if down in state.projs:
         a_w, b_w, slots = lora_weights(state.projs[down], store)
-        y = expert_delta(backend, segs, state.projs[down], h, y, a_w, b_w, E, slots)
+        y = expert_delta(backend, segs, state.projs[down], h, y, a_w, b_w, E, slots, routing)
     if getattr(experts, "has_post_expert_norm", False):
         y = experts.post_expert_norm(y)
     weighted = y * w_g.unsqueeze(-1)

@@ -18,11 +18,8 @@ Where things happen:
   table: no kernel reads it), and the adapter store (``fast_multilora.store``) re-lays its arenas out for the
   resident adapters, reading the values from the parameters. Nothing is lost: weights and optimizer states go
   through bitwise copies, and a layer's kernels compute each adapter's rows from its own weights only (the torch
-  backend with contiguous per-slot operands), so a paged run computes what a fully resident run does, bit for bit.
-  One exception: the per-parameter path (``adapter_store=False``, and layers the store cannot hold, e.g.
-  ``lora_bias``) gives every adapter of a layer a zero gradient when it has no rows (for DDP), so a resident adapter
-  outside the batch takes an optimizer step (weight decay, momentum) that a paged-out one, without a gradient as
-  under stock PEFT, does not.
+  backend with contiguous per-slot operands), so a paged run computes what a fully resident run does, bit for bit
+  (an adapter without rows gets no gradient on either path, resident or not, as under stock PEFT).
 * **Prefetch** (:func:`prefetch`, called while the current step runs, e.g. by a data loader's hook): the next
   batch's adapters are copied in on a side CUDA stream; the compute stream waits on their events at the next
   forward's entry (or when they are touched otherwise: page-out, ``state_dict``, :func:`synchronize`). Without

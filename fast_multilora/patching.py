@@ -48,7 +48,7 @@ from torch.nn.modules import module as _nn_module  # its global forward hooks ar
 from . import dora as dora_mod
 from . import moe
 from .config import PatchConfig
-from .function import LayerCall, get_backend, lora_dropout_rate, run_layer
+from .function import LayerCall, absent_positions, every_grad, get_backend, lora_dropout_rate, run_layer
 from .kernels.decode import DECODE_MAX_ROWS
 from .kernels.launch import set_enabled as set_fast_launch
 from .kernels.segments import AdapterTable, to_device
@@ -561,6 +561,7 @@ class _FastLinearMixin(_TrackedMixin):
                 seed=backend.draw_seed(x) if state.table.has_dropout and not decode else None,
                 store_mask=config.store_dropout_mask and torch.is_grad_enabled(), stored=slots, record=record,
                 decode=decode, keep_out=keep_out,
+                absent=absent_positions(state.present, routing) if slots is None else (),
             )
 
         args = (plans, ("stored" if slots is not None else "params", decode), segs, slots, call,
@@ -584,7 +585,7 @@ def _dora_call(layer, dora, state: LayerState, routing, args: tuple, keep_out, k
     out = run_layer(*args)
     in_batch = None if torch.compiler.is_compiling() else routing.names  # traced: every DoRA adapter of the layer
     return dora_mod.apply(layer, dora, out, args[5], args[2], state.table, in_batch, keep_out,
-                          absent_grads=args[3] is None or _in_ddp_forward(layer),
+                          absent_grads=(args[3] is None and every_grad()) or _in_ddp_forward(layer),
                           row_slots=routing.row_slots if routing.per_row else None, kernels=kernels)
 
 

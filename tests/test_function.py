@@ -165,6 +165,42 @@ def test_absent_adapters_get_zero_gradients():
     assert torch.count_nonzero(x.grad[3]) == 0  # base rows get no LoRA input gradient
 
 
+@pytest.mark.parametrize("group", [False, True], ids=["one_process", "process_group"])
+@pytest.mark.parametrize("model_kind", ["llama", "moe"])
+def test_the_per_parameter_path_gives_adapters_without_rows_no_gradient(model_kind, group, monkeypatch):
+    """A patched model on the per-parameter path (``adapter_store=False``; so are ``lora_bias`` layers and
+    FSDP2-sharded ones), Linear layers and MoE expert wrappers: an adapter without rows in the batch gets no gradient
+    (``.grad`` ``None``, as under stock PEFT: torch's optimizers skip it), the batch's adapters theirs; under a
+    process group (DDP and FSDP2 reduce every parameter they hold, on every rank alike) exact zeros instead."""
+    from test_moe import moe_model
+    from test_store import many_model
+
+    import fast_multilora
+
+    model = many_model(4) if model_kind == "llama" else moe_model("mixtral", "eager")
+    fast_multilora.patch(model, backend="torch", adapter_store=False)
+    model.train()
+    if group:
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    names = sorted(model.peft_config)
+    rows = [names[0], names[2], "__base__"] if model_kind == "llama" else [names[1], "__base__", names[1]]
+    ids = torch.randint(0, 97, (3, 5), generator=torch.Generator().manual_seed(0))
+    fast_multilora.per_adapter_loss(model(input_ids=ids, adapter_names=rows).logits, ids, rows).backward()
+    seen = set()
+    for n, p in model.named_parameters():
+        if "lora_" not in n:
+            continue
+        name = next(a for a in names if f".{a}." in n)
+        seen.add(name)
+        if name in rows:
+            assert p.grad is not None and p.grad.abs().sum() > 0, n
+        elif group:
+            assert p.grad is not None and not p.grad.any(), n
+        else:
+            assert p.grad is None, n
+    assert seen == set(names)
+
+
 @pytest.mark.parametrize("ranks", [[4, 4, 4], [2, 5, 3]], ids=["equal-ranks", "mixed-ranks"])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.float16], ids=["fp32-weights", "fp16-weights"])
 @pytest.mark.parametrize("backend", BACKENDS)

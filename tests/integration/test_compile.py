@@ -186,7 +186,9 @@ def test_compiled_model_one_graph_for_every_mix(backend, train, packed, store, d
     recompilation over six adapter mixes; logits and LoRA grads equal eager's (fp32-tight). ``store``: both models'
     adapters in the adapter store (``fast_multilora.store``, the default), whose leaves the layers take; else
     ``adapter_store=False``, every layer call taking PEFT's parameters. Two decoder layers: this fp32-tight bound
-    holds for them (with one, a cancelling entry of a LoRA grad differs by 7e-6 absolute, summation order)."""
+    holds for them (with one, a cancelling entry of a LoRA grad differs by 7e-6 absolute, summation order). On the
+    per-parameter path the traced graph gives the adapters without rows exact zero gradients (it does not know which
+    adapters a call's batch names), eager none."""
     model = peft_model("llama").to(device)
     eager = twin(model)
     fast_multilora.patch(model, backend=backend, adapter_store=store)
@@ -202,7 +204,11 @@ def test_compiled_model_one_graph_for_every_mix(backend, train, packed, store, d
     want = _run_mixes(eager, eager, train, packed)
     for (out, grads), (w_out, w_grads) in zip(got, want, strict=True):
         _same(out, w_out, backend)
-        assert set(grads) == set(w_grads)
+        if store:
+            assert set(grads) == set(w_grads)
+        else:  # (traced, the per-parameter path gives the adapters without rows exact zeros; eager, none)
+            assert set(w_grads) <= set(grads)
+            assert all(not grads[n].any() for n in set(grads) - set(w_grads))
         for n, gw in w_grads.items():
             _same(grads[n], gw, backend, n)
 
