@@ -75,6 +75,11 @@ PROVIDERS = {p.name: p for p in (
     Provider("fast_multilora_paged_no_prefetch", "fast", "fast_multilora_paged without prefetch: the step's "
                                                          "adapters are paged in at the forward's entry",
              optimizer="adamw_fused", patch=(("resident_adapters", 0),)),
+    Provider("fast_multilora_paged_params", "fast", "fast_multilora_paged on the per-parameter path "
+                                                    "(PatchConfig(adapter_store=False)): no store re-layout when "
+                                                    "adapters move; each layer call takes the resident adapters' "
+                                                    "PEFT parameters",
+             optimizer="adamw_fused", patch=(("resident_adapters", 0), ("adapter_store", False)), prefetch=True),
     Provider("fast_multilora_params", "fast", "fast_multilora with PatchConfig(adapter_store=False): every layer call "
                                               "takes PEFT's per-adapter parameters (the path before the store)",
              patch=(("adapter_store", False),)),

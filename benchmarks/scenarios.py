@@ -28,7 +28,7 @@ EVAL = ("frozen", "frozen_compiled", "peft_single", "peft_single_compiled", "pef
 GENERATE = ("frozen", "peft_mixed_loop", "fast_multilora", "fast_multilora_params")
 LAYER = ("frozen", "peft_single", "peft_mixed_loop", "fast_multilora")
 PAGED = ("fast_multilora", "fast_multilora_fused_adamw", "fast_multilora_paged", "fast_multilora_paged_default_adamw",
-         "fast_multilora_paged_no_prefetch")
+         "fast_multilora_paged_no_prefetch", "fast_multilora_paged_params")
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,8 @@ SCENARIOS = {s.name: s for s in (
              "packed rows of 4 samples, adapter_ids), HF labels= loss, torch.optim.AdamW(fused=True) (the "
              "*_default_adamw row and fast_multilora, its resident reference: torch.optim.AdamW's defaults); paged "
              "(PatchConfig(resident_adapters=0): the step's adapters and the prefetched next ones on the device) with "
-             "and without fast_multilora.prefetch, against every adapter resident. Variants n=<registered>/batch=<per "
+             "and without fast_multilora.prefetch, and on the per-parameter path (*_paged_params), against every "
+             "adapter resident. Variants n=<registered>/batch=<per "
              "step> (full: 1024/64; tiny: 32/4). Target: paged step <= 1.15 x fully resident, peak memory that of "
              "~64 resident adapters", PAGED, ("paged",), refs=("fast_multilora_fused_adamw", "fast_multilora"),
              default=False,

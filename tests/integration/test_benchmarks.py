@@ -129,7 +129,8 @@ def test_churn_and_paged_rows(tmp_path):
         v = f"[n={n}/batch={m}]"
         default = ("fast_multilora", "fast_multilora_paged_default_adamw")  # (torch.optim.AdamW's defaults)
         assert set(rows) == {p + v for p in ("fast_multilora_fused_adamw", "fast_multilora_paged",
-                                             "fast_multilora_paged_no_prefetch") + default}, rows
+                                             "fast_multilora_paged_no_prefetch", "fast_multilora_paged_params")
+                             + default}, rows
         for key, r in rows.items():
             e = r["extra"]
             assert r["status"] == "ok" and e["adapters_with_grads"] == e["adapters_in_batch"] == m, (key, r)
@@ -137,7 +138,8 @@ def test_churn_and_paged_rows(tmp_path):
             assert ("fused=True" in e["optimizer"]) == (key[: -len(v)] not in default), e
             # (steady state: one untimed cycle of the n / m sets first)
             assert e["first_cycle_ms"]["steps"] == n // m and e["first_cycle_ms"]["median"] > 0, e
-        for ref, paged in (("fast_multilora_fused_adamw", ("fast_multilora_paged", "fast_multilora_paged_no_prefetch")),
+        for ref, paged in (("fast_multilora_fused_adamw", ("fast_multilora_paged", "fast_multilora_paged_no_prefetch",
+                                                           "fast_multilora_paged_params")),
                            ("fast_multilora", ("fast_multilora_paged_default_adamw",))):
             resident = rows[ref + v]
             assert resident["extra"]["paged_out_after_step"] == 0
