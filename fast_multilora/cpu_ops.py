@@ -263,7 +263,7 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, table, scalars, active, chunks=
                     for b in range(s, e, _BLOCK):
                         _adamw_slice(param, grad, exp_avg, exp_avg_sq, slice(b, min(e, b + _BLOCK)), sc)
             return
-    gather = 2 * n_live < param.numel() if way in (None, "runs") else way == "gather"
+    gather = 2 * n_live < param.numel() if way is None else way == "gather"
     if gather:
         idx, ad = el.positions(act)
         decay, w1, w2, b2, neg_step, bc2_sqrt, eps, _ = scalars[ad].unbind(1)
