@@ -38,6 +38,11 @@ PATHS = {  # (backend, patch settings)
 }
 
 
+def _cases(paths):
+    """``paths`` as parameters, the Triton ones marked ``interpreter`` (CPU models: a CUDA run skips them)."""
+    return [p if PATHS[p][0] == "torch" else pytest.param(p, marks=pytest.mark.interpreter) for p in paths]
+
+
 def _tiny_llama(bias: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -154,7 +159,7 @@ def combines(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama_bias", "gpt2"])
-@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("path", _cases(PATHS))
 def test_training_step_matches_peft(path, arch, combines):
     model, ref = build(arch)
     _patch(model, path)
@@ -170,7 +175,7 @@ def test_training_step_matches_peft(path, arch, combines):
 
 @pytest.mark.parametrize("names", [["d1", "l1", "__base__", "d0", "d1", "l0"], ["d2", "l1", "d1", "__base__", "d2"]],
                          ids=["d2-absent", "d0-absent"])
-@pytest.mark.parametrize("path", ["torch", "triton"])
+@pytest.mark.parametrize("path", _cases(["torch", "triton"]))
 def test_training_step_matches_peft_with_a_dora_adapter_absent(path, names):
     """A batch naming some of a layer's DoRA adapters (d0 is on every layer, d1 and d2 on some): the named ones'
     ``g - 1`` rows placed among the absent ones' zero rows, values and gradients as stock PEFT's."""
@@ -242,9 +247,11 @@ def _recording_masks(monkeypatch, routes=None):
 
 
 @pytest.mark.parametrize("arch,path,store_mask", [
-    ("llama", "torch", True), ("gpt2", "torch", True), ("llama_bias", "triton", True), ("llama", "triton", False),
-    ("gpt2", "triton-sgemm-added-params", True),
-], ids=["llama-torch", "gpt2-torch", "llama_bias-triton-stored", "llama-triton-redrawn", "gpt2-triton-sgemm-added"])
+    pytest.param(arch, path, store, id=name, marks=() if path == "torch" else pytest.mark.interpreter)
+    for arch, path, store, name in [
+        ("llama", "torch", True, "llama-torch"), ("gpt2", "torch", True, "gpt2-torch"),
+        ("llama_bias", "triton", True, "llama_bias-triton-stored"), ("llama", "triton", False, "llama-triton-redrawn"),
+        ("gpt2", "triton-sgemm-added-params", True, "gpt2-triton-sgemm-added")]])
 def test_training_under_dropout_matches_peft_with_the_same_masks(arch, path, store_mask, monkeypatch, combines):
     """lora_dropout > 0 in training: PEFT's DoRA recomputes the base term on the dropped input; with our masks
     given to PEFT's dropout modules, every output and gradient matches."""
@@ -271,7 +278,7 @@ def test_training_under_dropout_matches_peft_with_the_same_masks(arch, path, sto
     _assert_matches(got, want, model, NAMES)
 
 
-@pytest.mark.parametrize("path", ["torch", "triton"])
+@pytest.mark.parametrize("path", _cases(["torch", "triton"]))
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_eval_matches_peft(arch, path):
     """Eval, autograd off: full rows and one-token rows (Triton: the decode launch), twice each (Triton: the second
@@ -315,6 +322,7 @@ def _peft_eval(ref, ids, name):
     return ref(input_ids=ids).logits
 
 
+@pytest.mark.interpreter
 def test_packed_rows_match_peft(combines):
     """Packed rows (``adapter_ids``, the chunked family): each row one adapter's tokens, so PEFT per adapter is the
     oracle; ``g`` per token, so the combine kernels run one token per row."""

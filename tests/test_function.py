@@ -236,6 +236,7 @@ def mask_buffers(monkeypatch):
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["added", "fused"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["concatenated", "in-place"])
+@pytest.mark.interpreter
 def test_stored_dropout_mask_equals_redrawn(fuse, in_place, mask_buffers):
     """With ``store_mask`` the Triton backend's forward stores the dropout mask and its backward reads it; without,
     the backward redraws it from the seed. Both give the same output and gradients, with the weights read in place
@@ -264,6 +265,7 @@ def test_stored_dropout_mask_equals_redrawn(fuse, in_place, mask_buffers):
         assert torch.equal(a, r)
 
 
+@pytest.mark.interpreter
 def test_patched_layers_store_masks_only_when_training(mask_buffers):
     """A patched model with active LoRA dropout stores masks in a forward that autograd records, not under
     ``torch.no_grad`` (evaluation with dropout modules left in train mode), and not with

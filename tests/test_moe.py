@@ -50,6 +50,8 @@ def moe_model(arch, impl, cfgs=None, dtype=torch.float32, **sizes):
 
 
 # (arch, the model's experts implementation): the base GEMMs follow it (grouped_mm, or a loop per expert)
+# the Triton cases run the kernels on these CPU models under the interpreter (a CUDA run skips them)
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.interpreter)]
 MODELS = [pytest.param("qwen3_moe", "grouped_mm", id="qwen3_moe-grouped_mm"),
           pytest.param("mixtral", "eager", id="mixtral-eager")]
 
@@ -65,7 +67,7 @@ def test_patch_report_lists_the_experts():
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch,impl", MODELS)
 def test_mixed_batch_matches_peft(arch, impl, backend, mode):
     """Rows of three adapters (attention + experts, experts only, attention only) and the base, unsorted: logits,
@@ -128,7 +130,7 @@ def _standalone_experts(dtype):
     return model
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_expert_delta_equals_peft_delta_weight_and_gradchecks(backend):
     """The virtual-expert delta of one projection equals ``u @ ΔW_e.T`` per pair with PEFT's own
     ``get_delta_weight`` (its 3-D layout and scale), base pairs and absent slots untouched; float64 gradcheck of
@@ -235,7 +237,7 @@ def test_disabled_adapters_and_base_only_batches():
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_experts_one_graph_equal_to_eager(backend):
     """``torch.compile(model, backend="aot_eager")`` of a patched Qwen3-MoE training step: one graph, no graph break,
     no recompilation over three adapter mixes; logits and every LoRA gradient equal eager's (fp32-tight)."""
@@ -428,7 +430,8 @@ def _held_ids(model) -> set:
 # equal ranks change only the torch backend's B_cat (one view instead of a piece per cell); the Triton kernels read
 # the packed block the same way for both, so they run the unequal case alone (~25 s of interpreter; with -m slow:
 # tests/conftest.py)
-@pytest.mark.parametrize("backend,uniform", [("torch", True), ("torch", False), ("triton", False)],
+@pytest.mark.parametrize("backend,uniform", [("torch", True), ("torch", False),
+                                             pytest.param("triton", False, marks=pytest.mark.interpreter)],
                          ids=["torch-equal-ranks", "torch-unequal-ranks", "triton-unequal-ranks"])
 def test_experts_in_the_store_train_like_peft_per_adapter(backend, uniform):
     """The adapter store holds the expert wrappers' weights too (PEFT's parameters are views of its arena, each
