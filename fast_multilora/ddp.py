@@ -115,12 +115,20 @@ class _Fsdp:
 
 
 def _param_groups(module):
-    """FSDP2's parameter groups of ``module`` (private state, the list ``set_requires_gradient_sync`` writes), or
-    ``None`` where it is not there."""
+    """FSDP2's parameter groups of ``module`` (private state, the groups ``set_requires_gradient_sync`` writes: a list
+    ``_fsdp_param_groups`` in newer torch, one ``_fsdp_param_group`` or ``None`` in torch <= 2.11), or ``None`` where
+    neither is there."""
     try:
-        return module._get_fsdp_state()._fsdp_param_groups
+        state = module._get_fsdp_state()
     except AttributeError:
         return None
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return groups
+    if not hasattr(state, "_fsdp_param_group"):
+        return None
+    group = state._fsdp_param_group
+    return [group] if group is not None else []
 
 
 def _unreduced(root, store, given) -> tuple:

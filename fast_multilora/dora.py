@@ -233,7 +233,9 @@ class _Gates(torch.autograd.Function):
         ctx.save_for_backward(sel, norms)
         ctx.mag_dtypes = [m.dtype for m in mags]
         ctx.N = mags[0].shape[0]
-        return g.to(dtype)
+        # (no ``.to`` of a tensor already in ``dtype``: that returns ``g`` itself, and torch 2.11's Dynamo then gives
+        # the magnitudes zero gradients in a compiled graph -- tests/test_dora.py::test_compiled_equals_eager)
+        return g if g.dtype == dtype else g.to(dtype)
 
     @staticmethod
     @once_differentiable  # (a second-order gradient through it raises rather than comes out wrong)
