@@ -13,7 +13,6 @@ one graph whose layer calls take the leaves, the same reduces and results as eag
 import contextlib
 import functools
 import os
-import socket
 import subprocess
 import sys
 import types
@@ -464,12 +463,6 @@ def test_ddp_store_under_torch_compile(one_rank, fresh_dynamo, monkeypatch, orde
                                        msg=lambda m, n=n, what=what: f"{what}: {n}: {m}")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _reference(kind):
     """One process on the global batches: the same steps without DDP."""
     model = peft_model("llama", seed=0)
@@ -503,8 +496,10 @@ def test_ddp_two_ranks_match_one_process_and_the_parameter_path(tmp_path, compil
     path = os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path, TRITON_INTERPRET="1")
     out = tmp_path / "ddp.pt"
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(_free_port()), str(ROOT / "tests" / "ddp_worker.py"), str(out)]
+    # --standalone: the rendezvous store binds a free port itself (a port picked here and released could be taken by
+    # a concurrent run's ranks in between, which then join the wrong job)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(ROOT / "tests" / "ddp_worker.py"), str(out)]
                          + (["compile"] if compiled else []),
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-5000:]

@@ -146,8 +146,8 @@ def _fsdp2_run(tmp_path, mode):
     out = tmp_path / f"fsdp_{mode}.pt"
     env = _env()
     env["PYTHONPATH"] = str(ROOT / "tests") + os.pathsep + env["PYTHONPATH"]
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(_free_port()), str(ROOT / "tests" / "fsdp2_worker.py"), str(out), mode],
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(ROOT / "tests" / "fsdp2_worker.py"), str(out), mode],  # (a free port: test_ddp.py)
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-5000:]
     return torch.load(out)
