@@ -430,6 +430,7 @@ def test_compiled_graphs_take_the_entry_layout_and_copy_no_base_output(packed, d
 
 
 @pytest.mark.parametrize("grouped", FAMILIES)
+@pytest.mark.interpreter
 def test_compiled_layer_gradchecks_in_float64(grouped):
     """float64 gradcheck of a compiled layer call (``aot_eager``, one graph) with dropout, through the ops: fused,
     the delta written (SGEMM) or added into the base GEMM's output (chunked) and the base added inside the expand

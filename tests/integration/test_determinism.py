@@ -39,7 +39,8 @@ def _assert_same_bits(a, b):
 @pytest.mark.parametrize("backend, steps", [
     pytest.param("torch", 4, id="torch"),
     pytest.param("triton", 2, id="triton",
-                 marks=pytest.mark.skipif(not HAS_TRITON_BWD, reason="Triton backward not exported")),
+                 marks=[pytest.mark.interpreter,
+                        pytest.mark.skipif(not HAS_TRITON_BWD, reason="Triton backward not exported")]),
 ])
 def test_two_runs_same_seed_bit_identical_cpu(backend, steps):
     first = _run(backend, steps, seed=0)

@@ -26,7 +26,8 @@ NAMES = ["a2", "a0", "__base__", "a1"]
 HAS_TRITON_BWD = hasattr(kernels, "lora_expand_bwd") and hasattr(kernels, "lora_shrink_bwd")
 BACKENDS = [
     pytest.param("torch"),
-    pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON_BWD, reason="Triton backward not exported yet")),
+    pytest.param("triton", marks=[pytest.mark.interpreter,
+                                  pytest.mark.skipif(not HAS_TRITON_BWD, reason="Triton backward not exported yet")]),
 ]
 
 
@@ -425,8 +426,8 @@ DTYPE_MIXES = [
     pytest.param("torch", torch.float16, torch.float32, id="torch-fp16act-fp32lora"),
     pytest.param("torch", torch.float32, "mixed", id="torch-fp32act-mixed-lora"),
     pytest.param("torch", torch.float32, "mixed16", id="torch-fp32act-mixed16-lora"),
-    pytest.param("triton", torch.float32, torch.float16, id="triton-fp32act-fp16lora"),
-    pytest.param("triton", torch.float16, torch.float32, id="triton-fp16act-fp32lora"),
+    pytest.param("triton", torch.float32, torch.float16, id="triton-fp32act-fp16lora", marks=pytest.mark.interpreter),
+    pytest.param("triton", torch.float16, torch.float32, id="triton-fp16act-fp32lora", marks=pytest.mark.interpreter),
 ]
 
 
@@ -464,6 +465,7 @@ def test_dtype_mixes(backend, act_dtype, lora_dtype):
         assert err <= 2 * peft_err + slack, f"row {i} ({name}): error {err:.3g} vs PEFT's {peft_err:.3g}"
 
 
+@pytest.mark.interpreter
 def test_empty_batch_and_zero_length():
     """Zero rows or zero tokens at a patched layer: an empty output and empty gradients, both backends.
     A whole tiny Llama with batch 0 fails in transformers' attention reshape, patched or not (same error)."""
@@ -592,7 +594,7 @@ def test_per_adapter_loss_checks_shapes():
     assert ok.isfinite()
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
 def test_float64_inputs_embeds(backend):
     """float64 `inputs_embeds` into a model of another dtype fails in the base layers on stock PEFT as well; a
     patched model says so at its entry, naming the dtypes and the fix. A float64 model takes them, as stock PEFT's

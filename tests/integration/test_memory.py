@@ -97,7 +97,8 @@ def _check_caches(model):
 @pytest.mark.parametrize("backend, warm, steps, traced", [
     pytest.param("torch", 200, 1000, 150, id="torch-1000", marks=pytest.mark.slow),
     pytest.param("triton", 8, 20, 10, id="triton-20",
-                 marks=pytest.mark.skipif(not HAS_TRITON_BWD, reason="Triton backward not exported")),
+                 marks=[pytest.mark.interpreter,
+                        pytest.mark.skipif(not HAS_TRITON_BWD, reason="Triton backward not exported")]),
 ])
 def test_no_growth_over_many_steps(backend, warm, steps, traced):
     """``steps`` steps after warm-up; the last ``traced`` of them under tracemalloc (it slows Python ~10x)."""

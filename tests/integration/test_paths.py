@@ -104,6 +104,7 @@ def _inputs(T):
 @pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "added"])
 @pytest.mark.parametrize("family", ["sgemm", "chunked"])
+@pytest.mark.interpreter
 def test_path_matrix_matches_peft(family, fuse, weights):
     model, ref = _patched(family, fuse, weights)
     model.train()
@@ -112,6 +113,7 @@ def test_path_matrix_matches_peft(family, fuse, weights):
 
 
 @pytest.mark.parametrize("store", [True, False], ids=["store", "params"])
+@pytest.mark.interpreter
 def test_packed_rows_match_peft(store):
     """Packed rows (``adapter_ids``): each row one adapter's tokens here, so stock PEFT per row is the oracle."""
     model = peft_model(configs=configs(), layers=1)
@@ -125,6 +127,7 @@ def test_packed_rows_match_peft(store):
 @pytest.mark.parametrize("weights", ["store", "concatenated"])
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "added"])
 @pytest.mark.parametrize("family", ["sgemm", "chunked"])
+@pytest.mark.interpreter
 def test_dropout_mask_stored_equals_redrawn(family, fuse, weights):
     """Under LoRA dropout: the backward reading the stored mask and the backward redrawing it give the same outputs
     and gradients, for the same RNG state."""
@@ -170,6 +173,7 @@ EVAL_CASES = [("sgemm", False, "concatenated", 5), ("sgemm", True, "store", 10),
 @pytest.mark.parametrize("family, fuse, weights, T", EVAL_CASES,
                          ids=["-".join([f, "fused" if u else "added", w, "decode" if t == 5 else "segmented"])
                               for f, u, w, t in EVAL_CASES])
+@pytest.mark.interpreter
 def test_eval_replays_launch_plans(family, fuse, weights, T, monkeypatch):
     """With autograd off, a layer call records its launch plan and the next call with that layout replays it
     (``function.LaunchPlan``: no launcher runs its general path): logits equal the recording call's bit for bit and

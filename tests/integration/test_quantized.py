@@ -150,7 +150,7 @@ def test_qlora_4bit_base_fused_in_training_only(checkpoint, monkeypatch):
 @needs_bnb
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
 @pytest.mark.parametrize("quant", list(QUANT))
 def test_qlora_mixed_batch_matches_peft(checkpoint, quant, backend, train):
     model, ref = qlora_model(checkpoint, quant), qlora_model(checkpoint, quant)
@@ -174,15 +174,18 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 DTYPE_CASES = [
     pytest.param("torch", _4bit("nf4", BF16, True), BF16, None, None, id="torch-nf4-dq-bf16"),
     pytest.param("torch", _4bit("fp4", FP16), FP16, None, None, id="torch-fp4-fp16"),
-    pytest.param("triton", _4bit("fp4", FP16), FP16, None, None, id="triton-fp4-fp16"),
+    pytest.param("triton", _4bit("fp4", FP16), FP16, None, None, id="triton-fp4-fp16",
+                 marks=pytest.mark.interpreter),
     # fp32 activations, 16-bit adapters: PEFT casts the input to the adapters' dtype, the delta back to fp32
     pytest.param("torch", _4bit("nf4", BF16), FP32, BF16, None, id="torch-nf4-bf16compute-fp32act-bf16lora"),
     pytest.param("triton", _4bit("fp4", FP16, True), FP32, FP16, None,
-                 id="triton-fp4-dq-fp16compute-fp32act-fp16lora"),  # dy fp32, B fp16 in the expand backward
+                 id="triton-fp4-dq-fp16compute-fp32act-fp16lora",
+                 marks=pytest.mark.interpreter),  # dy fp32, B fp16 in the expand backward
     # under autocast PEFT's bnb layers cast nothing (the LoRA matmuls run in bf16, ours in fp32 from the same inputs)
     pytest.param("torch", _4bit("nf4", BF16), FP32, None, BF16, id="torch-nf4-bf16compute-autocast"),
     pytest.param("torch", dict(load_in_8bit=True), BF16, None, None, id="torch-int8-bf16"),
-    pytest.param("triton", dict(load_in_8bit=True), FP16, None, None, id="triton-int8-fp16"),
+    pytest.param("triton", dict(load_in_8bit=True), FP16, None, None, id="triton-int8-fp16",
+                 marks=pytest.mark.interpreter),
 ]
 
 
@@ -311,7 +314,7 @@ def torchao_model(path, dtype=torch.float32):
 
 @needs_torchao
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
 def test_torchao_int8_mixed_batch_matches_peft(checkpoint, backend, train):
     """PEFT's ``TorchaoLoraLinear`` (a ``lora.Linear`` over an int8 weight-only base) runs our Function, the torchao
     linear called as PEFT calls it: parity with stock PEFT per sample (fp32, the same int8 weights: fp32-tight)."""

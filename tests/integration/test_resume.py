@@ -19,8 +19,8 @@ import fast_multilora
 HAS_TRITON_BWD = hasattr(kernels, "lora_expand_bwd") and hasattr(kernels, "lora_shrink_bwd")
 BACKENDS = [
     pytest.param("torch", 3, 3, id="torch"),
-    pytest.param("triton", 2, 2, id="triton", marks=pytest.mark.skipif(not HAS_TRITON_BWD,
-                                                                         reason="Triton backward not exported")),
+    pytest.param("triton", 2, 2, id="triton", marks=[pytest.mark.interpreter, pytest.mark.skipif(
+        not HAS_TRITON_BWD, reason="Triton backward not exported")]),
 ]
 
 
