@@ -11,6 +11,9 @@ import pytest
 import torch
 from fast_multilora.kernels.segments import AdapterTable, segments_from_token_slots
 
+# both backends of a test on CPU models: the Triton one runs its kernels under the interpreter, the CPU run's (a
+# CUDA run skips it: its kernels are tested on GPU tensors there)
+CPU_BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.interpreter)]
 
 def compile_for_sm90(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run ``script`` (Python that compiles kernels for an sm_90 target: no GPU needed) in a subprocess without the

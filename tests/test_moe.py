@@ -6,6 +6,7 @@ path cannot run."""
 
 import pytest
 import torch
+from helpers import CPU_BACKENDS
 from models import twin, with_adapters
 from peft import LoraConfig, get_peft_model
 from test_paths import NAMES, assert_matches_peft
@@ -50,8 +51,6 @@ def moe_model(arch, impl, cfgs=None, dtype=torch.float32, **sizes):
 
 
 # (arch, the model's experts implementation): the base GEMMs follow it (grouped_mm, or a loop per expert)
-# the Triton cases run the kernels on these CPU models under the interpreter (a CUDA run skips them)
-BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.interpreter)]
 MODELS = [pytest.param("qwen3_moe", "grouped_mm", id="qwen3_moe-grouped_mm"),
           pytest.param("mixtral", "eager", id="mixtral-eager")]
 
@@ -67,7 +66,7 @@ def test_patch_report_lists_the_experts():
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("arch,impl", MODELS)
 def test_mixed_batch_matches_peft(arch, impl, backend, mode):
     """Rows of three adapters (attention + experts, experts only, attention only) and the base, unsorted: logits,
@@ -130,7 +129,7 @@ def _standalone_experts(dtype):
     return model
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_expert_delta_equals_peft_delta_weight_and_gradchecks(backend):
     """The virtual-expert delta of one projection equals ``u @ ΔW_e.T`` per pair with PEFT's own
     ``get_delta_weight`` (its 3-D layout and scale), base pairs and absent slots untouched; float64 gradcheck of
@@ -237,7 +236,7 @@ def test_disabled_adapters_and_base_only_batches():
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_compiled_experts_one_graph_equal_to_eager(backend):
     """``torch.compile(model, backend="aot_eager")`` of a patched Qwen3-MoE training step: one graph, no graph break,
     no recompilation over three adapter mixes; logits and every LoRA gradient equal eager's (fp32-tight)."""

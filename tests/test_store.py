@@ -15,6 +15,7 @@ import random
 
 import pytest
 import torch
+from helpers import CPU_BACKENDS
 from models import LLAMA_TARGETS, tiny_llama, with_adapters
 from peft import LoraConfig
 from test_paths import _peft_per_sample
@@ -27,8 +28,7 @@ TARGET_SETS = (LLAMA_TARGETS, ["q_proj", "v_proj"], ["gate_proj", "up_proj", "do
                ["k_proj", "down_proj"])
 
 
-# the store's Triton path on CPU models runs under the interpreter: the CPU run's (a CUDA run skips it)
-BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.interpreter)]
+BACKENDS = CPU_BACKENDS  # (the store's Triton path on CPU models)
 
 def many_configs(n, dropout=0.0):
     """``n`` adapters, ranks and targets cycling, own alphas, every fifth rsLoRA; B != 0."""

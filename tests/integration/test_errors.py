@@ -14,7 +14,7 @@ import pytest
 import torch
 from fast_multilora.kernels import api as kernels
 from fast_multilora.kernels.api import lora_expand, lora_shrink
-from helpers import make_segments, make_table
+from helpers import CPU_BACKENDS, make_segments, make_table
 from models import peft_model, twin
 from peft import LoraConfig
 
@@ -594,7 +594,7 @@ def test_per_adapter_loss_checks_shapes():
     assert ok.isfinite()
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_float64_inputs_embeds(backend):
     """float64 `inputs_embeds` into a model of another dtype fails in the base layers on stock PEFT as well; a
     patched model says so at its entry, naming the dtypes and the fix. A float64 model takes them, as stock PEFT's

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import CPU_BACKENDS
 from models import peft_model, twin
 
 import fast_multilora
@@ -32,7 +33,7 @@ def peft_per_sample(ref, ids, names, weights):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_mixed_batch_matches_peft(arch, train, backend):
     model = peft_model(arch)
     ref = twin(model)

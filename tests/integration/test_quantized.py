@@ -17,6 +17,7 @@ from functools import partial
 
 import pytest
 import torch
+from helpers import CPU_BACKENDS
 from models import adapter_configs
 from test_paths import assert_matches_peft
 
@@ -150,7 +151,7 @@ def test_qlora_4bit_base_fused_in_training_only(checkpoint, monkeypatch):
 @needs_bnb
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("quant", list(QUANT))
 def test_qlora_mixed_batch_matches_peft(checkpoint, quant, backend, train):
     model, ref = qlora_model(checkpoint, quant), qlora_model(checkpoint, quant)
@@ -314,7 +315,7 @@ def torchao_model(path, dtype=torch.float32):
 
 @needs_torchao
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_torchao_int8_mixed_batch_matches_peft(checkpoint, backend, train):
     """PEFT's ``TorchaoLoraLinear`` (a ``lora.Linear`` over an int8 weight-only base) runs our Function, the torchao
     linear called as PEFT calls it: parity with stock PEFT per sample (fp32, the same int8 weights: fp32-tight)."""
