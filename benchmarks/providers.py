@@ -249,7 +249,7 @@ def _train(ctx, p: Provider, variant: str) -> Step:
         opt.zero_grad(set_to_none=True)
 
     trained = [n for n in dict.fromkeys(names) if n != "__base__"]
-    if variant in ("logits", "fused"):  # what the fused loss saves: the fp32 logits of the batch
+    if variant in ("labels", "logits", "fused"):  # what the fused loss saves: the fp32 logits of the batch
         info["logits_fp32_mib"] = round(ids.numel() * pm.get_output_embeddings().weight.shape[0] * 4 / 2**20, 1)
 
     def check():  # the timed steps trained every adapter of the batch (B moved off zero: A gets gradients too)

@@ -144,10 +144,12 @@ SCENARIOS = {s.name: s for s in (
              "rope theta 500000, ~8.0 B; tiny: 2 layers, hidden 64, vocab 512), bf16, random init on the device; 4 x "
              "2048 tokens (tiny: 4 x 32) as packed rows of 2 samples (adapter_ids, position_ids), 8 adapters r=16 "
              "alpha 32 dropout 0.05 on all 7 projections in one mixed batch, one step with torch.optim.AdamW; "
-             "variant logits: fast_multilora.per_adapter_loss(model(...).logits, ...); fused: "
-             "fast_multilora.fused_causal_lm_loss(model, batch) (no logits built). Target: fused peak below logits' "
-             "by at least the fp32 logits (extra logits_fp32_mib: 4008 MiB full), step time no worse",
-             ("fast_multilora",), ("logits", "fused"), default=False),
+             "variant labels: HF's own labels= loss (model(..., labels=).loss: the full logits upcast to fp32, one "
+             "mean over the batch); logits: fast_multilora.per_adapter_loss(model(...).logits, ...) (bf16 logits, its "
+             "cross-entropy kernels, no fp32 copy); fused: fast_multilora.fused_causal_lm_loss(model, batch) (no "
+             "logits built). Target: fused peak below the full logits' by at least the fp32 logits (extra "
+             "logits_fp32_mib: 4008 MiB full), step time no worse",
+             ("fast_multilora",), ("labels", "logits", "fused"), default=False),
     Scenario("head_loss_8b", "head", "head8b",
              "the loss end of step_8b_fused_loss alone: its LM head (4096 -> 128256, bf16; tiny: 64 -> 512) and "
              "loss over 4 x 2048 tokens (tiny: 4 x 32) of hidden states (random, requires grad), packed rows of 8 "

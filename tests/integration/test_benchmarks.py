@@ -152,9 +152,9 @@ def test_churn_and_paged_rows(tmp_path):
 
 def test_create_adapters_and_8b_fused_loss_rows(tmp_path):
     """create_adapters: add_adapters at every count, PEFT's loop only at the small one, a ratio between them, the
-    saved and loaded adapters equal the created ones; step_8b_fused_loss: both losses train all 8 adapters, and the
-    fused loss equals the logits path's on the same weights; head_loss_8b: its rows, and the fused loss and its
-    hidden-state gradient equal the logits path's."""
+    saved and loaded adapters equal the created ones; step_8b_fused_loss: the three losses (HF labels=, logits,
+    fused) train all 8 adapters, and the fused loss equals the logits path's on the same weights; head_loss_8b: its
+    rows, and the fused loss and its hidden-state gradient equal the logits path's."""
     out = tmp_path / "c.json"
     _, res = run(out, "--device", "cpu", "--scenarios", "create_adapters,step_8b_fused_loss,head_loss_8b")
     rows = res["scenarios"]["create_adapters"]["rows"]
@@ -170,7 +170,8 @@ def test_create_adapters_and_8b_fused_loss_rows(tmp_path):
         e = rows[key]["extra"]
         assert e["fallback"] == 0 and e["loaded_equal_created"] and e["save_s"] > 0 and e["load_s"] > 0, e
     rows = res["scenarios"]["step_8b_fused_loss"]["rows"]
-    assert set(rows) == {"fast_multilora[logits]", "fast_multilora[fused]"}
+    assert set(rows) == {"fast_multilora[labels]", "fast_multilora[logits]", "fast_multilora[fused]"}
+    assert "HF labels= loss" in rows["fast_multilora[labels]"]["extra"]["loss_call"]
     for r in rows.values():
         assert r["status"] == "ok" and r["extra"]["adapters_with_grads"] == 8, r
     e = rows["fast_multilora[fused]"]["extra"]
