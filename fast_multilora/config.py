@@ -35,7 +35,8 @@ class PatchConfig:
     instead of concatenating them per call (``torch.compile`` always concatenates: the ops take tensors).
 
     ``store_dropout_mask``: a training forward under dropout stores its keep-mask (one bit per element of x) for the
-    backward, which then reads it instead of drawing it again; ``False`` redraws it (saves that memory).
+    backward, which then reads it instead of drawing it again; ``False`` redraws it (saves that memory), except in
+    layers holding a DoRA adapter, whose base term reads the mask in the forward.
 
     ``adapter_store``: the adapters' weights live in slot-stacked storage (``fast_multilora.store``, built at
     ``patch``; PEFT's parameters are views of it and their ``.grad`` views of its gradient, so any optimizer steps

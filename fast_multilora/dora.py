@@ -138,16 +138,17 @@ def _per_call(cache: Optional[dict], key, build):
 
 
 def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, table, names_in_batch,
-          keep_out: Optional[list], absent_grads: bool = False, row_slots: Optional[torch.Tensor] = None,
+          keep: Optional[torch.Tensor], absent_grads: bool = False, row_slots: Optional[torch.Tensor] = None,
           kernels: bool = False) -> torch.Tensor:
     """DoRA's output from the layer op's ``out = base(x) + LoRA delta`` (module docstring). ``x``: the input the LoRA
     part read; ``names_in_batch``: the adapters the batch names (``None``: all of the layer's, while tracing);
-    ``keep_out``: what the op's forward reported of its dropout draw (``[(keep, seed)]``), ``None`` without dropout
-    in this call; ``absent_grads``: the magnitudes of adapters the batch does not name get zero gradients (as the
-    LoRA weights get them: under a process group, where DDP needs one for every parameter it reduces) instead of none
-    (as stock PEFT: an adapter without rows gets no gradient); ``row_slots``: the slot of each row of ``out`` (its first
-    dimension) where the batch names one adapter per row -- then ``g - 1`` is a ``[rows, N]`` table broadcast over
-    each row's tokens (no ``[tokens, N]`` one; its gradient a sum over each row's tokens), else gathered per token.
+    ``keep``: the dropout mask the op's forward drew and returned (the Triton kernels' packed bits, or booleans),
+    ``None`` without dropout in this call; ``absent_grads``: the magnitudes of adapters the batch does not name get
+    zero gradients (as the LoRA weights get them: under a process group, where DDP needs one for every parameter it
+    reduces) instead of none (as stock PEFT: an adapter without rows gets no gradient); ``row_slots``: the slot of
+    each row of ``out`` (its first dimension) where the batch names one adapter per row -- then ``g - 1`` is a
+    ``[rows, N]`` table broadcast over each row's tokens (no ``[tokens, N]`` one; its gradient a sum over each row's
+    tokens), else gathered per token.
     With 16-bit outputs ``g - 1`` is applied in the output's dtype, as PEFT applies its scale. ``kernels`` (the
     Triton backend): the combine and its gradient are one kernel pass each (:class:`_Combine`) instead of torch ops.
     What depends on the routing and the layout only is kept in the layout's ``segs.cache`` (eager calls), so the
@@ -164,7 +165,7 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
                          tuple(s for n, s in zip(dora.names, dora.scales, strict=True) if n in live)) if live else None
     per_row = row_slots is not None and out.dim() >= 2 and out.shape[0] == row_slots.numel()
     ts = _per_call(cache, ("dora_ts",), lambda: (token_slots(segs),)) \
-        if keep_out is not None or not per_row else None
+        if keep is not None or not per_row else None
 
     def selector():  # [rows or tokens, n_live]: the one-hot of each row's (token's) adapter among ``live``
         pos = {n: i for i, n in enumerate(live)}
@@ -179,7 +180,7 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
                      *[mags[n].weight for n in dora.names])  # [rows, N] or [S, N]
     bias = layer.get_base_layer().bias
     delta = Wx = None
-    if keep_out is not None:  # training under dropout: PEFT's base term reads the dropped input
+    if keep is not None:  # training under dropout: PEFT's base term reads the dropped input
         xr = x.reshape(-1, x.shape[-1])
 
         def factor():  # x~ - x = x * f: f is 1 / (1 - p) - 1 where the mask keeps an element, else -1
@@ -187,11 +188,10 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
             return (1 / (1 - p) - 1).to(xr.dtype), table
 
         kept = _per_call(cache, ("dora_kept", id(table), xr.dtype), factor)
-        bits = keep_out[-1][0]
-        if bits is not None and bits.dtype == torch.uint8:  # the Triton kernels' stored mask: one pass over x
-            delta = _DroppedInputDelta.apply(xr if xr.stride(-1) == 1 else xr.contiguous(), bits, kept)
-        else:  # (-1.0 a Python scalar: a tensor made here would be a blocking host->device copy per layer call)
-            delta = xr * torch.where(_keep_mask(keep_out, segs, table, xr), kept[:, None], -1.0)
+        if keep.dtype == torch.uint8 and not torch.compiler.is_compiling():  # the kernels' bits: one pass over x
+            delta = _DroppedInputDelta.apply(xr if xr.stride(-1) == 1 else xr.contiguous(), keep, kept)
+        else:  # (traced: torch ops; -1.0 a Python scalar: a tensor made here would be a blocking host->device copy)
+            delta = xr * torch.where(_keep_mask(keep, xr), kept[:, None], -1.0)
         Wx = W.to(xr.dtype)
     if kernels and (delta is None or delta.dtype == out.dtype) and (bias is None or not bias.requires_grad) \
             and not torch.compiler.is_compiling():
@@ -299,13 +299,9 @@ class _DroppedInputDelta(torch.autograd.Function):
         return scale_by_keep(grad.contiguous(), bits, kept), None, None
 
 
-def _keep_mask(keep_out: list, segs, table, x: torch.Tensor) -> torch.Tensor:
-    """The boolean ``[S, K]`` keep-mask the layer op's LoRA part used: the torch backend's mask, the Triton
-    kernels' stored bits unpacked (byte arithmetic; :class:`_DroppedInputDelta` reads them without unpacking), or
-    their draw for the call's seed redrawn (``kernels.dropout``)."""
-    from .kernels.dropout import dropout_keep_mask, unpack_keep_bits
+def _keep_mask(keep: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The boolean ``[S, K]`` keep-mask the layer op's LoRA part used: the torch backend's mask, or the Triton
+    kernels' packed bits unpacked (byte arithmetic; :class:`_DroppedInputDelta` reads them without unpacking)."""
+    from .kernels.dropout import unpack_keep_bits
 
-    keep, seed = keep_out[-1]  # the layer call's forward ran (a call under dropout never replays a launch plan)
-    if keep is not None:
-        return keep if keep.dtype == torch.bool else unpack_keep_bits(keep, x.shape[1])
-    return dropout_keep_mask(seed, segs, table, x.shape[1])  # a host seed: such calls run eagerly (patching)
+    return keep if keep.dtype == torch.bool else unpack_keep_bits(keep, x.shape[1])

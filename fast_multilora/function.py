@@ -315,9 +315,10 @@ class LayerCall:
     # fused over a quantized base: the GEMM's ``[N, K]`` weight from the passed one, ``base_weight(W, dtype)``, in the
     # forward and again in the backward (bitsandbytes 4-bit: dequantized; only the packed weight is kept)
     base_weight: object = None
-    # a list the forward appends ``(keep, seed)`` of its dropout draw to (``keep``: the shrink's mask, or ``None``
-    # where the backward redraws it from ``seed``): DoRA's base term reads the same dropped input
-    keep_out: Optional[list] = None
+    # DoRA under dropout: its base term reads the same dropped input, so the call returns ``(out, keep)``, ``keep``
+    # the mask the shrink drew (the Triton kernels' packed bits, kept whatever ``store_mask`` says; the torch
+    # backend's booleans): a second output of the Function, which ``torch.compile`` traces like the first
+    want_keep: bool = False
     # the per-parameter path: positions (slot order) of present adapters without rows in this call, whose weights get
     # no gradient (``None``, as under stock PEFT, where such an adapter is not in the graph); empty: every adapter
     # gets its gradient, exact zeros where it has no rows (what DDP and FSDP2 need of every parameter they reduce)
@@ -424,9 +425,7 @@ class LoraLinear(torch.autograd.Function):
                 rec.update(A=A, B=B, h=None, N=rows.shape[1], x_shape=x_in.shape)
             return out
         A = _a_weight(call, weights[:n_a])
-        h, keep = be.shrink(x, A, segs, table, 1, call.seed, call.store_mask, record=rec)
-        if call.keep_out is not None:
-            call.keep_out.append((keep, call.seed))
+        h, keep = be.shrink(x, A, segs, table, 1, call.seed, call.store_mask or call.want_keep, record=rec)
         B = _b_weight(call, weights[n_a : n_a + n])
         if call.fused:
             W_base = W if call.base_weight is None else call.base_weight(W, x.dtype)  # not kept for the backward
@@ -447,10 +446,16 @@ class LoraLinear(torch.autograd.Function):
         ctx.call = call
         ctx.shapes = (x_in.shape, rows.shape[1])
         ctx.w_dtypes = tuple(w.dtype for w in weights)
+        if call.want_keep:
+            if keep is None:
+                raise RuntimeError("fast_multilora: a layer call asked for its dropout mask (DoRA under dropout) but "
+                                   "drew none; please report this")
+            ctx.mark_non_differentiable(keep)
+            return out, keep
         return out
 
     @staticmethod
-    def backward(ctx, d_out):
+    def backward(ctx, d_out, d_keep=None):  # (d_keep: the mask's, which has none)
         call: LayerCall = ctx.call
         x, h, W, keep, *weights = ctx.saved_tensors
         be, segs, table = call.backend, call.segs, call.table

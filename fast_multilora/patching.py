@@ -548,9 +548,8 @@ class _FastLinearMixin(_TrackedMixin):
             biases = [m._parameters["bias"] for m in state.b_modules] if has_bias else ()
 
         dora = state.dora
-        # DoRA in training under dropout: its base term reads the dropped input, the mask the op's forward reports
-        keep_out = [] if dora is not None and dora.dropout and self.training and state.table.has_dropout and \
-            not decode else None
+        # DoRA in training under dropout: its base term reads the dropped input, the mask the op returns with `out`
+        want_keep = dora is not None and dora.dropout and self.training and state.table.has_dropout and not decode
 
         def call(record):  # the LayerCall of this call (built only when no launch plan replays it)
             return LayerCall(
@@ -560,7 +559,7 @@ class _FastLinearMixin(_TrackedMixin):
                 bias_rows=state.bias_map[segs.token_slots.long()] if has_bias else None,
                 seed=backend.draw_seed(x) if state.table.has_dropout and not decode else None,
                 store_mask=config.store_dropout_mask and torch.is_grad_enabled(), stored=slots, record=record,
-                decode=decode, keep_out=keep_out,
+                decode=decode, want_keep=want_keep,
                 absent=absent_positions(state.present, routing) if slots is None else (),
             )
 
@@ -568,30 +567,22 @@ class _FastLinearMixin(_TrackedMixin):
                 x_d, y, W, b, a_ws, b_ws, biases)
         if dora is None:
             out = run_layer(*args)
-        elif keep_out is not None and torch.compiler.is_compiling():
-            # the op's forward hands its dropout mask out, which a traced Function cannot: eager, a graph break
-            return _eager(_dora_call, self, dora, state, routing, args, keep_out, backend.name == "triton")
         else:
-            out = _dora_call(self, dora, state, routing, args, keep_out, backend.name == "triton")
+            out = _dora_call(self, dora, state, routing, args, want_keep, backend.name == "triton")
         if not torch.compiler.is_compiling() and slots is not None and store.calls and store.calls[-1][1] is None \
                 and torch.is_grad_enabled():  # the forward call's first layer call: its graph node, for the store
             store.note_node(out)
         return out
 
 
-def _dora_call(layer, dora, state: LayerState, routing, args: tuple, keep_out, kernels: bool) -> torch.Tensor:
-    """The layer op's ``base + delta``, then DoRA's output per row's adapter (``fast_multilora.dora``; ``kernels``:
-    the Triton backend's combine kernels)."""
-    out = run_layer(*args)
+def _dora_call(layer, dora, state: LayerState, routing, args: tuple, want_keep: bool, kernels: bool) -> torch.Tensor:
+    """The layer op's ``base + delta`` (with ``want_keep``, and the dropout mask it drew), then DoRA's output per
+    row's adapter (``fast_multilora.dora``; ``kernels``: the Triton backend's combine kernels)."""
+    out, keep = run_layer(*args) if want_keep else (run_layer(*args), None)
     in_batch = None if torch.compiler.is_compiling() else routing.names  # traced: every DoRA adapter of the layer
-    return dora_mod.apply(layer, dora, out, args[5], args[2], state.table, in_batch, keep_out,
+    return dora_mod.apply(layer, dora, out, args[5], args[2], state.table, in_batch, keep,
                           absent_grads=(args[3] is None and every_grad()) or _in_ddp_forward(layer),
                           row_slots=routing.row_slots if routing.per_row else None, kernels=kernels)
-
-
-@torch.compiler.disable
-def _eager(fn, *args):
-    return fn(*args)
 
 
 def _in_ddp_forward(layer) -> bool:
