@@ -553,6 +553,9 @@ class _NoGradCtx:
     def mark_dirty(self, *tensors):
         pass
 
+    def mark_non_differentiable(self, *tensors):
+        pass
+
     def set_materialize_grads(self, value):
         pass
 

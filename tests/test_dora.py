@@ -399,6 +399,23 @@ def test_models_without_dora_take_no_dora_work(monkeypatch):
     assert states and all(s is None or s.dora is None for s in states)
 
 
+@pytest.mark.parametrize("path", _cases(["torch", "triton"]))
+def test_forward_without_autograd_in_training_mode_under_dropout(path):
+    """A training-mode forward under ``torch.no_grad()`` (dropout active, the op's Function not recorded): DoRA's
+    base term reads the mask the op returns there too; the logits equal a recorded forward's from the same RNG
+    state."""
+    model, _ = build("llama", P)
+    _patch(model, path)
+    model.train()
+    ids, _ = _inputs()
+    torch.manual_seed(3)
+    want = model(input_ids=ids, adapter_names=NAMES).logits.detach()
+    torch.manual_seed(3)
+    with torch.no_grad():
+        got = model(input_ids=ids, adapter_names=NAMES).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("path", _cases(["torch", "triton"]))
 @pytest.mark.parametrize("dropout", [0.0, P], ids=["no-dropout", "dropout"])
