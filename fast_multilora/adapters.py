@@ -11,9 +11,9 @@ model.
 :func:`add_adapters` walks the model once, then for every adapter in order (so the RNG draws come in the loop's order)
 and every module it targets calls PEFT's own ``_create_and_replace`` -> ``update_layer`` (PEFT's init, every
 ``init_lora_weights`` variant, DoRA), with the layer's per-adapter module containers holding only the new adapter
-during that call -- or, for a plain config on a ``lora.Linear`` (PEFT 0.21), makes what that ``update_layer`` makes
-directly (the same RNG draws in order, the same entries; no module constructors: ``_Segment._plain_update``) -- and
-runs PEFT's model-wide bookkeeping (``set_adapter``, ``_mark_only_adapters_as_trainable``) once, with Python's
+during that call -- or, for a plain config on a ``lora.Linear`` (PEFT 0.21, 0.22), makes what that ``update_layer``
+makes directly (the same RNG draws in order, the same entries; no module constructors: ``_Segment._plain_update``) --
+and runs PEFT's model-wide bookkeeping (``set_adapter``, ``_mark_only_adapters_as_trainable``) once, with Python's
 cyclic garbage collector paused (its collections over the model's many objects were a third of the time).
 The model ends as the loop leaves it. Configs it does not take are added by PEFT's ``add_adapter`` in their place in
 the order (:data:`FALLBACK` lists why). :func:`load_adapters` and :func:`save_adapters` do the key mapping of PEFT's
@@ -462,17 +462,18 @@ class _Segment:
             self.wrapped_children = self.wrapped_children or bool(target._modules)
 
     def _plain_update(self, layer, name, r, alpha, cfg) -> bool:
-        """PEFT 0.21's ``LoraLayer.update_layer`` on a ``lora.Linear`` for a plain config (no variant, no
-        ``lora_bias``, ``init_lora_weights`` True, False or "gaussian"), done directly: the same RNG draws in the same
-        order (``nn.Linear``'s init of A and of B, then PEFT's reset of A), the same entries in the same containers,
-        the adapter moved to its base layer's device and dtype, without ``update_layer``'s module constructions
-        (~60 us each, four per call), its walks over the layer's containers and its ``set_adapter`` (the segment's
-        bookkeeping sets the flags). False (nothing done) where it does not apply: the caller runs PEFT's own."""
+        """PEFT's ``LoraLayer.update_layer`` (the releases of ``_MIRRORED``) on a ``lora.Linear`` for a plain config
+        (no variant, no ``lora_bias``, ``init_lora_weights`` True, False or "gaussian"), done directly: the same RNG
+        draws in the same order (``nn.Linear``'s init of A and of B, then PEFT's reset of A), the same entries in the
+        same containers, the adapter moved to its base layer's device and dtype, without ``update_layer``'s module
+        constructions (~60 us each, four per call), its walks over the layer's containers and its ``set_adapter`` (the
+        segment's bookkeeping sets the flags). False (nothing done) where it does not apply: the caller runs PEFT's
+        own."""
         if r <= 0 or not _plain_config(layer, cfg) or hasattr(layer, "lora_arrow"):
             return False
         base = layer.get_base_layer()
-        if isinstance(base, nn.MultiheadAttention):
-            return False
+        if isinstance(base, nn.MultiheadAttention) or getattr(base, "_hf_device_mesh", None) is not None:
+            return False  # (tensor parallel: PEFT's update_layer broadcasts the new weights across the ranks)
         device, dtype = layer._get_base_layer_device_and_dtype(base)
         probe = torch.empty(0)
         if probe.device.type == "meta":  # (PEFT leaves adapters made on the meta device where they are)
@@ -581,11 +582,18 @@ _PLAIN: dict = {}  # (LoRA layer class, id(config)) -> (config, whether _Segment
 _TEMPLATES: dict = {}  # module kind -> a module on the meta device whose attributes a fresh one copies
 
 
+# PEFT releases whose ``LoraLayer.update_layer`` ``_Segment._plain_update`` mirrors for a plain config (0.22 adds
+# inits and a tensor-parallel sync that plain configs on a layer without a device mesh do not reach, and keeps
+# ``requires_grad`` through the device move and the dtype cast, which the bookkeeping after them sets anyway;
+# tests/test_adapters.py compares the whole state with PEFT's loop on each)
+_MIRRORED = ("0.21.", "0.22.")
+
+
 def _plain_config(layer, cfg) -> bool:
-    """Whether ``_Segment._plain_update`` mirrors PEFT's ``update_layer`` of ``layer``'s class for ``cfg``: PEFT
-    0.21 (whose ``LoraLayer.update_layer`` it mirrors), a ``lora.Linear`` with PEFT's own ``update_layer`` and
-    device move, no LoRA variant (``resolve_lora_variant``), no ``lora_bias``, ``init_lora_weights`` True, False or
-    "gaussian"."""
+    """Whether ``_Segment._plain_update`` mirrors PEFT's ``update_layer`` of ``layer``'s class for ``cfg``: a PEFT
+    release of ``_MIRRORED``, a ``lora.Linear`` with PEFT's own ``update_layer`` and device move, no LoRA variant
+    (``resolve_lora_variant``), no ``lora_bias``, ``init_lora_weights`` True, False or "gaussian" (per layer class
+    and config; the layer itself is checked by the caller)."""
     cls = type(layer)
     hit = _PLAIN.get((cls, id(cfg)))
     if hit is not None and hit[0] is cfg:
@@ -596,7 +604,7 @@ def _plain_config(layer, cfg) -> bool:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     init = cfg.init_lora_weights
-    ok = (peft.__version__.startswith("0.21.") and cls is Linear and cls.update_layer is LoraLayer.update_layer
+    ok = (peft.__version__.startswith(_MIRRORED) and cls is Linear and cls.update_layer is LoraLayer.update_layer
           and cls._move_adapter_to_device_of_base_layer is BaseTunerLayer._move_adapter_to_device_of_base_layer
           and not cfg.lora_bias and not cfg.use_dora
           and (init is True or init is False or (isinstance(init, str) and init.lower() == "gaussian")))

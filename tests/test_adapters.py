@@ -107,8 +107,10 @@ def test_plain_configs_on_linear_layers_skip_peft_update_layer(monkeypatch, dtyp
     upcasts)."""
     import peft
 
-    if not peft.__version__.startswith("0.21."):
-        pytest.skip("the direct update mirrors PEFT 0.21's update_layer; other versions take PEFT's")
+    from fast_multilora.adapters import _MIRRORED
+
+    if not peft.__version__.startswith(_MIRRORED):
+        pytest.skip(f"the direct update mirrors PEFT {_MIRRORED}'s update_layer; other versions take PEFT's")
     calls = []
     real = LoraLayer.update_layer
     monkeypatch.setattr(LoraLayer, "update_layer", lambda self, name, *a, **k: calls.append(
@@ -134,6 +136,29 @@ def test_plain_configs_on_linear_layers_skip_peft_update_layer(monkeypatch, dtyp
     # p0 creates the LoRA layers of k/o/gate/up/down (PEFT's constructor runs update_layer), not those of q/v
     assert [n for _, n in calls].count("p0") == 2 * 5 and "d" in {n for _, n in calls}
     assert not {"p1", "p2"} & {n for _, n in calls}
+    assert_same_state(model_state(got_model), model_state(want_model))
+
+
+def test_tensor_parallel_layers_take_peft_update_layer(monkeypatch):
+    """A base layer sharded by tensor parallelism (transformers marks it ``_hf_device_mesh``) gets its adapter from
+    PEFT's own ``update_layer``, which broadcasts the new weights across the ranks; the other layers the direct
+    update; the state equals PEFT's loop (no process group here: PEFT's broadcast does nothing)."""
+    calls = []
+    real = LoraLayer.update_layer
+    monkeypatch.setattr(LoraLayer, "update_layer", lambda self, name, *a, **k: calls.append(
+        (self, name)) or real(self, name, *a, **k))
+    configs = lambda: {"t": LoraConfig(r=2, target_modules=["q_proj", "v_proj"])}  # noqa: E731
+    want_model, got_model = base_model(), base_model()
+    for m in (want_model, got_model):
+        m.get_submodule("base_model.model.model.layers.0.self_attn.q_proj").base_layer._hf_device_mesh = object()
+    torch.manual_seed(4)
+    peft_loop(want_model, configs())
+    calls.clear()
+    torch.manual_seed(4)
+    assert fast_multilora.add_adapters(got_model, configs()) == {}
+    sharded = got_model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj")
+    assert calls == [(sharded, "t")] or not __import__("peft").__version__.startswith(
+        fast_multilora.adapters._MIRRORED), calls
     assert_same_state(model_state(got_model), model_state(want_model))
 
 
