@@ -241,7 +241,11 @@ class _Gates(torch.autograd.Function):
     @once_differentiable  # (a second-order gradient through it raises rather than comes out wrong)
     def backward(ctx, dg):
         sel, norms = ctx.saved_tensors
-        dm = iter(torch.mm(sel.t(), dg.float()).div_(norms) if norms is not None else ())
+        dm = torch.mm(sel.t(), dg.float()).div_(norms) if norms is not None else None
+        named = [d for d, on in zip(ctx.mag_dtypes, ctx.live, strict=True) if on]
+        if named and all(d == named[0] for d in named):  # one cast for all (rows of one tensor), not one per adapter
+            dm = dm.to(named[0])
+        dm = iter(dm.unbind(0) if dm is not None else ())
         grads = []
         for on, dtype in zip(ctx.live, ctx.mag_dtypes, strict=True):
             if on:

@@ -244,8 +244,8 @@ def test_peak_memory_below_the_full_logits(device):
     full = N * V * 4
     chunk = chunk_tokens(N, H, V)
     assert chunk * 4 <= N  # several chunks: the budget below is a chunk's, not the batch's
-    with _LiveBytes() as fused:
-        _fused(hidden, weight, b, labels, routing).backward()
+    with _LiveBytes() as fused:  # (the chunk named: a GPU's default takes at least GPU_MIN_CHUNK tokens, here all)
+        _fused(hidden, weight, b, labels, routing, chunk_size=chunk).backward()
     with _LiveBytes() as unfused:
         _unfused(hidden, weight, b, labels, routing).backward()
     assert unfused.peak >= full and unfused.largest >= full, (unfused.peak, full)
