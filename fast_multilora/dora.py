@@ -22,7 +22,9 @@ kernel pass from the op's packed mask (its gradient another; nothing ``[tokens, 
 (``kernels/dora.py``); the torch backend and traced graphs use torch ops for the same expression. The weight norms are
 computed once per layer call for each DoRA adapter the batch names (not per row): ``||W_i + s (B A)_i||^2 =
 ||W_i||^2 + 2 s (W A^T)_i . B_i + s^2 B_i (A A^T) B_i^T``, one GEMM ``W A_D^T`` for all of the layer's DoRA adapters
-and no ``[N, K]`` temporary per adapter. Layers without DoRA adapters never reach this module.
+and no ``[N, K]`` temporary per adapter; on the Triton backend (eager) the rest of the norms and
+``g - 1 = m / norm - 1`` are one kernel pass (``kernels.dora.dora_gates``: about ten torch launches fewer per layer
+call). Layers without DoRA adapters never reach this module.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
+from .kernels.dora import GATES_MAX_RANK
 from .kernels.segments import to_device
 from .reference import token_slots
 
@@ -79,6 +82,29 @@ def weight_norms(W: torch.Tensor, As: list, Bs: list, scales: tuple) -> torch.Te
     P = torch.mm(W, A_all.to(W.dtype).t()).float()  # [N, R]: W A_a^T of every adapter in one GEMM
     E = torch.addmm(P.mul_(two_s), B_all, gram).mul_(B_all)  # [N, R]
     return torch.addmm(_row_sq_norms(W)[:, None], E, owner).t().clamp_min_(0).sqrt_()
+
+
+@torch.no_grad()
+def gates(W: torch.Tensor, As: list, Bs: list, scales: tuple, mags: list) -> tuple:
+    """float32 ``([n, N] g - 1, [n, N] norms)`` of adapters with ``As``, ``Bs``, ``scales`` and magnitudes ``mags``
+    on ``W`` (:func:`weight_norms`' norms, then ``m_a / norm - 1``), the Triton backend's way: the two GEMMs
+    (``W A^T``, ``A A^T``) by torch, the rest in one kernel pass (``kernels.dora.dora_gates``); no gradient."""
+    from .kernels.dora import dora_gates
+
+    A_all = torch.cat(As, 0) if len(As) > 1 else As[0]  # [R, K]
+    B_all = (torch.cat(Bs, 1) if len(Bs) > 1 else Bs[0]).contiguous()  # [N, R]
+    ranks = tuple(A.shape[0] for A in As)
+
+    def build():
+        offsets = torch.tensor((0, *ranks), dtype=torch.int64).cumsum(0).to(torch.int32)
+        return (to_device(offsets, W.device), to_device(torch.tensor([2 * s for s in scales], dtype=torch.float32),
+                                                        W.device))
+
+    offsets, two_s = _kept(("gates", ranks, scales, W.device), build)
+    A32 = A_all.float()
+    gram = torch.mm(A32, A32.t())  # [R, R]; the kernel reads each adapter's diagonal block
+    P = torch.mm(W, A_all.to(W.dtype).t())  # [N, R]: W A_a^T of every adapter in one GEMM
+    return dora_gates(P, B_all, gram, _row_sq_norms(W), torch.stack(mags), offsets, two_s, max(ranks))
 
 
 def _row_sq_norms(W: torch.Tensor) -> torch.Tensor:
@@ -161,8 +187,15 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
     a_mods, b_mods = layer.lora_A._modules, layer.lora_B._modules
     mags = layer.lora_magnitude_vector._modules
     W = base_weight(layer)
-    norms = weight_norms(W, [a_mods[n].weight for n in live], [b_mods[n].weight for n in live],
-                         tuple(s for n, s in zip(dora.names, dora.scales, strict=True) if n in live)) if live else None
+    norms = gm1 = None
+    if live:
+        As, Bs = [a_mods[n].weight for n in live], [b_mods[n].weight for n in live]
+        scales = tuple(s for n, s in zip(dora.names, dora.scales, strict=True) if n in live)
+        if kernels and W.dtype != torch.float64 and max(A.shape[0] for A in As) <= GATES_MAX_RANK \
+                and not torch.compiler.is_compiling():
+            gm1, norms = gates(W, As, Bs, scales, [mags[n].weight for n in live])
+        else:
+            norms = weight_norms(W, As, Bs, scales)
     per_row = row_slots is not None and out.dim() >= 2 and out.shape[0] == row_slots.numel()
     ts = _per_call(cache, ("dora_ts",), lambda: (token_slots(segs),)) \
         if keep is not None or not per_row else None
@@ -175,7 +208,7 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
         return (row[:, None] == torch.arange(len(live), device=row.device)).float(), dora.rows
 
     sel = _per_call(cache, ("dora_sel", dora.names, live, id(dora.rows), per_row), selector)
-    g = _Gates.apply(sel, norms, tuple(n in live for n in dora.names), absent_grads,
+    g = _Gates.apply(sel, norms, gm1, tuple(n in live for n in dora.names), absent_grads,
                      out.dtype if out.dtype in (torch.float16, torch.bfloat16) else torch.float32,
                      *[mags[n].weight for n in dora.names])  # [rows, N] or [S, N]
     bias = layer.get_base_layer().bias
@@ -222,11 +255,12 @@ class _Gates(torch.autograd.Function):
     with ``absent_grads``."""
 
     @staticmethod
-    def forward(ctx, sel, norms, live, absent_grads, dtype, *mags):
+    def forward(ctx, sel, norms, gm1, live, absent_grads, dtype, *mags):
         ctx.live, ctx.absent_grads = live, absent_grads
         named = [m for m, on in zip(mags, live, strict=True) if on]
         if named:
-            gm1 = torch.stack(named).float().div_(norms).sub_(1)  # (stack: a new tensor, never the parameter)
+            if gm1 is None:  # (else the Triton backend's dora_gates made it with the norms, from these magnitudes)
+                gm1 = torch.stack(named).float().div_(norms).sub_(1)  # (stack: a new tensor, never the parameter)
             g = torch.mm(sel, gm1)
         else:
             g = sel.new_zeros(sel.shape[0], mags[0].shape[0])
@@ -252,7 +286,7 @@ class _Gates(torch.autograd.Function):
                 grads.append(next(dm).to(dtype))
             else:
                 grads.append(dg.new_zeros(ctx.N, dtype=dtype) if ctx.absent_grads else None)
-        return (None, None, None, None, None, *grads)
+        return (None, None, None, None, None, None, *grads)
 
 
 class _Combine(torch.autograd.Function):

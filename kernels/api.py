@@ -20,7 +20,7 @@ from .adamw import (
 from .backward import lora_expand_bwd, lora_shrink_bwd
 from .cross_entropy import cross_entropy_, cross_entropy_bwd, cross_entropy_fwd
 from .decode import DECODE_MAX_ROWS, lora_shrink_expand
-from .dora import dora_combine, dora_combine_bwd
+from .dora import dora_combine, dora_combine_bwd, dora_gates
 from .dropout import keep_bits_buffer, scale_by_keep
 from .forward import lora_expand, lora_shrink
 from .segments import (
@@ -36,6 +36,6 @@ from .segments import (
 __all__ = ["AdapterTable", "Segments", "SlotWeights", "grouped_segments", "row_segments", "segments_from_token_slots",
            "slot_weights", "lora_expand", "lora_shrink", "lora_expand_bwd", "lora_shrink_bwd",
            "DECODE_MAX_ROWS", "lora_shrink_expand",
-           "keep_bits_buffer", "scale_by_keep", "dora_combine", "dora_combine_bwd",
+           "keep_bits_buffer", "scale_by_keep", "dora_combine", "dora_combine_bwd", "dora_gates",
            "CHUNK", "ChunkTable", "chunk_table", "adamw_scalars_", "adamw_step_", "adapter_chunks", "grad_sq_norms",
            "scale_grads_", "cross_entropy_", "cross_entropy_fwd", "cross_entropy_bwd"]

@@ -8,6 +8,12 @@ the same expression takes about three times the memory traffic (``G g``, ``G z``
 two gradients). ``dg``'s sums run over each chunk of a row's tokens in a fixed order in one program, then over the
 chunks in order (deterministic, no atomics).
 Arithmetic in float32 (float64 for float64 tensors), each result rounded once to its tensor's dtype.
+
+:func:`dora_gates` makes the ``g`` table itself, per adapter ``a`` of rank ``r_a`` (columns ``c_a ..`` of the
+concatenated ``[N, R]`` operands) and output row ``i``: ``||W_i + s_a (B_a A_a)_i||^2 = ||W_i||^2 + sum_j B_ij
+(2 s_a P_ij + s_a^2 (B_a G_a)_ij)`` with ``P = W A^T`` and ``G_a = A_a A_a^T`` (the diagonal block of ``A A^T``),
+then ``g = m_a / norm - 1``: one pass over ``P`` and ``B`` where the same expression in torch ops takes about ten
+launches per layer call.
 """
 
 from __future__ import annotations
@@ -152,3 +158,67 @@ def dora_combine_bwd(G: torch.Tensor, y: torch.Tensor, t: Optional[torch.Tensor]
                                            y if b is None else b, g, y.shape[1], y.shape[2]),
                dict(meta, WRITE_DT=with_dt))
     return dy, dt, part.sum(1).to(g.dtype) if grid[2] > 1 else part
+
+
+GATES_BLOCK_M = 32  # output rows per program of dora_gates
+
+
+@triton.jit
+def _gates_kernel(
+    gm1, norms, P, B, gram, rowsq, mags, offsets, two_s, N, R,
+    ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    a = tl.program_id(1)
+    o_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_m = o_m < N
+    c0 = tl.load(offsets + a)
+    o_r = tl.arange(0, BLOCK_R)
+    m_r = o_r < tl.load(offsets + a + 1) - c0
+    cols = (c0 + o_r).to(tl.int64)
+    m = m_m[:, None] & m_r[None, :]
+    b_B = tl.load(B + o_m[:, None] * R + cols[None, :], mask=m, other=0.0).to(ACC)
+    b_P = tl.load(P + o_m[:, None] * R + cols[None, :], mask=m, other=0.0).to(ACC)
+    b_G = tl.load(gram + cols[:, None] * R + cols[None, :], mask=m_r[:, None] & m_r[None, :], other=0.0).to(ACC)
+    s2 = tl.load(two_s + a).to(ACC)  # 2 s
+    bg = tl.dot(b_B, b_G, input_precision="ieee")  # (B_a G_a)_i: the block's rank columns only
+    # (rows past N: norm 1, so no 0 / 0 in the lanes not stored)
+    n2 = tl.load(rowsq + o_m, mask=m_m, other=1.0).to(ACC) + tl.sum(b_B * (s2 * b_P + (0.25 * s2 * s2) * bg), axis=1)
+    nrm = tl.sqrt(tl.maximum(n2, 0.0))
+    mag = tl.load(mags + a * N + o_m, mask=m_m, other=0.0).to(ACC)
+    tl.store(norms + a * N + o_m, nrm.to(norms.dtype.element_ty), mask=m_m)
+    tl.store(gm1 + a * N + o_m, (mag / nrm - 1.0).to(gm1.dtype.element_ty), mask=m_m)
+
+
+GATES_MAX_RANK = 128  # above it a program's [rank, rank] block of A A^T is too large for its registers
+
+
+def dora_gates(P: torch.Tensor, B: torch.Tensor, gram: torch.Tensor, rowsq: torch.Tensor, mags: torch.Tensor,
+               offsets: torch.Tensor, two_s: torch.Tensor, max_rank: int) -> tuple:
+    """``(g - 1, norms)``, both float32 ``[n, N]`` (float64 for float64 ``gram``): row ``a`` is adapter ``a``'s
+    ``m_a / ||W + s_a B_a A_a||_row - 1`` and the norms (module docstring). ``P = W A^T`` and ``B`` are ``[N, R]``
+    (the adapters' rank columns concatenated, any float dtype), ``gram`` the ``[R, R]`` ``A A^T`` in the
+    arithmetic's dtype (only its diagonal blocks are read), ``rowsq`` the ``[N]`` ``||W_i||^2``, ``mags`` the
+    ``[n, N]`` magnitudes, ``offsets`` int32 ``[n + 1]`` the first rank column of each adapter (and ``R``),
+    ``two_s`` the ``[n]`` ``2 s_a``; all contiguous on one device; ``max_rank`` the largest rank (at most
+    :data:`GATES_MAX_RANK`)."""
+    N, R = P.shape
+    n = mags.shape[0]
+    ok = B.shape == (N, R) and gram.shape == (R, R) and rowsq.shape == (N,) and mags.shape == (n, N) \
+        and offsets.shape == (n + 1,) and offsets.dtype == torch.int32 and two_s.shape == (n,)
+    ts = (P, B, gram, rowsq, mags, offsets, two_s)
+    ok = ok and all(t.is_contiguous() and t.device == P.device for t in ts) and 0 < max_rank <= GATES_MAX_RANK
+    if not ok:
+        got = ", ".join(f"{k} {tuple(t.shape)} {t.dtype} on {t.device}"
+                        for k, t in zip(("P", "B", "gram", "rowsq", "mags", "offsets", "two_s"), ts, strict=True))
+        raise ValueError(f"dora_gates: P and B must be contiguous [N, R], gram [R, R], rowsq [N], mags [n, N], "
+                         f"offsets int32 [n + 1] and two_s [n], on one device; got {got}; max_rank {max_rank} "
+                         f"(1 .. {GATES_MAX_RANK})")
+    acc = torch.float64 if gram.dtype == torch.float64 else torch.float32
+    gm1 = torch.empty(n, N, dtype=acc, device=P.device)
+    norms = torch.empty(n, N, dtype=acc, device=P.device)
+    if gm1.numel():
+        launch(_gates_kernel, (cdiv(N, GATES_BLOCK_M), n),
+               (gm1, norms, P, B, gram, rowsq, mags, offsets, two_s, N, R),
+               dict(ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK_M=GATES_BLOCK_M,
+                    BLOCK_R=max(16, next_power_of_2(max_rank))))
+    return gm1, norms

@@ -129,3 +129,62 @@ def test_dora_functions_gradcheck_float64(has_t, has_b):
     bits = pack_keep_bits(torch.rand(3, 11, generator=gen) < 0.7).to(DEVICE)
     kept = (torch.rand(3, generator=gen, dtype=torch.float64) * 0.5).to(DEVICE)
     assert torch.autograd.gradcheck(dora_mod._DroppedInputDelta.apply, (x, bits, kept))
+
+
+def _gates_reference(W, As, Bs, scales, mags):
+    """float64 ``(m / ||W + s B A||_row - 1, the norms)`` from the full matrices."""
+    norms = torch.stack([torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)
+                         for A, B, s in zip(As, Bs, scales, strict=True)])
+    return mags.double() / norms - 1, norms
+
+
+# (N, ranks, scales): N off the row block (123, 1 and 33 rows), rank 1, mixed ranks, a rank above the 16-column minimum
+# block (33: 64 columns), one adapter, ranks summing to an odd R; magnitudes near the norms (g - 1 small)
+GATE_CASES = [(123, (1, 4, 7), (0.5, 2.0, 1.25)), (1, (16,), (2.0,)), (33, (33, 2), (0.25, 1.0)),
+              (70, (8, 8, 8, 8, 8), (2.0, 2.0, 2.0, 2.0, 2.0)), (257, (5,), (1.5,))]
+
+
+@pytest.mark.parametrize("N,ranks,scales", GATE_CASES, ids=[f"N{c[0]}-r{'.'.join(map(str, c[1]))}" for c in GATE_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_gates_match_the_direct_norm(N, ranks, scales, dtype):
+    """``dora_gates``' ``g - 1`` and norms against the norms of the full ``W + s B A`` in float64, for W, A, B and
+    the magnitudes in ``dtype`` (``P = W A^T`` computed in ``dtype`` as the DoRA layer does). Tolerances: float32
+    rtol 1e-5; float16 twice the error of the same norms computed by torch's ops from the same 16-bit ``P``
+    (``fast_multilora.dora.weight_norms``, the torch backend's path), which both share."""
+    from fast_multilora import dora as dora_mod
+
+    g = torch.Generator().manual_seed(N + sum(ranks))
+    K = 40
+    W = (torch.randn(N, K, generator=g, dtype=torch.float64) * 0.2).to(dtype).to(DEVICE)
+    As = [(torch.randn(r, K, generator=g, dtype=torch.float64) * 0.3).to(dtype).to(DEVICE) for r in ranks]
+    Bs = [(torch.randn(N, r, generator=g, dtype=torch.float64) * 0.3).to(dtype).to(DEVICE) for r in ranks]
+    want_g, want_n = _gates_reference(W.cpu(), [a.cpu() for a in As], [b.cpu() for b in Bs], scales,
+                                      torch.ones(len(ranks), N, dtype=torch.float64))
+    mags = ((want_n * (1 + 0.1 * torch.randn(len(ranks), N, generator=g, dtype=torch.float64)))).to(dtype)
+    want_g = mags.double() / want_n - 1
+    got_g, got_n = dora_mod.gates(W, As, Bs, scales, list(mags.to(DEVICE).unbind(0)))
+    assert got_g.dtype == got_n.dtype == torch.float32 and got_g.shape == got_n.shape == (len(ranks), N)
+    torch_n = dora_mod.weight_norms(W, As, Bs, scales).cpu().double()
+    torch_g = mags.double() / torch_n - 1
+    if dtype == torch.float32:
+        torch.testing.assert_close(got_n.cpu().double(), want_n, rtol=1e-5, atol=0)
+        torch.testing.assert_close(got_g.cpu().double(), want_g, rtol=0, atol=1e-5)
+    else:
+        for got, ref, want in ((got_n, torch_n, want_n), (got_g, torch_g, want_g)):
+            err, ref_err = (got.cpu().double() - want).abs().max(), (ref - want).abs().max()
+            assert err <= 2 * ref_err + 1e-6, (float(err), float(ref_err))
+
+
+def test_gates_refuse_bad_arguments():
+    from fast_multilora.kernels.dora import dora_gates
+
+    N, R = 5, 4
+    P, B, gram = torch.zeros(N, R, device=DEVICE), torch.zeros(N, R, device=DEVICE), torch.zeros(R, R, device=DEVICE)
+    args = (P, B, gram, torch.ones(N, device=DEVICE), torch.ones(1, N, device=DEVICE))
+    two_s = torch.ones(1, device=DEVICE)
+    with pytest.raises(ValueError, match=r"dora_gates: .*offsets int32.*got .*offsets \(2,\) torch.int64"):
+        dora_gates(*args, torch.tensor([0, R], device=DEVICE), two_s, R)
+    with pytest.raises(ValueError, match=r"max_rank 129 \(1 .. 128\)"):
+        dora_gates(*args, torch.tensor([0, R], dtype=torch.int32, device=DEVICE), two_s, 129)
+    gm1, norms = dora_gates(*args, torch.tensor([0, R], dtype=torch.int32, device=DEVICE), two_s, R)
+    assert torch.equal(norms, torch.ones(1, N, device=DEVICE)) and torch.equal(gm1, torch.zeros(1, N, device=DEVICE))
