@@ -160,7 +160,10 @@ def dora_combine_bwd(G: torch.Tensor, y: torch.Tensor, t: Optional[torch.Tensor]
     return dy, dt, part.sum(1).to(g.dtype) if grid[2] > 1 else part
 
 
-GATES_BLOCK_M = 32  # output rows per program of dora_gates
+# dora_gates' (output rows per program, warps) by its rank block (the largest rank, at least 16, a power of two):
+# compiled for sm_90 (tests/kernels/test_dora_combine.py), 32 rows of 4 warps spill at rank block 64 and any tile
+# tried at 128 does (10 KB a thread at 32 x 4), so ranks above 64 take torch's ops (GATES_MAX_RANK)
+GATES_TILES = {16: (32, 4), 32: (32, 4), 64: (16, 8)}
 
 
 @triton.jit
@@ -189,7 +192,7 @@ def _gates_kernel(
     tl.store(gm1 + a * N + o_m, (mag / nrm - 1.0).to(gm1.dtype.element_ty), mask=m_m)
 
 
-GATES_MAX_RANK = 128  # above it a program's [rank, rank] block of A A^T is too large for its registers
+GATES_MAX_RANK = max(GATES_TILES)  # above it a program's [rank, rank] block of A A^T spills out of its registers
 
 
 def dora_gates(P: torch.Tensor, B: torch.Tensor, gram: torch.Tensor, rowsq: torch.Tensor, mags: torch.Tensor,
@@ -217,8 +220,9 @@ def dora_gates(P: torch.Tensor, B: torch.Tensor, gram: torch.Tensor, rowsq: torc
     gm1 = torch.empty(n, N, dtype=acc, device=P.device)
     norms = torch.empty(n, N, dtype=acc, device=P.device)
     if gm1.numel():
-        launch(_gates_kernel, (cdiv(N, GATES_BLOCK_M), n),
-               (gm1, norms, P, B, gram, rowsq, mags, offsets, two_s, N, R),
-               dict(ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK_M=GATES_BLOCK_M,
-                    BLOCK_R=max(16, next_power_of_2(max_rank))))
+        block_r = max(16, next_power_of_2(max_rank))
+        block_m, warps = GATES_TILES[block_r]
+        launch(_gates_kernel, (cdiv(N, block_m), n), (gm1, norms, P, B, gram, rowsq, mags, offsets, two_s, N, R),
+               dict(ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK_M=block_m, BLOCK_R=block_r,
+                    num_warps=warps))
     return gm1, norms

@@ -139,7 +139,7 @@ def _gates_reference(W, As, Bs, scales, mags):
 
 
 # (N, ranks, scales): N off the row block (123, 1 and 33 rows), rank 1, mixed ranks, a rank above the 16-column minimum
-# block (33: 64 columns), one adapter, ranks summing to an odd R; magnitudes near the norms (g - 1 small)
+# block (33: 64 columns, the 16-row tile), one adapter, ranks summing to an odd R; magnitudes near the norms
 GATE_CASES = [(123, (1, 4, 7), (0.5, 2.0, 1.25)), (1, (16,), (2.0,)), (33, (33, 2), (0.25, 1.0)),
               (70, (8, 8, 8, 8, 8), (2.0, 2.0, 2.0, 2.0, 2.0)), (257, (5,), (1.5,))]
 
@@ -184,7 +184,37 @@ def test_gates_refuse_bad_arguments():
     two_s = torch.ones(1, device=DEVICE)
     with pytest.raises(ValueError, match=r"dora_gates: .*offsets int32.*got .*offsets \(2,\) torch.int64"):
         dora_gates(*args, torch.tensor([0, R], device=DEVICE), two_s, R)
-    with pytest.raises(ValueError, match=r"max_rank 129 \(1 .. 128\)"):
-        dora_gates(*args, torch.tensor([0, R], dtype=torch.int32, device=DEVICE), two_s, 129)
+    with pytest.raises(ValueError, match=r"max_rank 65 \(1 .. 64\)"):
+        dora_gates(*args, torch.tensor([0, R], dtype=torch.int32, device=DEVICE), two_s, 65)
     gm1, norms = dora_gates(*args, torch.tensor([0, R], dtype=torch.int32, device=DEVICE), two_s, R)
     assert torch.equal(norms, torch.ones(1, N, device=DEVICE)) and torch.equal(gm1, torch.zeros(1, N, device=DEVICE))
+
+
+_GATES_COMPILE = r"""
+import triton.language as tl
+from fast_multilora.kernels import dora as D
+from tune_kernels import sass_loop, sm90_kernel
+bad = 0
+for act in ("bf16", "fp16", "fp32"):
+    for block_r, (block_m, warps) in D.GATES_TILES.items():
+        types = {n: "*fp32" for n in ("gm1", "norms", "gram", "rowsq", "two_s")}
+        types.update({"P": "*" + act, "B": "*" + act, "mags": "*" + act, "offsets": "*i32"})
+        use = sass_loop(sm90_kernel(D._gates_kernel, types, dict(ACC=tl.float32, BLOCK_M=block_m, BLOCK_R=block_r),
+                                    warps))
+        print("_gates_kernel", act, block_r, block_m, warps, use)
+        bad += use["stack"] > 0
+raise SystemExit(1 if bad else 0)
+"""
+
+
+@pytest.mark.slow
+def test_gates_tiles_compile_for_sm90_without_spills():
+    """Every rank block's tile of ``dora_gates`` compiles for sm_90 (Triton's frontend and bundled ptxas, no GPU) in
+    every input dtype without spilling to local memory: the float32 ``tl.dot`` in IEEE precision and the
+    ``[rank, rank]`` block in registers, which the interpreter does not check."""
+    from fast_multilora.kernels.dora import GATES_TILES
+    from helpers import compile_for_sm90
+
+    run = compile_for_sm90(_GATES_COMPILE)
+    assert run.returncode == 0, f"compile check failed:\n{run.stdout}\n{run.stderr[-3000:]}"
+    assert run.stdout.count("_gates_kernel") == 3 * len(GATES_TILES), run.stdout
