@@ -192,8 +192,35 @@ def _where(file: str, line: int, name: str) -> str:
     return f"{name}" if file == "~" else f"{file}:{line}({name})"
 
 
+def sync_points(fn, top: int) -> list:
+    """``[[file:line, count], ...]``: the ``top`` Python lines where one call of ``fn`` made the host wait for the
+    device (PyTorch's sync detector, ``torch.cuda.set_sync_debug_mode("warn")``: a blocking copy, ``.item()``, a
+    ``nonzero`` ...), most first -- why a row's wall time may exceed its host and GPU times, kept with the row. A
+    GPU row only: the detector watches CUDA streams."""
+    import warnings
+
+    import torch
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    by: dict = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where = _where(w.filename, w.lineno, "").removesuffix("()")
+            by[where] = by.get(where, 0) + 1
+    return [[where, n] for where, n in sorted(by.items(), key=lambda kv: -kv[1])[:top]]
+
+
 TOP_KERNELS = 12  # kernels kept per GPU row (extra.top_kernels)
 TOP_HOST = 12  # host functions kept per row timed by time_step (extra.top_host)
+TOP_SYNCS = 8  # lines that synchronised kept per GPU row (extra.sync_points)
 
 
 def time_step(fn, device: str, *, warm: int, iters: int, split: bool = True) -> dict:
@@ -204,7 +231,8 @@ def time_step(fn, device: str, *, warm: int, iters: int, split: bool = True) -> 
     as resident). With ``split`` on a GPU, ``gpu_ms`` (the kernels' summed time, one profiled call; its largest
     kernels go to the row's ``extra.top_kernels``) and ``host_ms``
     (median of 3 calls, each after a synchronize); a call whose wall time exceeds its GPU time leaves the GPU idle
-    for the difference. On a CPU ``host_ms`` is the wall time and ``gpu_ms`` null.
+    for the difference; the lines where one more call synchronised go to ``extra.sync_points``
+    (:func:`sync_points`). On a CPU ``host_ms`` is the wall time and ``gpu_ms`` null.
     """
     import torch
 
@@ -232,6 +260,7 @@ def time_step(fn, device: str, *, warm: int, iters: int, split: bool = True) -> 
     if device == "cuda" and split:
         out["host_ms"] = host_ms(fn, 3, device)
         out["gpu_ms"], out["top_kernels"] = kernel_profile(fn, warmup=False, top=TOP_KERNELS)
+        out["sync_points"] = sync_points(fn, TOP_SYNCS)
     elif device != "cuda":
         out["host_ms"] = out["wall_ms"]
     if split:

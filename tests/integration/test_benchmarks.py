@@ -278,6 +278,39 @@ def test_host_profile_ranks_functions_by_own_time_per_call():
     assert all(m < ms / 10 for w, m, _ in top[1:]), top
 
 
+def test_sync_points_count_the_lines_that_synchronised(monkeypatch):
+    """A GPU row's ``extra.sync_points``: per Python line the syncs PyTorch's detector reported in one call (here its
+    warnings made by hand: the detector needs CUDA), most first; other warnings are not counted, and the detector
+    is switched off again even when the call raises."""
+    import warnings
+
+    import torch
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def step():
+        for _ in range(2):
+            warnings.warn("called a synchronizing CUDA operation", stacklevel=1)  # line A, twice
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)  # line B
+        warnings.warn("something else", stacklevel=1)
+
+    line = step.__code__.co_firstlineno
+    got = harness.sync_points(step, 8)
+    here = "tests/integration/test_benchmarks.py"
+    assert got == [[f"{here}:{line + 2}", 2], [f"{here}:{line + 3}", 1]], got
+    assert harness.sync_points(step, 1) == [[f"{here}:{line + 2}", 2]]
+    assert modes == ["warn", "default"] * 2
+
+    def fails():
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        harness.sync_points(fails, 8)
+    assert modes[-1] == "default"
+
+
 @pytest.mark.parametrize("name", ["h200.json", "cpu.json"])
 def test_committed_results_follow_the_schema(name):
     res = harness.load_results(str(ROOT / "benchmarks" / "results" / name))
