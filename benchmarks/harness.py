@@ -197,6 +197,17 @@ def sync_points(fn, top: int) -> list:
     device (PyTorch's sync detector, ``torch.cuda.set_sync_debug_mode("warn")``: a blocking copy, ``.item()``, a
     ``nonzero`` ...), most first -- why a row's wall time may exceed its host and GPU times, kept with the row. A
     GPU row only: the detector watches CUDA streams."""
+    by: dict = {}
+    for w in sync_warnings(fn):
+        where = _where(w.filename, w.lineno, "").removesuffix("()")
+        by[where] = by.get(where, 0) + 1
+    return [[where, n] for where, n in sorted(by.items(), key=lambda kv: -kv[1])[:top]]
+
+
+def sync_warnings(fn) -> list:
+    """The ``warnings.WarningMessage`` s of device->host synchronisations during ``fn()`` (PyTorch's detector; each
+    names the Python line that synchronised); the detector is off again afterwards, ``fn`` raising or not. Also the
+    GPU sync tests' (``tests/helpers.py``)."""
     import warnings
 
     import torch
@@ -210,12 +221,7 @@ def sync_points(fn, top: int) -> list:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    by: dict = {}
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            where = _where(w.filename, w.lineno, "").removesuffix("()")
-            by[where] = by.get(where, 0) + 1
-    return [[where, n] for where, n in sorted(by.items(), key=lambda kv: -kv[1])[:top]]
+    return [w for w in caught if "synchroniz" in str(w.message)]
 
 
 TOP_KERNELS = 12  # kernels kept per GPU row (extra.top_kernels)
