@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from .kernels.dora import GATES_MAX_RANK
+from .kernels.dora import GATES_MAX_RANK, dora_combine, dora_combine_bwd, dora_gates
 from .kernels.segments import to_device
 from .reference import token_slots
 
@@ -89,8 +89,6 @@ def gates(W: torch.Tensor, As: list, Bs: list, scales: tuple, mags: list) -> tup
     """float32 ``([n, N] g - 1, [n, N] norms)`` of adapters with ``As``, ``Bs``, ``scales`` and magnitudes ``mags``
     on ``W`` (:func:`weight_norms`' norms, then ``m_a / norm - 1``), the Triton backend's way: the two GEMMs
     (``W A^T``, ``A A^T``) by torch, the rest in one kernel pass (``kernels.dora.dora_gates``); no gradient."""
-    from .kernels.dora import dora_gates
-
     A_all = torch.cat(As, 0) if len(As) > 1 else As[0]  # [R, K]
     B_all = (torch.cat(Bs, 1) if len(Bs) > 1 else Bs[0]).contiguous()  # [N, R]
     ranks = tuple(A.shape[0] for A in As)
@@ -297,8 +295,6 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, t, g, bias):
-        from .kernels.dora import dora_combine
-
         res, z = dora_combine(y, t, bias, g, keep_z=t is not None and any(ctx.needs_input_grad))
         ctx.has_t = t is not None
         if z is not None:
@@ -309,8 +305,6 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, G):
-        from .kernels.dora import dora_combine_bwd
-
         z, g, bias = ctx.saved_tensors
         dy, dt, dg = dora_combine_bwd(G.contiguous(), z, None, bias, g, with_dt=ctx.has_t)
         return dy, dt, dg, None
