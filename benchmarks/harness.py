@@ -224,7 +224,7 @@ def sync_warnings(fn) -> list:
     return [w for w in caught if "synchroniz" in str(w.message)]
 
 
-TOP_KERNELS = 12  # kernels kept per GPU row (extra.top_kernels)
+TOP_KERNELS = int(os.environ.get("FML_BENCH_TOP_KERNELS", "12"))  # kernels kept per GPU row (extra.top_kernels)
 TOP_HOST = 12  # host functions kept per row timed by time_step (extra.top_host)
 TOP_SYNCS = 8  # lines that synchronised kept per GPU row (extra.sync_points)
 
