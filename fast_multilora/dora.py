@@ -67,21 +67,22 @@ def base_weight(layer) -> torch.Tensor:
 
 
 @torch.no_grad()
-def weight_norms(W: torch.Tensor, As: list, Bs: list, scales: tuple) -> torch.Tensor:
-    """float32 ``[n, N]``: row ``a`` is ``||W + scales[a] B_a A_a||`` over each output row, for ``W[N, K]``,
-    ``A_a[r_a, K]``, ``B_a[N, r_a]``; no gradient. A fixed number of ops whatever the adapter count:
+def weight_norms(W: torch.Tensor, As: list, Bs: list, scales: tuple, dtype=torch.float32) -> torch.Tensor:
+    """``[n, N]`` in ``dtype`` (float32; float64 for a float64 layer): row ``a`` is ``||W + scales[a] B_a A_a||`` over
+    each output row, for ``W[N, K]``, ``A_a[r_a, K]``, ``B_a[N, r_a]``; no gradient. A fixed number of ops whatever
+    the adapter count:
     ``||W_i + s B_i A||^2 = ||W_i||^2 + sum_j B_ij (2 s (W A^T)_ij + s^2 (B_i A A^T)_j)``, with the adapters' ``A``
     rows and ``B`` columns concatenated, ``W A^T`` one GEMM, the Gram matrix ``A A^T`` masked to its diagonal blocks
     and scaled by ``s^2`` there, and the per-adapter sums over each block's columns one matmul with the columns'
     owner one-hot (added to ``||W_i||^2``, kept per frozen weight)."""
     A_all = torch.cat(As, 0) if len(As) > 1 else As[0]  # [R, K]
-    B_all = (torch.cat(Bs, 1) if len(Bs) > 1 else Bs[0]).float()  # [N, R]
-    owner, two_s, block_s2 = _owners(tuple(A.shape[0] for A in As), scales, W.device)
-    A32 = A_all.float()
+    B_all = (torch.cat(Bs, 1) if len(Bs) > 1 else Bs[0]).to(dtype)  # [N, R]
+    owner, two_s, block_s2 = _owners(tuple(A.shape[0] for A in As), scales, W.device, dtype)
+    A32 = A_all.to(dtype)
     gram = torch.mm(A32, A32.t()).mul_(block_s2)  # [R, R]: s_a^2 A_a A_a^T on the diagonal blocks, else 0
-    P = torch.mm(W, A_all.to(W.dtype).t()).float()  # [N, R]: W A_a^T of every adapter in one GEMM
+    P = torch.mm(W, A_all.to(W.dtype).t()).to(dtype)  # [N, R]: W A_a^T of every adapter in one GEMM
     E = torch.addmm(P.mul_(two_s), B_all, gram).mul_(B_all)  # [N, R]
-    return torch.addmm(_row_sq_norms(W)[:, None], E, owner).t().clamp_min_(0).sqrt_()
+    return torch.addmm(_row_sq_norms(W, dtype)[:, None], E, owner).t().clamp_min_(0).sqrt_()
 
 
 @torch.no_grad()
@@ -105,31 +106,31 @@ def gates(W: torch.Tensor, As: list, Bs: list, scales: tuple, mags: list) -> tup
     return dora_gates(P, B_all, gram, _row_sq_norms(W), torch.stack(mags), offsets, two_s, max(ranks))
 
 
-def _row_sq_norms(W: torch.Tensor) -> torch.Tensor:
-    """float32 ``[N]``: ``||W_i||^2``; kept for a frozen weight parameter while its data and version stay (a
+def _row_sq_norms(W: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """``[N]`` in ``dtype``: ``||W_i||^2``; kept for a frozen weight parameter while its data and version stay (a
     dequantized weight, a new tensor per call, is not kept; nor while tracing, where the graph computes it)."""
     if not isinstance(W, torch.nn.Parameter) or W.requires_grad or torch.compiler.is_compiling():
-        return torch.linalg.vector_norm(W, dim=1, dtype=torch.float32).square_()
-    key = ("w_sq", id(W))
+        return torch.linalg.vector_norm(W, dim=1, dtype=dtype).square_()
+    key = ("w_sq", id(W), dtype)
     hit = _KEPT.get(key)
     stamp = (W.data_ptr(), W._version, W.shape, W.dtype, W.device)
     if hit is None or hit[0]() is not W or hit[1] != stamp:  # (a weak reference: the cache keeps no model alive)
-        hit = _KEPT[key] = (weakref.ref(W), stamp, torch.linalg.vector_norm(W, dim=1, dtype=torch.float32).square_())
+        hit = _KEPT[key] = (weakref.ref(W), stamp, torch.linalg.vector_norm(W, dim=1, dtype=dtype).square_())
         _bound()
     return hit[2]
 
 
-def _owners(ranks: tuple, scales: tuple, device) -> tuple:
+def _owners(ranks: tuple, scales: tuple, device, dtype=torch.float32) -> tuple:
     """For concatenated rank rows of adapters with ``ranks`` and ``scales``, on ``device``, kept per (ranks, scales,
     device): ``(one-hot [R, n] of each row's adapter, 2 s [R] per row, s^2 on the diagonal blocks of [R, R])``."""
     def build():
         idx = torch.repeat_interleave(torch.arange(len(ranks)), torch.tensor(ranks))
-        owner = (idx[:, None] == torch.arange(len(ranks))[None, :]).float()
-        s = torch.tensor(scales, dtype=torch.float32)[idx]
+        owner = (idx[:, None] == torch.arange(len(ranks))[None, :]).to(dtype)
+        s = torch.tensor(scales, dtype=torch.float64)[idx].to(dtype)
         return (to_device(owner, device), to_device(2 * s, device),
                 to_device((owner @ owner.t()) * (s[:, None] * s[None, :]), device))
 
-    return _kept(("owners", ranks, scales, device), build)
+    return _kept(("owners", ranks, scales, device, dtype), build)
 
 
 _KEPT: dict = {}  # host-made constants of layer calls on their device, by what they are made from (bounded)
@@ -185,6 +186,7 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
     a_mods, b_mods = layer.lora_A._modules, layer.lora_B._modules
     mags = layer.lora_magnitude_vector._modules
     W = base_weight(layer)
+    wide = torch.float64 if out.dtype == torch.float64 else torch.float32  # (the norms' and gates' dtype)
     norms = gm1 = None
     if live:
         As, Bs = [a_mods[n].weight for n in live], [b_mods[n].weight for n in live]
@@ -193,7 +195,7 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
                 and not torch.compiler.is_compiling():
             gm1, norms = gates(W, As, Bs, scales, [mags[n].weight for n in live])
         else:
-            norms = weight_norms(W, As, Bs, scales)
+            norms = weight_norms(W, As, Bs, scales, wide)
     per_row = row_slots is not None and out.dim() >= 2 and out.shape[0] == row_slots.numel()
     ts = _per_call(cache, ("dora_ts",), lambda: (token_slots(segs),)) \
         if keep is not None or not per_row else None
@@ -203,11 +205,11 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
         remap = _kept(("remap", dora.names, live, out.device), lambda: to_device(torch.tensor(
             [pos.get(n, len(live)) for n in dora.names] + [len(live)], dtype=torch.int64), out.device))
         row = remap[dora.rows[row_slots.long() if per_row else ts]]
-        return (row[:, None] == torch.arange(len(live), device=row.device)).float(), dora.rows
+        return (row[:, None] == torch.arange(len(live), device=row.device)).to(wide), dora.rows
 
-    sel = _per_call(cache, ("dora_sel", dora.names, live, id(dora.rows), per_row), selector)
+    sel = _per_call(cache, ("dora_sel", dora.names, live, id(dora.rows), per_row, wide), selector)
     g = _Gates.apply(sel, norms, gm1, tuple(n in live for n in dora.names), absent_grads,
-                     out.dtype if out.dtype in (torch.float16, torch.bfloat16) else torch.float32,
+                     out.dtype if out.dtype in (torch.float16, torch.bfloat16) else wide,
                      *[mags[n].weight for n in dora.names])  # [rows, N] or [S, N]
     bias = layer.get_base_layer().bias
     delta = Wx = None
@@ -258,7 +260,7 @@ class _Gates(torch.autograd.Function):
         named = [m for m, on in zip(mags, live, strict=True) if on]
         if named:
             if gm1 is None:  # (else the Triton backend's dora_gates made it with the norms, from these magnitudes)
-                gm1 = torch.stack(named).float().div_(norms).sub_(1)  # (stack: a new tensor, never the parameter)
+                gm1 = torch.stack(named).to(norms.dtype).div_(norms).sub_(1)  # (stack: a new tensor, not the parameter)
             g = torch.mm(sel, gm1)
         else:
             g = sel.new_zeros(sel.shape[0], mags[0].shape[0])
@@ -273,7 +275,7 @@ class _Gates(torch.autograd.Function):
     @once_differentiable  # (a second-order gradient through it raises rather than comes out wrong)
     def backward(ctx, dg):
         sel, norms = ctx.saved_tensors
-        dm = torch.mm(sel.t(), dg.float()).div_(norms) if norms is not None else None
+        dm = torch.mm(sel.t(), dg.to(norms.dtype)).div_(norms) if norms is not None else None
         named = [d for d, on in zip(ctx.mag_dtypes, ctx.live, strict=True) if on]
         if named and all(d == named[0] for d in named):  # one cast for all (rows of one tensor), not one per adapter
             dm = dm.to(named[0])

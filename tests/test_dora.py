@@ -379,6 +379,31 @@ def test_weight_norms_equal_the_direct_norm():
     want = torch.stack([torch.linalg.norm(W + s * B @ A, dim=1) for A, B, s in zip(As, Bs, scales, strict=True)])
     torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=0)
     assert not got.requires_grad
+    wide = dora_mod.weight_norms(W, As, Bs, scales, torch.float64)  # (a float64 layer's norms)
+    assert wide.dtype == torch.float64
+    torch.testing.assert_close(wide, want, rtol=1e-12, atol=0)
+
+
+def test_dora_layer_gradchecks_in_float64():
+    """One DoRA layer call in float64 on the torch backend (its norms and gates in float64 too): gradcheck of the
+    input and of every DoRA magnitude over a batch of two DoRA adapters, two LoRA adapters and base rows. (Not of
+    ``lora_A`` / ``lora_B``: DoRA's weight norm is a constant in the backward, as in PEFT and the DoRA paper, so
+    their gradients are by design not the numerical ones; the parity tests compare them with PEFT's.)"""
+    model, _ = build("llama")
+    model.double()
+    fast_multilora.patch(model, backend="torch")
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj  # d0, d1 (DoRA), l0, l1 (LoRA)
+    names = ["d0", "l1", "__base__", "d1", "l0", "d0"]
+    x = torch.randn(len(names), 3, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(5),
+                    requires_grad=True)
+    mags = [layer.lora_magnitude_vector[n].weight for n in ("d0", "d1")]
+
+    def f(x, *mags):
+        with fast_multilora.route(model, names):
+            return layer(x)
+
+    assert f(x).dtype == torch.float64
+    assert torch.autograd.gradcheck(f, (x, *mags), eps=1e-6, atol=1e-7)
 
 
 def test_models_without_dora_take_no_dora_work(monkeypatch):
