@@ -101,6 +101,12 @@ SLOW_CASES = (
         "sgemm-added-concatenated", "chunked-fused-concatenated")),
     *(f"test_fused_loss.py::test_equals_per_adapter_loss_fp32[{c}-frozen]" for c in (
         "packed-bias-one-chunk", "packed-nobias-c37", "per-row-bias-auto")),
+    # the Triton backend's two-run determinism under the interpreter, whose programs run one at a time, so no
+    # reduction order can vary there (the [torch] case checks the seeds' path; the GPU test, the compiled kernels);
+    # the chunked family's 2049-wide forward (its N-tiles and ragged N: the 77- and 130-wide cases of both families,
+    # and the 2049-wide backward, stay)
+    "test_determinism.py::test_two_runs_same_seed_bit_identical_cpu[triton]",
+    "test_forward.py::test_forward_matches_reference[S63-K123-N2049-R1-A8-chunked-",
 )
 
 
