@@ -352,9 +352,9 @@ def test_weight_norms_once_per_layer_call_and_absent_adapters(monkeypatch, store
     calls = []
     norms = dora_mod.weight_norms
 
-    def counting(W, As, Bs, scales):
+    def counting(W, As, Bs, scales, dtype):
         calls.append(len(As))
-        return norms(W, As, Bs, scales)
+        return norms(W, As, Bs, scales, dtype)
 
     monkeypatch.setattr(dora_mod, "weight_norms", counting)
     names = ["d0", "d0", "l1", "__base__", "d1", "d0", "d1", "l0"]  # d2 absent
