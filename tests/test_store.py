@@ -38,12 +38,13 @@ def many_configs(n, dropout=0.0):
             for i in range(n)}
 
 
-def many_model(n, seed=0):
+def many_model(n, seed=0, layers=2):
     """A tiny Llama with ``many_configs(n)``; B scaled by 0.3: PEFT's ``init_lora_weights=False`` B with alphas up to
     7 makes deltas far larger than the random base's outputs, and such a row amplifies 1-ulp differences to 1e-3
-    relative (measured: the same on the per-parameter path); a wrong slot still moves results by the delta itself."""
+    relative (measured: the same on the per-parameter path); a wrong slot still moves results by the delta itself.
+    ``layers=1`` where a second decoder layer only repeats each launch (tiny_llama)."""
     torch.manual_seed(seed + 1)
-    model = with_adapters(tiny_llama(seed), many_configs(n))
+    model = with_adapters(tiny_llama(seed, layers=layers), many_configs(n))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -247,7 +248,7 @@ def test_torch_adamw_steps_a_few_adapters_of_many_over_their_chunks_only(monkeyp
         (chunks.tolist() if chunks is not None else None, a[4])) or real(*a, chunks=chunks))
 
     def run(store_optimizer):
-        model = many_model(12)
+        model = many_model(12, layers=1)
         fast_multilora.patch(model, backend="triton", store_optimizer=store_optimizer)
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
@@ -425,7 +426,7 @@ def test_backward_adds_the_batch_gradients_into_the_arena_and_nothing_else(backe
     leaves get no gradient (one of the registry's size per layer) -- so a second backward without ``zero_grad``
     doubles the batch's adapters' gradients and leaves every other adapter's piece as it was; a backward that does
     not fill ``.grad`` (``torch.autograd.grad``, ``backward(inputs=...)`` without the adapters) adds nothing."""
-    model = many_model(6)
+    model = many_model(6, layers=1)
     fast_multilora.patch(model, backend=backend)
     model.train()
     store = AdapterStore.of(model)
@@ -610,7 +611,7 @@ def test_a_graph_waiting_for_its_backward_costs_the_other_backwards_one_start(ba
     """While a forward's graph waits for its backward (kept, not run by the training backwards meanwhile), each of
     those backwards starts once (one ``prepare_grads`` over the views), not at every leaf; the waiting graph's own
     backward later starts it and gives its adapter the gradients."""
-    model = many_model(4)
+    model = many_model(4, layers=1)
     fast_multilora.patch(model, backend=backend)
     a, b = sorted(model.peft_config)[1:3]
     ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(4))
@@ -1544,7 +1545,7 @@ def test_holes_and_spare_rows_train_alike_on_both_backends():
     on CPU) read every slot at the store's offsets, past holes and spare rows, as the torch backend does."""
     out = {}
     for backend in ("torch", "triton"):
-        model = many_model(6)
+        model = many_model(6, layers=1)
         fast_multilora.patch(model, backend=backend)
         opt = fast_multilora.AdamW(model, lr=1e-2)
         model.train()
