@@ -46,8 +46,9 @@ def _schedule(names, steps, seed=0):
 
 
 def _model(device, k, backend="torch", **settings):
-    # (a paged model's torch.optim steps every parameter itself; the resident run too, so both round alike)
-    model = many_model(N_ADAPTERS).to(device)
+    # (a paged model's torch.optim steps every parameter itself; the resident run too, so both round alike; one
+    # decoder layer: its seven LoRA layers are what paging moves, a second layer of the same shapes repeats them)
+    model = many_model(N_ADAPTERS, layers=1).to(device)
     fast_multilora.patch(model, backend=backend, resident_adapters=k, store_optimizer=False, **settings)
     model.train()
     return model
@@ -476,7 +477,7 @@ def test_a_paged_model_refuses_copies():
 
 
 def test_a_stock_forward_pages_the_active_adapter_in():
-    model, ref = _model("cpu", 0), many_model(N_ADAPTERS)
+    model, ref = _model("cpu", 0), many_model(N_ADAPTERS, layers=1)
     name = sorted(model.peft_config)[5]
     model.set_adapter(name)
     ref.set_adapter(name)
