@@ -191,7 +191,7 @@ def apply(layer, dora: DoraLayer, out: torch.Tensor, x: torch.Tensor, segs, tabl
     if live:
         As, Bs = [a_mods[n].weight for n in live], [b_mods[n].weight for n in live]
         scales = tuple(s for n, s in zip(dora.names, dora.scales, strict=True) if n in live)
-        if kernels and W.dtype != torch.float64 and max(A.shape[0] for A in As) <= GATES_MAX_RANK \
+        if kernels and torch.float64 not in (W.dtype, out.dtype) and max(A.shape[0] for A in As) <= GATES_MAX_RANK \
                 and not torch.compiler.is_compiling():
             gm1, norms = gates(W, As, Bs, scales, [mags[n].weight for n in live])
         else:

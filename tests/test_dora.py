@@ -488,3 +488,30 @@ def test_qlora_nf4_base_matches_peft(tmp_path):
     names = ["d0", "l0", "__base__", "d0"]
     ids, w = _inputs(len(names))
     _assert_matches(_step(model, ids, w, adapter_names=names), _peft_by_adapter(ref, ids, w, names), model, names)
+
+
+@pytest.mark.interpreter
+def test_float64_inputs_to_a_4bit_base_take_the_torch_gates(tmp_path):
+    """float64 activations into a bitsandbytes 4-bit DoRA layer (its dequantized weight float32, its output float64:
+    the layer computes its norms and gates in float64) on the Triton backend: the gates come from torch's ops, not
+    the float32 kernel, and the output equals the torch backend's."""
+    pytest.importorskip("bitsandbytes")
+    from test_quantized import quantized_base
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)  # bitsandbytes' CPU 4-bit layers need in_features >= 64
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=97)).save_pretrained(tmp_path)
+    common = dict(init_lora_weights=False, target_modules=["q_proj"])
+    adapters = {"d0": LoraConfig(r=4, lora_alpha=8, use_dora=True, **common), "l0": LoraConfig(r=2, **common)}
+    x = torch.randn(3, 2, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    names = ["d0", "l0", "__base__"]
+    out = {}
+    for backend in ("torch", "triton"):
+        torch.manual_seed(1)
+        model = with_adapters(quantized_base(tmp_path, "nf4"), adapters)
+        fast_multilora.patch(model, backend=backend)
+        with fast_multilora.route(model, names):
+            out[backend] = model.base_model.model.model.layers[0].self_attn.q_proj(x)
+    assert out["triton"].dtype == torch.float64
+    torch.testing.assert_close(out["triton"], out["torch"], rtol=1e-6, atol=1e-6)
