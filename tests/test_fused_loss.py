@@ -114,7 +114,7 @@ def test_bf16_within_twice_the_unfused_error(device):
     """bf16 hidden states and head: the fused loss's error against the fp32 truth is at most twice the unfused bf16
     path's own error (flash-attention's rule): both compute the logits in bf16 and the cross-entropy in fp32; the
     fused path sums ``d hidden`` in fp32 over vocabulary blocks where the unfused path runs one bf16 matmul."""
-    leaves16 = _batch(device, dtype=torch.bfloat16)
+    leaves16 = _batch(device, dtype=torch.bfloat16, T=31)  # 124 tokens: 4 chunks of 37 (bf16 under the interpreter)
     *params16, labels, routing = leaves16
     params32 = [t.detach().float().requires_grad_() if t is not None else None for t in params16]
     truth = _unfused(*params32, labels, routing)
@@ -148,7 +148,7 @@ def test_autocast_equals_the_unfused_head_under_autocast(device):
     under autocast): the backward recomputes the logits under the same autocast, so the loss and gradients stay
     within twice the unfused path's error under the same autocast against the fp32 truth; gradients come back in
     the inputs' dtype."""
-    *params, labels, routing = _batch(device)
+    *params, labels, routing = _batch(device, T=31)  # 124 tokens: 4 chunks
     truth = _unfused(*params, labels, routing)
     truth_grads = _grads(truth, params)
     with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
@@ -474,7 +474,7 @@ def test_plain_chunk_on_both_paths(device, path, monkeypatch):
         monkeypatch.setattr(fl, "_kernel_for", lambda z: False)
     else:
         assert fl._kernel_for(torch.empty(1, device=device))  # the GPU, or the interpreter the tests run under
-    hidden, weight, b, labels, routing = _batch(device, packed=True, bias=True)
+    hidden, weight, b, labels, routing = _batch(device, packed=True, bias=True, T=31)  # 124 tokens: 4 chunks
     weight.requires_grad_(False)
     b.requires_grad_(False)
     loss = _fused(hidden, weight, b, labels, routing, chunk_size=37)

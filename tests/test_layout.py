@@ -112,10 +112,24 @@ def test_a_checkout_root_imports_fast_multilora_then_peft(fast_multilora_first):
     assert os.path.realpath(got["kernels"]) == pypi
 
 
+# Which ``fast_multilora`` and kernels/ a source tree and a wheel's layout import, in one fresh interpreter run from a
+# folder outside any checkout: for each layout in turn its folder goes first on ``sys.path`` (where ``python -c`` run
+# from a checkout's root, or PYTHONPATH, puts it: ahead of the editable install's finder), ``fast_multilora`` is
+# imported, and it is dropped from ``sys.modules`` again (each interpreter costs seconds of a core: torch,
+# transformers, peft; the second import runs the package's own code again, third-party modules stay cached)
 _WHICH = r"""
-import json, fast_multilora
-from fast_multilora.kernels import api
-print(json.dumps({"package": fast_multilora.__file__, "api": api.__file__}))
+import json, sys
+got = {}
+for label, folder in zip(sys.argv[1::2], sys.argv[2::2]):
+    sys.path.insert(0, folder)
+    import fast_multilora
+    from fast_multilora.kernels import api
+    got[label] = {"package": fast_multilora.__file__, "api": api.__file__,
+                  "path": list(fast_multilora.kernels.__path__)}
+    sys.path.remove(folder)
+    for name in [m for m in sys.modules if m == "fast_multilora" or m.startswith("fast_multilora.")]:
+        del sys.modules[name]
+print(json.dumps(got))
 """
 
 
@@ -125,18 +139,29 @@ def _copy_sources(dst, kernels_to):
     shutil.copytree(KERNELS, kernels_to, ignore=ignore)
 
 
-def test_a_second_checkout_imports_its_own_kernels(tmp_path):
-    """A second source tree run from its root (a worktree beside an editable install of another checkout, as in
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """A second source tree and a wheel's layout (pyproject's package-dir: kernels/ shipped as
+    fast_multilora/kernels/), each a copy of this checkout's sources: (their folders, what each imported)."""
+    tmp = tmp_path_factory.mktemp("layouts")
+    tree, site = tmp / "tree", tmp / "site"
+    _copy_sources(tree, tree / "kernels")
+    _copy_sources(site, site / "fast_multilora" / "kernels")
+    (tmp / "elsewhere").mkdir()
+    return {"tree": tree, "site": site}, _python(_WHICH, tmp / "elsewhere", "tree", str(tree), "site", str(site))
+
+
+def test_a_second_checkout_imports_its_own_kernels(layouts):
+    """A second source tree on the path (a worktree beside an editable install of another checkout, as in
     development and in CI's clone) imports its own ``fast_multilora`` and its own kernels/, not the installed tree's.
     """
-    tree = tmp_path / "tree"
-    _copy_sources(tree, tree / "kernels")
-    got = _python(_WHICH, tree)
+    tree, got = layouts[0]["tree"], layouts[1]["tree"]
     assert os.path.realpath(got["package"]) == os.path.realpath(tree / "fast_multilora" / "__init__.py")
     assert os.path.realpath(got["api"]) == os.path.realpath(tree / "kernels" / "api.py")
+    assert [os.path.realpath(p) for p in got["path"]] == [os.path.realpath(tree / "kernels")]
 
 
-def test_the_wheel_layout_imports_its_packaged_kernels(tmp_path):
+def test_the_wheel_layout_imports_its_packaged_kernels(layouts):
     """The layout pyproject's package-dir gives a wheel (kernels/ shipped as fast_multilora/kernels/) imports the
     packaged kernels, with no checkout around."""
     tomllib = pytest.importorskip("tomllib")
@@ -144,11 +169,10 @@ def test_the_wheel_layout_imports_its_packaged_kernels(tmp_path):
         setuptools = tomllib.load(f)["tool"]["setuptools"]
     assert setuptools["packages"] == ["fast_multilora", "fast_multilora.kernels"]
     assert setuptools["package-dir"] == {"fast_multilora": "fast_multilora", "fast_multilora.kernels": "kernels"}
-    site = tmp_path / "site"
-    _copy_sources(site, site / "fast_multilora" / "kernels")
-    got = _python(_WHICH, tmp_path, pythonpath=str(site))
+    site, got = layouts[0]["site"], layouts[1]["site"]
     assert os.path.realpath(got["package"]) == os.path.realpath(site / "fast_multilora" / "__init__.py")
     assert os.path.realpath(got["api"]) == os.path.realpath(site / "fast_multilora" / "kernels" / "api.py")
+    assert [os.path.realpath(p) for p in got["path"]] == [os.path.realpath(site / "fast_multilora" / "kernels")]
 
 
 def test_importing_fast_multilora_prints_nothing(fast_multilora_first):
