@@ -9,8 +9,10 @@
 
 ``--fresh-process`` runs every provider of a scenario in its own process (host-bound steps then do not inherit
 the allocator, caches and Python state of the providers before them); the parent collects their rows, so medians and
-ratios still stand side by side in one record. Exit status: 0, 1 when a row raised, 2 on bad arguments, 3 when the
-time budget left rows out.
+ratios still stand side by side in one record. ``--budget-s S`` starts no row after S seconds; under
+``--fresh-process`` it also bounds a running provider: its process is killed 60 s past the budget (so a budget far
+below one row's time kills that row, recorded as an error). Exit status: 0, 1 when a row raised, 2 on bad
+arguments, 3 when the time budget left rows out.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=os.path.join(HERE, "results", "h200.json"))
     ap.add_argument("--merge", action="store_true", help="replace only this run's scenarios in an existing --out")
     ap.add_argument("--fresh-process", action="store_true", help="each provider of a scenario in its own process")
-    ap.add_argument("--budget-s", type=float, default=None, help="start no row past this many seconds (exit 3)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no row past this many seconds (exit 3); with --fresh-process a provider's process "
+                         "still running 60 s past the budget is killed, its unfinished rows recorded as errors")
     ap.add_argument("--backend", default=None, help="fast_multilora backend (default: triton on cuda, torch on cpu)")
     ap.add_argument("--compile-backend", default=None, help="torch.compile backend (default: inductor on cuda, "
                                                             "aot_eager on cpu)")
