@@ -1143,11 +1143,12 @@ def test_a_layer_call_does_the_same_work_at_any_adapter_count(monkeypatch):
 def test_eval_on_the_store_replays_and_matches_peft(T):
     """Eval (autograd off, Triton) on the store's leaves: calls of few rows (7 x 5 tokens) take the one-launch
     kernel (``kernels.decode``), larger ones (7 x 10) the segmented kernels; both record a launch plan and replay
-    it bit for bit, and give stock PEFT's logits per sample."""
+    it bit for bit, and give stock PEFT's logits per sample. One decoder layer: a second one of the same shapes
+    repeats every launch and plan."""
     from fast_multilora.kernels.decode import DECODE_MAX_ROWS
     from test_paths import _eval, _eval_peft, _fast_states
 
-    model = many_model(12)
+    model = many_model(12, layers=1)
     ref = copy.deepcopy(model)
     fast_multilora.patch(model, backend="triton")
     fast_multilora.AdamW(model, lr=1e-3)  # the store: the layers take its two leaves per call
