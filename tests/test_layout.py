@@ -20,11 +20,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = os.path.join(ROOT, "kernels")
 
 
-def _python(code: str, cwd, *args: str, pythonpath: str = "") -> dict:
-    """Run ``code`` as ``python -c`` in ``cwd`` (so cwd is ``sys.path[0]``) and return the JSON it prints last."""
+def _python(code: str, cwd, *args: str) -> dict:
+    """Run ``code`` as ``python -c`` in ``cwd`` (so cwd is ``sys.path[0]``), without PYTHONPATH, and return the JSON it
+    prints last."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath
     out = subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, f"python -c {code!r} in {cwd} failed:\n{out.stderr[-4000:]}"
