@@ -124,7 +124,8 @@ def _owners(ranks: tuple, scales: tuple, device, dtype=torch.float32) -> tuple:
     """For concatenated rank rows of adapters with ``ranks`` and ``scales``, on ``device``, kept per (ranks, scales,
     device): ``(one-hot [R, n] of each row's adapter, 2 s [R] per row, s^2 on the diagonal blocks of [R, R])``."""
     def build():
-        idx = torch.repeat_interleave(torch.arange(len(ranks)), torch.tensor(ranks))
+        # (the output size given: a traced call makes a static shape, not a data-dependent one that breaks the graph)
+        idx = torch.repeat_interleave(torch.arange(len(ranks)), torch.tensor(ranks), output_size=sum(ranks))
         owner = (idx[:, None] == torch.arange(len(ranks))[None, :]).to(dtype)
         s = torch.tensor(scales, dtype=torch.float64)[idx].to(dtype)
         return (to_device(owner, device), to_device(2 * s, device),
@@ -142,6 +143,8 @@ def _bound() -> None:
 
 
 def _kept(key, build):
+    if torch.compiler.is_compiling():  # (a graph makes its own: no traced tensor goes into the cache)
+        return build()
     hit = _KEPT.get(key)
     if hit is None:
         _bound()

@@ -448,9 +448,11 @@ def test_compiled_equals_eager(dropout, path):
     """``torch.compile`` (``aot_eager``): one graph, no break, under dropout in training too (a DoRA layer's op
     returns the mask it drew with its output, and the base term on the dropped input reads it inside the graph); the
     same results as eager. (Under dropout both draw the same masks from the same RNG state: the torch backend from
-    torch's RNG, the Triton kernels from a seed drawn on the CPU generator eagerly and by the graph.)"""
+    torch's RNG, the Triton kernels from a seed drawn on the CPU generator eagerly and by the graph.) The layer calls'
+    cached host-made constants are cleared first: the graph makes its own, whatever ran before in the process."""
     from torch._dynamo.utils import counters
 
+    dora_mod._KEPT.clear()
     model, _ = build("llama", dropout)
     _patch(model, path)
     model.train()
