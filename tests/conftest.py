@@ -35,6 +35,53 @@ if DEVICE == "cpu":
     torch.set_num_threads(1)
 
 
+def _memoize_interpreter_lang_walk() -> None:
+    """The Triton interpreter patches ``triton.language``'s builtins around every launch, finding them each time by
+    ``inspect.getmembers`` over the language modules and wrapping each in a new lambda (triton 3.x
+    ``runtime/interpreter.py``: ``_patch_builtin``, ``_patch_attr``): ~2 ms of host work per launch, a fifth of an
+    interpreted test's time. A module's builtins do not change, and each wrapper depends on its builtin only, so both
+    are made once (at the first launch, before any patch) and set from that list, recorded in the launch's scope as
+    ``_patch_attr`` records them; a Triton without these functions keeps its own."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    is_builtin = getattr(getattr(getattr(interpreter, "tl", None), "core", None), "is_builtin", None)
+    patch_attr = getattr(interpreter, "_patch_attr", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    if getattr(interpreter, "_patch_builtin", None) is None or None in (is_builtin, patch_attr, scope_type):
+        return
+    import inspect
+
+    class _Scope:  # records the wrapper patch_attr sets, once per member
+        def set_attr(self, obj, name, value):
+            self.value = value
+
+    found = {}
+
+    def wrappers(pkg, builder) -> list:
+        out = []
+        for name, member in inspect.getmembers(pkg):
+            if is_builtin(member):
+                rec = _Scope()
+                patch_attr(pkg, name, member, builder, rec)
+                out.append((name, rec.value))
+        return out
+
+    def patch_builtin(pkg, builder, scope):
+        hit = found.get(id(pkg))
+        if hit is None or hit[0] is not pkg or hit[1] is not builder:
+            hit = found[id(pkg)] = (pkg, builder, wrappers(pkg, builder))
+        for name, value in hit[2]:
+            scope.set_attr(pkg, name, value)
+
+    interpreter._patch_builtin = patch_builtin
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _memoize_interpreter_lang_walk()
+
+
 def pytest_configure(config):
     # CPU runs without -m leave out the tests marked slow (run them with -m slow, everything with -m "slow or not
     # slow"), unless tests are named by node id (file.py::test); GPU runs (FML_TEST_DEVICE=cuda) keep them

@@ -76,59 +76,34 @@ def test_a_checkout_root_imports_peft_and_transformers_with_fast_multilora(tmp_p
     assert os.path.realpath(got["api"]) == os.path.realpath(os.path.join(KERNELS, "api.py"))
 
 
-# ``import fast_multilora`` alone, a line on each stream after it, then ``import peft, kernels``: one fresh interpreter
-# for the two checks below (each such interpreter costs seconds of a core: torch, transformers, peft)
-_THEN_PEFT = r"""
+# One fresh interpreter from the checkout's root (each costs seconds of a core: torch, transformers, peft) for the
+# checks below: ``import fast_multilora`` alone, a line on each stream after it, then ``import peft, kernels``; then,
+# with the checkout's root taken off ``sys.path``, which ``fast_multilora`` and kernels/ a second source tree and a
+# wheel's layout import. For each layout in turn its folder goes first on ``sys.path`` (where ``python -c`` run from a
+# checkout's root, or PYTHONPATH, puts it: ahead of the editable install's finder), ``fast_multilora`` is imported,
+# and it is dropped from ``sys.modules`` again (the second import runs the package's own code again, third-party
+# modules stay cached).
+_FRESH = r"""
 import sys
 import fast_multilora
 print("@@imported", flush=True)
 print("@@imported", file=sys.stderr, flush=True)
-import json, peft, kernels
-print(json.dumps({"kernels": getattr(kernels, "__file__", None)}))
-"""
-
-
-@pytest.fixture(scope="module")
-def fast_multilora_first():
-    """``python -W default -c _THEN_PEFT`` from the checkout's root, no PYTHONPATH or PYTHONWARNINGS:
-    (what ``import fast_multilora`` printed on stdout and on stderr, the JSON printed last)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH", "PYTHONWARNINGS")}
-    out = subprocess.run([sys.executable, "-W", "default", "-c", _THEN_PEFT], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert "@@imported\n" in out.stdout and "@@imported\n" in out.stderr, (out.stdout[-2000:], out.stderr[-2000:])
-    return (out.stdout.split("@@imported\n")[0], out.stderr.split("@@imported\n")[0],
-            json.loads(out.stdout.strip().splitlines()[-1]))
-
-
-def test_a_checkout_root_imports_fast_multilora_then_peft(fast_multilora_first):
-    """``import fast_multilora, peft`` from the checkout's root: the other order works too, and ``kernels`` there is
-    PyPI's distribution where it is installed."""
-    got = fast_multilora_first[2]
-    pypi = _pypi_kernels_file()
-    if pypi is None:
-        pytest.skip("PyPI's kernels is not installed (the stand-in check of the test above covers the root folder)")
-    assert os.path.realpath(got["kernels"]) == pypi
-
-
-# Which ``fast_multilora`` and kernels/ a source tree and a wheel's layout import, in one fresh interpreter run from a
-# folder outside any checkout: for each layout in turn its folder goes first on ``sys.path`` (where ``python -c`` run
-# from a checkout's root, or PYTHONPATH, puts it: ahead of the editable install's finder), ``fast_multilora`` is
-# imported, and it is dropped from ``sys.modules`` again (each interpreter costs seconds of a core: torch,
-# transformers, peft; the second import runs the package's own code again, third-party modules stay cached)
-_WHICH = r"""
-import json, sys
-got = {}
+import json, os, peft, kernels
+out = {"kernels": getattr(kernels, "__file__", None), "which": {}}
+root = os.path.realpath(os.curdir)
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != root]
+for name in [m for m in sys.modules if m == "fast_multilora" or m.startswith("fast_multilora.")]:
+    del sys.modules[name]
 for label, folder in zip(sys.argv[1::2], sys.argv[2::2]):
     sys.path.insert(0, folder)
     import fast_multilora
     from fast_multilora.kernels import api
-    got[label] = {"package": fast_multilora.__file__, "api": api.__file__,
-                  "path": list(fast_multilora.kernels.__path__)}
+    out["which"][label] = {"package": fast_multilora.__file__, "api": api.__file__,
+                           "path": list(fast_multilora.kernels.__path__)}
     sys.path.remove(folder)
     for name in [m for m in sys.modules if m == "fast_multilora" or m.startswith("fast_multilora.")]:
         del sys.modules[name]
-print(json.dumps(got))
+print(json.dumps(out))
 """
 
 
@@ -139,15 +114,44 @@ def _copy_sources(dst, kernels_to):
 
 
 @pytest.fixture(scope="module")
-def layouts(tmp_path_factory):
-    """A second source tree and a wheel's layout (pyproject's package-dir: kernels/ shipped as
-    fast_multilora/kernels/), each a copy of this checkout's sources: (their folders, what each imported)."""
+def fresh(tmp_path_factory):
+    """``python -W default -c _FRESH`` from the checkout's root, no PYTHONPATH or PYTHONWARNINGS, over a second source
+    tree and a wheel's layout (pyproject's package-dir: kernels/ shipped as fast_multilora/kernels/), each a copy of
+    this checkout's sources: (what ``import fast_multilora`` printed on stdout and on stderr, the JSON printed last,
+    the layouts' folders)."""
     tmp = tmp_path_factory.mktemp("layouts")
     tree, site = tmp / "tree", tmp / "site"
     _copy_sources(tree, tree / "kernels")
     _copy_sources(site, site / "fast_multilora" / "kernels")
-    (tmp / "elsewhere").mkdir()
-    return {"tree": tree, "site": site}, _python(_WHICH, tmp / "elsewhere", "tree", str(tree), "site", str(site))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH", "PYTHONWARNINGS")}
+    out = subprocess.run([sys.executable, "-W", "default", "-c", _FRESH, "tree", str(tree), "site", str(site)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "@@imported\n" in out.stdout and "@@imported\n" in out.stderr, (out.stdout[-2000:], out.stderr[-2000:])
+    return (out.stdout.split("@@imported\n")[0], out.stderr.split("@@imported\n")[0],
+            json.loads(out.stdout.strip().splitlines()[-1]), {"tree": tree, "site": site})
+
+
+@pytest.fixture(scope="module")
+def fast_multilora_first(fresh):
+    """What ``import fast_multilora`` alone printed on stdout and on stderr, and the JSON of the checks after it."""
+    return fresh[:3]
+
+
+@pytest.fixture(scope="module")
+def layouts(fresh):
+    """The second source tree's and the wheel layout's folders, and what each imported."""
+    return fresh[3], fresh[2]["which"]
+
+
+def test_a_checkout_root_imports_fast_multilora_then_peft(fast_multilora_first):
+    """``import fast_multilora, peft`` from the checkout's root: the other order works too, and ``kernels`` there is
+    PyPI's distribution where it is installed."""
+    got = fast_multilora_first[2]
+    pypi = _pypi_kernels_file()
+    if pypi is None:
+        pytest.skip("PyPI's kernels is not installed (the stand-in check of the test above covers the root folder)")
+    assert os.path.realpath(got["kernels"]) == pypi
 
 
 def test_a_second_checkout_imports_its_own_kernels(layouts):
