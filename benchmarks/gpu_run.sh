@@ -66,10 +66,11 @@ stage() {  # stage NAME CMD...: run, report rc and seconds, keep the first failu
 }
 
 echo "== gpu_run: $(date -u) repo=$PWD out=$OUT commit=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)"
-stage install "$PY" -m pip install -q --no-deps --no-build-isolation -e .
+# the carried wheels first: a setuptools wheel among them is what the checkout's build (no isolation) then uses
 for whl in wheels/*.whl; do
     [ -e "$whl" ] && stage "wheel $(basename "$whl")" "$PY" -m pip install -q --no-deps "$whl"
 done
+stage install "$PY" -m pip install -q --no-deps --no-build-isolation -e .
 nvidia-smi -L
 "$PY" -c "import sys, torch, triton, peft, transformers; print('python', sys.version.split()[0], 'torch', \
 torch.__version__, 'triton', triton.__version__, 'peft', peft.__version__, 'transformers', transformers.__version__)"
