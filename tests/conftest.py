@@ -48,8 +48,7 @@ def _memoize_interpreter_lang_walk() -> None:
         return
     is_builtin = getattr(getattr(getattr(interpreter, "tl", None), "core", None), "is_builtin", None)
     patch_attr = getattr(interpreter, "_patch_attr", None)
-    scope_type = getattr(interpreter, "_LangPatchScope", None)
-    if getattr(interpreter, "_patch_builtin", None) is None or None in (is_builtin, patch_attr, scope_type):
+    if getattr(interpreter, "_patch_builtin", None) is None or None in (is_builtin, patch_attr):
         return
     import inspect
 
@@ -69,10 +68,10 @@ def _memoize_interpreter_lang_walk() -> None:
         return out
 
     def patch_builtin(pkg, builder, scope):
-        hit = found.get(id(pkg))
-        if hit is None or hit[0] is not pkg or hit[1] is not builder:
-            hit = found[id(pkg)] = (pkg, builder, wrappers(pkg, builder))
-        for name, value in hit[2]:
+        made = found.get((pkg, builder))
+        if made is None:
+            made = found[(pkg, builder)] = wrappers(pkg, builder)
+        for name, value in made:
             scope.set_attr(pkg, name, value)
 
     interpreter._patch_builtin = patch_builtin

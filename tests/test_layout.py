@@ -79,10 +79,10 @@ def test_a_checkout_root_imports_peft_and_transformers_with_fast_multilora(tmp_p
 # One fresh interpreter from the checkout's root (each costs seconds of a core: torch, transformers, peft) for the
 # checks below: ``import fast_multilora`` alone, a line on each stream after it, then ``import peft, kernels``; then,
 # with the checkout's root taken off ``sys.path``, which ``fast_multilora`` and kernels/ a second source tree and a
-# wheel's layout import. For each layout in turn its folder goes first on ``sys.path`` (where ``python -c`` run from a
-# checkout's root, or PYTHONPATH, puts it: ahead of the editable install's finder), ``fast_multilora`` is imported,
-# and it is dropped from ``sys.modules`` again (the second import runs the package's own code again, third-party
-# modules stay cached).
+# wheel's layout import. For each layout in turn ``fast_multilora`` is dropped from ``sys.modules``, the layout's
+# folder goes first on ``sys.path`` (where ``python -c`` run from a checkout's root, or PYTHONPATH, puts it: ahead of
+# the editable install's finder) and ``fast_multilora`` is imported (the second import runs the package's own code
+# again, third-party modules stay cached).
 _FRESH = r"""
 import sys
 import fast_multilora
@@ -92,17 +92,15 @@ import json, os, peft, kernels
 out = {"kernels": getattr(kernels, "__file__", None), "which": {}}
 root = os.path.realpath(os.curdir)
 sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != root]
-for name in [m for m in sys.modules if m == "fast_multilora" or m.startswith("fast_multilora.")]:
-    del sys.modules[name]
 for label, folder in zip(sys.argv[1::2], sys.argv[2::2]):
+    for name in [m for m in sys.modules if m == "fast_multilora" or m.startswith("fast_multilora.")]:
+        del sys.modules[name]
     sys.path.insert(0, folder)
     import fast_multilora
     from fast_multilora.kernels import api
     out["which"][label] = {"package": fast_multilora.__file__, "api": api.__file__,
                            "path": list(fast_multilora.kernels.__path__)}
     sys.path.remove(folder)
-    for name in [m for m in sys.modules if m == "fast_multilora" or m.startswith("fast_multilora.")]:
-        del sys.modules[name]
 print(json.dumps(out))
 """
 
